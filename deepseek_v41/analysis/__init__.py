@@ -1,0 +1,1 @@
+"""Accounting computed from the code: KV bytes, parameters, FLOPs; plots (SPEC.md §5)."""

@@ -1,0 +1,111 @@
+"""``dsv41 report``: the paper's numbers computed from the code (SPEC.md §1.5, §5).
+
+:func:`build_report` returns a nested dict (the ``--json`` output); :func:`print_report` renders it as tables;
+:func:`plot_report` writes the plots. Sections: ``kv`` (this issue), ``params`` and ``flops`` as they land.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from deepseek_v41.analysis.kv import generations_bytes_per_token
+from deepseek_v41.cache.layout import KVLayout
+from deepseek_v41.config import ModelConfig
+from deepseek_v41.plan import build_layer_plan
+
+
+def kv_section(cfg: ModelConfig) -> dict[str, Any]:
+    """KV bytes of ``cfg`` (units: bytes) and the generations table.
+
+    ``persistent_bytes_per_token`` follows SPEC.md §4.3: the persistent store keeps global KV only; V4 kept
+    window KV worth about as much as its global KV, so its persistent footprint is 2 x its global KV.
+    """
+    layout = KVLayout.from_config(cfg)
+    generations = generations_bytes_per_token(cfg)
+    v4 = generations["deepseek-v4-flash"]
+    persistent = layout.global_bytes_per_token
+    return {
+        "main_entry_bytes": layout.main_entry_bytes,
+        "index_entry_bytes": layout.index_entry_bytes,
+        "window_row_bytes": layout.window_row_bytes,
+        "entries_per_token": float(layout.entries_per_token),
+        "global_bytes_per_token": layout.global_bytes_per_token,
+        "window_bytes_per_sequence": layout.window_bytes_per_sequence,
+        "dspark_window_bytes_per_sequence": layout.dspark_window_bytes_per_sequence,
+        "persistent_bytes_per_token": persistent,
+        "persistent_bytes_per_token_v4": 2 * v4,
+        "persistent_ratio_vs_v4": persistent / (2 * v4),
+        "generations": generations,
+    }
+
+
+def build_report(cfg: ModelConfig, name: str = "") -> dict[str, Any]:
+    """Everything ``dsv41 report`` prints, as a JSON-ready dict."""
+    plan = build_layer_plan(cfg)
+    return {
+        "config": name,
+        "layers": {"num_hidden_layers": cfg.num_hidden_layers, "ced": plan.ced, "ced_reason": plan.ced_reason,
+                   "roles": {s.layer_id: s.role.value for s in plan.layers}},
+        "kv": kv_section(cfg),
+    }
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """Human-readable tables of ``report`` on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    kv = report["kv"]
+    console.print(f"[bold]DeepSeek-V4.1 report[/bold] — config {report['config']}, "
+                  f"{report['layers']['num_hidden_layers']} layers, {report['layers']['ced_reason']}")
+    table = Table(title="KV cache layout (bytes)")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    rows = [
+        ("main compressed entry (FP4 + E4M3 / 16)", kv["main_entry_bytes"]),
+        ("index key entry (FP4 + UE8M0 / 32)", kv["index_entry_bytes"]),
+        ("window row (FP8 + UE8M0 / 32)", kv["window_row_bytes"]),
+        ("compressed entries per token", kv["entries_per_token"]),
+        ("global KV per token", kv["global_bytes_per_token"]),
+        ("window KV per sequence (backbone)", kv["window_bytes_per_sequence"]),
+        ("window KV per sequence (DSpark draft)", kv["dspark_window_bytes_per_sequence"]),
+        ("persistent bytes per token (global KV only)", kv["persistent_bytes_per_token"]),
+        ("persistent ratio vs V4 (global + window)", f"1/{1 / kv['persistent_ratio_vs_v4']:.1f}"),
+    ]
+    for label, value in rows:
+        table.add_row(label, f"{value:,}" if isinstance(value, int | float) else str(value))
+    console.print(table)
+    gens = Table(title="Global KV bytes per token by generation")
+    gens.add_column("model")
+    gens.add_column("bytes / token", justify="right")
+    gens.add_column("x V4.1", justify="right")
+    ours = kv["generations"]["deepseek-v4.1-flash"]
+    for model, value in kv["generations"].items():
+        gens.add_row(model, f"{value:,.2f}", f"{value / ours:,.1f}")
+    console.print(gens)
+
+
+def plot_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Write the report's plots as PNG files into ``out_dir``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gens = report["kv"]["generations"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar(list(gens), list(gens.values()), color=["#999", "#777", "#557", "#c33"])
+    ax.set_yscale("log")
+    ax.set_ylabel("global KV bytes per token (log scale)")
+    ax.set_title("KV cache per token by DeepSeek generation")
+    for bar, value in zip(bars, gens.values(), strict=True):
+        ax.annotate(f"{value:,.0f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
+    fig.tight_layout()
+    path = out / "kv_bytes_by_generation.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,1 @@
+"""The DeepSeek-V4.1 model, one module per concept (SPEC.md §3)."""
