@@ -206,9 +206,11 @@ class ModelConfig:
                 if key == "model_type":
                     continue
                 merged.setdefault(key, value)
-            merged["model_type"] = top.get("model_type", text.get("model_type", "deepseek_v41"))
+            # The wrapper says "deepseek_v41", its text_config "deepseek_v41_text": both name this model, and an
+            # unknown name in either place is reported.
+            types = [t for t in (top.get("model_type"), text.get("model_type")) if t is not None]
+            merged["model_type"] = next((t for t in types if t not in MODEL_TYPES), "deepseek_v41")
             data = merged
-        # The official release also names the V4.1 text model "deepseek_v41_text"; both mean this model.
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in data if k not in known and k not in _METADATA_KEYS)
         if unknown:
