@@ -2,7 +2,8 @@
 
 Each older generation is described by what its cache stores per layer (layers, compression ratio, and the
 fields of one entry as element count x bits); V4.1-Flash's record is built from the layer plan of the official
-config (tests check it against :class:`~deepseek_v41.cache.layout.KVLayout`). Totals are sums over these records, never typed-in numbers.
+config (tests check it against :class:`~deepseek_v41.cache.layout.KVLayout`). Totals are sums over these
+records, never typed-in numbers.
 """
 
 from __future__ import annotations
