@@ -433,6 +433,13 @@ def _validate_layers(cfg: ModelConfig, n: int) -> list[str]:
         elif c not in cfg.index_source_layer_ids:
             p.append(f"candidate_source_layer_id {c} is not an index source (index_source_layer_ids="
                      f"{cfg.index_source_layer_ids})")
+        smallest_pool = (cfg.candidate_topk_blocks - 1) * cfg.candidate_block_size + 1
+        if smallest_pool < cfg.index_topk:
+            # The newest block is always kept, even with one entry; a pool that can hold fewer than index_topk
+            # visible entries would leave Reindex layers picking entries outside it (score -inf) in no defined
+            # order.
+            p.append(f"the candidate pool can hold as few as (candidate_topk_blocks - 1) x candidate_block_size"
+                     f" + 1 = {smallest_pool} entries, fewer than index_topk ({cfg.index_topk})")
     return p
 
 

@@ -118,6 +118,7 @@ def broken(**changes) -> list[str]:
     ({"head_dim": 500}, "head_dim must be a multiple of 32"),
     ({"num_attention_heads": 60}, "must be a multiple of o_groups"),
     ({"index_topk": "512"}, "index_topk must be an integer"),
+    ({"candidate_topk_blocks": 64}, "the candidate pool can hold as few as (candidate_topk_blocks - 1) x"),
     ({"compress_ratio": [1]}, "unknown config key 'compress_ratio'"),
 ])
 def test_each_validation_error_has_its_message(changes, fragment):

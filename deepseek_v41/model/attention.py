@@ -1,0 +1,168 @@
+"""Attention of one layer: q-LoRA query, shared-latent window KV, CSA2 compressed entries, one softmax with a
+sink, grouped low-rank output (MODEL_REFERENCE.md §3.4–§3.11).
+
+Every layer keeps its own query path, window KV, sink and output projection. A compressed layer also attends
+to the compressed entries its index source selected: Full layers make entries and index keys (compressor +
+indexer keys) and select their own top-k; Reindex layers select their own top-k over the entries of their kv
+source (inside the candidate pool when there is one); Reuse layers use the top-k of their index source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from deepseek_v41.config import ModelConfig
+from deepseek_v41.model.compressor import Compressor
+from deepseek_v41.model.indexer import QUERY_CHUNK, Indexer, candidate_blocks, index_scores, pool_mask, topk_entries
+from deepseek_v41.model.norm import RMSNorm
+from deepseek_v41.model.rope import RotaryEmbedding
+from deepseek_v41.plan import LayerRole, LayerSpec
+
+
+def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, window: int,
+                     topk: torch.Tensor | None, gather: Callable[[torch.Tensor], torch.Tensor] | None,
+                     sink: torch.Tensor, scale: float, chunk: int = QUERY_CHUNK) -> torch.Tensor:
+    """One softmax per (query, head) over its window keys and its selected compressed entries, with a sink.
+
+    q [B, T, H, d]; q_pos [B, T]; keys [B, P + T, d] with key_pos [B, P + T] (the last T rows are the new tokens,
+    the first P earlier rows, -1 = empty); a key is in a query's window when ``p - window < key_pos <= p``.
+    topk [B, T, k] entry indices (-1 = none) and ``gather(idx [B, c, k]) -> [B, c, k, d]`` fetch the compressed
+    entries. K = V (one shared latent). ``o = Σ exp(s - m) v / (Σ exp(s - m) + exp(sink_h - m))``, fp32; a query
+    with no valid key returns 0. Returns [B, T, H, d] in q's dtype. Queries run in chunks of ``chunk`` so memory
+    is O(chunk x (P + chunk + window + k)).
+    """
+    B, T, H, d = q.shape
+    P = keys.shape[1] - T
+    out = []
+    for i0 in range(0, T, chunk):
+        i1 = min(T, i0 + chunk)
+        j0 = max(0, i0 - window + 1)
+        k_c = torch.cat((keys[:, :P], keys[:, P + j0: P + i1]), 1).float()
+        kp = torch.cat((key_pos[:, :P], key_pos[:, P + j0: P + i1]), 1)[:, None, :]
+        qp = q_pos[:, i0:i1, None]
+        visible = (kp <= qp) & (kp > qp - window) & (kp >= 0)  # [B, c, L]
+        qc = q[:, i0:i1].float()
+        scores = torch.einsum("bchd,bld->bchl", qc, k_c) * scale
+        scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+        parts = [scores]
+        selected = None
+        if topk is not None and topk.shape[-1] > 0:
+            idx = topk[:, i0:i1]
+            selected = gather(idx).float()  # [B, c, k, d]
+            s_c = torch.einsum("bchd,bckd->bchk", qc, selected) * scale
+            parts.append(s_c.masked_fill((idx < 0)[:, :, None, :], float("-inf")))
+        parts.append(sink.float().view(1, 1, H, 1).expand(B, i1 - i0, H, 1))
+        probs = torch.softmax(torch.cat(parts, -1), dim=-1)
+        L = k_c.shape[1]
+        o = torch.einsum("bchl,bld->bchd", probs[..., :L], k_c)
+        if selected is not None:
+            o = o + torch.einsum("bchk,bckd->bchd", probs[..., L:-1], selected)
+        out.append(o)
+    return torch.cat(out, 1).to(q.dtype)
+
+
+class Attention(nn.Module):
+    """Attention sub-layer of layer ``spec.layer_id``: x [B, T, D] -> [B, T, D] (see module docstring).
+
+    Parameter names follow the official checkpoint (``wq_a``, ``q_norm``, ``wq_b``, ``wkv``, ``kv_norm``,
+    ``wo_a``, ``wo_b``, ``attn_sink``, ``compressor.*``, ``indexer.*``).
+    """
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.n_heads = cfg.num_attention_heads
+        self.head_dim = cfg.head_dim
+        self.window = cfg.sliding_window
+        self.o_groups = cfg.o_groups
+        self.o_lora_rank = cfg.o_lora_rank
+        self.index_topk = cfg.index_topk
+        self.candidate_block_size = cfg.candidate_block_size
+        self.candidate_topk_blocks = cfg.candidate_topk_blocks
+        eps = cfg.rms_norm_eps
+        D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H * d, bias=False)
+        self.wkv = nn.Linear(D, d, bias=False)
+        self.kv_norm = RMSNorm(d, eps)
+        self.wo_a = nn.Linear(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.rope = RotaryEmbedding(cfg.qk_rope_head_dim, spec.rope_theta, cfg.yarn if spec.yarn else None)
+        self.compressor = Compressor(D, d, spec.compress_ratio, eps) if spec.is_kv_source else None
+        self.indexer = (Indexer(D, cfg.q_lora_rank, d, cfg.index_n_heads, cfg.index_head_dim, spec.is_kv_source, eps)
+                        if spec.is_index_source else None)
+
+    def forward(self, x: torch.Tensor, ctx, compress: bool = True) -> torch.Tensor:
+        """x [B, T, D] (attention input, already normalised) -> [B, T, D]. ``compress=False`` skips the
+        compressor (CED: the first decoder layer's entries were already made over all tokens)."""
+        B, T, _ = x.shape
+        pos = ctx.positions
+        q_lat = self.q_norm(self.wq_a(x))
+        q = self.rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), pos)
+        kv = self.rope(self.kv_norm(self.wkv(x)), pos)
+        keys, key_pos = ctx.window(self.spec.layer_id, kv)
+        topk = gather = None
+        if self.spec.role is not LayerRole.WINDOW:
+            if self.compressor is not None and compress:
+                self.compress(x, ctx)
+            if self.indexer is not None:
+                ctx.shared[("topk", self.spec.layer_id)] = self.select(q_lat, x, ctx)
+            topk = ctx.shared[("topk", self.spec.index_source)]
+            source = self.spec.kv_source
+
+            def gather(idx: torch.Tensor) -> torch.Tensor:
+                return ctx.gather_entries(source, idx)
+
+        o = sparse_attention(q, pos, keys, key_pos, self.window, topk, gather, self.attn_sink, self.head_dim ** -0.5)
+        o = self.rope(o, pos, inverse=True)
+        return self.wo_b(self.grouped_wo_a(o))
+
+    def grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal first output projection: o [B, T, H, d] -> [B, T, G * o_lora_rank] (§3.7)."""
+        B, T = o.shape[:2]
+        G = self.o_groups
+        weight = self.wo_a.weight.view(G, self.o_lora_rank, -1)
+        return torch.einsum("btgi,gri->btgr", o.reshape(B, T, G, -1), weight).flatten(2)
+
+    def compress(self, x: torch.Tensor, ctx) -> None:
+        """Run the compressor over x [B, T, D] and store the completed entries and their index keys."""
+        layer = self.spec.layer_id
+        latent, group, pending = self.compressor(x, ctx.positions, ctx.pending(layer))
+        ctx.set_pending(layer, pending)
+        entry_pos = group.clamp(min=0) * self.spec.compress_ratio
+        ctx.add_entries(layer, self.rope(latent, entry_pos), self.indexer.keys(latent, entry_pos, self.rope), group)
+
+    def select(self, q_lat: torch.Tensor, x: torch.Tensor, ctx) -> torch.Tensor:
+        """Top-k entry indices [B, T, k] of this index-source layer (-1 = none), k = min(index_topk, entries).
+
+        The candidate source also records its pool (block mask) in ``ctx.shared``; a Reindex layer after it
+        scores only inside that pool.
+        """
+        spec = self.spec
+        keys = ctx.index_keys(spec.kv_source)
+        B, T = q_lat.shape[:2]
+        N = keys.shape[1]
+        k = min(self.index_topk, N)
+        if k == 0:
+            return torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
+        q, w = self.indexer.queries(q_lat, x, ctx.positions, self.rope, ctx.fake_quant)
+        visible = torch.div(ctx.positions + 1, spec.compress_ratio, rounding_mode="floor")
+        picks, pools = [], []
+        for i0 in range(0, T, QUERY_CHUNK):
+            i1 = min(T, i0 + QUERY_CHUNK)
+            scores = index_scores(q[:, i0:i1], w[:, i0:i1], keys, visible[:, i0:i1])
+            if spec.is_candidate_source:
+                pools.append(candidate_blocks(scores, visible[:, i0:i1], self.candidate_block_size,
+                                              self.candidate_topk_blocks))
+            if spec.candidate_source is not None:
+                blocks = ctx.shared[("pool", spec.candidate_source)][:, i0:i1]
+                scores = scores.masked_fill(~pool_mask(blocks, self.candidate_block_size, N), float("-inf"))
+            picks.append(topk_entries(scores, k))
+        if pools:
+            ctx.shared[("pool", spec.layer_id)] = torch.cat(pools, 1)
+        return torch.cat(picks, 1)

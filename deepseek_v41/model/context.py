@@ -1,0 +1,66 @@
+"""What attention reads and writes besides its input: the KV context (SPEC.md §3, §4.1).
+
+One attention implementation serves training, the exact forward and the cached engine; they differ only in
+the context object they pass. A context provides, for the tokens of one forward (``positions`` [B, T]):
+
+- ``window(layer, kv)``: store the new window rows [B, T, d] (post-RoPE; FP8 round trip) and return the keys
+  visible to this forward, ``(keys [B, P + T, d], key_pos [B, P + T])``, whose last T rows are the new rows in
+  order and whose first P rows are earlier rows (position -1 where empty);
+- ``pending(layer)`` / ``set_pending(layer, state)``: the open ratio-2 pair of a kv source;
+- ``add_entries(layer, entries, index_keys, group)``: store compressed entries [B, G, d] (post-RoPE; FP4 with
+  E4M3 scales) and index keys [B, G, di] (FP4 with UE8M0 scales) for groups ``group`` [B, G] (-1 = none);
+- ``index_keys(layer)``: all stored index keys [B, N, di] of a kv source, entry n at row n;
+- ``gather_entries(layer, idx)``: the entries picked by ``idx`` [B, c, k] as [B, c, k, d] (zeros where -1);
+- ``shared``: per-forward results handed between layers (top-k of index sources, candidate pools).
+
+:class:`DenseContext` is the exact-forward / training context: everything stays a tensor, the KV quantization
+is the reference fake-quant (switchable off), and a forward starts at position 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepseek_v41.quant import fake_quant_fp4, fake_quant_fp8
+
+
+class DenseContext:
+    """Context of one exact forward over whole sequences [B, T] starting at position 0."""
+
+    def __init__(self, batch: int, length: int, device: torch.device | str, fake_quant: bool = True):
+        self.positions = torch.arange(length, device=device).expand(batch, length)
+        self.fake_quant = fake_quant
+        self.shared: dict[Any, torch.Tensor] = {}
+        self._entries: dict[int, torch.Tensor] = {}
+        self._index_keys: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = fake_quant_fp8(kv, 32) if self.fake_quant else kv
+        return keys, self.positions
+
+    def pending(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._pending.get(layer)
+
+    def set_pending(self, layer: int, state: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self._pending[layer] = state
+
+    def add_entries(self, layer: int, entries: torch.Tensor, index_keys: torch.Tensor, group: torch.Tensor) -> None:
+        # All rows start at 0 and have the same length, so every row completes the same groups 0..G-1.
+        if self.fake_quant:
+            entries = fake_quant_fp4(entries, 16, "e4m3")
+            index_keys = fake_quant_fp4(index_keys, 32, "ue8m0")
+        self._entries[layer] = entries
+        self._index_keys[layer] = index_keys
+
+    def index_keys(self, layer: int) -> torch.Tensor:
+        return self._index_keys[layer]
+
+    def gather_entries(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
+        entries = self._entries[layer]
+        B, c, k = idx.shape
+        rows = idx.clamp(min=0).reshape(B, c * k, 1).expand(-1, -1, entries.shape[-1])
+        picked = entries.gather(1, rows).view(B, c, k, -1)
+        return picked.masked_fill((idx < 0)[..., None], 0.0)

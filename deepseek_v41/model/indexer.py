@@ -1,0 +1,86 @@
+"""Lightning indexer and hierarchical candidate pool (MODEL_REFERENCE.md §3.9, §3.10).
+
+``score[t, s] = Σ_h w[t, h] ReLU(q[t, h] · k[s])`` with ``w = weights_proj(x) / sqrt(index_head_dim *
+index_n_heads)``; queries and keys carry RoPE on their last ``qk_rope_head_dim`` dims and are FP4 (UE8M0 / 32)
+fake-quantized. A query at position p sees entries ``0 .. floor((p + 1) / m) - 1``. The top
+``min(index_topk, entries)`` visible entries are selected (-1 pads what is not visible).
+
+The candidate source scores every visible entry, keeps per block of ``candidate_block_size`` entries the block
+maximum, forces the block holding the newest visible entry, and keeps the top ``candidate_topk_blocks`` blocks:
+the candidate pool. Reindex layers score only inside that pool. Scoring runs over chunks of queries so memory
+stays O(chunk x entries).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepseek_v41.model.norm import RMSNorm
+from deepseek_v41.quant import fake_quant_fp4
+
+QUERY_CHUNK = 256
+
+
+class Indexer(nn.Module):
+    """Indexer of an index-source layer; ``wk`` / ``k_norm`` exist only on kv sources (they make the keys)."""
+
+    def __init__(self, dim: int, q_lora_rank: int, head_dim: int, n_heads: int, index_head_dim: int,
+                 makes_keys: bool, eps: float):
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = index_head_dim
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * index_head_dim, bias=False)
+        self.weights_proj = nn.Linear(dim, n_heads, bias=False)
+        if makes_keys:
+            self.wk = nn.Linear(head_dim, index_head_dim, bias=False)
+            self.k_norm = RMSNorm(index_head_dim, eps)
+
+    def keys(self, latent: torch.Tensor, positions: torch.Tensor, rope: nn.Module) -> torch.Tensor:
+        """Index keys [B, G, index_head_dim] from compressor latents [B, G, head_dim] (pre-RoPE, pre-quant) at
+        entry positions g*m; the KV context stores them (FP4 with UE8M0 scales)."""
+        return rope(self.k_norm(self.wk(latent)), positions)
+
+    def queries(self, q_lat: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: nn.Module,
+                fake_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [B, T, Hi, di] fp32 and head weights [B, T, Hi] fp32."""
+        B, T, _ = q_lat.shape
+        q = rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), positions)
+        if fake_quant:
+            q = fake_quant_fp4(q, 32, "ue8m0")
+        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return q.float(), w
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Masked scores [B, c, N] fp32 for queries q [B, c, Hi, di], weights w [B, c, Hi], keys [B, N, di] and the
+    visible entry count of each query ``visible`` [B, c] (scores of entries >= visible are -inf)."""
+    dots = torch.einsum("bchd,bnd->bchn", q, keys.float()).relu_()
+    scores = torch.einsum("bchn,bch->bcn", dots, w)
+    n = torch.arange(keys.shape[1], device=keys.device)
+    return scores.masked_fill(n[None, None, :] >= visible[..., None], float("-inf"))
+
+
+def topk_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The best ``k`` entries per query [B, c, k] long, best first; -1 where the pick is not visible."""
+    values, idx = torch.topk(scores, k, dim=-1)
+    return idx.masked_fill(values == float("-inf"), -1)
+
+
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block: int, keep: int) -> torch.Tensor:
+    """Candidate pool of each query as a block mask [B, c, nblocks] bool (MODEL_REFERENCE.md §3.10)."""
+    B, c, N = scores.shape
+    nblocks = -(-N // block)
+    padded = torch.nn.functional.pad(scores, (0, nblocks * block - N), value=float("-inf"))
+    block_scores = padded.view(B, c, nblocks, block).amax(-1)
+    newest = ((visible - 1) // block).clamp(min=0)
+    forced = torch.arange(nblocks, device=scores.device)[None, None, :] == newest[..., None]
+    block_scores = block_scores.masked_fill(forced & (visible[..., None] > 0), float("inf"))
+    values, chosen = torch.topk(block_scores, min(keep, nblocks), dim=-1)
+    mask = torch.zeros_like(block_scores, dtype=torch.bool)
+    return mask.scatter_(-1, chosen, values > float("-inf"))
+
+
+def pool_mask(blocks: torch.Tensor, block: int, n_entries: int) -> torch.Tensor:
+    """Entry mask [B, c, n_entries] from a block mask [B, c, nblocks]."""
+    return blocks.repeat_interleave(block, dim=-1)[..., :n_entries]

@@ -1,0 +1,137 @@
+"""DeepSeekMoE with noaux_tc routing, clamped SwiGLU experts and a shared expert (MODEL_REFERENCE.md §3.14).
+
+Routing: ``s = sqrt(softplus(x W_g^T))`` (fp32); the top-k experts are *selected* on ``s + bias`` (the
+aux-loss-free correction bias; image tokens use ``bias_vl``) and *weighted* by ``s`` renormalised over the
+chosen k, times ``routed_scaling_factor``.
+
+The expert dispatch sorts (token, slot) pairs by expert and runs each expert on its contiguous segment, so the
+work is T*k expert applications. It has no ``nonzero`` / ``bincount`` / ``unique`` / ``.item()`` on tensors
+whose values are unknown on PyTorch's ``meta`` device: only the segment lengths are read, and on ``meta`` (where
+routing is unknowable) they are taken as balanced, which keeps the FLOPs total exact (SPEC.md §1.5).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class Expert(nn.Module):
+    """``w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))``: x [N, D] -> [N, D].
+
+    The gate (w1) is clamped from above only, the up projection (w3) on both sides; the product is formed in
+    fp32 and cast back to x's dtype.
+    """
+
+    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float):
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).float()
+        up = self.w3(x).float()
+        if self.swiglu_limit > 0:
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        return self.w2((F.silu(gate) * up).to(x.dtype))
+
+
+class Gate(nn.Module):
+    """Router: ``weight`` [E, D], correction ``bias`` [E] fp32 and optional ``bias_vl`` [E] fp32 for image tokens.
+
+    ``forward(x [N, D], image_mask [N] bool | None) -> (indices [N, k] long, weights [N, k] fp32)``.
+    Without a ``bias_vl`` tensor, image tokens use ``bias`` (logged once).
+    """
+
+    def __init__(self, dim: int, n_experts: int, topk: int, route_scale: float, norm_topk: bool,
+                 with_bias_vl: bool):
+        super().__init__()
+        self.topk = topk
+        self.route_scale = route_scale
+        self.norm_topk = norm_topk
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
+        self.bias_vl = (nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
+                        if with_bias_vl else None)
+        self._warned = False
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sqrt(F.softplus(x.float() @ self.weight.float().t()))
+        bias = self.bias.float()
+        if image_mask is not None:
+            if self.bias_vl is None:
+                if not self._warned:
+                    log.info("this checkpoint has no gate.bias_vl: image tokens route with gate.bias")
+                    self._warned = True
+                vl = bias
+            else:
+                vl = self.bias_vl.float()
+            bias = torch.where(image_mask[:, None], vl, bias)
+        indices = torch.topk(scores + bias, self.topk, dim=-1).indices
+        weights = scores.gather(-1, indices)
+        if self.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return indices, weights * self.route_scale
+
+
+def expert_segments(flat_idx: torch.Tensor, n_experts: int) -> list[int]:
+    """Tokens routed to each expert, as Python ints (the only host sync of the dispatch).
+
+    On ``meta`` the routing is unknown: the N*k assignments are spread evenly, so shapes — and the FLOPs
+    counted from them — match a balanced load with the exact total.
+    """
+    if flat_idx.device.type == "meta":
+        total = flat_idx.numel()
+        return [total // n_experts + (1 if e < total % n_experts else 0) for e in range(n_experts)]
+    counts = torch.zeros(n_experts, dtype=torch.long, device=flat_idx.device)
+    counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
+    return counts.tolist()
+
+
+class MoE(nn.Module):
+    """Routed experts + shared expert: x [B, T, D] (+ image_mask [B, T]) -> [B, T, D] in x's dtype."""
+
+    def __init__(self, dim: int, inter_dim: int, n_experts: int, topk: int, n_shared: int, swiglu_limit: float,
+                 route_scale: float, norm_topk: bool, with_bias_vl: bool):
+        super().__init__()
+        self.n_experts = n_experts
+        self.gate = Gate(dim, n_experts, topk, route_scale, norm_topk, with_bias_vl)
+        self.experts = nn.ModuleList(Expert(dim, inter_dim, swiglu_limit) for _ in range(n_experts))
+        self.shared_experts = Expert(dim, inter_dim * n_shared, swiglu_limit) if n_shared else None
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        mask = image_mask.reshape(-1) if image_mask is not None else None
+        indices, weights = self.gate(flat, mask)
+        out = self.dispatch(flat, indices, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat).float()
+        return out.to(x.dtype).reshape(shape)
+
+    def dispatch(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Σ_k w_k E_{idx_k}(x) for flat [N, D], indices/weights [N, k] -> fp32 [N, D]."""
+        k = indices.shape[-1]
+        flat_idx = indices.reshape(-1)
+        order = torch.argsort(flat_idx, stable=True)
+        token_of = order // k
+        slot_weight = weights.reshape(-1)[order].float()
+        sorted_x = flat[token_of]
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        start = 0
+        for e, count in enumerate(expert_segments(flat_idx, self.n_experts)):
+            if count == 0:
+                continue
+            end = start + count
+            y = self.experts[e](sorted_x[start:end]).float() * slot_weight[start:end, None]
+            out.index_add_(0, token_of[start:end], y)
+            start = end
+        return out

@@ -1,0 +1,63 @@
+"""Partial interleaved RoPE with per-layer theta and YaRN (MODEL_REFERENCE.md §3.3).
+
+Pairs (2i, 2i+1) of the last ``qk_rope_head_dim`` dims form one complex number; the leading dims carry no
+position. Window-only layers use ``rope_theta`` without YaRN; compressed layers ``compress_rope_theta`` with
+YaRN frequency interpolation and **no** attention-temperature (mscale) factor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def yarn_inv_freq(rope_dim: int, theta: float, yarn: dict[str, float] | None) -> torch.Tensor:
+    """Inverse frequencies [rope_dim // 2] fp32 of one RoPE table.
+
+    YaRN: ``corr(n) = d * ln(L0 / (2 pi n)) / (2 ln theta)``, ``low = max(floor(corr(beta_fast)), 0)``,
+    ``high = min(ceil(corr(beta_slow)), d - 1)``, ``ramp_j = clamp((j - low) / max(high - low, 1e-3), 0, 1)``,
+    ``inv_j = inv_j / factor * ramp_j + inv_j * (1 - ramp_j)``.
+    """
+    inv = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    if yarn is not None and yarn["factor"] > 1:
+        length = yarn["original_max_position_embeddings"]
+
+        def corr(rotations: float) -> float:
+            return rope_dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(corr(yarn["beta_fast"])), 0)
+        high = min(math.ceil(corr(yarn["beta_slow"])), rope_dim - 1)
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        inv = inv / yarn["factor"] * ramp + inv * (1 - ramp)
+    return inv.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE on the last ``rope_dim`` dims of a vector, at given absolute positions.
+
+    ``forward(x, positions, inverse=False)``: x [B, T, d] or [B, T, H, d] (any float dtype); positions [B, T]
+    integer (or float) positions. The rotation is computed in fp32 and cast back to x's dtype; ``inverse``
+    rotates by the negative angle (the output-side inverse RoPE of §3.3).
+    """
+
+    def __init__(self, rope_dim: int, theta: float, yarn: dict[str, float] | None):
+        super().__init__()
+        self.rope_dim = rope_dim
+        self.register_buffer("inv_freq", yarn_inv_freq(rope_dim, theta, yarn), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        r = self.rope_dim
+        if r == 0:
+            return x
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, r/2]
+        if x.dim() == 4:
+            angles = angles[:, :, None, :]
+        cos, sin = torch.cos(angles), torch.sin(angles)
+        if inverse:
+            sin = -sin
+        tail = x[..., -r:].float().unflatten(-1, (r // 2, 2))
+        a, b = tail[..., 0], tail[..., 1]
+        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+        return torch.cat((x[..., :-r], rotated.to(x.dtype)), dim=-1)

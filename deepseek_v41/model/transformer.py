@@ -1,0 +1,157 @@
+"""Blocks and the CED stacks: the whole text model (MODEL_REFERENCE.md §3.1, §3.13, §3.15, §3.16).
+
+``Transformer(config)(input_ids, image_mask=None) -> logits [B, T, vocab]`` is the exact forward of every
+position (training and evaluation), with the reference fake-quant of the KV on by default
+(``model.fake_quant = False`` turns it off). The engine composes the same pieces (:meth:`embed_streams`,
+:meth:`run_layers`, :meth:`logits`) with its own KV context to run CED and chunked prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepseek_v41.config import ModelConfig
+from deepseek_v41.model.attention import Attention
+from deepseek_v41.model.context import DenseContext
+from deepseek_v41.model.hyper import collapse, expand, hc_mix
+from deepseek_v41.model.moe import MoE
+from deepseek_v41.model.norm import RMSNorm
+from deepseek_v41.plan import LayerSpec, build_layer_plan
+
+
+class Block(nn.Module):
+    """One layer: (Engram) -> mHC attention site -> mHC FFN site, with the one-sub-layer-late ``pre``.
+
+    ``forward(streams [B, T, hc, D], pre [B, T, hc], ctx, image_mask) -> (streams, pre_out)``; the attention
+    input collapses the streams with the ``pre`` handed in by the previous block (one-hot on stream 0 for the
+    first), the FFN input with this block's attention-site ``pre``; ``pre_out`` is the FFN site's ``pre``.
+    """
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, n_experts: int | None = None, topk: int | None = None):
+        super().__init__()
+        self.spec = spec
+        self.layer_id = spec.layer_id
+        hc, D = cfg.hc_mult, cfg.hidden_size
+        self.hc = hc
+        self.norm_eps, self.hc_eps, self.hc_iters = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
+        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, spec)
+        self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.ffn = MoE(D, cfg.moe_intermediate_size, n_experts or cfg.n_routed_experts,
+                       topk or cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.swiglu_limit,
+                       cfg.routed_scaling_factor, cfg.norm_topk_prob, cfg.vision_config is not None)
+        mix = (2 + hc) * hc
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, hc * D, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+        self.engram = None
+        if spec.engram:
+            from deepseek_v41.model.engram import Engram
+
+            self.engram = Engram(cfg, spec.layer_id)
+
+    def mix(self, site: str, streams: torch.Tensor):
+        return hc_mix(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                      getattr(self, f"hc_{site}_scale"), self.hc, self.norm_eps, self.hc_eps, self.hc_iters)
+
+    def attention_input(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """The normalised attention input [B, T, D] (also what a kv source's compressor reads)."""
+        return self.attn_norm(collapse(streams, pre))
+
+    def forward(self, streams: torch.Tensor, pre: torch.Tensor, ctx, image_mask: torch.Tensor | None = None,
+                compress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        a_pre, a_post, a_comb = self.mix("attn", streams)
+        y = self.attn(self.attention_input(streams, pre), ctx, compress=compress)
+        streams = expand(streams, y, a_post, a_comb)
+        f_pre, f_post, f_comb = self.mix("ffn", streams)
+        y = self.ffn(self.ffn_norm(collapse(streams, a_pre)), image_mask)
+        return expand(streams, y, f_post, f_comb), f_pre
+
+
+class Transformer(nn.Module):
+    """The DeepSeek-V4.1 text model. Parameter names are the official checkpoint names (MODEL_REFERENCE.md §8)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.plan = build_layer_plan(config)
+        self.fake_quant = True
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, spec) for spec in self.plan.layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.hasher = None
+        if config.engram_layer_ids:
+            from deepseek_v41.model.engram import EngramHasher
+
+            self.hasher = EngramHasher(config)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Random init for training from scratch: normal(0, initializer_range) matrices, unit norms, zero biases,
+        sinks and mHC bases, unit mHC scales."""
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.device.type == "meta":
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight") or leaf.endswith("_scale"):
+                p.fill_(1.0)
+            elif leaf in ("bias", "bias_vl", "attn_sink") or leaf.endswith("_base"):
+                p.zero_()
+            elif p.dim() >= 2 and p.is_floating_point():
+                p.normal_(0.0, std)
+
+    # ------------------------------------------------------------------ pieces the engine composes
+    def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token embeddings repeated into the hc streams [B, T, hc, D] and the first block's one-hot ``pre``."""
+        h = self.embed(input_ids)
+        B, T, D = h.shape
+        hc = self.config.hc_mult
+        streams = h[:, :, None, :].expand(B, T, hc, D).contiguous()
+        pre = torch.zeros(B, T, hc, dtype=torch.float32, device=h.device)
+        pre[..., 0] = 1.0
+        return streams, pre
+
+    def run_layers(self, layers: range, streams: torch.Tensor, pre: torch.Tensor, ctx,
+                   image_mask: torch.Tensor | None = None, engram_rows: dict[int, torch.Tensor] | None = None,
+                   taps: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``layers`` in order. ``engram_rows[layer]`` [B, T, columns] feeds Engram layers; ``taps``, when
+        given, receives each layer's input residual streams (DSpark target features)."""
+        for j in layers:
+            block = self.layers[j]
+            if block.engram is not None:
+                streams = block.engram(streams, engram_rows[j], image_mask)
+            if taps is not None:
+                taps[j] = streams
+            streams, pre = block(streams, pre, ctx, image_mask)
+        return streams, pre
+
+    def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Final collapse, norm and LM head: [B, T, hc, D] -> fp32 logits [B, T, vocab]."""
+        x = self.norm(collapse(streams, pre))
+        return (x.float() @ self.head.weight.float().t())
+
+    def forward(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Exact forward: input_ids [B, T] long, image_mask [B, T] bool (image tokens) -> logits [B, T, V] fp32.
+
+        Raises ValueError for ids outside the vocabulary or a mask of the wrong shape.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if image_mask is not None and image_mask.shape != input_ids.shape:
+            raise ValueError(f"image_mask shape {tuple(image_mask.shape)} differs from input_ids "
+                             f"{tuple(input_ids.shape)}")
+        if input_ids.device.type != "meta" and input_ids.numel() and (
+                int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        B, T = input_ids.shape
+        ctx = DenseContext(B, T, input_ids.device, self.fake_quant)
+        rows = self.hasher(input_ids, image_mask) if self.hasher is not None else None
+        streams, pre = self.embed_streams(input_ids)
+        streams, pre = self.run_layers(range(len(self.layers)), streams, pre, ctx, image_mask, rows)
+        return self.logits(streams, pre)
