@@ -564,7 +564,7 @@ def tiny_config() -> ModelConfig:
         index_n_heads=2, index_head_dim=32, index_topk=8, candidate_source_layer_id=4, candidate_topk_blocks=3,
         candidate_block_size=4, hc_mult=4, hc_sinkhorn_iters=20,
         engram_layer_ids=[1], engram_max_ngram_size=3, engram_vocab_size=1000, engram_n_heads=2,
-        engram_head_dim=16, engram_pad_token_id=2, engram_compressed_vocab_size=512,
+        engram_head_dim=32, engram_pad_token_id=2, engram_compressed_vocab_size=512,
         num_nextn_predict_layers=1, dspark_block_size=4, dspark_noise_token_id=511,
         dspark_target_layer_ids=[5, 6, 7], dspark_markov_rank=8, dspark_n_routed_experts=4,
         dspark_num_experts_per_tok=2,

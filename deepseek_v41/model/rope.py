@@ -45,7 +45,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rope_dim: int, theta: float, yarn: dict[str, float] | None):
         super().__init__()
         self.rope_dim = rope_dim
+        self.theta, self.yarn = theta, yarn
         self.register_buffer("inv_freq", yarn_inv_freq(rope_dim, theta, yarn), persistent=False)
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Recompute the table on ``device`` (after building the model on ``meta`` and loading weights)."""
+        self.inv_freq = yarn_inv_freq(self.rope_dim, self.theta, self.yarn).to(device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         r = self.rope_dim

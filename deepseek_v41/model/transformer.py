@@ -105,6 +105,13 @@ class Transformer(nn.Module):
             elif p.dim() >= 2 and p.is_floating_point():
                 p.normal_(0.0, std)
 
+    def save_pretrained(self, path, quantization: str = "none", max_shard_bytes: int = 4 * 1024**3):
+        """Write config.json + safetensors under the official names; see
+        :func:`deepseek_v41.model.checkpoint.save_pretrained`."""
+        from deepseek_v41.model.checkpoint import save_pretrained
+
+        return save_pretrained(self, path, quantization, max_shard_bytes)
+
     # ------------------------------------------------------------------ pieces the engine composes
     def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token embeddings repeated into the hc streams [B, T, hc, D] and the first block's one-hot ``pre``."""

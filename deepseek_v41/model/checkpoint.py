@@ -1,0 +1,268 @@
+"""Checkpoints in the Hugging Face layout with the official tensor names (MODEL_REFERENCE.md §4, §8).
+
+A model directory holds ``config.json`` (the multimodal wrapper or a flat text config) and the weights: the
+shards named by ``model.safetensors.index.json`` when present, else every ``*.safetensors`` file in the
+directory. Each tensor is decoded by what it is, so plain and quantized tensors mix freely:
+
+- ``float8_e4m3fn`` weight + ``.scale`` (UE8M0 or fp32) per 32x32 block: dense FP8 weights;
+- packed ``int8``/``uint8`` weight [out, in/2] + ``.scale`` [out, in/32]: routed experts in FP4 (E2M1, 1x32 UE8M0);
+- Engram tables stored FP8 with per-row 1x32 scales stay FP8 in memory (a lookup dequantizes only its rows);
+- anything else (bf16, fp16, fp32): used as stored, cast to the load dtype.
+
+Loading is lazy: the model is built on ``meta``, each tensor is read from the memory-mapped file, decoded and
+assigned, so the peak is about one model plus the largest tensor — not twice the file. ``mHC`` parameters,
+attention sinks and router biases stay fp32 in every dtype (the reference keeps them fp32).
+
+Memory as loaded: every decoded weight takes ``dtype`` bytes per parameter, Engram FP8 tables 1 byte per value
+plus 1 scale byte per 32. ``dsv41 report`` prints the total for the official config (``memory.*``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from deepseek_v41.config import ModelConfig
+from deepseek_v41.quant import (
+    dequantize_fp4_expert_weight,
+    dequantize_fp8_weight,
+    quantize_fp4_expert_weight,
+    quantize_fp8,
+    quantize_fp8_weight,
+)
+
+log = logging.getLogger(__name__)
+
+# Parameters the reference keeps in fp32 whatever the model dtype (MODEL_REFERENCE.md §4, last table row).
+_FP32_SUFFIXES = ("_fn", "_base", "_scale", "attn_sink", "gate.bias", "gate.bias_vl")
+# Dense weights the release stores as FP8 32x32 blocks, and routed experts stored as packed FP4 (§4, §8).
+_FP8_WEIGHTS = re.compile(
+    r".*(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123]|engram\.wkv|main_proj)\.weight$")
+_FP4_EXPERTS = re.compile(r".*ffn\.experts\.\d+\.w[123]\.weight$")
+_ENGRAM_TABLE = re.compile(r".*engram\.embed\.weight$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model: ``problems`` lists every missing, unexpected, mis-shaped or
+    undecodable tensor at once."""
+
+    def __init__(self, path: Path, problems: list[str]):
+        self.problems = problems
+        shown = problems[:50] + ([f"... and {len(problems) - 50} more"] if len(problems) > 50 else [])
+        super().__init__(f"checkpoint {path} does not fit the model:\n" + "\n".join(f"  - {p}" for p in shown))
+
+
+def keeps_fp32(name: str) -> bool:
+    """True for parameters stored and used in fp32 in every model dtype."""
+    return name.endswith(_FP32_SUFFIXES) and not name.endswith(".scale")
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file: from ``model.safetensors.index.json`` when present, else every ``*.safetensors``.
+
+    Raises FileNotFoundError when the directory has no weights, CheckpointError when a name is in two files.
+    """
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files (and no model.safetensors.index.json) in {path}")
+    out: dict[str, Path] = {}
+    twice = []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name in out:
+                    twice.append(f"tensor {name} is in both {out[name].name} and {file.name}")
+                out[name] = file
+    if twice:
+        raise CheckpointError(path, twice)
+    return out
+
+
+class _Reader:
+    """Lazily opened safetensors files; reads one tensor at a time from the memory map."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self._open: dict[Path, object] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.files[name]
+        if file not in self._open:
+            self._open[file] = safe_open(file, framework="pt")
+        return self._open[file].get_tensor(name)
+
+    def shape(self, name: str) -> list[int]:
+        file = self.files[name]
+        if file not in self._open:
+            self._open[file] = safe_open(file, framework="pt")
+        return self._open[file].get_slice(name).get_shape()
+
+
+def _decode(name: str, reader: _Reader, dtype: torch.dtype, block: tuple[int, int]) -> torch.Tensor:
+    """Decode one stored tensor (with its ``.scale`` companion when it has one) to the load dtype."""
+    raw = reader.get(name)
+    scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
+    if scale_name is not None and scale_name in reader.files and not _ENGRAM_TABLE.match(name):
+        scale = reader.get(scale_name)
+        if raw.dtype == torch.float8_e4m3fn:
+            return dequantize_fp8_weight(raw, scale, block, dtype)
+        if raw.dtype in (torch.int8, torch.uint8):
+            return dequantize_fp4_expert_weight(raw, scale, dtype)
+        raise ValueError(f"has a .scale tensor but dtype {raw.dtype} (expected float8_e4m3fn or packed int8)")
+    if raw.dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn) and not _ENGRAM_TABLE.match(name):
+        raise ValueError(f"is stored as {raw.dtype} without the .scale tensor that decodes it")
+    if _ENGRAM_TABLE.match(name) or name.endswith("engram.embed.scale"):
+        return raw
+    return raw.to(torch.float32 if keeps_fp32(name) else dtype)
+
+
+def _engram_fp8_layers(model: torch.nn.Module, files: dict[str, Path]) -> None:
+    """Switch the Engram tables that the checkpoint stores in FP8 to the FP8 table format before loading."""
+    from deepseek_v41.model.engram import EngramTable
+
+    for name, module in model.named_modules():
+        if isinstance(module, EngramTable) and f"{name}.scale" in files and module.table_format == "float":
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, leaf, EngramTable(module.num_rows, module.head_dim, "fp8", device="meta"))
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               fake_quant: bool = True):
+    """Load a model directory (``config.json`` + safetensors) into a :class:`~deepseek_v41.model.transformer.
+    Transformer` with weights of ``dtype`` on ``device`` (see the module docstring for the formats).
+
+    The Engram token map comes from the directory's ``tokenizer.json`` (or ``tokenizer/tokenizer.json``) when
+    present. Raises FileNotFoundError (no config / weights), ConfigError (bad config) and CheckpointError
+    listing every missing, unexpected, mis-shaped or undecodable tensor.
+    """
+    from deepseek_v41.model.transformer import Transformer
+
+    path = Path(path)
+    cfg = ModelConfig.from_pretrained(path)
+    files = weight_files(path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    _engram_fp8_layers(model, files)
+    expected = model.state_dict()
+    block = tuple(cfg.quantization_config.weight_block_size) if (
+        cfg.quantization_config and cfg.quantization_config.weight_block_size) else (32, 32)
+    reader = _Reader(files)
+    problems, tensors = [], {}
+    for name, like in expected.items():
+        if name not in files:
+            problems.append(f"missing tensor {name} (expected shape {list(like.shape)})")
+            continue
+        try:
+            value = _decode(name, reader, dtype, block)
+        except ValueError as exc:
+            problems.append(f"tensor {name} {exc}")
+            continue
+        if tuple(value.shape) != tuple(like.shape):
+            problems.append(f"tensor {name} has shape {list(value.shape)}, the model expects {list(like.shape)}")
+            continue
+        tensors[name] = value.to(device)
+    consumed = set(expected) | {n[: -len("weight")] + "scale" for n in expected if n.endswith(".weight")}
+    for name in sorted(set(files) - consumed):
+        problems.append(f"unexpected tensor {name} in {files[name].name}")
+    if problems:
+        raise CheckpointError(path, problems)
+    model.load_state_dict(tensors, assign=True, strict=True)
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers(device)
+    model.fake_quant = fake_quant
+    _install_token_map(model, path)
+    return model.eval()
+
+
+def _install_token_map(model, path: Path) -> None:
+    if model.hasher is None:
+        return
+    for candidate in (path / "tokenizer.json", path / "tokenizer" / "tokenizer.json"):
+        if candidate.is_file():
+            from deepseek_v41.model.engram_hash import build_token_map
+
+            model.hasher.set_token_map(build_token_map(candidate))
+            return
+
+
+def _official_tensors(name: str, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors the official format stores for one parameter: FP8 / FP4 weights with their scales."""
+    if _FP4_EXPERTS.match(name):
+        packed, scale = quantize_fp4_expert_weight(value)
+        yield name, packed
+        yield name[: -len("weight")] + "scale", scale
+    elif _FP8_WEIGHTS.match(name):
+        weight, scale = quantize_fp8_weight(value)
+        yield name, weight
+        yield name[: -len("weight")] + "scale", scale
+    elif _ENGRAM_TABLE.match(name) and value.dtype != torch.float8_e4m3fn:
+        codes, scales = quantize_fp8(value.float(), 32, "ue8m0")
+        yield name, codes.view(torch.float8_e4m3fn)
+        yield name[: -len("weight")] + "scale", scales.view(torch.float8_e8m0fnu)
+    else:
+        yield name, value
+
+
+def save_pretrained(model, path: str | Path, quantization: str = "none",
+                    max_shard_bytes: int = 4 * 1024**3) -> list[Path]:
+    """Write ``config.json`` and the weights under the official names into directory ``path``.
+
+    ``quantization="none"`` stores every tensor as it is in memory; ``"official"`` stores the release's
+    formats: FP8 32x32-block dense weights, packed FP4 routed experts, FP8 Engram tables (the config then
+    records a ``quantization_config``). Shards above ``max_shard_bytes`` bytes split into several files with a
+    ``model.safetensors.index.json``. Returns the files written. Raises ValueError for an unknown quantization.
+    """
+    if quantization not in ("none", "official"):
+        raise ValueError(f"quantization must be 'none' or 'official', got {quantization!r}")
+    path = Path(path)
+    cfg = model.config
+    if quantization == "official":
+        from deepseek_v41.config import QuantizationConfig
+
+        cfg = cfg.replace(quantization_config=QuantizationConfig(
+            quant_method="fp8", activation_scheme="dynamic", weight_block_size=(32, 32), scale_fmt="ue8m0",
+            expert_dtype="fp4"))
+    cfg.save(path)
+    # A previous save's shards or index would shadow (or mix with) the new weights.
+    for stale in [*path.glob("model-*-of-*.safetensors"), path / "model.safetensors",
+                  path / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, value in model.state_dict().items():
+        items = _official_tensors(name, value) if quantization == "official" else [(name, value)]
+        for key, tensor in items:
+            nbytes = tensor.numel() * tensor.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][key] = tensor.detach().contiguous().cpu()
+            size += nbytes
+    written = []
+    if len(shards) == 1:
+        written.append(path / "model.safetensors")
+        save_file(shards[0], written[0], metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            file = path / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, file, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file.name))
+            written.append(file)
+        index = path / "model.safetensors.index.json"
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        written.append(index)
+    return written
