@@ -40,14 +40,28 @@ def kv_section(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def params_section(model) -> tuple[dict[str, int], dict[str, int]]:
+    """Parameter counts (``params``) and loaded sizes in bytes (``memory``) of a model built on ``meta``."""
+    from deepseek_v41.analysis.params import count_params, loaded_bytes
+
+    return count_params(model), {"loaded_bytes_bf16": loaded_bytes(model, 2),
+                                 "loaded_bytes_fp32": loaded_bytes(model, 4)}
+
+
 def build_report(cfg: ModelConfig, name: str = "") -> dict[str, Any]:
     """Everything ``dsv41 report`` prints, as a JSON-ready dict."""
+    from deepseek_v41.analysis.params import build_on_meta
+
     plan = build_layer_plan(cfg)
+    model = build_on_meta(cfg)
+    params, memory = params_section(model)
     return {
         "config": name,
         "layers": {"num_hidden_layers": cfg.num_hidden_layers, "ced": plan.ced, "ced_reason": plan.ced_reason,
                    "roles": {s.layer_id: s.role.value for s in plan.layers}},
         "kv": kv_section(cfg),
+        "params": params,
+        "memory": memory,
     }
 
 
@@ -85,6 +99,25 @@ def print_report(report: dict[str, Any]) -> None:
     for model, value in kv["generations"].items():
         gens.add_row(model, f"{value:,.2f}", f"{value / ours:,.1f}")
     console.print(gens)
+    params = Table(title="Parameters (counted from the modules built on meta)")
+    params.add_column("group")
+    params.add_column("parameters", justify="right")
+    for key, label in (("backbone", "backbone"), ("engram", "Engram tables"), ("dspark", "DSpark draft"),
+                       ("vision", "vision tower + aligner"), ("total", "total stored"),
+                       ("active_prefill", "active per prefill token (CED)"),
+                       ("active_decode", "active per decode token")):
+        params.add_row(label, _human(report["params"][key]))
+    for key, label in (("loaded_bytes_bf16", "memory as loaded, bf16 (Engram tables FP8)"),
+                       ("loaded_bytes_fp32", "memory as loaded, fp32 (Engram tables FP8)")):
+        params.add_row(label, _human(report["memory"][key], "B"))
+    console.print(params)
+
+
+def _human(value: float, unit: str = "") -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "G" if unit else "B"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= scale:
+            return f"{value / scale:,.2f}{suffix}{unit}"
+    return f"{value:,}{unit}"
 
 
 def plot_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
