@@ -24,8 +24,9 @@ test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -m "not slow"
 
+# pytest exits 5 when no test carries the mark; that is not a failure.
 test-slow: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -m slow || [ $$? -eq 5 ]
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
