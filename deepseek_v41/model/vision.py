@@ -14,9 +14,9 @@ Choices on the points MODEL_REFERENCE.md §9 leaves open:
 - **Patch embedding name (§9 item 8).** Canonical: ``vision.patch_embed.proj.weight`` / ``.bias`` (a ``proj``
   Linear inside ``patch_embed``). Three public V4.1 tensor inventories (one counts the released shards' 266
   vision tensors, 970,536,960 bf16 bytes = the 485,268,480 parameters built here) and every port of the V4
-  vision tower spell it so; one V4.1 spec writes ``vision.patch_embed.weight``. That spelling is accepted as an alias: :data:`CHECKPOINT_ALIASES`
-  / :func:`checkpoint_name_candidates` for loaders that look tensors up by name, and a ``load_state_dict``
-  pre-hook on :class:`PatchEmbed` for plain state dicts.
+  vision tower spell it so; one V4.1 spec writes ``vision.patch_embed.weight``. That spelling is accepted as an
+  alias: :data:`CHECKPOINT_ALIASES` / :func:`checkpoint_name_candidates` for loaders that look tensors up by
+  name, and a ``load_state_dict`` pre-hook on :class:`PatchEmbed` for plain state dicts.
 - **2-D RoPE (§3.18, §9 item 7) [?].** Half-split ("rotate-half") rotation over the *whole* 64-d head: channel j
   is paired with channel j + 32 (j < 32) and the pair is rotated by angle ``a_j``. The 32 angles are
   ``[row * f_0 .. row * f_15 | col * f_0 .. col * f_15]`` with ``f_k = rope_theta^(-2k / 32)`` and (row, col)
