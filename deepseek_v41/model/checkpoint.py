@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from deepseek_v41.config import ModelConfig
+from deepseek_v41.model.vision import checkpoint_name_candidates
 from deepseek_v41.quant import (
     dequantize_fp4_expert_weight,
     dequantize_fp8_weight,
@@ -160,12 +161,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
         cfg.quantization_config and cfg.quantization_config.weight_block_size) else (32, 32)
     reader = _Reader(files)
     problems, tensors = [], {}
+    aliases = {}
     for name, like in expected.items():
-        if name not in files:
+        stored = next((n for n in checkpoint_name_candidates(name) if n in files), None)
+        if stored is None:
             problems.append(f"missing tensor {name} (expected shape {list(like.shape)})")
             continue
+        aliases[stored] = name
         try:
-            value = _decode(name, reader, dtype, block)
+            value = _decode(stored, reader, dtype, block)
         except ValueError as exc:
             problems.append(f"tensor {name} {exc}")
             continue
@@ -173,7 +177,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
             problems.append(f"tensor {name} has shape {list(value.shape)}, the model expects {list(like.shape)}")
             continue
         tensors[name] = value.to(device)
-    consumed = set(expected) | {n[: -len("weight")] + "scale" for n in expected if n.endswith(".weight")}
+    # The .scale of a weight that is missing or mis-shaped is not "unexpected": the weight's problem says it all.
+    named = set(aliases) | {c for name in expected for c in checkpoint_name_candidates(name)}
+    consumed = named | {n[: -len("weight")] + "scale" for n in named if n.endswith(".weight")}
     for name in sorted(set(files) - consumed):
         problems.append(f"unexpected tensor {name} in {files[name].name}")
     if problems:

@@ -82,11 +82,20 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, spec) for spec in self.plan.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.vision_config is not None:
+            from deepseek_v41.model.vision import add_vision
+
+            add_vision(self, config)  # vision.*, aligner.*, image_start / newline / end (MODEL_REFERENCE.md §8)
         self.hasher = None
         if config.engram_layer_ids:
             from deepseek_v41.model.engram import EngramHasher
 
             self.hasher = EngramHasher(config)
+        self.mtp = None
+        if config.num_nextn_predict_layers:
+            from deepseek_v41.model.dspark import DSparkDraft
+
+            self.mtp = DSparkDraft(config)  # mtp.*: the DSpark draft; it shares embed and head (DSPARK.md §1)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -113,9 +122,18 @@ class Transformer(nn.Module):
         return save_pretrained(self, path, quantization, max_shard_bytes)
 
     # ------------------------------------------------------------------ pieces the engine composes
-    def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token embeddings repeated into the hc streams [B, T, hc, D] and the first block's one-hot ``pre``."""
+    def embed_streams(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None,
+                      images: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token embeddings repeated into the hc streams [B, T, hc, D] and the first block's one-hot ``pre``.
+
+        With ``images`` (preprocessed, see :mod:`deepseek_v41.model.image_processor`) and ``token_types``
+        [B, T], image spans get the aligner's rows and the learned delimiters (MODEL_REFERENCE.md §3.18).
+        """
         h = self.embed(input_ids)
+        if images:
+            from deepseek_v41.model.vision import embed_images
+
+            h, _ = embed_images(self, h, token_types, images)
         B, T, D = h.shape
         hc = self.config.hc_mult
         streams = h[:, :, None, :].expand(B, T, hc, D).contiguous()
@@ -142,11 +160,19 @@ class Transformer(nn.Module):
         x = self.norm(collapse(streams, pre))
         return (x.float() @ self.head.weight.float().t())
 
-    def forward(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Exact forward: input_ids [B, T] long, image_mask [B, T] bool (image tokens) -> logits [B, T, V] fp32.
+    def forward(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None,
+                token_types: torch.Tensor | None = None, images: list | None = None) -> torch.Tensor:
+        """Exact forward: input_ids [B, T] long -> logits [B, T, V] fp32.
 
-        Raises ValueError for ids outside the vocabulary or a mask of the wrong shape.
+        ``image_mask`` [B, T] bool marks image tokens (routed with ``bias_vl``, masked out of Engram); with
+        ``token_types`` [B, T] (image span roles, -1 = text) and ``images`` the vision path fills the spans and the
+        mask is derived from the types. Raises ValueError for ids outside the vocabulary or a mask of the wrong
+        shape.
         """
+        if token_types is not None:
+            from deepseek_v41.model.vision import image_token_mask
+
+            image_mask = image_token_mask(token_types.to(input_ids.device))
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         if image_mask is not None and image_mask.shape != input_ids.shape:
@@ -159,6 +185,6 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         ctx = DenseContext(B, T, input_ids.device, self.fake_quant)
         rows = self.hasher(input_ids, image_mask) if self.hasher is not None else None
-        streams, pre = self.embed_streams(input_ids)
+        streams, pre = self.embed_streams(input_ids, token_types, images)
         streams, pre = self.run_layers(range(len(self.layers)), streams, pre, ctx, image_mask, rows)
         return self.logits(streams, pre)

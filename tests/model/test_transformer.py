@@ -37,7 +37,7 @@ def test_fake_quant_is_switchable(model):
         off = model(ids)
         model.fake_quant = True
     assert not torch.equal(on, off)
-    assert (on - off).abs().max() < 0.2 * off.abs().max()
+    assert (on - off).norm() < 0.3 * off.norm()  # the same model, seen through the quantizer
 
 
 def test_runs_on_meta_and_in_bf16():
@@ -65,3 +65,35 @@ def test_bad_input_is_refused(model):
         model(torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="image_mask shape"):
         model(torch.tensor([[0, 1]]), image_mask=torch.tensor([[True]]))
+
+
+def test_images_enter_through_the_vision_path(tmp_path):
+    import numpy as np
+
+    from deepseek_v41 import load_model
+    from deepseek_v41.config import VisionConfig
+    from deepseek_v41.model.image_processor import expand_image_placeholders, preprocess_image
+
+    cfg = tiny_config().replace(image_token_id=500, vision_config=VisionConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=48, min_pixels=28 * 28 * 4,
+        max_image_tokens=64))
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.ffn.gate.bias_vl.normal_(0, 1.0)  # image tokens route differently from text
+    rng = np.random.RandomState(0)
+    images = [preprocess_image((rng.rand(60, 90, 3) * 255).astype(np.uint8), cfg.vision_config) for _ in range(2)]
+    ids, types = expand_image_placeholders([0, 5, 500, 7, 8], [images[0].grid], 500)
+    ids, types = torch.tensor([ids]), torch.tensor([types])
+    with torch.no_grad():
+        out = model(ids, token_types=types, images=[images[0]])
+        other = model(ids, token_types=types, images=[images[1]])
+        text_only = model(ids)
+    span = (types[0] >= 0).nonzero()
+    first = int(span[0])
+    assert (out[:, :first] - other[:, :first]).abs().max() < 1e-5  # causal: text before the image is untouched
+    assert (out[:, first:] - other[:, first:]).abs().max() > 1e-3  # the pixels matter
+    assert (out[:, first:] - text_only[:, first:]).abs().max() > 1e-3
+    model.save_pretrained(tmp_path)
+    assert torch.equal(load_model(tmp_path)(ids, token_types=types, images=[images[0]]), out)
