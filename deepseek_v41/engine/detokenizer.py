@@ -1,0 +1,221 @@
+"""Incremental detokenization and the stop checks of one output sequence.
+
+``IncrementalDetokenizer.append`` takes the tokens accepted in one engine step (one, or several under
+speculative decoding) and returns the text to stream, whether the sequence finished, why, and how many of the
+given tokens to keep. Per token, in order (vLLM v1 ``check_stop`` and ``Detokenizer.update``):
+  1. a stop token (EOS unless ``ignore_eos``, or one of ``stop_token_ids``) once at least ``min_tokens`` tokens
+     exist -> finish "stop"; the token is kept, its text dropped unless ``include_stop_str_in_output``;
+  2. its text is decoded; if a stop string now ends in the text (only checked once more than ``min_tokens``
+     tokens exist) -> finish "stop", the text cut before the stop string (after it with
+     ``include_stop_str_in_output``), and this token is the last one kept;
+  3. ``max_tokens`` reached -> finish "length".
+A stop wins over "length" on the same token, as in current vLLM. Tokens after the finishing one are dropped
+(``kept`` < ``len(token_ids)``).
+
+Cost per call is O(new tokens): text comes from decoding a small window of ids (vLLM's prefix/read offsets:
+``decode(window + new)`` minus ``decode(window)``), stop strings are searched only in the new text plus the
+last ``max(len(stop)) - 1`` characters, and emitted text is kept as a list of chunks.
+
+Streaming rules: a token whose text ends in U+FFFD (an incomplete UTF-8 sequence split over byte tokens) emits
+nothing until a later token completes the character; text that could still be the start of a stop string is held
+back (the longest suffix that is a proper prefix of a stop string, so at most ``len(stop) - 1`` characters) and
+flushed when the sequence finishes. The concatenation of everything streamed equals ``output_text``.
+
+When several stop strings match, the one completed first in the text wins; of those ending at the same
+character, the longest (so "foobar" beats "bar"). A stop string that is a prefix of another always wins.
+
+Source: SPEC.md §4.4; vLLM ``vllm/v1/engine/detokenizer.py``, ``vllm/v1/core/sched/utils.py``; DSPARK.md §6.2
+(EOS inside an accepted block truncates right after it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+from tokenizers import Tokenizer
+
+from deepseek_v41.engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length"]
+
+# Prompt tokens decoded in front of the first output token, so that decoders that drop a leading space at the
+# start of a text (Metaspace) render the first output token as they would mid-sequence (vLLM uses 5).
+_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class DetokenizerUpdate(NamedTuple):
+    """Result of :meth:`IncrementalDetokenizer.append`; unpacks as ``(new_text, finished, finish_reason, kept)``."""
+
+    new_text: str  # text to stream now
+    finished: bool
+    finish_reason: FinishReason | None  # "stop" or "length" once finished
+    kept: int  # how many of the appended tokens belong to the output (the rest come after the finish)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of accepted token ids into streamed text and decides when the sequence finishes.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer``, or None for a token-id-only model (no text; no stop strings).
+        prompt_token_ids: the prompt; its last few tokens give the first output token its context.
+        params: the request's :class:`SamplingParams` (stop, stop_token_ids, ignore_eos, max_tokens, min_tokens,
+            include_stop_str_in_output, skip_special_tokens).
+        eos_token_id: the model's EOS id; None = no EOS.
+        max_tokens: an engine cap on generated tokens (e.g. ``max_model_len - len(prompt)``); the smaller of it
+            and ``params.max_tokens`` applies. None = only ``params.max_tokens``.
+
+    Attributes:
+        output_token_ids: the kept output ids so far.
+        finished, finish_reason: as last returned.
+        stop_reason: the stop string or stop token id that finished the sequence (None for EOS or length).
+
+    Raises:
+        ValueError: stop strings without a tokenizer.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                 eos_token_id: int | None = None, max_tokens: int | None = None):
+        if params.stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        self.tokenizer = tokenizer
+        self.params = params
+        caps = [m for m in (params.max_tokens, max_tokens) if m is not None]
+        self.max_tokens = min(caps) if caps else None
+        self._eos = None if params.ignore_eos else eos_token_id
+        self._stop_ids = frozenset(params.stop_token_ids)
+        self._stops: list[str] = list(params.stop)
+        self._stop_window = max((len(s) for s in self._stops), default=1) - 1
+        self._stop_prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
+        # With the stop string kept in the output the cut is at its end, after all text already streamed,
+        # so nothing needs holding back.
+        self._hold_back = bool(self._stops) and not params.include_stop_str_in_output
+
+        self.output_token_ids: list[int] = []
+        self.finished = False
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+        self._chunks: list[str] = []  # text streamed so far
+        self._pending = ""  # decoded text held back: it could still begin a stop string
+        self._recent = ""  # the last _stop_window characters of all decoded text, where a new match may start
+        self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]) if tokenizer is not None else []
+        self._prefix_offset = 0  # _ids[prefix_offset:read_offset] is the decoding context
+        self._read_offset = len(self._ids)  # ids from here on have not produced text yet
+
+    @property
+    def output_text(self) -> str:
+        """All text decoded so far, held-back text included (the final text once finished)."""
+        if len(self._chunks) > 1:
+            # Collapse the chunks so that calling this every step joins only what arrived since the last call.
+            self._chunks = ["".join(self._chunks)]
+        return (self._chunks[0] if self._chunks else "") + self._pending
+
+    def append(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
+        """Add the tokens accepted in one step; returns ``(new_text, finished, finish_reason, kept)``.
+
+        Args:
+            token_ids: accepted ids in order (speculative decoding may accept several at once).
+
+        Returns:
+            :class:`DetokenizerUpdate`; ``kept`` counts the leading ``token_ids`` that belong to the output: all of
+            them unless the sequence finished before the last one.
+
+        Raises:
+            RuntimeError: the sequence already finished.
+        """
+        if self.finished:
+            raise RuntimeError(f"append() after the sequence finished ({self.finish_reason}); "
+                               f"drop the request instead of feeding it more tokens")
+        emitted: list[str] = []
+        kept = 0
+        min_tokens = self.params.min_tokens
+        for token in token_ids:
+            kept += 1
+            self.output_token_ids.append(token)
+            n = len(self.output_token_ids)
+            if n >= min_tokens and (token == self._eos or token in self._stop_ids):
+                self._finish("stop", None if token == self._eos else token)
+                if self.params.include_stop_str_in_output:
+                    emitted.append(self._push(self._decode_next(token), check=False)[0])
+                break
+            text, stop = self._push(self._decode_next(token), check=n > min_tokens)
+            emitted.append(text)
+            if stop is not None:
+                self._finish("stop", stop)
+                break
+            if self.max_tokens is not None and n >= self.max_tokens:
+                self._finish("length", None)
+                break
+        if self.finished:
+            emitted.append(self._flush())
+        return DetokenizerUpdate("".join(emitted), self.finished, self.finish_reason, kept)
+
+    def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:
+        self.finished = True
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def _decode_next(self, token: int) -> str:
+        """Text that ``token`` completes, or "" while it ends inside a character or adds no text."""
+        if self.tokenizer is None:
+            return ""
+        self._ids.append(token)
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full[len(prefix):]
+
+    def _push(self, text: str, check: bool) -> tuple[str, str | None]:
+        """Add decoded text; returns (text to stream now, the stop string that ended the output or None)."""
+        if not text:
+            return "", None
+        window = self._recent + text
+        base = len(self._recent)
+        if check and self._stops:
+            match: tuple[int, int, str] | None = None  # (end, start, stop string) of the winning match
+            for stop in self._stops:
+                # A match must end inside the new text; it may start up to len(stop) - 1 characters before it.
+                start = window.find(stop, max(0, base - len(stop) + 1))
+                end = start + len(stop)
+                if start >= 0 and (match is None or end < match[0] or (end == match[0] and start < match[1])):
+                    match = (end, start, stop)
+            if match is not None:
+                end, start, stop = match
+                cut = end if self.params.include_stop_str_in_output else start
+                # Held-back text starts at base - len(pending); a match starting in older text would have been
+                # a held-back prefix, so the cut never falls inside text already streamed.
+                out = window[base - len(self._pending):cut]
+                self._pending = ""
+                self._chunks.append(out)
+                return out, stop
+        pending = self._pending + text
+        self._recent = window[max(0, len(window) - self._stop_window):] if self._stop_window else ""
+        hold = self._held_suffix(pending) if self._hold_back else 0
+        out, self._pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
+        self._chunks.append(out)
+        return out, None
+
+    def _held_suffix(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        for length in range(min(len(text), self._stop_window), 0, -1):
+            if text[-length:] in self._stop_prefixes:
+                return length
+        return 0
+
+    def _flush(self) -> str:
+        """At finish: release held-back text and any incomplete character (decoded as U+FFFD)."""
+        tail = ""
+        if self.tokenizer is not None and self._read_offset < len(self._ids):
+            prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            tail = self._decode(self._ids[self._prefix_offset:])[len(prefix):]
+            self._read_offset = len(self._ids)
+        out = self._pending + tail
+        self._pending = ""
+        self._chunks.append(out)
+        return out
