@@ -61,10 +61,27 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
     return scores.masked_fill(n[None, None, :] >= visible[..., None], float("-inf"))
 
 
+def topk_set(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [..., k] of the ``k`` largest ``scores`` [..., N], in ascending index order; ties at the k-th place
+    go to the lowest indices.
+
+    FP4-quantized queries and keys and the ReLU make exact ties common; ``torch.topk`` breaks them differently for
+    different tensor sizes, which would make a sequence's picks depend on its batch, its chunking or the total
+    length. This selection depends only on the scores.
+    """
+    n = scores.shape[-1]
+    threshold = torch.topk(scores, k, dim=-1).values[..., -1:]
+    greater = scores > threshold
+    tied = scores == threshold
+    chosen = greater | (tied & (tied.cumsum(-1) <= k - greater.sum(-1, keepdim=True)))
+    key = torch.where(chosen, n - torch.arange(n, device=scores.device), 0)
+    return torch.topk(key, k, dim=-1).indices
+
+
 def topk_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The best ``k`` entries per query [B, c, k] long, best first; -1 where the pick is not visible."""
-    values, idx = torch.topk(scores, k, dim=-1)
-    return idx.masked_fill(values == float("-inf"), -1)
+    """The best ``k`` entries per query [B, c, k] long (ascending index); -1 where the pick is not visible."""
+    idx = topk_set(scores, k)
+    return idx.masked_fill(scores.gather(-1, idx) == float("-inf"), -1)
 
 
 def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block: int, keep: int) -> torch.Tensor:
@@ -76,9 +93,9 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block: int, ke
     newest = ((visible - 1) // block).clamp(min=0)
     forced = torch.arange(nblocks, device=scores.device)[None, None, :] == newest[..., None]
     block_scores = block_scores.masked_fill(forced & (visible[..., None] > 0), float("inf"))
-    values, chosen = torch.topk(block_scores, min(keep, nblocks), dim=-1)
+    chosen = topk_set(block_scores, min(keep, nblocks))
     mask = torch.zeros_like(block_scores, dtype=torch.bool)
-    return mask.scatter_(-1, chosen, values > float("-inf"))
+    return mask.scatter_(-1, chosen, block_scores.gather(-1, chosen) > float("-inf"))
 
 
 def pool_mask(blocks: torch.Tensor, block: int, n_entries: int) -> torch.Tensor:

@@ -143,16 +143,18 @@ class Transformer(nn.Module):
 
     def run_layers(self, layers: range, streams: torch.Tensor, pre: torch.Tensor, ctx,
                    image_mask: torch.Tensor | None = None, engram_rows: dict[int, torch.Tensor] | None = None,
-                   taps: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   taps: dict[int, torch.Tensor] | None = None,
+                   skip_compress: set[int] | frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``layers`` in order. ``engram_rows[layer]`` [B, T, columns] feeds Engram layers; ``taps``, when
-        given, receives each layer's input residual streams (DSpark target features)."""
+        given, receives each layer's input residual streams (DSpark target features); layers in
+        ``skip_compress`` do not run their compressor (CED: it already ran over every token)."""
         for j in layers:
             block = self.layers[j]
             if block.engram is not None:
                 streams = block.engram(streams, engram_rows[j], image_mask)
             if taps is not None:
                 taps[j] = streams
-            streams, pre = block(streams, pre, ctx, image_mask)
+            streams, pre = block(streams, pre, ctx, image_mask, compress=j not in skip_compress)
         return streams, pre
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""The engine's KV storage: paged global KV pools, FP8 window rings, pending pairs, Engram history (SPEC.md §4.1).
+
+- **Global KV** (paged): for each kv-source layer, main entries as packed FP4 codes + E4M3 scales and index keys
+  as packed FP4 codes + UE8M0 scales, ``[num_pages, block_size / ratio, ...]`` uint8 — no dequantized copy.
+  Entry g of a ratio-m layer lives in the page holding token g*m, at slot ``g mod (block_size / m)``.
+- **Window rings**, per sequence slot and layer: ``sliding_window + window_slack_rows`` rows of FP8 codes + UE8M0
+  scales, and the position each row holds (-1 = empty). Row of position p: ``p mod rows``. A forward reads the
+  rows of earlier positions first, then writes its own; rows of tokens that are later rejected (speculative
+  decoding) hold positions beyond the committed length, so no query ever reads them, and the slack guarantees
+  they only overwrite rows no query still needs.
+- **Pending pairs** of ratio-2 kv sources (kv and score of the open pair's first token, fp32) and the **Engram
+  history** (the last ``max_ngram - 1`` compressed ids), per slot.
+
+Allocated bytes are measured from the tensors (:meth:`PagedKVCache.allocated_bytes_per_token`), so the 890 B of
+the official config is a reading of real pool tensors (built on ``meta`` for the official sizes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepseek_v41.cache.block_manager import BlockManager
+from deepseek_v41.cache.layout import INDEX_KEY_FORMAT, MAIN_KV_FORMAT, WINDOW_KV_FORMAT
+from deepseek_v41.config import ModelConfig
+from deepseek_v41.plan import build_layer_plan
+
+
+class PagedKVCache:
+    """All KV tensors of an engine: ``num_pages`` pages of ``block_size`` tokens and ``num_slots`` sequence slots.
+
+    Raises ValueError when ``block_size`` is not a multiple of every compress ratio or the slack is negative.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, block_size: int, num_slots: int,
+                 window_slack_rows: int = 16, device: torch.device | str = "cpu"):
+        plan = build_layer_plan(cfg)
+        ratios = sorted({s.compress_ratio for s in plan.layers if s.is_kv_source})
+        if block_size <= 0 or any(block_size % m for m in ratios):
+            raise ValueError(f"block_size must be a positive multiple of every compress ratio {ratios}, "
+                             f"got {block_size}")
+        if window_slack_rows < 0:
+            raise ValueError(f"window_slack_rows must be >= 0, got {window_slack_rows}")
+        self.config, self.plan = cfg, plan
+        self.block_size, self.num_pages, self.num_slots = block_size, num_pages, num_slots
+        self.device = torch.device(device)
+        self.blocks = BlockManager(num_pages, block_size)
+        d, di = cfg.head_dim, cfg.index_head_dim
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.ratio = {s.layer_id: s.compress_ratio for s in plan.layers if s.is_kv_source}
+        # Global KV pools, per kv-source layer: (main codes, main scales, index codes, index scales).
+        self.pools: dict[int, tuple[torch.Tensor, ...]] = {}
+        for layer, m in self.ratio.items():
+            e = block_size // m
+            self.pools[layer] = (
+                torch.zeros(num_pages, e, d // 2, **u8), torch.zeros(num_pages, e, d // MAIN_KV_FORMAT.block, **u8),
+                torch.zeros(num_pages, e, di // 2, **u8), torch.zeros(num_pages, e, di // INDEX_KEY_FORMAT.block, **u8))
+        # Window rings of every backbone layer.
+        self.window_rows = cfg.sliding_window + window_slack_rows
+        L, R = cfg.num_hidden_layers, self.window_rows
+        self.window_codes = torch.zeros(num_slots, L, R, d, **u8)
+        self.window_scales = torch.zeros(num_slots, L, R, d // WINDOW_KV_FORMAT.block, **u8)
+        self.window_pos = torch.full((num_slots, L, R), -1, dtype=torch.int32, device=device)
+        # Ratio-2 pending pairs and Engram history.
+        self.pending_layers = [layer for layer, m in self.ratio.items() if m == 2]
+        self.pending = torch.zeros(num_slots, max(1, len(self.pending_layers)), 2, d, dtype=torch.float32,
+                                   device=device)
+        depth = max(1, cfg.engram_max_ngram_size - 1) if cfg.engram_layer_ids else 1
+        self.engram_history = torch.full((num_slots, depth), -1, dtype=torch.int64, device=device)
+        self.free_slots = list(range(num_slots))
+
+    # ------------------------------------------------------------------ accounting (SPEC.md §4.1)
+    def global_tensors(self) -> list[torch.Tensor]:
+        return [t for pool in self.pools.values() for t in pool]
+
+    @property
+    def global_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.global_tensors())
+
+    @property
+    def allocated_bytes_per_token(self) -> float:
+        """Σ nbytes of the global-KV pool tensors ÷ (pages × page size)."""
+        return self.global_bytes / (self.num_pages * self.block_size)
+
+    @property
+    def window_bytes_per_slot_allocated(self) -> int:
+        """Window ring bytes of one sequence slot as allocated (rows incl. slack, scales, row positions)."""
+        tensors = (self.window_codes, self.window_scales, self.window_pos)
+        return sum(t.numel() * t.element_size() for t in tensors) // self.num_slots
+
+    @property
+    def window_bytes_per_slot_logical(self) -> int:
+        """Window bytes a sequence needs: layers × ``sliding_window`` × row bytes."""
+        cfg = self.config
+        return cfg.num_hidden_layers * cfg.sliding_window * WINDOW_KV_FORMAT.nbytes(cfg.head_dim)
+
+    # ------------------------------------------------------------------ slots
+    def acquire_slot(self) -> int:
+        """A free sequence slot, reset (empty window rings, no pending pair, fresh Engram history).
+
+        Raises RuntimeError when every slot is taken (the scheduler never asks for more than ``num_slots``).
+        """
+        if not self.free_slots:
+            raise RuntimeError("no free sequence slot")
+        slot = self.free_slots.pop(0)
+        self.window_pos[slot] = -1
+        self.pending[slot] = 0
+        self.engram_history[slot] = -1
+        return slot
+
+    def release_slot(self, slot: int) -> None:
+        self.free_slots.append(slot)
+        self.free_slots.sort()

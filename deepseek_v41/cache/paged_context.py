@@ -1,0 +1,118 @@
+"""The engine's KV context: attention reads and writes the packed paged cache (SPEC.md §4.1).
+
+Implements the context protocol of :mod:`deepseek_v41.model.context` over :class:`~deepseek_v41.cache.kv_cache.
+PagedKVCache`: window rows and compressed entries are quantized to their byte layouts when written and
+dequantized right before attention — for compressed entries, only the ones the indexer selected. The values
+attention sees are exactly the reference fake-quant values (dequantize(quantize(x))).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepseek_v41.cache.block_manager import BlockManager
+from deepseek_v41.cache.kv_cache import PagedKVCache
+from deepseek_v41.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
+
+
+class PagedContext:
+    """KV context of one forward over rows ``slots`` (sequence slots) with block tables ``tables``.
+
+    ``positions`` [B, T]: absolute positions of the new tokens (each row consecutive); ``ends``: per row, the
+    position after its last new token (Python ints, so shapes never depend on tensor values: the forward also
+    runs on ``meta``); ``dtype``: the dtype attention computes in.
+    """
+
+    def __init__(self, cache: PagedKVCache, slots: list[int], tables: list[list[int]], positions: torch.Tensor,
+                 ends: list[int], dtype: torch.dtype):
+        self.cache = cache
+        self.positions = positions
+        self.fake_quant = True  # the indexer query is quantized as in the reference
+        self.shared: dict[Any, torch.Tensor] = {}
+        self.dtype = dtype
+        self.ends = ends
+        device = cache.device
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
+        width = max(1, max(len(t) for t in tables))
+        padded = [t + [BlockManager.NULL_PAGE] * (width - len(t)) for t in tables]
+        self.tables = torch.tensor(padded, dtype=torch.long, device=device)
+
+    # ------------------------------------------------------------------ window rings
+    def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.cache
+        R = cache.window_rows
+        B, T, _ = kv.shape
+        codes = cache.window_codes[self.slots, layer]
+        scales = cache.window_scales[self.slots, layer]
+        row_pos = cache.window_pos[self.slots, layer].long()
+        prev = dequantize_fp8(codes, scales, 32, "ue8m0", dtype=kv.dtype)
+        start = self.positions[:, :1]
+        prev_pos = torch.where((row_pos >= 0) & (row_pos < start), row_pos, -1)
+        new_codes, new_scales = quantize_fp8(kv, 32, "ue8m0")
+        new = dequantize_fp8(new_codes, new_scales, 32, "ue8m0", dtype=kv.dtype)
+        # Write after reading: a long chunk may wrap the ring over rows its own first queries read above.
+        tail = min(T, R)
+        pos = self.positions[:, T - tail:]
+        rows = pos % R
+        slot = self.slots[:, None]
+        cache.window_codes[slot, layer, rows] = new_codes[:, T - tail:]
+        cache.window_scales[slot, layer, rows] = new_scales[:, T - tail:]
+        cache.window_pos[slot, layer, rows] = pos.to(torch.int32)
+        return torch.cat((prev, new), 1), torch.cat((prev_pos, self.positions), 1)
+
+    # ------------------------------------------------------------------ ratio-2 pending pairs
+    def pending(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if layer not in self.cache.pending_layers:
+            return None  # ratio 1: no open pair
+        k = self.cache.pending_layers.index(layer)
+        state = self.cache.pending[self.slots, k]
+        return state[:, 0], state[:, 1]
+
+    def set_pending(self, layer: int, state: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        if state is None or layer not in self.cache.pending_layers:
+            return
+        k = self.cache.pending_layers.index(layer)
+        self.cache.pending[self.slots, k] = torch.stack(state, 1).float()
+
+    # ------------------------------------------------------------------ compressed entries and index keys
+    def _locate(self, layer: int, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, slot-in-page) of entries ``group`` [B, ...] (-1 -> the reserved null page)."""
+        m = self.cache.ratio[layer]
+        per_page = self.cache.block_size // m
+        g = group.clamp(min=0)
+        col = (g * m) // self.cache.block_size
+        page = self.tables.gather(1, col.reshape(col.shape[0], -1)).view(col.shape)
+        page = torch.where(group >= 0, page, BlockManager.NULL_PAGE)
+        return page, g % per_page
+
+    def add_entries(self, layer: int, entries: torch.Tensor, index_keys: torch.Tensor, group: torch.Tensor) -> None:
+        main_codes, main_scales, idx_codes, idx_scales = self.cache.pools[layer]
+        page, slot = self._locate(layer, group)
+        codes, scales = quantize_fp4(entries, 16, "e4m3")
+        main_codes[page, slot] = codes
+        main_scales[page, slot] = scales
+        codes, scales = quantize_fp4(index_keys, 32, "ue8m0")
+        idx_codes[page, slot] = codes
+        idx_scales[page, slot] = scales
+
+    def num_entries(self, layer: int) -> int:
+        """Entries of kv source ``layer`` visible at the end of this forward, over the batch (max)."""
+        return max(self.ends) // self.cache.ratio[layer]
+
+    def index_keys(self, layer: int) -> torch.Tensor:
+        n = self.num_entries(layer)
+        _, _, idx_codes, idx_scales = self.cache.pools[layer]
+        per_page = self.cache.block_size // self.cache.ratio[layer]
+        pages = self.tables[:, : -(-n // per_page)] if n else self.tables[:, :0]
+        B = pages.shape[0]
+        codes = idx_codes[pages].reshape(B, -1, idx_codes.shape[-1])[:, :n]
+        scales = idx_scales[pages].reshape(B, -1, idx_scales.shape[-1])[:, :n]
+        return dequantize_fp4(codes, scales, 32, "ue8m0", dtype=torch.float32)
+
+    def gather_entries(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
+        main_codes, main_scales, _, _ = self.cache.pools[layer]
+        page, slot = self._locate(layer, idx)
+        values = dequantize_fp4(main_codes[page, slot], main_scales[page, slot], 16, "e4m3", dtype=self.dtype)
+        return values.masked_fill((idx < 0)[..., None], 0.0)

@@ -1,0 +1,109 @@
+"""``LLM``: the offline entry point, shaped like vLLM's (``generate``, ``chat``, ``SamplingParams``)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepseek_v41.engine.engine import EngineArgs, LLMEngine, load_tokenizer
+from deepseek_v41.engine.sampling_params import SamplingParams
+from deepseek_v41.engine.sequence import RequestOutput
+
+
+class LLM:
+    """Load a model directory (or take a model object) and generate.
+
+    ``LLM(model, dtype=torch.float32, device="cpu", prefill_mode="ced"|"exact", block_size=16, max_num_seqs=64,
+    max_num_batched_tokens=4096, max_model_len=None, num_kv_pages=None, kv_cache_memory_bytes=None,
+    window_slack_rows=16, enforce_eager=True, seed=0, tokenizer=None)``. ``model`` is a path (config.json +
+    safetensors, tokenizer.json when present) or an already built model. ``enforce_eager`` is accepted for
+    vLLM compatibility: the engine is always eager.
+    """
+
+    def __init__(self, model: str | Path | Any, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 tokenizer: Any | None = None, enforce_eager: bool = True, **engine_args: Any):
+        from deepseek_v41.model.checkpoint import load_model
+
+        if isinstance(model, str | Path):
+            path = Path(model)
+            self.model = load_model(path, dtype=dtype, device=device)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        else:
+            self.model = model.eval()
+        unknown = set(engine_args) - set(EngineArgs.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: "
+                            f"{sorted(EngineArgs.__dataclass_fields__)}")
+        self.tokenizer = tokenizer
+        self.engine = LLMEngine(self.model, EngineArgs(**engine_args), tokenizer)
+        self._ids = itertools.count()
+
+    def _prompt_ids(self, prompt: str | dict, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer.json: give prompts as "
+                             "{'prompt_token_ids': [...]}")
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+
+    def generate(self, prompts: str | dict | list, sampling_params: SamplingParams | list | None = None,
+                 use_tqdm: bool = False, add_special_tokens: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (a string, ``{"prompt_token_ids": [...]}`` or a list of them); outputs in
+        prompt order. ``sampling_params`` is one for all or one per prompt (default: greedy-free vLLM defaults).
+        Raises ValueError for bad prompts (before anything runs)."""
+        single = isinstance(prompts, str | dict)
+        prompts = [prompts] if single else list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()]
+        if len(params) == 1:
+            params = params * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        encoded = [self._prompt_ids(p, add_special_tokens) for p in prompts]
+        ids = []
+        for (text, tokens), p in zip(encoded, params, strict=True):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, tokens, p, prompt=text)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list | list[list], sampling_params: SamplingParams | None = None,
+             tools: list | None = None, thinking: bool = False, reasoning_effort: Any = None,
+             drop_thinking: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the official encoder (:func:`deepseek_v41.chat.encode_messages`) and
+        generate. ``messages`` is one conversation (a list of messages) or a list of conversations."""
+        from deepseek_v41.chat import encode_messages
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [encode_messages(c, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort,
+                                   drop_thinking=drop_thinking) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        done: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Processed prompts", unit="req")
+        while len(done) < len(request_ids):
+            for output in engine.step():
+                if output.finished and output.request_id in request_ids and output.request_id not in done:
+                    done[output.request_id] = output
+                    engine.release(output.request_id)
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [done[r] for r in request_ids]
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats

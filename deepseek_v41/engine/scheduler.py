@@ -1,0 +1,138 @@
+"""Continuous batching with chunked prefill and preemption by recompute (SPEC.md §4.4; vLLM's scheduler).
+
+Each step: every running sequence that is decoding gets one token (pages are found for it first, preempting the
+most recently arrived running sequences when the pool is short); the rest of the token budget
+``max_num_batched_tokens`` goes to prefill chunks — first of running sequences, then of waiting ones in arrival
+order (FIFO: a waiting request that does not fit blocks the ones behind it). Preempted sequences free their
+pages and slot and go back to the front of the queue; they later recompute prompt + output. The scheduler
+decides; it never computes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepseek_v41.cache.kv_cache import PagedKVCache
+from deepseek_v41.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: prefill chunks ``(sequence, start, end)`` and sequences decoding one token."""
+
+    prefills: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    """Waiting queue, running list and the per-step plan (see the module docstring)."""
+
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int):
+        self.cache = cache
+        self.blocks = cache.blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = self._plan()
+        # Running prefills can fill the pool between them with no one able to move: free the latest arrival.
+        while out.empty and self.running:
+            victim = self.running[-1]
+            self.preempt(victim)
+            again = self._plan()
+            again.preempted = out.preempted + [victim]
+            out = again
+        return out
+
+    def _plan(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # Decodes first: a running sequence never waits behind new prompts.
+        for seq in [s for s in self.running if not s.needs_prefill]:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted below while making room for an earlier sequence
+            if not self._make_room(seq, seq.num_computed + 1, out):
+                continue
+            out.decodes.append(seq)
+            budget -= 1
+        for seq in [s for s in self.running if s.needs_prefill]:
+            if budget <= 0:
+                break
+            end = self._chunk_end(seq, budget)
+            if end > seq.num_computed:
+                out.prefills.append((seq, seq.num_computed, end))
+                budget -= end - seq.num_computed
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.cache.free_slots:
+            seq = self.waiting[0]
+            end = self._chunk_end(seq, budget)
+            if end <= seq.num_computed:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.slot = self.cache.acquire_slot()
+            self.running.append(seq)
+            out.prefills.append((seq, seq.num_computed, end))
+            budget -= end - seq.num_computed
+        return out
+
+    def _chunk_end(self, seq: Sequence, budget: int) -> int:
+        """End of the next prefill chunk of ``seq`` within ``budget`` tokens and the free pages (grows its table)."""
+        end = min(seq.num_tokens, seq.num_computed + budget)
+        free_tokens = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
+        end = min(end, free_tokens)
+        if end > seq.num_computed:
+            self.blocks.grow(seq.block_table, end)
+        return end
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Grow ``seq``'s pages to ``num_tokens`` positions, preempting later arrivals if needed; False when
+        ``seq`` itself had to be preempted."""
+        while not self.blocks.can_grow(seq.block_table, num_tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            out.decodes = [s for s in out.decodes if s is not victim]
+            if victim is seq:
+                return False
+        self.blocks.grow(seq.block_table, num_tokens)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s pages and slot; it goes back to the front of the queue and will recompute."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished (or aborted) sequence's pages and slot."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        if seq.slot is not None:
+            self.cache.release_slot(seq.slot)
+            seq.slot = None

@@ -1,0 +1,117 @@
+"""A sequence being generated and the outputs users see (vLLM's ``Sequence``, ``RequestOutput``)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
+from deepseek_v41.engine.sampler import Logprob, SamplingState
+from deepseek_v41.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One sample of one request: its tokens, cache bookkeeping and sampling state.
+
+    ``num_computed``: tokens whose KV is in the cache (positions [0, num_computed)). The next forward runs the
+    tokens [num_computed, num_tokens): a prefill chunk, or one token in a decode step. ``decoder_start``: first
+    position the CED decoder runs over (max(0, prompt - sliding_window)), fixed at arrival so that a preempted
+    sequence recomputes exactly what it had.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sampling: SamplingState
+    detokenizer: IncrementalDetokenizer
+    decoder_start: int
+    arrival_time: float = field(default_factory=time.time)
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    new_text: str = ""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.detokenizer.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, start: int, end: int) -> list[int]:
+        """Token ids of positions [start, end) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        ids = self.prompt_token_ids[start:end] if start < n else []
+        if end > n:
+            ids = ids + self.output_token_ids[max(0, start - n): end - n]
+        return ids
+
+    @property
+    def needs_prefill(self) -> bool:
+        """True while more than the last sampled token is left to compute (or nothing was computed yet)."""
+        return self.num_computed == 0 or self.num_tokens - self.num_computed > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request (vLLM's ``CompletionOutput``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (seconds since the epoch) of a request; ``time_to_first_token`` in seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns per prompt (vLLM's ``RequestOutput``).
+
+    ``num_cached_tokens``: prompt tokens served from the prefix cache (0 until prefix caching lands).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
