@@ -28,11 +28,13 @@ from deepseek_v41.plan import build_layer_plan
 class PagedKVCache:
     """All KV tensors of an engine: ``num_pages`` pages of ``block_size`` tokens and ``num_slots`` sequence slots.
 
+    ``state_dtype``: dtype of the pending pairs (fp32 as in the reference; float64 for a float64 model).
     Raises ValueError when ``block_size`` is not a multiple of every compress ratio or the slack is negative.
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, block_size: int, num_slots: int,
-                 window_slack_rows: int = 16, device: torch.device | str = "cpu"):
+                 window_slack_rows: int = 16, device: torch.device | str = "cpu",
+                 state_dtype: torch.dtype = torch.float32):
         plan = build_layer_plan(cfg)
         ratios = sorted({s.compress_ratio for s in plan.layers if s.is_kv_source})
         if block_size <= 0 or any(block_size % m for m in ratios):
@@ -62,7 +64,7 @@ class PagedKVCache:
         self.window_pos = torch.full((num_slots, L, R), -1, dtype=torch.int32, device=device)
         # Ratio-2 pending pairs and Engram history.
         self.pending_layers = [layer for layer, m in self.ratio.items() if m == 2]
-        self.pending = torch.zeros(num_slots, max(1, len(self.pending_layers)), 2, d, dtype=torch.float32,
+        self.pending = torch.zeros(num_slots, max(1, len(self.pending_layers)), 2, d, dtype=state_dtype,
                                    device=device)
         depth = max(1, cfg.engram_max_ngram_size - 1) if cfg.engram_layer_ids else 1
         self.engram_history = torch.full((num_slots, depth), -1, dtype=torch.int64, device=device)

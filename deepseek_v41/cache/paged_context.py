@@ -74,7 +74,7 @@ class PagedContext:
         if state is None or layer not in self.cache.pending_layers:
             return
         k = self.cache.pending_layers.index(layer)
-        self.cache.pending[self.slots, k] = torch.stack(state, 1).float()
+        self.cache.pending[self.slots, k] = torch.stack(state, 1).to(self.cache.pending.dtype)
 
     # ------------------------------------------------------------------ compressed entries and index keys
     def _locate(self, layer: int, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +109,7 @@ class PagedContext:
         B = pages.shape[0]
         codes = idx_codes[pages].reshape(B, -1, idx_codes.shape[-1])[:, :n]
         scales = idx_scales[pages].reshape(B, -1, idx_scales.shape[-1])[:, :n]
-        return dequantize_fp4(codes, scales, 32, "ue8m0", dtype=torch.float32)
+        return dequantize_fp4(codes, scales, 32, "ue8m0", dtype=self.dtype)
 
     def gather_entries(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
         main_codes, main_scales, _, _ = self.cache.pools[layer]

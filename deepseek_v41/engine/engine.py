@@ -72,9 +72,12 @@ class LLMEngine:
         if not 0 < self.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [1, {cfg.max_position_embeddings}] "
                              f"(max_position_embeddings), got {args.max_model_len}")
-        device = next(model.parameters()).device
+        weight = next(model.parameters())
+        device = weight.device
         num_pages = self._num_pages(args, device)
-        self.cache = PagedKVCache(cfg, num_pages, args.block_size, args.max_num_seqs, args.window_slack_rows, device)
+        state_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        self.cache = PagedKVCache(cfg, num_pages, args.block_size, args.max_num_seqs, args.window_slack_rows, device,
+                                  state_dtype)
         self.scheduler = Scheduler(self.cache, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.prefill_mode)
         self.sampler = Sampler()

@@ -17,7 +17,7 @@ from torch import nn
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.model.compressor import Compressor
 from deepseek_v41.model.indexer import QUERY_CHUNK, Indexer, candidate_blocks, index_scores, pool_mask, topk_entries
-from deepseek_v41.model.norm import RMSNorm
+from deepseek_v41.model.norm import RMSNorm, upcast
 from deepseek_v41.model.rope import RotaryEmbedding
 from deepseek_v41.plan import LayerRole, LayerSpec
 
@@ -40,21 +40,21 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
     for i0 in range(0, T, chunk):
         i1 = min(T, i0 + chunk)
         j0 = max(0, i0 - window + 1)
-        k_c = torch.cat((keys[:, :P], keys[:, P + j0: P + i1]), 1).float()
+        k_c = upcast(torch.cat((keys[:, :P], keys[:, P + j0: P + i1]), 1))
         kp = torch.cat((key_pos[:, :P], key_pos[:, P + j0: P + i1]), 1)[:, None, :]
         qp = q_pos[:, i0:i1, None]
         visible = (kp <= qp) & (kp > qp - window) & (kp >= 0)  # [B, c, L]
-        qc = q[:, i0:i1].float()
+        qc = upcast(q[:, i0:i1]).to(k_c.dtype)
         scores = torch.einsum("bchd,bld->bchl", qc, k_c) * scale
         scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
         parts = [scores]
         selected = None
         if topk is not None and topk.shape[-1] > 0:
             idx = topk[:, i0:i1]
-            selected = gather(idx).float()  # [B, c, k, d]
+            selected = gather(idx).to(qc.dtype)  # [B, c, k, d]
             s_c = torch.einsum("bchd,bckd->bchk", qc, selected) * scale
             parts.append(s_c.masked_fill((idx < 0)[:, :, None, :], float("-inf")))
-        parts.append(sink.float().view(1, 1, H, 1).expand(B, i1 - i0, H, 1))
+        parts.append(sink.to(qc.dtype).view(1, 1, H, 1).expand(B, i1 - i0, H, 1))
         probs = torch.softmax(torch.cat(parts, -1), dim=-1)
         L = k_c.shape[1]
         o = torch.einsum("bchl,bld->bchd", probs[..., :L], k_c)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepseek_v41.model.norm import RMSNorm
+from deepseek_v41.model.norm import RMSNorm, upcast
 
 
 class Compressor(nn.Module):
@@ -38,9 +38,9 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             return self.norm(self.wkv(x)), positions, None
         B, T, _ = x.shape
-        xf = x.float()
-        kv = xf @ self.wkv.weight.float().t()
-        score = xf @ self.wgate.weight.float().t()
+        xf = upcast(x)
+        kv = xf @ self.wkv.weight.to(xf.dtype).t()
+        score = xf @ self.wgate.weight.to(xf.dtype).t()
         start = positions[:, :1]  # [B, 1]
         odd = start % 2  # rows whose first token closes a pair opened earlier
         if pending is None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from deepseek_v41.model.engram_hash import EngramHasher, engram_layout
+from deepseek_v41.model.norm import upcast
 from deepseek_v41.quant import dequantize_fp8
 
 # EngramHasher is re-exported so that the model imports both halves of Engram from one place.
@@ -85,11 +86,11 @@ def engram_gate(streams: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, 
     ``dot_i = sum_c norm(h_i)_c * w_i,c * norm(key_i)_c / sqrt(D)`` with ``norm(x) = x * rsqrt(mean(x^2) + eps)``
     over the D channels of one (token, stream); ``g_i = sigmoid(copysign(sqrt(max(|dot_i|, 1e-6)), dot_i))``.
     """
-    h = streams.float()
-    k = key.float()
+    h = upcast(streams)
+    k = key.to(h.dtype)
     h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
     k = k * torch.rsqrt(k.square().mean(-1, keepdim=True) + eps)
-    dot = (h * weight.float() * k).sum(-1) * h.shape[-1] ** -0.5
+    dot = (h * weight.to(h.dtype) * k).sum(-1) * h.shape[-1] ** -0.5
     return torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_FLOOR).sqrt(), dot))
 
 
@@ -137,9 +138,9 @@ class Engram(nn.Module):
         kv = self.wkv(rows.flatten(-2))
         split = self.hc_mult * self.hidden_size
         key = kv[..., :split].unflatten(-1, (self.hc_mult, self.hidden_size))
-        value = kv[..., split:].float().unsqueeze(-2)  # one value for all streams
-        gate = engram_gate(streams, key, self.q_weight.float() * self.k_weight.float(), self.eps)
-        out = (streams.float() + gate.unsqueeze(-1) * value).to(streams.dtype)
+        value = upcast(kv[..., split:]).unsqueeze(-2)  # one value for all streams
+        gate = engram_gate(streams, key, upcast(self.q_weight) * upcast(self.k_weight), self.eps)
+        out = (upcast(streams) + gate.unsqueeze(-1) * value.to(gate.dtype)).to(streams.dtype)
         if mask is None:
             return out
         # where, not gate = 0: h + 0 * value turns -0.0 into +0.0 and inf/nan values into nan.

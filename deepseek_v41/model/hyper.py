@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from deepseek_v41.model.norm import rms_normalize
+from deepseek_v41.model.norm import rms_normalize, upcast
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -29,9 +29,9 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     """Coefficients of one site from streams [B, T, hc, D]: pre [B, T, hc], post [B, T, hc],
     comb [B, T, hc, hc] (all fp32; comb[i, j] moves stream i into stream j)."""
     flat = rms_normalize(streams.flatten(-2), norm_eps)  # [B, T, hc*D]
-    mix = flat @ fn.float().t()  # [B, T, (2+hc)*hc]
+    mix = flat @ fn.to(flat.dtype).t()  # [B, T, (2+hc)*hc]
     pre, post, comb = mix.split([hc, hc, hc * hc], dim=-1)
-    base_pre, base_post, base_comb = base.float().split([hc, hc, hc * hc])
+    base_pre, base_post, base_comb = base.to(flat.dtype).split([hc, hc, hc * hc])
     pre = torch.sigmoid(pre * scale[0] + base_pre) + hc_eps
     post = 2 * torch.sigmoid(post * scale[1] + base_post)
     comb = (comb * scale[2] + base_comb).unflatten(-1, (hc, hc))
@@ -41,10 +41,12 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 def collapse(streams: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``Σ_i w_i R_i``: streams [B, T, hc, D], weights [B, T, hc] -> [B, T, D] in the streams' dtype."""
-    return torch.einsum("bthd,bth->btd", streams.float(), weights.float()).to(streams.dtype)
+    wide = upcast(streams)
+    return torch.einsum("bthd,bth->btd", wide, weights.to(wide.dtype)).to(streams.dtype)
 
 
 def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``R'_j = post_j y + Σ_i comb[i, j] R_i``: streams [B, T, hc, D], y [B, T, D] -> [B, T, hc, D]."""
-    mixed = torch.einsum("btij,btid->btjd", comb.float(), streams.float())
-    return (post.float()[..., None] * y.float()[:, :, None, :] + mixed).to(streams.dtype)
+    wide = upcast(streams)
+    mixed = torch.einsum("btij,btid->btjd", comb.to(wide.dtype), wide)
+    return (post.to(wide.dtype)[..., None] * y.to(wide.dtype)[:, :, None, :] + mixed).to(streams.dtype)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepseek_v41.model.norm import RMSNorm
+from deepseek_v41.model.norm import RMSNorm, upcast
 from deepseek_v41.quant import fake_quant_fp4
 
 QUERY_CHUNK = 256
@@ -43,19 +43,19 @@ class Indexer(nn.Module):
 
     def queries(self, q_lat: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: nn.Module,
                 fake_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries [B, T, Hi, di] fp32 and head weights [B, T, Hi] fp32."""
+        """Queries [B, T, Hi, di] and head weights [B, T, Hi], fp32 (float64 for a float64 model)."""
         B, T, _ = q_lat.shape
         q = rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), positions)
         if fake_quant:
             q = fake_quant_fp4(q, 32, "ue8m0")
-        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
-        return q.float(), w
+        w = upcast(self.weights_proj(x)) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return upcast(q), w
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Masked scores [B, c, N] fp32 for queries q [B, c, Hi, di], weights w [B, c, Hi], keys [B, N, di] and the
     visible entry count of each query ``visible`` [B, c] (scores of entries >= visible are -inf)."""
-    dots = torch.einsum("bchd,bnd->bchn", q, keys.float()).relu_()
+    dots = torch.einsum("bchd,bnd->bchn", q, keys.to(q.dtype)).relu_()
     scores = torch.einsum("bchn,bch->bcn", dots, w)
     n = torch.arange(keys.shape[1], device=keys.device)
     return scores.masked_fill(n[None, None, :] >= visible[..., None], float("-inf"))

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepseek_v41.model.norm import upcast
+
 log = logging.getLogger(__name__)
 
 
@@ -36,8 +38,8 @@ class Expert(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x).float()
-        up = self.w3(x).float()
+        gate = upcast(self.w1(x))
+        up = upcast(self.w3(x))
         if self.swiglu_limit > 0:
             gate = gate.clamp(max=self.swiglu_limit)
             up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
@@ -64,8 +66,9 @@ class Gate(nn.Module):
         self._warned = False
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sqrt(F.softplus(x.float() @ self.weight.float().t()))
-        bias = self.bias.float()
+        xf = upcast(x)
+        scores = torch.sqrt(F.softplus(xf @ self.weight.to(xf.dtype).t()))
+        bias = self.bias.to(xf.dtype)
         if image_mask is not None:
             if self.bias_vl is None:
                 if not self._warned:
@@ -73,7 +76,7 @@ class Gate(nn.Module):
                     self._warned = True
                 vl = bias
             else:
-                vl = self.bias_vl.float()
+                vl = self.bias_vl.to(xf.dtype)
             bias = torch.where(image_mask[:, None], vl, bias)
         indices = torch.topk(scores + bias, self.topk, dim=-1).indices
         weights = scores.gather(-1, indices)
@@ -114,24 +117,25 @@ class MoE(nn.Module):
         indices, weights = self.gate(flat, mask)
         out = self.dispatch(flat, indices, weights)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat).float()
+            out = out + self.shared_experts(flat).to(out.dtype)
         return out.to(x.dtype).reshape(shape)
 
     def dispatch(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Σ_k w_k E_{idx_k}(x) for flat [N, D], indices/weights [N, k] -> fp32 [N, D]."""
+        """Σ_k w_k E_{idx_k}(x) for flat [N, D], indices/weights [N, k] -> [N, D] in the weights' dtype (fp32, or
+        float64 for a float64 model)."""
         k = indices.shape[-1]
         flat_idx = indices.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
         token_of = order // k
-        slot_weight = weights.reshape(-1)[order].float()
+        slot_weight = weights.reshape(-1)[order]
         sorted_x = flat[token_of]
-        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        out = torch.zeros(flat.shape, dtype=slot_weight.dtype, device=flat.device)
         start = 0
         for e, count in enumerate(expert_segments(flat_idx, self.n_experts)):
             if count == 0:
                 continue
             end = start + count
-            y = self.experts[e](sorted_x[start:end]).float() * slot_weight[start:end, None]
+            y = self.experts[e](sorted_x[start:end]).to(out.dtype) * slot_weight[start:end, None]
             out.index_add_(0, token_of[start:end], y)
             start = end
         return out

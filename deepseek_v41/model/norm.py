@@ -6,6 +6,13 @@ import torch
 from torch import nn
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least fp32: fp32 for fp32 / bf16 / fp16, unchanged for float64. The reference computes
+    statistics, router scores, attention and mixing in fp32; keeping float64 wide lets a float64 model run without
+    any fp32 rounding (tests use it to compare two computation orders without quantization flips)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class RMSNorm(nn.Module):
     """``y = w * x * rsqrt(mean(x^2) + eps)`` over the last dim, statistics in fp32, output in x's dtype.
 
@@ -18,12 +25,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = upcast(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMS normalisation in fp32 (mHC mixing, Engram gate): returns fp32 [..., dim]."""
-    xf = x.float()
+    """Weightless RMS normalisation in fp32 (mHC mixing, Engram gate): returns fp32 [..., dim] (float64 for
+    float64 input)."""
+    xf = upcast(x)
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from deepseek_v41.model.norm import upcast
+
 
 def yarn_inv_freq(rope_dim: int, theta: float, yarn: dict[str, float] | None) -> torch.Tensor:
     """Inverse frequencies [rope_dim // 2] fp32 of one RoPE table.
@@ -62,7 +64,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = torch.cos(angles), torch.sin(angles)
         if inverse:
             sin = -sin
-        tail = x[..., -r:].float().unflatten(-1, (r // 2, 2))
+        tail = upcast(x[..., -r:]).unflatten(-1, (r // 2, 2))
         a, b = tail[..., 0], tail[..., 1]
         rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
         return torch.cat((x[..., :-r], rotated.to(x.dtype)), dim=-1)

@@ -16,7 +16,7 @@ from deepseek_v41.model.attention import Attention
 from deepseek_v41.model.context import DenseContext
 from deepseek_v41.model.hyper import collapse, expand, hc_mix
 from deepseek_v41.model.moe import MoE
-from deepseek_v41.model.norm import RMSNorm
+from deepseek_v41.model.norm import RMSNorm, upcast
 from deepseek_v41.plan import LayerSpec, build_layer_plan
 
 
@@ -137,7 +137,7 @@ class Transformer(nn.Module):
         B, T, D = h.shape
         hc = self.config.hc_mult
         streams = h[:, :, None, :].expand(B, T, hc, D).contiguous()
-        pre = torch.zeros(B, T, hc, dtype=torch.float32, device=h.device)
+        pre = torch.zeros(B, T, hc, dtype=upcast(h).dtype, device=h.device)
         pre[..., 0] = 1.0
         return streams, pre
 
@@ -158,9 +158,10 @@ class Transformer(nn.Module):
         return streams, pre
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        """Final collapse, norm and LM head: [B, T, hc, D] -> fp32 logits [B, T, vocab]."""
+        """Final collapse, norm and LM head: [B, T, hc, D] -> logits [B, T, vocab], fp32 (float64 for float64)."""
         x = self.norm(collapse(streams, pre))
-        return (x.float() @ self.head.weight.float().t())
+        x = upcast(x)
+        return x @ self.head.weight.to(x.dtype).t()
 
     def forward(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None,
                 token_types: torch.Tensor | None = None, images: list | None = None) -> torch.Tensor:
