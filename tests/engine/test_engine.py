@@ -1,0 +1,157 @@
+"""The inference engine against the exact forward (issue 4; SPEC.md §4.1, §4.2, §4.4).
+
+Two kinds of checks. In float64 the engine and the exact forward compute the same numbers in different orders
+and agree to ~1e-12, so any difference is a bug. In fp32 the project's comparison rule applies (greedy tokens
+equal up to a reference near-tie; logits within 1e-4 from there).
+"""
+
+import pytest
+import torch
+from engine_oracles import argmax_loop, assert_comparison_rule, engine_logits
+
+from deepseek_v41.engine import LLM, SamplingParams
+
+W = 16  # tiny config's sliding_window
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+def prompt_of(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def generate(llm, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("mode", ["exact", "ced"])
+@pytest.mark.parametrize("n", [1, 5, W])
+def test_prompts_within_the_window_match_the_argmax_loop_fp32(model32, mode, n):
+    prompt = prompt_of(n, seed=n)
+    ref_tokens, ref_logits = argmax_loop(model32, prompt, 32)
+    llm = LLM(model32, prefill_mode=mode, max_model_len=512)
+    tokens = generate(llm, [prompt])[0]
+    forced = engine_logits(LLM(model32, prefill_mode=mode, max_model_len=512).engine, prompt, ref_tokens)
+    assert_comparison_rule(tokens, ref_tokens, ref_logits, lambda step: forced[step])
+    # Within the window CED runs every layer over every token: the decoder saw exactly min(N, w) tokens.
+    stats = llm.stats["layer_tokens"]
+    assert stats[-1] == stats[0] == n + 31
+
+
+@pytest.mark.parametrize("n", [W + 1, 3 * W + 5, 97])
+def test_exact_prefill_equals_the_exact_forward_at_any_length(model64, n):
+    prompt = prompt_of(n, seed=n)
+    ref_tokens, ref_logits = argmax_loop(model64, prompt, 12)
+    llm = LLM(model64, prefill_mode="exact", max_model_len=512)
+    assert generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0] == ref_tokens
+    forced = engine_logits(llm.engine, prompt, ref_tokens)
+    assert max((a - b).abs().max().item() for a, b in zip(forced, ref_logits, strict=True)) < 1e-10
+
+
+def test_ced_differs_by_a_measured_amount_and_counts_its_tokens(model64):
+    n = 5 * W + 3
+    prompt = prompt_of(n, seed=1)
+    ref_tokens, ref_logits = argmax_loop(model64, prompt, 8)
+    llm = LLM(model64, prefill_mode="ced", max_model_len=512)
+    forced = engine_logits(llm.engine, prompt, ref_tokens)
+    delta = max((a - b).abs().max().item() for a, b in zip(forced, ref_logits, strict=True))
+    assert delta > 1e-6  # the decoder's windows before N - w are really missing
+    counts = llm.stats["layer_tokens"]
+    plan = model64.plan
+    assert all(counts[j] == n + 7 for j in plan.encoder_layers)
+    assert all(counts[j] == W + 7 for j in plan.decoder_layers)  # min(N, w) prompt tokens, then 7 decodes
+
+
+@pytest.mark.parametrize("mode", ["exact", "ced"])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 4097])
+def test_chunked_prefill_equals_unchunked(model64, mode, chunk):
+    # Edges fall inside ratio-2 pairs (odd chunks) and inside candidate blocks of 4 entries.
+    n = 4101 if chunk == 4097 else 203
+    prompt = prompt_of(n, seed=2)
+    whole = engine_logits(LLM(model64, prefill_mode=mode, max_model_len=8192,
+                              max_num_batched_tokens=8192).engine, prompt, prompt_of(4, seed=3))
+    parts = engine_logits(LLM(model64, prefill_mode=mode, max_model_len=8192,
+                              max_num_batched_tokens=chunk).engine, prompt, prompt_of(4, seed=3))
+    assert max((a - b).abs().max().item() for a, b in zip(whole, parts, strict=True)) < 1e-10
+
+
+LENGTHS = [1, 2, 3, 9, W - 1, W, W + 1, 4 * W + 3]
+
+
+@pytest.mark.parametrize("mode", ["exact", "ced"])
+def test_batch_invariance(model64, mode):
+    prompts = [prompt_of(n, seed=10 + n) for n in LENGTHS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = [generate(LLM(model64, prefill_mode=mode, max_model_len=512), [p], params)[0] for p in prompts]
+    llm = LLM(model64, prefill_mode=mode, max_model_len=512)
+    assert generate(llm, prompts, params) == alone
+    assert llm.stats["max_decode_batch"] == len(prompts)  # they really decoded together
+    # Requests joining mid-decode: start half, step a few times, then add the rest.
+    joined = LLM(model64, prefill_mode=mode, max_model_len=512)
+    engine = joined.engine
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(str(i), p, params)
+    for _ in range(5):
+        engine.step()
+    for i, p in enumerate(prompts[4:], 4):
+        engine.add_request(str(i), p, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [engine.request_output(str(i)).outputs[0].token_ids for i in range(len(prompts))] == alone
+    assert joined.stats["max_decode_batch"] > 4
+
+
+def test_seeded_sampling_is_batch_invariant(model32):
+    prompts = [prompt_of(n, seed=20 + n) for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=10, ignore_eos=True)
+    alone = [generate(LLM(model32, max_model_len=512), [p], params)[0] for p in prompts]
+    assert generate(LLM(model32, max_model_len=512), prompts, params) == alone
+
+
+def test_preemption_by_recompute_gives_the_same_tokens(model64):
+    prompts = [prompt_of(n, seed=30 + n) for n in (40, 50, 60)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for mode in ("exact", "ced"):
+        roomy = generate(LLM(model64, prefill_mode=mode, max_model_len=512), prompts, params)
+        tight = LLM(model64, prefill_mode=mode, max_model_len=512, num_kv_pages=10)
+        assert generate(tight, prompts, params) == roomy
+        assert tight.stats["num_preemptions"] > 0
+        assert tight.stats["kv_pages_used"] == 0
+
+
+def test_pages_return_to_the_pool_and_limits_are_enforced(model32):
+    llm = LLM(model32, max_model_len=64)
+    generate(llm, [prompt_of(30), prompt_of(9)], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert llm.stats["kv_pages_used"] == 0 and len(llm.engine.cache.free_slots) == llm.engine.args.max_num_seqs
+    with pytest.raises(ValueError, match="the prompt has 64 tokens, but max_model_len is 64"):
+        llm.generate({"prompt_token_ids": prompt_of(64)})
+    out = llm.generate({"prompt_token_ids": prompt_of(60)}, SamplingParams(max_tokens=100, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4 and out[0].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="prompt token ids must be in"):
+        llm.generate({"prompt_token_ids": [600]})
+
+
+def test_stats_report_cache_bytes(model32):
+    stats = LLM(model32, max_model_len=512).stats
+    cfg = model32.config
+    # tiny: kv sources layer 2 (m=2) and layer 4 (m=1); entries of 32 dims: 16 + 2 main, 16 + 1 index bytes.
+    assert stats["kv_allocated_bytes_per_token"] == pytest.approx((18 + 17) / 2 + (18 + 17))
+    assert stats["window_bytes_per_sequence_logical"] == cfg.num_hidden_layers * W * (32 + 1)
+
+
+def test_nan_free_cache_for_short_prompts(model32):
+    from deepseek_v41.quant import dequantize_fp4, dequantize_fp8
+
+    llm = LLM(model32, max_model_len=64)
+    engine = llm.engine
+    for n in range(1, 10):
+        engine.add_request(str(n), prompt_of(n, seed=n), SamplingParams(temperature=0, max_tokens=1))
+    plan = engine.scheduler.schedule()
+    for seq, start, end in plan.prefills:
+        engine.runner.prefill(seq, start, end)
+    cache = engine.cache
+    window = dequantize_fp8(cache.window_codes, cache.window_scales, 32, "ue8m0")
+    assert torch.isfinite(window).all()
+    for codes, scales, icodes, iscales in cache.pools.values():
+        assert torch.isfinite(dequantize_fp4(codes, scales, 16, "e4m3")).all()
+        assert torch.isfinite(dequantize_fp4(icodes, iscales, 32, "ue8m0")).all()
