@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import require
+from optional_deps import require
 
 from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
 from deepseek_v41.engine.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import require
+from optional_deps import require
 
 from deepseek_v41.config import flash_config, tiny_config
 from deepseek_v41.model.engram import Engram, EngramHasher, EngramTable, engram_gate

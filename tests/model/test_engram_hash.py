@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import require
+from optional_deps import require
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -12,7 +12,7 @@ with -inf scores; the configs below are ones where both rules agree.
 import numpy as np
 import pytest
 import torch
-from conftest import require
+from optional_deps import require
 
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.model import attention as our_attention

@@ -10,7 +10,7 @@ the package stores ``+0`` and code 0 in a block whose scale is NaN.
 from __future__ import annotations
 
 import numpy as np
-from conftest import require
+from optional_deps import require
 
 F32 = np.float32
 
