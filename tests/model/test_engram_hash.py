@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from optional_deps import require
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from optional_deps import require
 
 from deepseek_v41.config import flash_config, tiny_config
 from deepseek_v41.model.engram_hash import (
