@@ -16,7 +16,14 @@ from torch import nn
 
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.model.compressor import Compressor
-from deepseek_v41.model.indexer import QUERY_CHUNK, Indexer, candidate_blocks, index_scores, pool_mask, topk_entries
+from deepseek_v41.model.indexer import (
+    QUERY_CHUNK,
+    Indexer,
+    candidate_blocks,
+    mask_invisible,
+    pool_entries,
+    topk_entries,
+)
 from deepseek_v41.model.norm import RMSNorm, upcast
 from deepseek_v41.model.rope import RotaryEmbedding
 from deepseek_v41.plan import LayerRole, LayerSpec
@@ -64,6 +71,28 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
     return torch.cat(out, 1).to(q.dtype)
 
 
+class SparseAttention(nn.Module):
+    """:func:`sparse_attention` as a parameterless module (so that FLOPs accounting can name its matmuls)."""
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return sparse_attention(*args, **kwargs)
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection (``wo_a``, MODEL_REFERENCE.md §3.7): ``weight`` [groups * rank, in_features]
+    (the official shape) viewed [groups, rank, in_features]; x [B, T, groups, in_features] -> [B, T, groups * rank].
+    """
+
+    def __init__(self, in_features: int, groups: int, rank: int):
+        super().__init__()
+        self.groups, self.rank = groups, rank
+        self.weight = nn.Parameter(torch.empty(groups * rank, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.view(self.groups, self.rank, -1)
+        return torch.einsum("btgi,gri->btgr", x, weight).flatten(2)
+
+
 class Attention(nn.Module):
     """Attention sub-layer of layer ``spec.layer_id``: x [B, T, D] -> [B, T, D] (see module docstring).
 
@@ -89,7 +118,8 @@ class Attention(nn.Module):
         self.wq_b = nn.Linear(cfg.q_lora_rank, H * d, bias=False)
         self.wkv = nn.Linear(D, d, bias=False)
         self.kv_norm = RMSNorm(d, eps)
-        self.wo_a = nn.Linear(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_a = GroupedLinear(H * d // cfg.o_groups, cfg.o_groups, cfg.o_lora_rank)
+        self.core = SparseAttention()
         self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.rope = RotaryEmbedding(cfg.qk_rope_head_dim, spec.rope_theta, cfg.yarn if spec.yarn else None)
@@ -118,16 +148,9 @@ class Attention(nn.Module):
             def gather(idx: torch.Tensor) -> torch.Tensor:
                 return ctx.gather_entries(source, idx)
 
-        o = sparse_attention(q, pos, keys, key_pos, self.window, topk, gather, self.attn_sink, self.head_dim ** -0.5)
+        o = self.core(q, pos, keys, key_pos, self.window, topk, gather, self.attn_sink, self.head_dim ** -0.5)
         o = self.rope(o, pos, inverse=True)
-        return self.wo_b(self.grouped_wo_a(o))
-
-    def grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
-        """Block-diagonal first output projection: o [B, T, H, d] -> [B, T, G * o_lora_rank] (§3.7)."""
-        B, T = o.shape[:2]
-        G = self.o_groups
-        weight = self.wo_a.weight.view(G, self.o_lora_rank, -1)
-        return torch.einsum("btgi,gri->btgr", o.reshape(B, T, G, -1), weight).flatten(2)
+        return self.wo_b(self.wo_a(o.reshape(B, T, self.o_groups, -1)))
 
     def compress(self, x: torch.Tensor, ctx) -> None:
         """Run the compressor over x [B, T, D] and store the completed entries and their index keys."""
@@ -153,15 +176,23 @@ class Attention(nn.Module):
         q, w = self.indexer.queries(q_lat, x, ctx.positions, self.rope, ctx.fake_quant)
         visible = torch.div(ctx.positions + 1, spec.compress_ratio, rounding_mode="floor")
         picks, pools = [], []
+        all_entries = torch.arange(N, device=x.device)
         for i0 in range(0, T, QUERY_CHUNK):
             i1 = min(T, i0 + QUERY_CHUNK)
-            scores = index_scores(q[:, i0:i1], w[:, i0:i1], keys, visible[:, i0:i1])
-            if spec.is_candidate_source:
-                pools.append(candidate_blocks(scores, visible[:, i0:i1], self.candidate_block_size,
-                                              self.candidate_topk_blocks))
-            if spec.candidate_source is not None:
+            qc, wc, vis = q[:, i0:i1], w[:, i0:i1], visible[:, i0:i1]
+            if spec.candidate_source is not None and self.candidate_topk_blocks * self.candidate_block_size < N:
+                # Reindex: score only the entries of each query's candidate pool.
                 blocks = ctx.shared[("pool", spec.candidate_source)][:, i0:i1]
-                scores = scores.masked_fill(~pool_mask(blocks, self.candidate_block_size, N), float("-inf"))
+                ids, valid = pool_entries(blocks, self.candidate_block_size, self.candidate_topk_blocks, N)
+                pool_keys = keys.gather(1, ids.flatten(1)[..., None].expand(-1, -1, keys.shape[-1]))
+                scores = self.indexer.score(qc, wc, pool_keys.view(*ids.shape, -1))
+                scores = mask_invisible(scores, ids, vis).masked_fill(~valid, float("-inf"))
+                local = topk_entries(scores, min(k, ids.shape[-1]))
+                picks.append(torch.where(local >= 0, ids.gather(-1, local.clamp(min=0)), -1))
+                continue
+            scores = mask_invisible(self.indexer.score(qc, wc, keys), all_entries, vis)
+            if spec.is_candidate_source:
+                pools.append(candidate_blocks(scores, vis, self.candidate_block_size, self.candidate_topk_blocks))
             picks.append(topk_entries(scores, k))
         if pools:
             ctx.shared[("pool", spec.layer_id)] = torch.cat(pools, 1)

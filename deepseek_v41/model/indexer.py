@@ -31,6 +31,7 @@ class Indexer(nn.Module):
         self.n_heads = n_heads
         self.head_dim = index_head_dim
         self.wq_b = nn.Linear(q_lora_rank, n_heads * index_head_dim, bias=False)
+        self.score = IndexScorer()
         self.weights_proj = nn.Linear(dim, n_heads, bias=False)
         if makes_keys:
             self.wk = nn.Linear(head_dim, index_head_dim, bias=False)
@@ -52,13 +53,25 @@ class Indexer(nn.Module):
         return upcast(q), w
 
 
-def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Masked scores [B, c, N] fp32 for queries q [B, c, Hi, di], weights w [B, c, Hi], keys [B, N, di] and the
-    visible entry count of each query ``visible`` [B, c] (scores of entries >= visible are -inf)."""
-    dots = torch.einsum("bchd,bnd->bchn", q, keys.to(q.dtype)).relu_()
-    scores = torch.einsum("bchn,bch->bcn", dots, w)
-    n = torch.arange(keys.shape[1], device=keys.device)
-    return scores.masked_fill(n[None, None, :] >= visible[..., None], float("-inf"))
+class IndexScorer(nn.Module):
+    """``score[t, s] = Σ_h w[t, h] ReLU(q[t, h] · k[s])`` (no parameters; a module so that FLOPs accounting can
+    tell the FP4 indexer matmuls apart).
+
+    q [B, c, Hi, di], w [B, c, Hi], keys [B, N, di] (shared by the queries) or [B, c, n, di] (each query its own,
+    e.g. its candidate pool) -> scores [B, c, N or n] in q's dtype.
+    """
+
+    def forward(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        equation = "bchd,bnd->bchn" if keys.dim() == 3 else "bchd,bcnd->bchn"
+        dots = torch.einsum(equation, q, keys.to(q.dtype)).relu_()
+        return torch.einsum("bchn,bch->bcn", dots, w)
+
+
+def mask_invisible(scores: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """-inf where the entry id (``entries`` [N] or [B, c, n]) is not below the query's visible count [B, c]."""
+    if entries.dim() == 1:
+        entries = entries[None, None, :]
+    return scores.masked_fill(entries >= visible[..., None], float("-inf"))
 
 
 def topk_set(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -98,6 +111,11 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block: int, ke
     return mask.scatter_(-1, chosen, block_scores.gather(-1, chosen) > float("-inf"))
 
 
-def pool_mask(blocks: torch.Tensor, block: int, n_entries: int) -> torch.Tensor:
-    """Entry mask [B, c, n_entries] from a block mask [B, c, nblocks]."""
-    return blocks.repeat_interleave(block, dim=-1)[..., :n_entries]
+def pool_entries(blocks: torch.Tensor, block: int, keep: int, n_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries of each query's candidate pool: ids [B, c, keep * block] (ascending) and their validity (in a
+    chosen block and below ``n_entries``), from a block mask [B, c, nblocks] holding at most ``keep`` blocks."""
+    chosen = topk_set(blocks.to(torch.int8), min(keep, blocks.shape[-1]))  # the pool's blocks, ascending
+    valid = blocks.gather(-1, chosen)
+    ids = (chosen[..., None] * block + torch.arange(block, device=blocks.device)).flatten(-2)
+    valid = valid.repeat_interleave(block, dim=-1) & (ids < n_entries)
+    return ids.clamp(max=n_entries - 1), valid
