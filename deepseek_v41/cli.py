@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from deepseek_v41.config import ConfigError, load_config
+from deepseek_v41.server.cli import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="DeepSeek-V4.1-Flash: model, inference engine and accounting.")
@@ -40,6 +41,9 @@ def report(
     if plot is not None:
         for path in plot_report(data, plot):
             typer.echo(f"wrote {path}", err=as_json)
+
+
+app.command()(serve)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,302 @@
+"""``AsyncLLMEngine``: the engine behind an asyncio server (vLLM's ``AsyncLLM``).
+
+One background task owns the engine: it applies queued adds and aborts, runs ``LLMEngine.step`` in a single
+worker thread (so the event loop stays responsive while the model computes) and hands each request's outputs to
+that request's ``asyncio.Queue``. Only the worker thread ever touches the ``LLMEngine``; the event loop only
+queues work, so no locks are needed. ``generate`` is an async iterator of :class:`StepOutput`; closing it early
+(a client that went away, a cancelled task) aborts the request, which frees its pages and slot at the next step.
+
+Observers (``add_observer``) see every step's outputs and a stats snapshot; the server's metrics and the periodic
+throughput log are observers. Source: SPEC.md §4.6; vLLM ``vllm/v1/engine/async_llm.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepseek_v41.engine.engine import LLMEngine
+from deepseek_v41.engine.sampling_params import SamplingParams
+from deepseek_v41.engine.sequence import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+ABORT = "abort"  # finish reason of a request stopped by abort (client gone, server shutting down)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; no request can be served any more (the server answers 503)."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The engine is shutting down and takes no new requests (the server answers 503)."""
+
+
+@dataclass
+class StepOutput:
+    """What one engine step did for one request.
+
+    ``output``: the request's state after the step (full text and token ids per sample, ``finished``).
+    ``delta_text[i]`` / ``delta_token_ids[i]``: what sample i streamed in this step (text already held back by
+    the detokenizer for stop strings is not included; everything streamed concatenates to the final text).
+    ``finish_reasons[i]``: "stop", "length" or "abort" in the step where sample i finished, else None.
+    ``time``: seconds since the epoch when the step ended.
+    """
+
+    request_id: str
+    output: RequestOutput
+    delta_text: list[str]
+    delta_token_ids: list[list[int]]
+    finish_reasons: list[str | None]
+    time: float
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+@dataclass
+class _Progress:
+    """Per-sample counters of what has been streamed, kept by the worker thread."""
+
+    num_tokens: list[int]
+    text: list[str]
+    done: list[bool]
+
+
+Observer = Callable[[list[StepOutput], dict[str, Any]], None]
+
+
+class AsyncLLMEngine:
+    """Runs an :class:`LLMEngine` in the background and streams each request's outputs.
+
+    Args:
+        engine: the engine to drive; from now on only this object's worker thread may call it.
+        idle_sleep_s: pause after a step that produced nothing while work is queued (e.g. every waiting request is
+            blocked on free pages), so such a state does not spin a core.
+
+    ``stats`` is a snapshot of ``engine.stats`` taken after the latest step, plus ``num_running`` and
+    ``num_waiting`` (safe to read from the event loop at any time).
+    """
+
+    def __init__(self, engine: LLMEngine, idle_sleep_s: float = 0.002):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.idle_sleep_s = idle_sleep_s
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-engine")
+        self._streams: dict[str, _Stream] = {}
+        self._adds: list[tuple[str, dict[str, Any]]] = []
+        self._aborts: list[str] = []
+        self._progress: dict[str, _Progress] = {}
+        self._observers: list[Observer] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._dead: BaseException | None = None
+        self._draining = False
+        self._takes_salt = "cache_salt" in inspect.signature(engine.add_request).parameters
+        self.stats: dict[str, Any] = self._snapshot()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def num_requests(self) -> int:
+        """Requests accepted and not yet finished (streams still open)."""
+        return len(self._streams)
+
+    def start(self) -> None:
+        """Start the loop on the running event loop (idempotent)."""
+        if self.is_running:
+            return
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="dsv41-engine-loop")
+
+    async def shutdown(self, timeout_s: float = 0.0) -> None:
+        """Stop taking requests, let running ones finish for up to ``timeout_s`` seconds, abort the rest, stop."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline and self.is_running:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        while self._streams and self.is_running:
+            await asyncio.sleep(0.01)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._executor.shutdown(wait=True)
+
+    def add_observer(self, observer: Observer) -> None:
+        """Call ``observer(step_outputs, stats)`` on the event loop after every step that produced outputs."""
+        self._observers.append(observer)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None, cache_salt: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[StepOutput]:
+        """Add a request and yield a :class:`StepOutput` for every step that advanced it, the last one finished.
+
+        ``cache_salt`` keeps its prefix-cache entries apart from other salts (passed to the engine when its
+        ``add_request`` takes one). Raises ValueError (from ``LLMEngine.add_request``: empty prompt, ids outside
+        the vocabulary, too long, duplicate id) at the first iteration, EngineDrainingError during shutdown and
+        EngineDeadError after a failure of the loop. Leaving the iteration early aborts the request.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop failed: {self._dead!r}")
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.start()
+        stream = _Stream()
+        self._streams[request_id] = stream
+        kwargs: dict[str, Any] = {"prompt": prompt, "arrival_time": arrival_time}
+        if self._takes_salt:
+            kwargs["cache_salt"] = cache_salt
+        self._adds.append((request_id, {"prompt_token_ids": prompt_token_ids, "params": params, **kwargs}))
+        self._wake.set()
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    raise item
+                if item.finished:
+                    stream.finished = True
+                yield item
+                if stream.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+            else:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next step; its stream gets a last output with finish reason "abort"."""
+        if request_id in self._streams and self._wake is not None:
+            self._aborts.append(request_id)
+            self._wake.set()
+
+    # ------------------------------------------------------------------ the loop
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not (self._adds or self._aborts or self.stats["num_running"] or self.stats["num_waiting"]):
+                self._wake.clear()
+                await self._wake.wait()
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+            try:
+                outputs, errors, stats = await loop.run_in_executor(self._executor, self._work, adds, aborts)
+            except Exception as exc:  # the model or the engine failed: fail every request, loudly, once
+                logger.exception("engine step failed; the engine is stopped")
+                self._fail_all(exc)
+                return
+            self.stats = stats
+            for request_id, exc in errors:
+                self._deliver(request_id, exc)
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            if outputs:
+                for observer in self._observers:
+                    try:
+                        observer(outputs, stats)
+                    except Exception:  # metrics must never take the engine down
+                        logger.exception("stats observer %r failed", observer)
+            elif not adds and not aborts:
+                await asyncio.sleep(self.idle_sleep_s)
+
+    def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        stream.queue.put_nowait(item)
+        if isinstance(item, BaseException) or item.finished:
+            self._streams.pop(request_id, None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._dead = exc
+        error = EngineDeadError(f"the engine loop failed: {exc!r}")
+        for request_id in list(self._streams):
+            self._deliver(request_id, error)
+
+    # ------------------------------------------------------------------ worker thread
+    def _work(self, adds: list[tuple[str, dict[str, Any]]], aborts: list[str]
+              ) -> tuple[list[StepOutput], list[tuple[str, BaseException]], dict[str, Any]]:
+        """Runs on the worker thread: aborts, adds, one step; returns outputs, add errors and a stats snapshot."""
+        engine = self.engine
+        outputs: list[StepOutput] = []
+        errors: list[tuple[str, BaseException]] = []
+        for request_id, kwargs in adds:
+            try:
+                engine.add_request(request_id, **kwargs)
+            except ValueError as exc:
+                errors.append((request_id, exc))
+                continue
+            n = kwargs["params"].n
+            self._progress[request_id] = _Progress([0] * n, [""] * n, [False] * n)
+        # After the adds: a request added and abandoned before its first step is still stopped.
+        for request_id in dict.fromkeys(aborts):
+            if request_id in self._progress:
+                engine.abort_request(request_id)
+                outputs.append(self._step_output(request_id, aborted=True))
+        if engine.has_unfinished_requests():
+            advanced = {out.request_id for out in engine.step()}
+            outputs.extend(self._step_output(rid) for rid in advanced if rid in self._progress)
+        return outputs, errors, self._snapshot()
+
+    def _step_output(self, request_id: str, aborted: bool = False) -> StepOutput:
+        """Diff the request's sequences against what was streamed; forget the request once it finished."""
+        engine = self.engine
+        output = engine.request_output(request_id)
+        progress = self._progress[request_id]
+        texts, ids, reasons = [], [], []
+        for i, (seq, completion) in enumerate(zip(engine.requests[request_id], output.outputs, strict=True)):
+            new_ids = completion.token_ids[progress.num_tokens[i]:]
+            # What the detokenizer released in this step (stop-string hold-back applied).
+            text = seq.new_text if new_ids and not aborted else ""
+            reason = None
+            if seq.finished and not progress.done[i]:
+                progress.done[i] = True
+                reason = ABORT if aborted else completion.finish_reason or ABORT
+                if reason != ABORT and completion.text.startswith(progress.text[i]):
+                    text = completion.text[len(progress.text[i]):]  # the final flush, as the engine ended it
+            progress.num_tokens[i] += len(new_ids)
+            progress.text[i] += text
+            texts.append(text)
+            ids.append(new_ids)
+            reasons.append(reason)
+        if aborted or output.finished:
+            output.finished = True
+            engine.release(request_id)
+            del self._progress[request_id]
+        return StepOutput(request_id, output, texts, ids, reasons, time.time())
+
+    def _snapshot(self) -> dict[str, Any]:
+        stats = dict(self.engine.stats)
+        scheduler = self.engine.scheduler
+        stats["num_running"] = len(scheduler.running)
+        stats["num_waiting"] = len(scheduler.waiting)
+        return stats

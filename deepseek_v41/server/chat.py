@@ -1,0 +1,330 @@
+"""``POST /v1/chat/completions``: messages -> the official prompt -> the engine -> OpenAI messages or SSE chunks.
+
+The prompt is rendered by :func:`deepseek_v41.chat.encode_messages`; the completion is split into
+``reasoning_content``, ``content`` and ``tool_calls`` by one :class:`~deepseek_v41.chat.StreamingParser` per
+choice, in both modes, so a streamed answer concatenates to the non-streamed one (CHAT_FORMAT.md §5).
+
+Request mapping (CHAT_FORMAT.md §3(g), §6): thinking is **off** unless ``chat_template_kwargs.thinking`` /
+``enable_thinking`` is true, ``thinking.type`` is "enabled" or ``reasoning_effort`` is given (explicit flags win;
+``reasoning_effort: "none"`` is off); API effort words map as the DeepSeek API does (minimal/low -> low,
+medium/high/xhigh -> high, max/ultra -> max) and ints 1..100 pass through. ``chat_template_kwargs.drop_thinking``
+defaults to true. ``continue_final_message`` leaves the last assistant turn open (``wo_eos``).
+
+Tools: ``tool_choice`` "auto" (default with tools), "none" (tools not rendered, DSML output not returned as
+calls), "required" and a named function. There is no constrained decoding: "required" and named choices are
+enforced through the prompt. In chat mode the answer is prefilled with the opening of a DSML block (and the
+invoke header of the named function), which the model cannot leave out; in thinking mode, where the reasoning
+must come first, a closing system turn tells the model which call to make. ``parallel_tool_calls: false`` returns
+only the first call. Images -> 400 "this model does not take images" (the engine does not feed images yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from deepseek_v41.chat import ChatFormatError, StreamingParser, encode_messages, merge_deltas
+from deepseek_v41.chat.tokens import CALLS_OPEN, CALLS_SEPARATOR, INVOKE_OPEN
+from deepseek_v41.engine.async_engine import EngineDeadError, StepOutput
+from deepseek_v41.server.common import (
+    ServerState,
+    chat_logprobs,
+    check_common,
+    check_prompt_ids,
+    new_id,
+    request_salt,
+    sampling_params,
+    start_generation,
+    usage,
+)
+from deepseek_v41.server.errors import APIError, error_body
+from deepseek_v41.server.protocol import ChatCompletionRequest
+from deepseek_v41.server.streaming import SSEResponse
+
+_EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "high", "max": "max",
+            "ultra": "max"}
+_TEMPLATE_KWARGS = ("thinking", "enable_thinking", "drop_thinking")
+_IMAGE_PARTS = ("image_url", "image", "input_image")
+
+
+@dataclass
+class ChatPlan:
+    """A chat request turned into what the engine and the parsers need."""
+
+    prompt: str
+    ids: list[int]
+    thinking: bool  # the parser's starting state: inside the reasoning
+    tools_active: bool  # DSML calls in the output are returned as tool_calls
+    prefix: str  # text prefilled at the start of the answer (tool_choice required / named, chat mode)
+    parallel: bool
+
+
+def resolve_thinking(req: ChatCompletionRequest) -> tuple[bool, int | str | None, bool]:
+    """(thinking, reasoning_effort for the encoder, drop_thinking) from the request; APIError for bad values."""
+    kwargs = req.chat_template_kwargs or {}
+    for key, value in kwargs.items():
+        if key not in _TEMPLATE_KWARGS:
+            raise APIError(f"unknown chat_template_kwargs key {key!r}; known: {list(_TEMPLATE_KWARGS)}",
+                           f"chat_template_kwargs.{key}", "unknown_parameter")
+        if not isinstance(value, bool):
+            raise APIError(f"must be true or false, got {value!r}", f"chat_template_kwargs.{key}", "invalid_type")
+    explicit = None
+    if req.thinking is not None:
+        explicit = req.thinking.type == "enabled"
+    for key in ("thinking", "enable_thinking"):
+        if key in kwargs:
+            explicit = kwargs[key]
+    effort = req.reasoning_effort
+    if isinstance(effort, str):
+        if effort == "none":
+            explicit, effort = False if explicit is None else explicit, None
+        elif effort in _EFFORTS:
+            effort = _EFFORTS[effort]
+        else:
+            raise APIError(f"reasoning_effort {effort!r} is not one of none, {', '.join(_EFFORTS)} or an integer "
+                           f"1..100", "reasoning_effort", "invalid_value")
+    elif effort is not None and not 1 <= effort <= 100:
+        raise APIError(f"reasoning_effort must be in 1..100, got {effort}", "reasoning_effort", "invalid_value")
+    thinking = explicit if explicit is not None else effort is not None
+    return thinking, effort, kwargs.get("drop_thinking", True)
+
+
+def _check_images(messages: list[dict[str, Any]]) -> None:
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
+                    raise APIError("this model does not take images (the engine does not feed the vision path "
+                                   "yet); send text content parts", f"messages[{i}].content[{j}]",
+                                   "unsupported_content")
+
+
+def _tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
+    """("auto" | "none" | "required" | "named", function name) with the request's tools checked."""
+    tools = req.tools or []
+    choice = req.tool_choice
+    if choice is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise APIError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {choice!r}",
+                           "tool_choice", "invalid_value")
+        if choice == "required" and not tools:
+            raise APIError("tool_choice 'required' needs tools", "tool_choice", "invalid_value")
+        return choice, None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise APIError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}", "tool_choice",
+                       "invalid_value")
+    names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)
+             and isinstance(t.get("function"), dict)]
+    if name not in names:
+        raise APIError(f"tool_choice names {name!r}, which is not in tools {names}", "tool_choice.function.name",
+                       "invalid_value")
+    return "named", name
+
+
+def _response_format(messages: list[dict[str, Any]], fmt: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """json_object / json_schema go on the first system message, where the official encoder renders them."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return messages
+    if kind not in ("json_object", "json_schema"):
+        raise APIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                       "response_format.type", "invalid_value")
+    schema = fmt.get("json_schema") if kind == "json_schema" else {"type": "object"}
+    if kind == "json_schema" and not isinstance(schema, dict):
+        raise APIError("response_format.json_schema must be an object", "response_format.json_schema", "invalid_type")
+    schema = schema.get("schema", schema) if kind == "json_schema" else schema
+    messages = list(messages)
+    at = next((i for i, m in enumerate(messages) if m.get("role") == "system"), None)
+    if at is None:
+        messages.insert(0, {"role": "system", "content": ""})
+        at = 0
+    messages[at] = {**messages[at], "response_format": schema}
+    return messages
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_length: bool = True) -> ChatPlan:
+    """Validate and render the request; APIError 400 naming the field for anything that cannot be served.
+    ``check_length=False`` (for /tokenize) lets a prompt over ``max_model_len`` through."""
+    check_common(state, req)
+    if state.tokenizer is None:
+        raise APIError("this model has no tokenizer.json, so chat is not available; use /v1/completions with "
+                       "token-id prompts", "messages", "invalid_value")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    messages = req.messages
+    _check_images(messages)
+    thinking, effort, drop = resolve_thinking(req)
+    choice, name = _tool_choice(req)
+    messages = _response_format(messages, req.response_format)
+    if req.continue_final_message:
+        if messages[-1].get("role") != "assistant":
+            raise APIError("continue_final_message needs an assistant message last", "continue_final_message",
+                           "invalid_value")
+        messages = [*messages[:-1], {**messages[-1], "wo_eos": True}]
+    elif not req.add_generation_prompt:
+        raise APIError("add_generation_prompt: false is only supported with continue_final_message: true",
+                       "add_generation_prompt", "invalid_value")
+    prefix = ""
+    if choice in ("required", "named"):
+        if thinking:
+            what = f"the tool {name!r}" if name else "at least one of the tools"
+            messages = [*messages, {"role": "system", "content": f"You must call {what} in this reply."}]
+        else:
+            prefix = f"{CALLS_SEPARATOR}{CALLS_OPEN}\n{INVOKE_OPEN}" + (f'{name}">\n' if name else "")
+    try:
+        prompt = encode_messages(messages, tools=req.tools if choice != "none" else None, thinking=thinking,
+                                 reasoning_effort=effort, drop_thinking=drop)
+    except ChatFormatError as exc:
+        raise APIError(str(exc), exc.where, "invalid_value") from exc
+    prompt += prefix
+    encoding = await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=False)
+    ids = list(encoding.ids)
+    if check_length:
+        check_prompt_ids(state, ids, "messages")
+    return ChatPlan(prompt, ids, thinking and not req.continue_final_message, choice != "none", prefix,
+                    req.parallel_tool_calls is not False)
+
+
+class _Choice:
+    """One choice's parser and what its stream has sent."""
+
+    def __init__(self, plan: ChatPlan):
+        self.plan = plan
+        self.parser = StreamingParser(plan.thinking)
+        self.pending = self.parser.feed(plan.prefix) if plan.prefix else []
+        self.num_tokens = 0
+
+    def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        deltas = self.pending + self.parser.feed(text)
+        self.pending = []
+        if finished:
+            deltas += self.parser.finish()
+        return [d for d in (self._filter(d) for d in deltas) if d]
+
+    def _filter(self, delta: dict[str, Any]) -> dict[str, Any] | None:
+        if "tool_calls" not in delta:
+            return delta
+        if not self.plan.tools_active:
+            return None
+        calls = [c for c in delta["tool_calls"] if self.plan.parallel or c["index"] == 0]
+        return {"tool_calls": calls} if calls else None
+
+    def finish_reason(self, reason: str) -> str:
+        completed = self.parser.completed_tool_calls
+        return "tool_calls" if reason == "stop" and self.plan.tools_active and completed else reason
+
+
+async def chat_completion(state: ServerState, req: ChatCompletionRequest, salt: str | None, arrival: float):
+    """Run one chat request; a JSONResponse, or an SSEResponse when ``stream``."""
+    plan = await prepare_chat(state, req)
+    top = req.top_logprobs or 0
+    params = sampling_params(state, req, len(plan.ids), max_tokens_field=(
+        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"),
+        logprobs=top if req.logprobs else None, logprobs_field="top_logprobs", skip_special_tokens=False)
+    if req.max_completion_tokens is not None:
+        params.max_tokens = min(params.max_tokens, req.max_completion_tokens)
+    request_id = new_id("chatcmpl")
+    stream, first = await start_generation(state, request_id, plan.ids, params, plan.prompt,
+                                           request_salt(salt, req.cache_salt), arrival, "messages")
+    created = int(time.time())
+    if req.stream:
+        return SSEResponse(_chunks(state, req, plan, request_id, created, stream, first))
+    async with contextlib.aclosing(stream):
+        last = first
+        async for last in stream:  # noqa: B007 (the last output is the final state)
+            pass
+    return JSONResponse(_full_response(state, req, plan, request_id, created, last))
+
+
+def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan, request_id: str, created: int,
+                   last: StepOutput) -> dict[str, Any]:
+    out = last.output
+    choices = []
+    for completion in out.outputs:
+        choice = _Choice(plan)
+        parsed = merge_deltas(choice.feed(completion.text, finished=True))  # = parse_output(prefix + text)
+        calls = parsed["tool_calls"]
+        message: dict[str, Any] = {"role": "assistant", "content": parsed["content"] or (None if calls else "")}
+        if plan.thinking:
+            message["reasoning_content"] = parsed["reasoning_content"]
+        if calls:
+            message["tool_calls"] = calls
+        entry: dict[str, Any] = {"index": completion.index, "message": message, "logprobs": None,
+                                 "finish_reason": choice.finish_reason(completion.finish_reason or "abort"),
+                                 "stop_reason": completion.stop_reason}
+        if req.logprobs:
+            entry["logprobs"] = chat_logprobs(state.tokenizer, completion.token_ids, completion.logprobs or [],
+                                              req.top_logprobs or 0)
+        if req.return_token_ids:
+            entry["token_ids"] = completion.token_ids
+        choices.append(entry)
+    body = {"id": request_id, "object": "chat.completion", "created": created, "model": state.model_name,
+            "choices": choices, "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                                               out.num_cached_tokens)}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = out.prompt_token_ids
+    return body
+
+
+async def _chunks(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan, request_id: str, created: int,
+                  stream: AsyncIterator[StepOutput], first: StepOutput) -> AsyncIterator[dict[str, Any]]:
+    """The SSE chunks: a role chunk per choice, deltas, exactly one finish chunk per choice, then usage."""
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
+    choices = [_Choice(plan) for _ in range(req.n)]
+    prompt_tokens = len(plan.ids)
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+
+    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+        body = {**base, "choices": [choice]}
+        if include_usage:
+            body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices), cached) if continuous else None
+        return body
+
+    cached = first.output.num_cached_tokens
+    async with contextlib.aclosing(stream):
+        for i in range(req.n):
+            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None})
+        step = first
+        try:
+            while True:
+                for i, choice in enumerate(choices):
+                    reason = step.finish_reasons[i]
+                    new_ids = step.delta_token_ids[i]
+                    choice.num_tokens += len(new_ids)
+                    logprobs = None
+                    if req.logprobs and new_ids:
+                        entries = (step.output.outputs[i].logprobs or [])[choice.num_tokens - len(new_ids):]
+                        logprobs = chat_logprobs(state.tokenizer, new_ids, entries, req.top_logprobs or 0)
+                    deltas = choice.feed(step.delta_text[i], reason is not None) or ([{}] if logprobs else [])
+                    for k, delta in enumerate(deltas):
+                        piece = {"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,
+                                 "finish_reason": None}
+                        if req.return_token_ids:
+                            piece["token_ids"] = new_ids if k == 0 else []
+                        yield chunk(piece)
+                    if reason is not None:
+                        yield chunk({"index": i, "delta": {}, "logprobs": None,
+                                     "finish_reason": choice.finish_reason(reason),
+                                     "stop_reason": step.output.outputs[i].stop_reason})
+                if step.finished:
+                    break
+                step = await anext(stream)
+        except EngineDeadError as exc:
+            yield error_body(f"the engine stopped after an internal failure: {exc}", 503, None, "engine_dead")
+            return
+    if include_usage:
+        yield {**base, "choices": [], "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices), cached)}

@@ -1,0 +1,247 @@
+"""What both generation endpoints share: the server's state, request limits -> ``SamplingParams``, usage, logprobs.
+
+Limits (SPEC.md §4.6): a prompt of ``max_model_len`` tokens or more, ``max_tokens`` beyond what is left of
+``max_model_len``, ``n`` outside [1, max_n], bad sampling values -> :class:`APIError` 400 naming the field.
+Usage follows OpenAI (``prompt_tokens_details.cached_tokens``) and the DeepSeek API (``prompt_cache_hit_tokens``,
+``prompt_cache_miss_tokens``); cached tokens come from ``RequestOutput.num_cached_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepseek_v41.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineDrainingError,
+    StepOutput,
+)
+from deepseek_v41.engine.sampler import Logprob
+from deepseek_v41.engine.sampling_params import SamplingParams
+from deepseek_v41.server.errors import APIError
+from deepseek_v41.server.protocol import UNSUPPORTED
+
+
+@dataclass
+class ServerConfig:
+    """Settings of the HTTP layer.
+
+    ``served_model_names``: the names ``model`` may take (the first is reported); ``api_keys``: accepted bearer
+    keys (none = no auth); ``max_body_bytes``: request body limit (32 MiB); ``max_n``: largest ``n`` (default: the
+    engine's ``max_num_seqs``); ``log_stats_interval_s``: period of the throughput log line (0 = off);
+    ``drain_timeout_s``: on shutdown, how long running requests may finish before they are aborted.
+    """
+
+    served_model_names: list[str]
+    model_path: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_n: int | None = None
+    log_stats_interval_s: float = 10.0
+    drain_timeout_s: float = 30.0
+
+
+@dataclass
+class ServerState:
+    """Everything a route needs; lives on ``app.state.server``."""
+
+    config: ServerConfig
+    engine: AsyncLLMEngine
+    metrics: Any
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    @property
+    def max_n(self) -> int:
+        return self.config.max_n or self.engine.engine.args.max_num_seqs
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.config.vocab_size
+
+
+def key_salt(api_key: str) -> str:
+    """The prefix-cache salt of an API key: a hash, so the key itself never reaches the engine."""
+    return hashlib.sha256(b"dsv41-api-key\0" + api_key.encode()).hexdigest()[:32]
+
+
+def request_salt(key_salt_: str | None, cache_salt: str | None) -> str | None:
+    """Combine the key's salt with a request's own ``cache_salt`` (vLLM field); None when neither is set."""
+    parts = [p for p in (key_salt_, cache_salt) if p]
+    return ":".join(parts) if parts else None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_common(state: ServerState, req: Any) -> None:
+    """Model name and the declared-but-unsupported fields."""
+    if req.model is not None and req.model not in state.config.served_model_names:
+        raise APIError(f"The model '{req.model}' does not exist; this server serves "
+                       f"{state.config.served_model_names}", "model", "model_not_found", 404)
+    for name, why in UNSUPPORTED.items():
+        value = getattr(req, name, None)
+        if value not in (None, False, {}, []):
+            raise APIError(why, name, "unsupported_parameter")
+
+
+def check_prompt_ids(state: ServerState, ids: list[int], param: str) -> None:
+    """Empty, out-of-vocabulary or too-long prompts (400 naming ``param``)."""
+    if not ids:
+        raise APIError("the prompt is empty: give at least one token", param, "invalid_value")
+    vocab = state.vocab_size
+    if max(ids) >= vocab:
+        raise APIError(f"token id {max(ids)} is outside the vocabulary [0, {vocab})", param, "invalid_value")
+    limit = state.engine.max_model_len
+    if len(ids) >= limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                       f"{len(ids)} tokens; it must leave room for at least one generated token.", param,
+                       "context_length_exceeded")
+
+
+def sampling_params(state: ServerState, req: Any, prompt_len: int, *, max_tokens_field: str,
+                    logprobs: int | None, logprobs_field: str, skip_special_tokens: bool) -> SamplingParams:
+    """The request's SamplingParams, or APIError 400 naming the field that cannot be honoured."""
+    if req.n > state.max_n:
+        raise APIError(f"n must be at most {state.max_n} on this server, got {req.n}", "n", "invalid_value")
+    if req.stop and state.tokenizer is None:
+        raise APIError("stop strings need a tokenizer and this model has none; use stop_token_ids", "stop",
+                       "invalid_value")
+    if isinstance(req.stop, list) and len(req.stop) > 64:
+        raise APIError("at most 64 stop strings", "stop", "invalid_value")
+    room = state.engine.max_model_len - prompt_len
+    requested = getattr(req, max_tokens_field)
+    if requested is not None and max_tokens_field not in req.model_fields_set:
+        requested = min(requested, room)  # a default (completions' 16) shrinks to fit; a value the client set never
+    if requested is not None and requested > room:
+        raise APIError(f"This model's maximum context length is {state.engine.max_model_len} tokens. However, you "
+                       f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for "
+                       f"the completion). Please reduce the length of the prompt or {max_tokens_field}.",
+                       max_tokens_field, "context_length_exceeded")
+    names = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
+    try:
+        return SamplingParams(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+            max_tokens=requested if requested is not None else room, min_tokens=req.min_tokens, logprobs=logprobs,
+            skip_special_tokens=skip_special_tokens)
+    except ValueError as exc:
+        field_name = str(exc).split(" ", 1)[0]
+        raise APIError(str(exc), names.get(field_name, field_name), "invalid_value") from exc
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI usage plus DeepSeek's cache fields; ``cached_tokens <= prompt_tokens`` always."""
+    cached = min(cached_tokens, prompt_tokens)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_cache_hit_tokens": cached, "prompt_cache_miss_tokens": prompt_tokens - cached}
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token's own text (special tokens kept); ``token_id:N`` without a tokenizer (vLLM's spelling)."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, Logprob]], top: int) -> dict[str, Any]:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        text = token_text(tokenizer, token_id)
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]
+        content.append({"token": text, "logprob": max(entry[token_id].logprob, -9999.0),
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": (t := token_text(tokenizer, i)), "logprob": max(lp.logprob, -9999.0),
+                                          "bytes": list(t.encode())} for i, lp in ranked]})
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, Logprob]], top: int,
+                        offset: int) -> dict[str, Any]:
+    """OpenAI completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset (from ``offset``)."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        text = token_text(tokenizer, token_id)
+        tokens.append(text)
+        token_logprobs.append(max(entry[token_id].logprob, -9999.0))
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]
+        tops.append({token_text(tokenizer, i): max(lp.logprob, -9999.0) for i, lp in ranked})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def start_generation(state: ServerState, request_id: str, ids: list[int], params: SamplingParams,
+                           prompt: str | None, salt: str | None, arrival: float, param: str
+                           ) -> tuple[AsyncIterator[StepOutput], StepOutput]:
+    """Submit a request and wait for its first output, so that engine refusals become a 400 naming ``param``
+    (and shutdown / a dead engine a 503) before any response byte is sent. Returns the open stream and the
+    first output; the caller must close the stream."""
+    stream = state.engine.generate(request_id, ids, params, prompt=prompt, cache_salt=salt, arrival_time=arrival)
+    try:
+        first = await anext(stream)
+    except ValueError as exc:
+        await stream.aclose()
+        raise APIError(str(exc), param, "invalid_value") from exc
+    except EngineDrainingError as exc:
+        await stream.aclose()
+        raise APIError("the server is shutting down; retry on another replica", None, "shutting_down", 503) from exc
+    except EngineDeadError as exc:
+        await stream.aclose()
+        raise APIError(f"the engine stopped after an internal failure: {exc}", None, "engine_dead", 503) from exc
+    except BaseException:
+        await stream.aclose()
+        raise
+    return stream, first
+
+
+async def merged(streams: list[tuple[AsyncIterator[StepOutput], StepOutput]]
+                 ) -> AsyncIterator[tuple[int, StepOutput]]:
+    """Interleave several started generations as ``(prompt index, output)``, in arrival order."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[StepOutput], first: StepOutput) -> None:
+        await queue.put((index, first))
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except (EngineDeadError, EngineDrainingError) as exc:
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, out = await queue.get()
+            if isinstance(out, BaseException):
+                raise out
+            remaining -= out.finished
+            yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for stream, _ in streams:
+            await stream.aclose()

@@ -1,0 +1,189 @@
+"""``POST /v1/completions``: raw prompts (text or token ids) -> the engine -> OpenAI text completions or SSE.
+
+``prompt`` takes OpenAI's four forms: a string, a list of strings, a list of token ids, a list of token-id lists.
+Several prompts run concurrently; choice ``index`` is ``prompt_index * n + sample_index``. Token-id prompts work
+on a model without a tokenizer (the text is then empty: use ``return_token_ids``). ``echo`` puts the prompt text
+in front; ``best_of`` must equal ``n`` (no server-side reranking); ``suffix`` is refused. Source: the OpenAI
+completions API; vLLM ``serving_completion.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from deepseek_v41.engine.async_engine import EngineDeadError, StepOutput
+from deepseek_v41.server.common import (
+    ServerState,
+    check_common,
+    check_prompt_ids,
+    completion_logprobs,
+    merged,
+    new_id,
+    request_salt,
+    sampling_params,
+    start_generation,
+    usage,
+)
+from deepseek_v41.server.errors import APIError, error_body
+from deepseek_v41.server.protocol import CompletionRequest
+from deepseek_v41.server.streaming import SSEResponse
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    ids: list[int]
+
+
+async def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
+    """The request's prompts as token ids; APIError 400 naming ``prompt`` when they cannot be used."""
+    raw = req.prompt
+    if isinstance(raw, str) or (raw and isinstance(raw[0], str)):
+        texts = [raw] if isinstance(raw, str) else list(raw)
+        if state.tokenizer is None:
+            raise APIError("this model has no tokenizer.json: send the prompt as token ids", "prompt",
+                           "invalid_value")
+        encodings = await asyncio.to_thread(state.tokenizer.encode_batch, texts,
+                                            add_special_tokens=req.add_special_tokens)
+        prompts = [_Prompt(t, list(e.ids)) for t, e in zip(texts, encodings, strict=True)]
+    else:
+        lists = [raw] if isinstance(raw[0], int) else raw
+        prompts = [_Prompt(None, list(ids)) for ids in lists]
+    for i, prompt in enumerate(prompts):
+        check_prompt_ids(state, prompt.ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+    if len(prompts) * req.n > state.max_n:
+        raise APIError(f"{len(prompts)} prompts x n={req.n} is more than the {state.max_n} sequences this server "
+                       f"takes in one request", "prompt", "invalid_value")
+    return prompts
+
+
+async def completion(state: ServerState, req: CompletionRequest, salt: str | None, arrival: float):
+    """Run one completions request; a JSONResponse, or an SSEResponse when ``stream``."""
+    check_common(state, req)
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError("best_of must equal n (this server does not rerank samples)", "best_of", "invalid_value")
+    if req.echo and req.logprobs is not None:
+        raise APIError("echo with logprobs needs prompt logprobs, which are not supported yet", "echo",
+                       "unsupported_parameter")
+    prompts = await _prompts(state, req)
+    request_id = new_id("cmpl")
+    started: list[tuple[AsyncIterator[StepOutput], StepOutput]] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            params = sampling_params(state, req, len(prompt.ids), max_tokens_field="max_tokens",
+                                     logprobs=req.logprobs, logprobs_field="logprobs",
+                                     skip_special_tokens=req.skip_special_tokens)
+            started.append(await start_generation(state, f"{request_id}-{i}", prompt.ids, params, prompt.text,
+                                                  request_salt(salt, req.cache_salt), arrival,
+                                                  "prompt" if len(prompts) == 1 else f"prompt[{i}]"))
+    except BaseException:
+        for stream, _ in started:
+            await stream.aclose()
+        raise
+    created = int(time.time())
+    run = _Run(state, req, prompts, request_id, created)
+    if req.stream:
+        return SSEResponse(run.chunks(merged(started)))
+    finals: dict[int, StepOutput] = {}
+    async with contextlib.aclosing(merged(started)) as outputs:
+        async for index, out in outputs:
+            finals[index] = out
+    return JSONResponse(run.full(finals))
+
+
+class _Run:
+    """Builds the response of one completions request from its prompts' outputs."""
+
+    def __init__(self, state: ServerState, req: CompletionRequest, prompts: list[_Prompt], request_id: str,
+                 created: int):
+        self.state, self.req, self.prompts = state, req, prompts
+        self.base = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name}
+
+    def _echo(self, index: int) -> str:
+        prompt = self.prompts[index]
+        if not self.req.echo:
+            return ""
+        if prompt.text is not None:
+            return prompt.text
+        tokenizer = self.state.tokenizer
+        return tokenizer.decode(prompt.ids, skip_special_tokens=False) if tokenizer is not None else ""
+
+    def _usage(self, outputs: dict[int, StepOutput], generated: int) -> dict[str, Any]:
+        prompt_tokens = sum(len(p.ids) for p in self.prompts)
+        cached = sum(out.output.num_cached_tokens for out in outputs.values())
+        return usage(prompt_tokens, generated, cached)
+
+    def full(self, finals: dict[int, StepOutput]) -> dict[str, Any]:
+        choices = []
+        req = self.req
+        for index in range(len(self.prompts)):
+            for completion in finals[index].output.outputs:
+                echo = self._echo(index)
+                entry: dict[str, Any] = {"index": index * req.n + completion.index, "text": echo + completion.text,
+                                         "logprobs": None, "finish_reason": completion.finish_reason or "abort",
+                                         "stop_reason": completion.stop_reason}
+                if req.logprobs is not None:
+                    entry["logprobs"] = completion_logprobs(self.state.tokenizer, completion.token_ids,
+                                                            completion.logprobs or [], req.logprobs, len(echo))
+                if req.return_token_ids:
+                    entry["token_ids"] = completion.token_ids
+                    entry["prompt_token_ids"] = self.prompts[index].ids
+                choices.append(entry)
+        generated = sum(len(c.token_ids) for out in finals.values() for c in out.output.outputs)
+        return {**self.base, "choices": choices, "usage": self._usage(finals, generated)}
+
+    async def chunks(self, outputs: AsyncIterator[tuple[int, StepOutput]]) -> AsyncIterator[dict[str, Any]]:
+        """SSE chunks: echo first, deltas, exactly one finish chunk per choice, then the usage chunk."""
+        req = self.req
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        latest: dict[int, StepOutput] = {}
+        generated = 0
+        sent_text = {}
+
+        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+            body = {**self.base, "choices": [choice]}
+            if include_usage:
+                body["usage"] = self._usage(latest, generated) if continuous else None
+            return body
+
+        async with contextlib.aclosing(outputs):
+            try:
+                async for index, step in outputs:
+                    latest[index] = step
+                    for i, completion in enumerate(step.output.outputs):
+                        choice_index = index * req.n + i
+                        new_ids = step.delta_token_ids[i]
+                        generated += len(new_ids)
+                        text = step.delta_text[i]
+                        if choice_index not in sent_text:
+                            text = self._echo(index) + text
+                            sent_text[choice_index] = 0
+                        if text or new_ids:
+                            piece: dict[str, Any] = {"index": choice_index, "text": text, "logprobs": None,
+                                                     "finish_reason": None}
+                            if req.logprobs is not None and new_ids:
+                                entries = (completion.logprobs or [])[len(completion.token_ids) - len(new_ids):]
+                                piece["logprobs"] = completion_logprobs(self.state.tokenizer, new_ids, entries,
+                                                                        req.logprobs, sent_text[choice_index])
+                            if req.return_token_ids:
+                                piece["token_ids"] = new_ids
+                            sent_text[choice_index] += len(text)
+                            yield chunk(piece)
+                        reason = step.finish_reasons[i]
+                        if reason is not None:
+                            yield chunk({"index": choice_index, "text": "", "logprobs": None,
+                                         "finish_reason": reason, "stop_reason": completion.stop_reason})
+            except EngineDeadError as exc:
+                yield error_body(f"the engine stopped after an internal failure: {exc}", 503, None, "engine_dead")
+                return
+        if include_usage:
+            yield {**self.base, "choices": [], "usage": self._usage(latest, generated)}

@@ -1,0 +1,194 @@
+"""Prometheus metrics (vLLM's names under ``dsv41:``) and the periodic throughput log line.
+
+:class:`ServerMetrics` is an observer of :class:`~deepseek_v41.engine.async_engine.AsyncLLMEngine`: it sees
+every step's outputs and the engine's stats snapshot. Counters and histograms are updated per step; gauges are
+read from the latest snapshot at scrape time. Each server has its own registry (several servers can live in one
+process, as in the tests).
+
+Names (``model_name`` label on all): ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+``e2e_request_latency_seconds`` (histograms); ``request_success_total{finished_reason}``, ``prompt_tokens_total``,
+``prompt_tokens_cached_total``, ``prompt_tokens_replayed_total``, ``generation_tokens_total``,
+``num_preemptions_total``, ``spec_decode_num_drafts_total``, ``spec_decode_num_accepted_tokens_per_pos_total``
+(counters); ``num_requests_running``, ``num_requests_waiting``, ``kv_pages_used``, ``kv_pages_total``,
+``kv_cache_usage_perc``, ``kv_cache_bytes{kind}``, ``swa_pool_occupancy`` (gauges).
+Source: SPEC.md §4.6; vLLM ``vllm/v1/metrics/loggers.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from deepseek_v41.engine.async_engine import AsyncLLMEngine, StepOutput
+
+logger = logging.getLogger("deepseek_v41.server")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics:
+    """Prometheus metrics of one server. ``registry`` is what ``/metrics`` exposes.
+
+    Args:
+        engine: the async engine to observe (registers itself as an observer).
+        model_name: the ``model_name`` label (the first served name).
+        spec_positions: how many draft positions the acceptance counters have (the config's
+            ``dspark_block_size``); all stay 0 until speculative decoding lands in the engine.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, spec_positions: int = 0):
+        self.engine, self.model_name, self.spec_positions = engine, model_name, spec_positions
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        reg = self.registry
+        self.ttft = Histogram("dsv41:time_to_first_token_seconds", "Time from arrival to the first output token, "
+                              "seconds.", labels, buckets=_TTFT_BUCKETS, registry=reg).labels(model_name)
+        self.itl = Histogram("dsv41:inter_token_latency_seconds", "Time between two output tokens of a request, "
+                             "seconds.", labels, buckets=_ITL_BUCKETS, registry=reg).labels(model_name)
+        self.e2e = Histogram("dsv41:e2e_request_latency_seconds", "Time from arrival to the last output, seconds.",
+                             labels, buckets=_E2E_BUCKETS, registry=reg).labels(model_name)
+        success = Counter("dsv41:request_success", "Finished requests (samples) by finish reason.",
+                          labels + ["finished_reason"], registry=reg)
+        self.finished = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.prompt_tokens = Counter("dsv41:prompt_tokens", "Prompt tokens of requests that started generating.",
+                                     labels, registry=reg).labels(model_name)
+        self.cached_tokens = Counter("dsv41:prompt_tokens_cached", "Prompt tokens served from the prefix cache "
+                                     "(0 until prefix caching lands in the engine).", labels,
+                                     registry=reg).labels(model_name)
+        self.replayed_tokens = Counter("dsv41:prompt_tokens_replayed", "Prompt tokens recomputed by bounded replay "
+                                       "after a prefix-cache hit (0 until prefix caching lands).", labels,
+                                       registry=reg).labels(model_name)
+        self.generation_tokens = Counter("dsv41:generation_tokens", "Generated tokens.", labels,
+                                         registry=reg).labels(model_name)
+        reg.register(_EngineCollector(self))
+        self._last_token: dict[str, float] = {}
+        self.interval = _Interval()
+        engine.add_observer(self.observe)
+
+    def observe(self, outputs: list[StepOutput], stats: dict[str, Any]) -> None:
+        """Update counters and histograms from one step's outputs (called by the engine loop)."""
+        for step in outputs:
+            out = step.output
+            new = sum(len(ids) for ids in step.delta_token_ids)
+            arrival = out.metrics.arrival_time
+            if new:
+                last = self._last_token.get(step.request_id)
+                if last is None:
+                    self.ttft.observe(max(0.0, step.time - arrival))
+                    computed = len(out.prompt_token_ids) - out.num_cached_tokens
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    self.cached_tokens.inc(out.num_cached_tokens)
+                    self.replayed_tokens.inc(getattr(out, "num_replayed_tokens", 0))
+                    self.interval.prompt_tokens += computed
+                else:
+                    self.itl.observe(max(0.0, step.time - last) / max(1, max(len(i) for i in step.delta_token_ids)))
+                self._last_token[step.request_id] = step.time
+                self.generation_tokens.inc(new)
+                self.interval.generation_tokens += new
+            for reason in step.finish_reasons:
+                if reason is not None:
+                    self.finished[reason if reason in self.finished else "stop"].inc()
+            if step.finished:
+                self.e2e.observe(max(0.0, step.time - arrival))
+                self._last_token.pop(step.request_id, None)
+
+    def log_throughput(self) -> str | None:
+        """The periodic line (vLLM's ``LoggingStatLogger``), or None when nothing happened since the last one."""
+        stats = self.engine.stats
+        line = self.interval.line(stats)
+        if line is not None:
+            logger.info(line)
+        return line
+
+
+class _Interval:
+    """Token counts since the last throughput line."""
+
+    def __init__(self):
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.start = time.monotonic()
+        self._idle_logged = False
+
+    def line(self, stats: dict[str, Any]) -> str | None:
+        now = time.monotonic()
+        elapsed = max(1e-9, now - self.start)
+        busy = self.prompt_tokens or self.generation_tokens or stats["num_running"] or stats["num_waiting"]
+        if not busy and self._idle_logged:
+            self.start = now
+            return None
+        self._idle_logged = not busy
+        total = max(1, stats["kv_pages_total"])
+        line = (f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, "
+                f"Running: {stats['num_running']} reqs, Waiting: {stats['num_waiting']} reqs, "
+                f"KV pages used: {100.0 * stats['kv_pages_used'] / total:.1f}%, "
+                f"Preemptions: {stats['num_preemptions']}")
+        self.prompt_tokens = self.generation_tokens = 0
+        self.start = now
+        return line
+
+
+class _EngineCollector:
+    """Gauges (and engine-owned counters) read from the engine's stats snapshot at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        m = self.metrics
+        stats = m.engine.stats
+        name = m.model_name
+
+        def gauge(metric: str, doc: str, value: float, **labels: str):
+            family = GaugeMetricFamily(metric, doc, labels=["model_name", *labels])
+            family.add_metric([name, *labels.values()], value)
+            return family
+
+        yield gauge("dsv41:num_requests_running", "Sequences in the running batch.", stats["num_running"])
+        yield gauge("dsv41:num_requests_waiting", "Sequences waiting to be scheduled.", stats["num_waiting"])
+        yield gauge("dsv41:kv_pages_used", "KV pages in use (global KV pool, the null page excluded).",
+                    stats["kv_pages_used"])
+        yield gauge("dsv41:kv_pages_total", "KV pages in the global pool.", stats["kv_pages_total"])
+        yield gauge("dsv41:kv_cache_usage_perc", "Fraction of KV pages in use, 0..1.",
+                    stats["kv_pages_used"] / max(1, stats["kv_pages_total"]))
+        window = stats["window_bytes_per_sequence_allocated"]
+        by_kind = GaugeMetricFamily("dsv41:kv_cache_bytes", "Cache bytes allocated by kind: global = the paged "
+                                    "pool (main KV + index keys), window = the per-sequence window rings.",
+                                    labels=["model_name", "kind"])
+        by_kind.add_metric([name, "global"], stats["kv_global_bytes"])
+        by_kind.add_metric([name, "window"], window * m.engine.engine.args.max_num_seqs)
+        yield by_kind
+        in_use = GaugeMetricFamily("dsv41:kv_cache_used_bytes", "Cache bytes held by live sequences, by kind.",
+                                   labels=["model_name", "kind"])
+        pages_total = max(1, stats["kv_pages_total"])
+        in_use.add_metric([name, "global"], stats["kv_global_bytes"] * stats["kv_pages_used"] / (pages_total + 1))
+        in_use.add_metric([name, "window"], window * stats["num_running"])
+        yield in_use
+        yield gauge("dsv41:swa_pool_occupancy", "Fraction of the SWA snapshot pool in use, 0..1 (0 until prefix "
+                    "caching lands in the engine).", stats.get("swa_pool_occupancy", 0.0))
+        preemptions = CounterMetricFamily("dsv41:num_preemptions", "Sequences preempted (recomputed later).",
+                                          labels=["model_name"])
+        preemptions.add_metric([name], stats["num_preemptions"])
+        yield preemptions
+        drafts = CounterMetricFamily("dsv41:spec_decode_num_drafts", "Speculative draft blocks verified (0 until "
+                                     "DSpark lands in the engine).", labels=["model_name"])
+        drafts.add_metric([name], stats.get("spec_decode_num_drafts", 0))
+        yield drafts
+        accepted = CounterMetricFamily("dsv41:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
+                                       "each draft position (0 until DSpark lands in the engine).",
+                                       labels=["model_name", "position"])
+        per_pos = list(stats.get("spec_decode_num_accepted_tokens_per_pos", []))
+        for pos in range(max(m.spec_positions, len(per_pos))):
+            accepted.add_metric([name, str(pos)], per_pos[pos] if pos < len(per_pos) else 0)
+        yield accepted
