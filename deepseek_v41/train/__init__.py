@@ -1,0 +1,2 @@
+"""Training side: corpus (``data``, ``sources``, ``text``), tokenizer training (``tokenizer``) and evaluation
+(``evaluate``)."""

@@ -96,9 +96,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, show_progress:
     return tokenizer
 
 
-def tokenizer_config(max_length: int | None = None) -> dict[str, Any]:
+def tokenizer_config() -> dict[str, Any]:
     """The ``tokenizer_config.json`` naming the special tokens for ``transformers``."""
-    config = {
+    return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": EOS,
@@ -109,9 +109,6 @@ def tokenizer_config(max_length: int | None = None) -> dict[str, Any]:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
     }
-    if max_length is not None:
-        config["model_max_length"] = max_length
-    return config
 
 
 def save_tokenizer(tokenizer: Any, out: str | Path) -> list[Path]:
@@ -169,11 +166,13 @@ def encode_batches(tokenizer: Any, texts: Iterable[str]) -> Iterator[np.ndarray]
     """The token stream of ``texts`` in pieces: every document as ``BOS, its tokens, EOS`` (int64), one array
     per :data:`ENCODE_BATCH` documents. This is the stream the trainer and ``dsv41 eval`` read."""
     bos, eos = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
+    # encode_batch_fast (tokenizers >= 0.21) skips the offsets we do not use: same ids, about 1.6x faster.
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     batch: list[str] = []
 
     def flush() -> np.ndarray:
         pieces = []
-        for enc in tokenizer.encode_batch(batch, add_special_tokens=False):
+        for enc in encode(batch, add_special_tokens=False):
             pieces.extend(([bos], enc.ids, [eos]))
         batch.clear()
         return np.fromiter((t for piece in pieces for t in piece), dtype=np.int64)

@@ -139,6 +139,8 @@ def test_errors_are_clear(model_dir, tmp_path):
         result = CliRunner().invoke(app, ["eval", "--model", str(model_dir), "--data",
                                           str(model_dir / "heldout.txt"), *args])
         assert result.exit_code == 2 and message in result.output
+    default = CliRunner().invoke(app, ["eval", "--model", str(model_dir), "--data", str(model_dir / "heldout.txt")])
+    assert default.exit_code == 0 and "perplexity" in default.stdout  # context 1024 = the tiny max positions
     plain = tmp_path / "plain.txt"
     plain.write_text("just some text, no separators", encoding="utf-8")
     assert read_texts(plain) == ["just some text, no separators"]
