@@ -255,6 +255,10 @@ class AsyncLLMEngine:
             except ValueError as exc:
                 errors.append((request_id, exc))
                 continue
+            except Exception as exc:  # an engine bug on this input: fail this request, keep serving the others
+                logger.exception("add_request(%r) failed", request_id)
+                errors.append((request_id, RuntimeError(f"the engine could not take this request: {exc!r}")))
+                continue
             n = kwargs["params"].n
             self._progress[request_id] = _Progress([0] * n, [""] * n, [False] * n)
         # After the adds: a request added and abandoned before its first step is still stopped.

@@ -160,6 +160,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_len
     if state.tokenizer is None:
         raise APIError("this model has no tokenizer.json, so chat is not available; use /v1/completions with "
                        "token-id prompts", "messages", "invalid_value")
+    if req.modalities and set(req.modalities) != {"text"}:
+        raise APIError("this model only produces text: modalities must be ['text']", "modalities", "invalid_value")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     messages = req.messages

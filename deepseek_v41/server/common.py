@@ -26,7 +26,6 @@ from deepseek_v41.engine.async_engine import (
 from deepseek_v41.engine.sampler import Logprob
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.server.errors import APIError
-from deepseek_v41.server.protocol import UNSUPPORTED
 
 
 @dataclass
@@ -95,7 +94,7 @@ def check_common(state: ServerState, req: Any) -> None:
     if req.model is not None and req.model not in state.config.served_model_names:
         raise APIError(f"The model '{req.model}' does not exist; this server serves "
                        f"{state.config.served_model_names}", "model", "model_not_found", 404)
-    for name, why in UNSUPPORTED.items():
+    for name, why in getattr(req, "UNSUPPORTED", {}).items():
         value = getattr(req, name, None)
         if value not in (None, False, {}, []):
             raise APIError(why, name, "unsupported_parameter")

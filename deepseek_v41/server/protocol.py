@@ -3,7 +3,7 @@
 Every model forbids unknown fields and validates types strictly (no "1" for 1, no 1.5 for an int, no NaN), so a
 mistyped request is a 400 naming the field instead of a silently different request. Fields that clients send
 and that this server does not implement are declared, so that the error says "not supported" rather than
-"unknown" (see ``UNSUPPORTED``). Responses are plain dicts built in ``serving_chat`` / ``serving_completion``.
+"unknown" (each model's ``UNSUPPORTED``). Responses are plain dicts built in ``serving_chat`` / ``serving_completion``.
 
 Sources: the OpenAI API reference (chat completions, completions), vLLM ``vllm/entrypoints/openai/protocol.py``
 (extra sampling fields, ``chat_template_kwargs``, ``return_token_ids``, ``cache_salt``), the DeepSeek API
@@ -12,7 +12,7 @@ Sources: the OpenAI API reference (chat completions, completions), vLLM ``vllm/e
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,7 +49,7 @@ class _Sampling(_Strict):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None  # int64, as vLLM
     n: Annotated[int, Field(ge=1)] = 1
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     min_tokens: NonNegInt = 0
@@ -69,6 +69,9 @@ class _Sampling(_Strict):
     cache_salt: str | None = None
     return_token_ids: bool = False
     logit_bias: dict[str, float] | None = None
+
+    # field -> why it is refused when set to anything but its default (a 400 naming the field).
+    UNSUPPORTED: ClassVar[dict[str, str]] = {"logit_bias": "logit_bias is not supported yet"}
 
 
 class ChatCompletionRequest(_Sampling):
@@ -101,6 +104,16 @@ class ChatCompletionRequest(_Sampling):
     web_search_options: Any = None
     echo: bool = False
 
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        **_Sampling.UNSUPPORTED,
+        "functions": "the deprecated 'functions' API is not supported; send 'tools'",
+        "function_call": "the deprecated 'function_call' is not supported; send 'tool_choice'",
+        "audio": "this model does not produce audio",
+        "prediction": "predicted outputs are not supported",
+        "web_search_options": "web search is not supported",
+        "echo": "echo is not supported on chat completions",
+    }
+
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or a list of
@@ -115,6 +128,12 @@ class CompletionRequest(_Sampling):
     add_special_tokens: bool = True
     suffix: str | None = None
     prompt_logprobs: int | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        **_Sampling.UNSUPPORTED,
+        "suffix": "suffix (fill in the middle) is not supported by this model",
+        "prompt_logprobs": "prompt_logprobs is not supported yet",
+    }
 
 
 class TokenizeRequest(_Strict):
@@ -135,17 +154,3 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[NonNegInt]
-
-
-# field -> why it is refused when set to anything but its default (a 400 naming the field).
-UNSUPPORTED: dict[str, str] = {
-    "functions": "the deprecated 'functions' API is not supported; send 'tools'",
-    "function_call": "the deprecated 'function_call' is not supported; send 'tool_choice'",
-    "audio": "this model does not produce audio",
-    "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported",
-    "suffix": "suffix (fill in the middle) is not supported by this model",
-    "prompt_logprobs": "prompt_logprobs is not supported yet",
-    "logit_bias": "logit_bias is not supported yet",
-    "echo": "echo is not supported on chat completions",
-}

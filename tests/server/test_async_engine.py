@@ -1,0 +1,83 @@
+"""``AsyncLLMEngine`` without HTTP: streamed deltas concatenate to the final text (stop strings held back and
+cut), abort frees pages, refused requests raise at the first iteration, the engine keeps serving after them."""
+
+import asyncio
+import contextlib
+
+import pytest
+
+from deepseek_v41.engine import LLM, SamplingParams
+from deepseek_v41.engine.async_engine import ABORT, AsyncLLMEngine, EngineDrainingError
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, max_num_seqs=8, max_model_len=256)
+
+
+async def collect(engine, request_id, ids, params):
+    outputs = []
+    async for out in engine.generate(request_id, ids, params):
+        outputs.append(out)
+    return outputs
+
+
+def test_deltas_add_up_and_abort_frees_pages(llm):
+    async def run():
+        engine = AsyncLLMEngine(llm.engine)
+        ids = llm.tokenizer.encode("Hello world").ids
+        greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        (reference,) = [o for o in await collect(engine, "ref", ids, greedy) if o.finished]
+        stop = reference.output.outputs[0].text[8:11]
+        stopped = await collect(engine, "stop", ids, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                                    stop=[stop]))
+        sampled = await collect(engine, "n", ids, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=7,
+                                                                 ignore_eos=True))
+        for outputs in (stopped, sampled):
+            final = outputs[-1].output
+            assert final.finished and sum(o.finished for o in outputs) == 1
+            for i, completion in enumerate(final.outputs):
+                assert "".join(o.delta_text[i] for o in outputs) == completion.text
+                assert [t for o in outputs for t in o.delta_token_ids[i]] == completion.token_ids
+                assert [r for o in outputs for r in [o.finish_reasons[i]] if r] == [completion.finish_reason]
+        assert stopped[-1].output.outputs[0].text == reference.output.outputs[0].text[:8]
+
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        stream = engine.generate("gone", ids, long)
+        await anext(stream)
+        assert engine.stats["kv_pages_used"] > 0
+        await stream.aclose()
+        for _ in range(200):
+            if engine.stats["kv_pages_used"] == 0 and not llm.engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats["kv_pages_used"] == 0 and not llm.engine.requests
+
+        with pytest.raises(ValueError, match="token ids"):
+            await collect(engine, "bad", [10**6], greedy)
+        assert (await collect(engine, "after", ids, greedy))[-1].output.outputs[0].text == \
+            reference.output.outputs[0].text
+        await engine.shutdown()
+        with pytest.raises(EngineDrainingError):
+            await collect(engine, "late", ids, greedy)
+
+    asyncio.run(run())
+
+
+def test_abort_reports_abort_to_observers(llm):
+    async def run():
+        engine = AsyncLLMEngine(llm.engine)
+        seen = []
+        engine.add_observer(lambda outputs, stats: seen.extend(r for o in outputs for r in o.finish_reasons if r))
+        ids = llm.tokenizer.encode("Hello").ids
+        stream = engine.generate("x", ids, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        await anext(stream)
+        engine.abort("x")
+        with contextlib.suppress(StopAsyncIteration):
+            while True:
+                out = await anext(stream)
+        assert out.finished and out.finish_reasons == [ABORT]
+        await engine.shutdown()
+        assert seen == [ABORT]
+
+    asyncio.run(run())
