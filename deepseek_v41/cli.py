@@ -24,6 +24,7 @@ def report(
     config: str = typer.Option("flash", help="Preset name (flash, tiny), a model directory or a config.json."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     plot: Path | None = typer.Option(None, help="Directory to write PNG plots into."),
+    flops: bool = typer.Option(True, help="Count FLOPs by running the model on meta (about 30 s for flash)."),
 ) -> None:
     """KV bytes per token, window bytes, generations table: computed from the code."""
     from deepseek_v41.analysis.report import build_report, plot_report, print_report
@@ -33,7 +34,7 @@ def report(
     except (ConfigError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    data = build_report(cfg, name=config)
+    data = build_report(cfg, name=config, flops=flops)
     if as_json:
         typer.echo(json.dumps(data, indent=2))
     else:

@@ -48,21 +48,29 @@ def params_section(model) -> tuple[dict[str, int], dict[str, int]]:
                                  "loaded_bytes_fp32": loaded_bytes(model, 4)}
 
 
-def build_report(cfg: ModelConfig, name: str = "") -> dict[str, Any]:
-    """Everything ``dsv41 report`` prints, as a JSON-ready dict."""
+def build_report(cfg: ModelConfig, name: str = "", flops: bool = True) -> dict[str, Any]:
+    """Everything ``dsv41 report`` prints, as a JSON-ready dict (``flops=False`` skips the FLOPs runs)."""
+    from deepseek_v41.analysis.flops import flops_section
     from deepseek_v41.analysis.params import build_on_meta
+    from deepseek_v41.cache.kv_cache import PagedKVCache
 
     plan = build_layer_plan(cfg)
     model = build_on_meta(cfg)
     params, memory = params_section(model)
-    return {
+    kv = kv_section(cfg)
+    # The engine's own pool tensors, built on meta: the allocated global KV per token is a reading, not a formula.
+    kv["allocated_bytes_per_token"] = PagedKVCache(cfg, 1025, 16, 1, 16, "meta").allocated_bytes_per_token
+    report = {
         "config": name,
         "layers": {"num_hidden_layers": cfg.num_hidden_layers, "ced": plan.ced, "ced_reason": plan.ced_reason,
                    "roles": {s.layer_id: s.role.value for s in plan.layers}},
-        "kv": kv_section(cfg),
+        "kv": kv,
         "params": params,
         "memory": memory,
     }
+    if flops:
+        report["flops"] = flops_section(model)
+    return report
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -83,6 +91,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("window row (FP8 + UE8M0 / 32)", kv["window_row_bytes"]),
         ("compressed entries per token", kv["entries_per_token"]),
         ("global KV per token", kv["global_bytes_per_token"]),
+        ("global KV per token, measured on the engine's pool tensors", kv["allocated_bytes_per_token"]),
         ("window KV per sequence (backbone)", kv["window_bytes_per_sequence"]),
         ("window KV per sequence (DSpark draft)", kv["dspark_window_bytes_per_sequence"]),
         ("persistent bytes per token (global KV only)", kv["persistent_bytes_per_token"]),
@@ -111,6 +120,21 @@ def print_report(report: dict[str, Any]) -> None:
                        ("loaded_bytes_fp32", "memory as loaded, fp32 (Engram tables FP8)")):
         params.add_row(label, _human(report["memory"][key], "B"))
     console.print(params)
+    if "flops" in report:
+        flops = report["flops"]
+        table = Table(title="FLOPs per token (matmuls of the real modules on meta; BF16 1, FP8 0.5, FP4 0.25)")
+        table.add_column("")
+        table.add_column("weighted", justify="right")
+        table.add_column("unweighted", justify="right")
+        for label, value in flops["decode_per_token"].items():
+            unweighted = flops["decode_per_token_unweighted"][label]
+            table.add_row(f"decode at {label} context", _human(value), _human(unweighted))
+        for mode, value in flops["prefill_per_token"].items():
+            table.add_row(f"prefill, {flops['prefill_prompt_tokens']:,}-token prompt, {mode}", _human(value),
+                          _human(flops["prefill_per_token_unweighted"][mode]))
+        console.print(table)
+        growth = next(v for k, v in flops.items() if k.startswith("decode_growth_"))
+        console.print(f"decode FLOPs growth from the shortest to the longest context: {growth:+.1%} (weighted)")
 
 
 def _human(value: float, unit: str = "") -> str:
@@ -138,7 +162,28 @@ def plot_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     for bar, value in zip(bars, gens.values(), strict=True):
         ax.annotate(f"{value:,.0f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
     fig.tight_layout()
-    path = out / "kv_bytes_by_generation.png"
-    fig.savefig(path, dpi=120)
+    paths = [out / "kv_bytes_by_generation.png"]
+    fig.savefig(paths[0], dpi=120)
     plt.close(fig)
-    return [path]
+    if "flops" in report:
+        from deepseek_v41.analysis.flops import DECODE_CONTEXTS
+
+        flops = report["flops"]
+        labels = list(flops["decode_per_token"])
+        x = [DECODE_CONTEXTS.get(label, i) for i, label in enumerate(labels)]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        weighted = [flops["decode_per_token"][k] / 1e9 for k in labels]
+        ax.plot(x, weighted, "o-", label="weighted (BF16 1, FP8 .5, FP4 .25)")
+        ax.plot(x, [flops["decode_per_token_unweighted"][k] / 1e9 for k in labels], "s--", label="unweighted")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, labels)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode GFLOPs per token")
+        ax.set_title("Decode FLOPs per token against context")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out / "decode_flops_by_context.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths

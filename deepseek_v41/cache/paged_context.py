@@ -30,6 +30,7 @@ class PagedContext:
         self.cache = cache
         self.positions = positions
         self.fake_quant = True  # the indexer query is quantized as in the reference
+        self.banded_window = True  # the new window rows are the new tokens, at consecutive positions
         self.shared: dict[Any, torch.Tensor] = {}
         self.dtype = dtype
         self.ends = ends

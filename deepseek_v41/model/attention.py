@@ -31,30 +31,44 @@ from deepseek_v41.plan import LayerRole, LayerSpec
 
 def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, window: int,
                      topk: torch.Tensor | None, gather: Callable[[torch.Tensor], torch.Tensor] | None,
-                     sink: torch.Tensor, scale: float, chunk: int = QUERY_CHUNK) -> torch.Tensor:
+                     sink: torch.Tensor, scale: float, chunk: int = QUERY_CHUNK, banded: bool = True) -> torch.Tensor:
     """One softmax per (query, head) over its window keys and its selected compressed entries, with a sink.
 
-    q [B, T, H, d]; q_pos [B, T]; keys [B, P + T, d] with key_pos [B, P + T] (the last T rows are the new tokens,
-    the first P earlier rows, -1 = empty); a key is in a query's window when ``p - window < key_pos <= p``.
-    topk [B, T, k] entry indices (-1 = none) and ``gather(idx [B, c, k]) -> [B, c, k, d]`` fetch the compressed
-    entries. K = V (one shared latent). ``o = Σ exp(s - m) v / (Σ exp(s - m) + exp(sink_h - m))``, fp32; a query
-    with no valid key returns 0. Returns [B, T, H, d] in q's dtype. Queries run in chunks of ``chunk`` so memory
-    is O(chunk x (P + chunk + window + k)).
+    q [B, T, H, d]; q_pos [B, T]; keys [B, P + T, d] with key_pos [B, P + T]: the last T rows are the new tokens
+    (consecutive positions, in order), the first P earlier rows (any order, -1 = empty); a key is in a query's
+    window when ``p - window < key_pos <= p``. topk [B, T, k] entry indices (-1 = none) and
+    ``gather(idx [B, c, k]) -> [B, c, k, d]`` fetch the compressed entries. K = V (one shared latent).
+    ``o = Σ exp(s - m) v / (Σ exp(s - m) + exp(sink_h - m))`` in fp32 (float64 for a float64 model); a query with
+    no valid key returns 0. Returns [B, T, H, d] in q's dtype. ``banded=False``: every row is treated like an
+    earlier row (masked by position only; the DSpark draft block, whose rows all report the anchor position).
+
+    Each query reads exactly its band of ``min(window, T)`` new rows (a strided view, no copy of the keys), the P
+    earlier rows and its k entries, so the work is O(T x (window + P + k)) — no masked-out block work — and
+    queries run in chunks of ``chunk`` so memory is O(chunk x (window + P + k)).
     """
     B, T, H, d = q.shape
-    P = keys.shape[1] - T
+    P = keys.shape[1] - T if banded else keys.shape[1]
+    wide = upcast(keys)
+    prev, prev_pos = wide[:, :P], key_pos[:, :P]
+    band = min(window, T) if banded else 0
+    # Row i of the band view holds new rows i - band + 1 .. i (padding rows have position -1).
+    if band:
+        band_keys = torch.nn.functional.pad(wide[:, P:], (0, 0, band - 1, 0)).unfold(1, band, 1)  # [B, T, d, band]
+        band_pos = torch.nn.functional.pad(key_pos[:, P:], (band - 1, 0), value=-1).unfold(1, band, 1)  # [B, T, band]
     out = []
     for i0 in range(0, T, chunk):
         i1 = min(T, i0 + chunk)
-        j0 = max(0, i0 - window + 1)
-        k_c = upcast(torch.cat((keys[:, :P], keys[:, P + j0: P + i1]), 1))
-        kp = torch.cat((key_pos[:, :P], key_pos[:, P + j0: P + i1]), 1)[:, None, :]
+        qc = upcast(q[:, i0:i1]).to(wide.dtype)
         qp = q_pos[:, i0:i1, None]
-        visible = (kp <= qp) & (kp > qp - window) & (kp >= 0)  # [B, c, L]
-        qc = upcast(q[:, i0:i1]).to(k_c.dtype)
-        scores = torch.einsum("bchd,bld->bchl", qc, k_c) * scale
-        scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-        parts = [scores]
+        parts = []
+        if P:
+            s_prev = torch.einsum("bchd,bld->bchl", qc, prev) * scale
+            seen = (prev_pos[:, None, :] <= qp) & (prev_pos[:, None, :] > qp - window) & (prev_pos[:, None, :] >= 0)
+            parts.append(s_prev.masked_fill(~seen[:, :, None, :], float("-inf")))
+        if band:
+            bk = band_keys[:, i0:i1]
+            s_band = torch.einsum("bchd,bcdw->bchw", qc, bk) * scale
+            parts.append(s_band.masked_fill((band_pos[:, i0:i1] < 0)[:, :, None, :], float("-inf")))
         selected = None
         if topk is not None and topk.shape[-1] > 0:
             idx = topk[:, i0:i1]
@@ -63,10 +77,11 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
             parts.append(s_c.masked_fill((idx < 0)[:, :, None, :], float("-inf")))
         parts.append(sink.to(qc.dtype).view(1, 1, H, 1).expand(B, i1 - i0, H, 1))
         probs = torch.softmax(torch.cat(parts, -1), dim=-1)
-        L = k_c.shape[1]
-        o = torch.einsum("bchl,bld->bchd", probs[..., :L], k_c)
+        o = torch.einsum("bchl,bld->bchd", probs[..., :P], prev)
+        if band:
+            o = o + torch.einsum("bchw,bcdw->bchd", probs[..., P: P + band], bk)
         if selected is not None:
-            o = o + torch.einsum("bchk,bckd->bchd", probs[..., L:-1], selected)
+            o = o + torch.einsum("bchk,bckd->bchd", probs[..., P + band:-1], selected)
         out.append(o)
     return torch.cat(out, 1).to(q.dtype)
 
@@ -118,6 +133,7 @@ class Attention(nn.Module):
         self.wq_b = nn.Linear(cfg.q_lora_rank, H * d, bias=False)
         self.wkv = nn.Linear(D, d, bias=False)
         self.kv_norm = RMSNorm(d, eps)
+        self.query_chunk = QUERY_CHUNK  # queries per attention / indexer chunk: bounds activation memory
         self.wo_a = GroupedLinear(H * d // cfg.o_groups, cfg.o_groups, cfg.o_lora_rank)
         self.core = SparseAttention()
         self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)
@@ -148,7 +164,8 @@ class Attention(nn.Module):
             def gather(idx: torch.Tensor) -> torch.Tensor:
                 return ctx.gather_entries(source, idx)
 
-        o = self.core(q, pos, keys, key_pos, self.window, topk, gather, self.attn_sink, self.head_dim ** -0.5)
+        o = self.core(q, pos, keys, key_pos, self.window, topk, gather, self.attn_sink, self.head_dim ** -0.5,
+                      self.query_chunk, ctx.banded_window)
         o = self.rope(o, pos, inverse=True)
         return self.wo_b(self.wo_a(o.reshape(B, T, self.o_groups, -1)))
 
@@ -177,8 +194,8 @@ class Attention(nn.Module):
         visible = torch.div(ctx.positions + 1, spec.compress_ratio, rounding_mode="floor")
         picks, pools = [], []
         all_entries = torch.arange(N, device=x.device)
-        for i0 in range(0, T, QUERY_CHUNK):
-            i1 = min(T, i0 + QUERY_CHUNK)
+        for i0 in range(0, T, self.query_chunk):
+            i1 = min(T, i0 + self.query_chunk)
             qc, wc, vis = q[:, i0:i1], w[:, i0:i1], visible[:, i0:i1]
             if spec.candidate_source is not None and self.candidate_topk_blocks * self.candidate_block_size < N:
                 # Reindex: score only the entries of each query's candidate pool.

@@ -11,7 +11,9 @@ the context object they pass. A context provides, for the tokens of one forward 
   E4M3 scales) and index keys [B, G, di] (FP4 with UE8M0 scales) for groups ``group`` [B, G] (-1 = none);
 - ``index_keys(layer)``: all stored index keys [B, N, di] of a kv source, entry n at row n;
 - ``gather_entries(layer, idx)``: the entries picked by ``idx`` [B, c, k] as [B, c, k, d] (zeros where -1);
-- ``shared``: per-forward results handed between layers (top-k of index sources, candidate pools).
+- ``shared``: per-forward results handed between layers (top-k of index sources, candidate pools);
+- ``banded_window``: True when the last T window rows are the new tokens at consecutive positions (each query
+  then reads only its band of them); False makes attention mask every row by position alone.
 
 :class:`DenseContext` is the exact-forward / training context: everything stays a tensor, the KV quantization
 is the reference fake-quant (switchable off), and a forward starts at position 0.
@@ -33,6 +35,7 @@ class DenseContext:
         self.positions = torch.arange(length, device=device).expand(batch, length)
         self.fake_quant = fake_quant
         self.shared: dict[Any, torch.Tensor] = {}
+        self.banded_window = True  # the new window rows are the new tokens, at consecutive positions
         self._entries: dict[int, torch.Tensor] = {}
         self._index_keys: dict[int, torch.Tensor] = {}
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}

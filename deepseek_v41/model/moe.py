@@ -7,7 +7,7 @@ chosen k, times ``routed_scaling_factor``.
 The expert dispatch sorts (token, slot) pairs by expert and runs each expert on its contiguous segment, so the
 work is T*k expert applications. It has no ``nonzero`` / ``bincount`` / ``unique`` / ``.item()`` on tensors
 whose values are unknown on PyTorch's ``meta`` device: only the segment lengths are read, and on ``meta`` (where
-routing is unknowable) they are taken as balanced, which keeps the FLOPs total exact (SPEC.md §1.5).
+routing is unknowable) every assignment is counted on one expert, which keeps the FLOPs total exact (SPEC.md §1.5).
 """
 
 from __future__ import annotations
@@ -88,12 +88,12 @@ class Gate(nn.Module):
 def expert_segments(flat_idx: torch.Tensor, n_experts: int) -> list[int]:
     """Tokens routed to each expert, as Python ints (the only host sync of the dispatch).
 
-    On ``meta`` the routing is unknown: the N*k assignments are spread evenly, so shapes — and the FLOPs
-    counted from them — match a balanced load with the exact total.
+    On ``meta`` the routing is unknown: all N*k assignments are given to the first expert. An expert's matmuls
+    are linear in its token count and every expert has the same shape, so the FLOPs counted are exactly those of
+    any routing, and the model runs one expert call per layer instead of hundreds.
     """
     if flat_idx.device.type == "meta":
-        total = flat_idx.numel()
-        return [total // n_experts + (1 if e < total % n_experts else 0) for e in range(n_experts)]
+        return [flat_idx.numel()] + [0] * (n_experts - 1)
     counts = torch.zeros(n_experts, dtype=torch.long, device=flat_idx.device)
     counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
     return counts.tolist()

@@ -12,11 +12,12 @@ from deepseek_v41.config import flash_config, tiny_config
 
 
 def test_report_json_gives_the_papers_numbers(tmp_path):
-    result = CliRunner().invoke(app, ["report", "--config", "flash", "--json", "--plot", str(tmp_path)])
+    result = CliRunner().invoke(app, ["report", "--config", "flash", "--json", "--no-flops", "--plot", str(tmp_path)])
     assert result.exit_code == 0, result.output
     kv = json.loads(result.stdout)["kv"]
     assert (kv["main_entry_bytes"], kv["index_entry_bytes"], kv["window_row_bytes"]) == (288, 68, 528)
     assert kv["global_bytes_per_token"] == 890
+    assert kv["allocated_bytes_per_token"] == 890  # read off the engine's pool tensors (on meta)
     assert kv["window_bytes_per_sequence"] == 2_703_360
     assert kv["generations"] == {"deepseek-llm-67b": 389_120, "deepseek-v3.2": 48_068,
                                  "deepseek-v4-flash": 3514.25, "deepseek-v4.1-flash": 890}
@@ -43,6 +44,7 @@ def test_tiny_layout_follows_its_config():
 def test_report_text_and_bad_config(tmp_path):
     runner = CliRunner()
     ok = runner.invoke(app, ["report", "--config", "tiny"])
+    assert "decode at 1M context" in ok.stdout
     assert ok.exit_code == 0 and "global KV per token" in ok.stdout
     bad = runner.invoke(app, ["report", "--config", str(tmp_path / "nope")])
     assert bad.exit_code == 2 and "no config.json" in bad.output
