@@ -234,8 +234,6 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, salt: 
     params = sampling_params(state, req, len(plan.ids), max_tokens_field=(
         "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"),
         logprobs=top if req.logprobs else None, logprobs_field="top_logprobs", skip_special_tokens=False)
-    if req.max_completion_tokens is not None:
-        params.max_tokens = min(params.max_tokens, req.max_completion_tokens)
     request_id = new_id("chatcmpl")
     stream, first = await start_generation(state, request_id, plan.ids, params, plan.prompt,
                                            request_salt(salt, req.cache_salt), arrival, "messages")

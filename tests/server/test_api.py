@@ -179,6 +179,18 @@ def test_metrics_names(server, client):
     assert values[("dsv41:generation_tokens_total", ())] >= 2
 
 
+def test_draining_refuses_new_work(server):
+    state = server.uvicorn_server.config.app.state.server
+    state.draining = True
+    try:
+        assert httpx.get(server.url + "/health").status_code == 503
+        response = httpx.post(server.v1 + "/completions", json={"prompt": "Hi"}, headers=auth(KEYS[0]))
+        assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down"
+    finally:
+        state.draining = False
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_token_id_prompts_without_tokenizer(tmp_path_factory):
     from conftest import save_tiny_model, start_server
 

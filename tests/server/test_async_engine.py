@@ -81,3 +81,26 @@ def test_abort_reports_abort_to_observers(llm):
         assert seen == [ABORT]
 
     asyncio.run(run())
+
+
+def test_engine_failure_fails_requests_and_health(model_dir):
+    """A step that raises stops the loop: running and later requests get EngineDeadError (the server's 503)."""
+    from deepseek_v41.engine.async_engine import EngineDeadError
+
+    broken = LLM(model_dir, max_num_seqs=2, max_model_len=64)
+
+    def step():
+        raise RuntimeError("simulated kernel failure")
+
+    broken.engine.step = step
+
+    async def run():
+        engine = AsyncLLMEngine(broken.engine)
+        with pytest.raises(EngineDeadError, match="simulated"):
+            await collect(engine, "a", [5, 6], SamplingParams(max_tokens=2))
+        assert engine.errored
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "b", [5, 6], SamplingParams(max_tokens=2))
+        await engine.shutdown()
+
+    asyncio.run(run())

@@ -113,6 +113,10 @@ def test_named_tool_choice_is_prefilled(server, client):
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
     assert full.choices[0].finish_reason == "tool_calls" and finishes == ["tool_calls"]
     assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Oslo"}
+    with scripted(server, 'get_weather">\n' + rest + EOS):
+        required = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                                  tool_choice="required", max_tokens=60)
+    assert json.loads(required.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
