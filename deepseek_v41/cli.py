@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from deepseek_v41.config import ConfigError, load_config
+from deepseek_v41.engine.generate_cli import generate
 from deepseek_v41.server.cli import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -45,6 +46,7 @@ def report(
 
 
 app.command()(serve)
+app.command()(generate)
 
 
 data_app = typer.Typer(no_args_is_help=True, help="Training corpus.")

@@ -155,3 +155,37 @@ def test_nan_free_cache_for_short_prompts(model32):
     for codes, scales, icodes, iscales in cache.pools.values():
         assert torch.isfinite(dequantize_fp4(codes, scales, 16, "e4m3")).all()
         assert torch.isfinite(dequantize_fp4(icodes, iscales, 32, "ue8m0")).all()
+
+
+def _prefilled(model, prompt):
+    """An engine whose only sequence has its prompt prefilled (exact mode), and that sequence."""
+    llm = LLM(model, prefill_mode="exact", max_model_len=512)
+    engine = llm.engine
+    engine.add_request("poke", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    seq = engine.requests["poke"][0]
+    (s, start, end), = engine.scheduler.schedule().prefills
+    engine.runner.prefill(s, start, end)
+    seq.num_computed = end
+    seq.detokenizer.output_token_ids.append(7)
+    engine.scheduler.blocks.grow(seq.block_table, end + 1)
+    return engine, seq
+
+
+@pytest.mark.parametrize("where", ["main entry", "window row"])
+def test_one_stored_byte_changes_the_logits(model32, where):
+    # 12 tokens: layer 2 (ratio 2) has 6 entries, fewer than index_topk 8, so all of them are attended.
+    prompt = prompt_of(12, seed=5)
+    clean, seq = _prefilled(model32, prompt)
+    poked, seq2 = _prefilled(model32, prompt)
+    if where == "main entry":
+        codes = poked.cache.pools[2][0]  # layer 2's main-entry codes [pages, entries, bytes]
+        codes[seq2.block_table[0], 1, 0] ^= 0x77
+    else:
+        codes = poked.cache.window_codes  # [slots, layers, rows, bytes]
+        codes[seq2.slot, 0, 11 % poked.cache.window_rows, 3] ^= 0x11
+    control, seq3 = _prefilled(model32, prompt)
+    control.cache.window_codes[seq3.slot + 1, 0, 3, 3] ^= 0x11  # another slot's ring: not read by this sequence
+    a = clean.runner.decode([seq])[0]
+    b = poked.runner.decode([seq2])[0]
+    assert (a - b).abs().max() > 1e-6
+    assert torch.equal(control.runner.decode([seq3])[0], a)
