@@ -77,7 +77,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.plan = build_layer_plan(config)
-        self.fake_quant = True
+        self._fake_quant = True
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, spec) for spec in self.plan.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -113,6 +113,17 @@ class Transformer(nn.Module):
                 p.zero_()
             elif p.dim() >= 2 and p.is_floating_point():
                 p.normal_(0.0, std)
+
+    @property
+    def fake_quant(self) -> bool:
+        """Whether the exact forward (and the DSpark draft) apply the reference KV fake-quant."""
+        return self._fake_quant
+
+    @fake_quant.setter
+    def fake_quant(self, value: bool) -> None:
+        self._fake_quant = bool(value)
+        if getattr(self, "mtp", None) is not None:
+            self.mtp.fake_quant = bool(value)
 
     def save_pretrained(self, path, quantization: str = "none", max_shard_bytes: int = 4 * 1024**3):
         """Write config.json + safetensors under the official names; see

@@ -52,3 +52,10 @@ def test_active_counts_follow_the_routing_arithmetic():
                                        + len(model.layers) * cfg.num_experts_per_tok * expert + gathered)
     assert table == counts["engram"]
     assert counts["active_prefill"] < counts["active_decode"]
+
+
+def test_official_draft_and_vision(flash_counts):
+    # MODEL_REFERENCE.md §6: DSpark about 14.2B, vision + aligner about 0.49B, about 763B stored in all.
+    assert flash_counts["dspark"] == pytest.approx(14.2e9, rel=0.03)
+    assert flash_counts["vision"] == pytest.approx(0.49e9, rel=0.03)
+    assert flash_counts["total"] == pytest.approx(763e9, rel=0.01)
