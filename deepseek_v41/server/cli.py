@@ -13,6 +13,7 @@ from pathlib import Path
 import typer
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "deepseek_v41" / "prefix-cache"
 
 
 def serve(
@@ -25,8 +26,9 @@ def serve(
                                                 "(repeatable; default: the --model path)."),
     max_model_len: int | None = typer.Option(None, help="Prompt + output tokens at most (default: the model's, "
                                              "capped at 32768)."),
-    cache_dir: Path | None = typer.Option(None, help="Directory of the persistent prefix cache (used once the "
-                                          "engine has one; until then it is accepted and ignored)."),
+    cache_dir: Path | None = typer.Option(None, help="Directory of the persistent prefix cache (default "
+                                          "~/.cache/deepseek_v41/prefix-cache once the engine has one; until then "
+                                          "it is accepted and ignored)."),
     max_num_seqs: int = typer.Option(64, help="Sequences in the running batch at most."),
     max_num_batched_tokens: int = typer.Option(4096, help="Tokens per engine step at most."),
     block_size: int = typer.Option(16, help="Tokens per KV page."),
@@ -65,12 +67,10 @@ def serve(
     engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, max_model_len=max_model_len, num_kv_pages=num_kv_pages,
                        kv_cache_memory_bytes=kv_cache_memory_bytes, prefill_mode=prefill_mode, seed=seed)
-    fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    if cache_dir is not None:
-        if "cache_dir" in fields:
-            engine_args["cache_dir"] = str(cache_dir)
-        else:
-            log.warning("--cache-dir %s is ignored: the engine has no persistent prefix cache yet", cache_dir)
+    if "cache_dir" in {f.name for f in dataclasses.fields(EngineArgs)}:
+        engine_args["cache_dir"] = str(cache_dir or DEFAULT_CACHE_DIR)  # SPEC.md §4.3: serve gives a default
+    elif cache_dir is not None:
+        log.warning("--cache-dir %s is ignored: the engine has no persistent prefix cache yet", cache_dir)
     try:
         llm = LLM(model, dtype=torch_dtype, device=device, **engine_args)
     except (ValueError, FileNotFoundError) as exc:
