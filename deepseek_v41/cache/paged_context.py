@@ -31,6 +31,8 @@ class PagedContext:
         self.positions = positions
         self.fake_quant = True  # the indexer query is quantized as in the reference
         self.banded_window = True  # the new window rows are the new tokens, at consecutive positions
+        self.indexer_losses: list[torch.Tensor] | None = None  # training: collects each indexer's KL loss
+        self.dense_indexer = False  # training warm-up: every visible entry is selected
         self.shared: dict[Any, torch.Tensor] = {}
         self.dtype = dtype
         self.ends = ends

@@ -31,7 +31,8 @@ from deepseek_v41.plan import LayerRole, LayerSpec
 
 def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, window: int,
                      topk: torch.Tensor | None, gather: Callable[[torch.Tensor], torch.Tensor] | None,
-                     sink: torch.Tensor, scale: float, chunk: int = QUERY_CHUNK, banded: bool = True) -> torch.Tensor:
+                     sink: torch.Tensor, scale: float, chunk: int = QUERY_CHUNK, banded: bool = True,
+                     entry_probs: bool = False):
     """One softmax per (query, head) over its window keys and its selected compressed entries, with a sink.
 
     q [B, T, H, d]; q_pos [B, T]; keys [B, P + T, d] with key_pos [B, P + T]: the last T rows are the new tokens
@@ -41,6 +42,8 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
     ``o = Σ exp(s - m) v / (Σ exp(s - m) + exp(sink_h - m))`` in fp32 (float64 for a float64 model); a query with
     no valid key returns 0. Returns [B, T, H, d] in q's dtype. ``banded=False``: every row is treated like an
     earlier row (masked by position only; the DSpark draft block, whose rows all report the anchor position).
+    ``entry_probs=True`` also returns the attention probabilities of the selected entries [B, T, H, k] (the
+    indexer's training target), as ``(o, probs)``.
 
     Each query reads exactly its band of ``min(window, T)`` new rows (a strided view, no copy of the keys), the P
     earlier rows and its k entries, so the work is O(T x (window + P + k)) — no masked-out block work — and
@@ -55,7 +58,7 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
     if band:
         band_keys = torch.nn.functional.pad(wide[:, P:], (0, 0, band - 1, 0)).unfold(1, band, 1)  # [B, T, d, band]
         band_pos = torch.nn.functional.pad(key_pos[:, P:], (band - 1, 0), value=-1).unfold(1, band, 1)  # [B, T, band]
-    out = []
+    out, picked = [], []
     for i0 in range(0, T, chunk):
         i1 = min(T, i0 + chunk)
         qc = upcast(q[:, i0:i1]).to(wide.dtype)
@@ -82,8 +85,31 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
             o = o + torch.einsum("bchw,bcdw->bchd", probs[..., P: P + band], bk)
         if selected is not None:
             o = o + torch.einsum("bchk,bckd->bchd", probs[..., P + band:-1], selected)
+            picked.append(probs[..., P + band:-1])
         out.append(o)
-    return torch.cat(out, 1).to(q.dtype)
+    o = torch.cat(out, 1).to(q.dtype)
+    if entry_probs:
+        return o, (torch.cat(picked, 1) if picked else q.new_zeros(B, T, H, 0))
+    return o
+
+
+def indexer_kl(entry_probs: torch.Tensor, indexer_scores: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+    """KL(main attention || indexer) over the selected entries, averaged over queries with any entry.
+
+    entry_probs [B, T, H, k]: the main attention's probabilities of the selected entries (summed over heads and
+    renormalised into the target, no gradient); indexer_scores [B, T, k]: the indexer's scores of the same entries
+    (softmax = the indexer's distribution); topk [B, T, k] (-1 = no entry). As DeepSeek trained V3.2's lightning
+    indexer: the LM loss gives top-k selection no gradient, so the indexer learns from this KL alone.
+    """
+    valid = topk >= 0
+    target = entry_probs.detach().sum(2).masked_fill(~valid, 0.0)
+    total = target.sum(-1, keepdim=True)
+    target = target / total.clamp_min(torch.finfo(target.dtype).tiny)
+    log_q = torch.log_softmax(indexer_scores.masked_fill(~valid, float("-inf")), dim=-1)
+    terms = torch.where(valid & (target > 0), target * (torch.log(target.clamp_min(1e-30)) - log_q), 0.0)
+    rows = valid.any(-1) & (total[..., 0] > 0)
+    kl = terms.sum(-1)
+    return (kl * rows).sum() / rows.sum().clamp_min(1)
 
 
 class SparseAttention(nn.Module):
@@ -164,8 +190,13 @@ class Attention(nn.Module):
             def gather(idx: torch.Tensor) -> torch.Tensor:
                 return ctx.gather_entries(source, idx)
 
+        train_indexer = self.indexer is not None and ctx.indexer_losses is not None
         o = self.core(q, pos, keys, key_pos, self.window, topk, gather, self.attn_sink, self.head_dim ** -0.5,
-                      self.query_chunk, ctx.banded_window)
+                      self.query_chunk, ctx.banded_window, entry_probs=train_indexer)
+        if train_indexer:
+            o, entry_probs = o
+            ctx.indexer_losses.append(indexer_kl(entry_probs, ctx.shared.pop(("indexer_scores", self.spec.layer_id)),
+                                                 topk))
         o = self.rope(o, pos, inverse=True)
         return self.wo_b(self.wo_a(o.reshape(B, T, self.o_groups, -1)))
 
@@ -175,7 +206,8 @@ class Attention(nn.Module):
         latent, group, pending = self.compressor(x, ctx.positions, ctx.pending(layer))
         ctx.set_pending(layer, pending)
         entry_pos = group.clamp(min=0) * self.spec.compress_ratio
-        ctx.add_entries(layer, self.rope(latent, entry_pos), self.indexer.keys(latent, entry_pos, self.rope), group)
+        key_input = latent.detach() if ctx.indexer_losses is not None else latent
+        ctx.add_entries(layer, self.rope(latent, entry_pos), self.indexer.keys(key_input, entry_pos, self.rope), group)
 
     def select(self, q_lat: torch.Tensor, x: torch.Tensor, ctx) -> torch.Tensor:
         """Top-k entry indices [B, T, k] of this index-source layer (-1 = none), k = min(index_topk, entries).
@@ -184,20 +216,24 @@ class Attention(nn.Module):
         scores only inside that pool.
         """
         spec = self.spec
+        training = ctx.indexer_losses is not None
+        if training:  # the indexer learns from its KL loss only (module docstring of deepseek_v41.train.indexer)
+            q_lat, x = q_lat.detach(), x.detach()
         keys = ctx.index_keys(spec.kv_source)
         B, T = q_lat.shape[:2]
         N = keys.shape[1]
-        k = min(self.index_topk, N)
+        k = N if ctx.dense_indexer else min(self.index_topk, N)
         if k == 0:
             return torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
         q, w = self.indexer.queries(q_lat, x, ctx.positions, self.rope, ctx.fake_quant)
         visible = torch.div(ctx.positions + 1, spec.compress_ratio, rounding_mode="floor")
-        picks, pools = [], []
+        picks, pools, picked_scores = [], [], []
         all_entries = torch.arange(N, device=x.device)
+        pooled = spec.candidate_source is not None and not ctx.dense_indexer
         for i0 in range(0, T, self.query_chunk):
             i1 = min(T, i0 + self.query_chunk)
             qc, wc, vis = q[:, i0:i1], w[:, i0:i1], visible[:, i0:i1]
-            if spec.candidate_source is not None and self.candidate_topk_blocks * self.candidate_block_size < N:
+            if pooled and self.candidate_topk_blocks * self.candidate_block_size < N:
                 # Reindex: score only the entries of each query's candidate pool.
                 blocks = ctx.shared[("pool", spec.candidate_source)][:, i0:i1]
                 ids, valid = pool_entries(blocks, self.candidate_block_size, self.candidate_topk_blocks, N)
@@ -206,11 +242,17 @@ class Attention(nn.Module):
                 scores = mask_invisible(scores, ids, vis).masked_fill(~valid, float("-inf"))
                 local = topk_entries(scores, min(k, ids.shape[-1]))
                 picks.append(torch.where(local >= 0, ids.gather(-1, local.clamp(min=0)), -1))
+                if training:
+                    picked_scores.append(scores.gather(-1, local.clamp(min=0)))
                 continue
             scores = mask_invisible(self.indexer.score(qc, wc, keys), all_entries, vis)
             if spec.is_candidate_source:
                 pools.append(candidate_blocks(scores, vis, self.candidate_block_size, self.candidate_topk_blocks))
-            picks.append(topk_entries(scores, k))
+            picks.append(topk_entries(scores, k))  # a pool holding every block restricts nothing
+            if training:
+                picked_scores.append(scores.gather(-1, picks[-1].clamp(min=0)))
         if pools:
             ctx.shared[("pool", spec.layer_id)] = torch.cat(pools, 1)
+        if training:
+            ctx.shared[("indexer_scores", spec.layer_id)] = torch.cat(picked_scores, 1)
         return torch.cat(picks, 1)

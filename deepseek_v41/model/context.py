@@ -12,6 +12,8 @@ the context object they pass. A context provides, for the tokens of one forward 
 - ``index_keys(layer)``: all stored index keys [B, N, di] of a kv source, entry n at row n;
 - ``gather_entries(layer, idx)``: the entries picked by ``idx`` [B, c, k] as [B, c, k, d] (zeros where -1);
 - ``shared``: per-forward results handed between layers (top-k of index sources, candidate pools);
+- ``indexer_losses`` / ``dense_indexer``: training only (:mod:`deepseek_v41.train.trainer`): a list that
+  collects each index-source layer's KL loss, and the dense warm-up in which every visible entry is selected;
 - ``banded_window``: True when the last T window rows are the new tokens at consecutive positions (each query
   then reads only its band of them); False makes attention mask every row by position alone.
 
@@ -36,6 +38,8 @@ class DenseContext:
         self.fake_quant = fake_quant
         self.shared: dict[Any, torch.Tensor] = {}
         self.banded_window = True  # the new window rows are the new tokens, at consecutive positions
+        self.indexer_losses: list[torch.Tensor] | None = None  # training: collects each indexer's KL loss
+        self.dense_indexer = False  # training warm-up: every visible entry is selected
         self._entries: dict[int, torch.Tensor] = {}
         self._index_keys: dict[int, torch.Tensor] = {}
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}

@@ -63,7 +63,13 @@ class Gate(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
         self.bias_vl = (nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
                         if with_bias_vl else None)
+        # Tokens routed to each expert since the trainer last read it (aux-loss-free balancing updates ``bias``).
+        self.register_buffer("expert_load", torch.zeros(n_experts), persistent=False)
         self._warned = False
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Recreate the load counter on ``device`` (after building on ``meta`` and loading weights)."""
+        self.expert_load = torch.zeros(self.bias.shape[0], device=device)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         xf = upcast(x)
@@ -79,6 +85,9 @@ class Gate(nn.Module):
                 vl = self.bias_vl.to(xf.dtype)
             bias = torch.where(image_mask[:, None], vl, bias)
         indices = torch.topk(scores + bias, self.topk, dim=-1).indices
+        if self.training:
+            flat = indices.reshape(-1)
+            self.expert_load.scatter_add_(0, flat, torch.ones_like(flat, dtype=self.expert_load.dtype))
         weights = scores.gather(-1, indices)
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
