@@ -90,7 +90,9 @@ def new_id(prefix: str) -> str:
 
 
 def check_common(state: ServerState, req: Any) -> None:
-    """Model name and the declared-but-unsupported fields."""
+    """Model name, the declared-but-unsupported fields, and stream_options without stream (as OpenAI and vLLM)."""
+    if getattr(req, "stream_options", None) is not None and not req.stream:
+        raise APIError("stream_options is only allowed when stream is true", "stream_options", "invalid_value")
     if req.model is not None and req.model not in state.config.served_model_names:
         raise APIError(f"The model '{req.model}' does not exist; this server serves "
                        f"{state.config.served_model_names}", "model", "model_not_found", 404)

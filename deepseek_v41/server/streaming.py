@@ -73,8 +73,9 @@ class SSEResponse(Response):
             aclose = getattr(self.chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
-        if not sender.cancelled() and sender.exception() is not None:
-            raise sender.exception()
+        error = None if sender.cancelled() else sender.exception()
+        if error is not None and not isinstance(error, OSError | ClientDisconnected):
+            raise error
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -109,6 +109,7 @@ def test_api_keys(server):
     ({"messages": HELLO, "stop": [""]}, "stop"),
     ({"messages": HELLO, "extra_body": {"min_tokens": 9}, "max_tokens": 3}, "min_tokens"),
     ({"messages": HELLO, "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"messages": HELLO, "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_bad_chat_requests_name_the_field(client, kwargs, param):
     extra = kwargs.pop("extra_body", None)
