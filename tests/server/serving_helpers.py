@@ -1,15 +1,116 @@
-"""Helpers of the server tests: raw SSE reads, /metrics parsing, and a scripted-output sampler (a test backend
-that makes the real engine emit a fixed text, for tool-call and thinking round trips)."""
+"""Helpers of the server tests: a tiny random model with a small byte-level BPE (vocab 512, the chat special
+tokens at their ids), a real uvicorn server on a free loopback port started in a thread of this process, raw SSE
+reads, /metrics parsing, and a scripted-output sampler (a test backend that makes the real engine emit a fixed
+text, for tool-call and thinking round trips). A uniquely named module: conftest modules of different test
+folders collide under ``from conftest import``."""
 
 import contextlib
 import json
+import random
+import threading
+import time
+from dataclasses import dataclass
 
 import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from deepseek_v41.chat import tokens as T
+from deepseek_v41.config import tiny_config
+from deepseek_v41.engine import LLM
+from deepseek_v41.engine.async_engine import AsyncLLMEngine
 from deepseek_v41.engine.sampler import SampleOutput
+from deepseek_v41.model.engram_hash import build_token_map
+from deepseek_v41.model.transformer import Transformer
+from deepseek_v41.server.app import build_app
+from deepseek_v41.server.common import ServerConfig
+from deepseek_v41.server.launch import bound_port, make_server
 
+MODEL = "tiny"
+KEYS = ("key-a", "key-b")
+MAX_MODEL_LEN = 2048
+MAX_BODY_BYTES = 1 << 20
+# BOS = 0, EOS = 1, pad = 2 as in tiny_config; then every other special string of the chat format.
+SPECIALS = [T.BOS, T.EOS, "<｜pad｜>", T.SYSTEM, T.USER, T.ASSISTANT, T.LATEST_REMINDER, T.THINK_START, T.THINK_END,
+            T.DSML, T.IMAGE, *T.TASK_TOKENS.values()]
+
+
+def train_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE of exactly ``vocab_size`` ids trained on seeded pseudo-words (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "te", "vo", "wi", "zu", "th", "er", "in", "on", "an", "re", "he",
+                 "st", "ch", "qu"]
+    corpus = [" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(30))
+              + ". Hello world! The city is Paris, 123." for _ in range(300)]
+    # The chat markup too, so that tool prompts and DSML calls take a few hundred tokens, not a thousand.
+    from deepseek_v41.chat import encode_messages
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]}
+    markup = encode_messages([{"role": "user", "content": "Weather?"}, call, {"role": "user", "content": "ok"}],
+                             tools=tools)
+    corpus += [markup] * 40
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer)
+    assert tokenizer.get_vocab_size() == vocab_size
+    return tokenizer
+
+
+def save_tiny_model(path, with_tokenizer: bool = True) -> None:
+    """A random tiny model directory; the Engram compressed vocabulary matches the tokenizer's token map."""
+    path.mkdir(parents=True, exist_ok=True)
+    changes = {"max_position_embeddings": 4096}
+    if with_tokenizer:
+        train_tokenizer().save(str(path / "tokenizer.json"))
+        changes["engram_compressed_vocab_size"] = int(build_token_map(path / "tokenizer.json").max()) + 1
+    torch.manual_seed(0)
+    Transformer(tiny_config().replace(**changes)).save_pretrained(path)
+
+
+@dataclass
+class LiveServer:
+    """A running server: its URL, the engines behind it and the uvicorn server (``stop()`` drains it)."""
+
+    url: str
+    engine: AsyncLLMEngine
+    llm: LLM
+    uvicorn_server: object
+    thread: threading.Thread
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.uvicorn_server.should_exit = True
+        self.thread.join(timeout)
+
+
+def start_server(model_dir, api_keys=KEYS, drain_timeout_s: float = 10.0, **engine_args) -> LiveServer:
+    """Load ``model_dir`` and serve it on a free loopback port from a daemon thread."""
+    args = dict(max_num_seqs=40, max_model_len=MAX_MODEL_LEN)
+    args.update(engine_args)
+    llm = LLM(model_dir, **args)
+    engine = AsyncLLMEngine(llm.engine)
+    config = ServerConfig(served_model_names=[MODEL], model_path=str(model_dir), api_keys=list(api_keys),
+                          max_body_bytes=MAX_BODY_BYTES, log_stats_interval_s=0, drain_timeout_s=drain_timeout_s)
+    server = make_server(build_app(engine, config), "127.0.0.1", 0, drain_timeout_s, log_level="warning")
+    thread = threading.Thread(target=server.run, name="dsv41-test-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    return LiveServer(f"http://127.0.0.1:{bound_port(server)}", engine, llm, server, thread)
 
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}

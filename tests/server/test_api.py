@@ -4,8 +4,7 @@ errors naming their field, usage invariants, thinking mode, token-id prompts."""
 import httpx
 import openai
 import pytest
-from conftest import KEYS, MAX_BODY_BYTES, MAX_MODEL_LEN, MODEL
-from serving_helpers import auth, metrics
+from serving_helpers import KEYS, MAX_BODY_BYTES, MAX_MODEL_LEN, MODEL, auth, metrics, save_tiny_model, start_server
 
 from deepseek_v41.chat import encode_messages
 
@@ -193,8 +192,6 @@ def test_draining_refuses_new_work(server):
 
 
 def test_token_id_prompts_without_tokenizer(tmp_path_factory):
-    from conftest import save_tiny_model, start_server
-
     path = tmp_path_factory.mktemp("no-tokenizer")
     save_tiny_model(path, with_tokenizer=False)
     live = start_server(path, api_keys=(), max_num_seqs=4)

@@ -3,7 +3,7 @@ cached tokens, and a repeated long prompt reports cached tokens once prefix cach
 
 import openai
 import pytest
-from conftest import KEYS, MODEL
+from serving_helpers import KEYS, MODEL
 
 LONG = [{"role": "user", "content": "The city is Paris. " * 40}]
 

@@ -5,9 +5,9 @@ import json
 
 import httpx
 import pytest
-from conftest import KEYS, MODEL
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serving_helpers import KEYS, MODEL
 
 TEXT = st.text(alphabet="abcdefghijklmnopqrstuvwxyz ABC.,!?0123456789", min_size=1, max_size=40)
 JSON = st.recursive(

@@ -8,8 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import KEYS, MODEL, start_server
-from serving_helpers import auth, chunks, metrics, sse
+from serving_helpers import KEYS, MODEL, auth, chunks, metrics, sse, start_server
 
 HELLO = [{"role": "user", "content": "Hello world"}]
 

@@ -7,8 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from conftest import KEYS, MODEL
-from serving_helpers import scripted
+from serving_helpers import KEYS, MODEL, scripted
 
 from deepseek_v41.chat.tokens import CALLS_CLOSE, CALLS_OPEN, EOS, INVOKE_CLOSE, INVOKE_OPEN, PARAM_CLOSE, PARAM_OPEN
 
