@@ -39,6 +39,8 @@ def serve(
                               "bfloat16 on GPU)."),
     device: str = typer.Option("cpu", help="torch device, e.g. cpu or cuda."),
     seed: int = typer.Option(0, help="Seed of requests that do not give one."),
+    threads: int | None = typer.Option(None, help="torch threads for the engine (1 avoids OpenMP spin-waits on a "
+                                       "busy machine; default: torch's)."),
     max_body_mb: float = typer.Option(32.0, help="Largest request body, MiB."),
     drain_timeout: float = typer.Option(30.0, help="Seconds running requests get to finish on SIGTERM."),
     log_stats_interval: float = typer.Option(10.0, help="Seconds between throughput log lines (0 = off)."),
@@ -62,6 +64,8 @@ def serve(
     if not model.is_dir():
         typer.echo(f"error: model directory {model} not found", err=True)
         raise typer.Exit(2)
+    if threads is not None:
+        torch.set_num_threads(threads)
     torch_dtype = getattr(torch, "bfloat16" if dtype == "auto" and device != "cpu" else
                           "float32" if dtype == "auto" else dtype)
     engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -22,7 +22,8 @@ def test_serve_drains_on_sigterm(model_dir, tmp_path):
     log = tmp_path / "serve.log"
     command = [sys.executable, "-m", "deepseek_v41.cli", "serve", "--model", str(model_dir), "--port", str(port),
                "--api-key", "k1", "--api-key", "k2", "--served-model-name", "tiny", "--max-model-len", "256",
-               "--max-num-seqs", "4", "--log-stats-interval", "0.3", "--cache-dir", str(tmp_path / "cache")]
+               "--max-num-seqs", "4", "--log-stats-interval", "0.3", "--cache-dir", str(tmp_path / "cache"),
+               "--threads", "1"]
     with open(log, "wb") as out:
         # One OpenMP thread: on a shared 2-core machine spinning OpenMP workers slow a tiny model 10x.
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ,
