@@ -97,6 +97,39 @@ def tokenizer_train(
     typer.echo(json.dumps(tokenizer_config_values(out), indent=2))
 
 
+@app.command()
+def train(
+    config: str = typer.Option(..., help="Preset name, model directory or config.json (e.g. configs/v41-tiny.json)."),
+    data: Path = typer.Option(..., help="Corpus folder from `dsv41 data prepare` (train.txt, heldout.txt)."),
+    out: Path = typer.Option(..., help="Run folder: checkpoint/, tokens/, model/ (the exported bf16 model)."),
+    tokenizer: Path | None = typer.Option(None, help="Tokenizer folder [default: DATA/tokenizer]."),
+    steps: int = typer.Option(4000),
+    batch_size: int = typer.Option(8),
+    context: int = typer.Option(512, help="Tokens per training window."),
+    lr: float = typer.Option(3e-3),
+    warmup_steps: int = typer.Option(100),
+    dense_indexer_steps: int = typer.Option(300, help="Indexer warm-up steps with every entry selected."),
+    eval_every: int = typer.Option(250),
+    checkpoint_minutes: float = typer.Option(10.0),
+    seed: int = typer.Option(0),
+    bf16: bool = typer.Option(False, help="bf16 autocast."),
+    resume: bool = typer.Option(False, help="Continue from OUT/checkpoint."),
+    threads: int | None = typer.Option(None, help="torch threads (1 avoids OpenMP spin-waits on a busy machine)."),
+) -> None:
+    """Train a small V4.1 replica (QAT fake-quant, indexer KL, aux-loss-free MoE balancing), checkpointing."""
+    from deepseek_v41.train.trainer import TrainArgs, train_command
+
+    args = TrainArgs(steps=steps, batch_size=batch_size, context=context, lr=lr, warmup_steps=warmup_steps,
+                     dense_indexer_steps=dense_indexer_steps, eval_every=eval_every,
+                     checkpoint_minutes=checkpoint_minutes, seed=seed, bf16=bf16)
+    try:
+        model_dir = train_command(config, data, out, tokenizer, args, resume, threads)
+    except (FileNotFoundError, ValueError, ConfigError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"model written to {model_dir}")
+
+
 @app.command("eval")
 def eval_(
     model: Path = typer.Option(..., help="Model folder (config.json, safetensors, tokenizer.json)."),

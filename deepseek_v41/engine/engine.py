@@ -130,6 +130,8 @@ class LLMEngine:
             seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, sampling, detok,
                            decoder_start=max(0, n - self.config.sliding_window), arrival_time=arrival)
             seqs.append(seq)
+        # Queue only once every sample was built: a failure above leaves nothing half-added.
+        for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
         self._prompts[request_id] = prompt
@@ -161,6 +163,8 @@ class LLMEngine:
             for row, seq in enumerate(plan.decodes):
                 seq.num_computed += 1
                 sampled.append((seq, logits[row]))
+        for seq, _ in sampled:
+            seq.new_text, seq.new_token_ids = "", []
         touched = {seq.request_id for seq, _ in sampled}
         if sampled:
             out = self.sampler.sample(torch.stack([l for _, l in sampled]), [s.sampling for s, _ in sampled])
@@ -175,6 +179,7 @@ class LLMEngine:
         seq.first_token_time = seq.first_token_time or now
         update = seq.detokenizer.append([token])
         seq.new_text = update.new_text
+        seq.new_token_ids = [token][: update.kept]
         if logprobs is not None and seq.params.logprobs is not None and update.kept:
             entry = logprobs.to_dict(row, seq.params.logprobs)
             seq.logprobs.append(entry)
@@ -191,7 +196,8 @@ class LLMEngine:
             cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
             logprobs=s.logprobs if s.params.logprobs is not None else None,
             finish_reason=s.detokenizer.finish_reason if s.finished else None,
-            stop_reason=s.detokenizer.stop_reason) for s in seqs]
+            stop_reason=s.detokenizer.stop_reason, new_text=s.new_text, new_token_ids=list(s.new_token_ids))
+            for s in seqs]
         finished = all(s.status is SequenceStatus.FINISHED for s in seqs)
         metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time,
                                  min((s.first_token_time for s in seqs if s.first_token_time), default=None),
@@ -212,6 +218,8 @@ class LLMEngine:
         return {
             "layer_tokens": list(self.runner.layer_tokens),
             "max_decode_batch": self.runner.max_decode_batch,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "kv_pages_total": cache.num_pages - 1,

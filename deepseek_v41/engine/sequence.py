@@ -46,7 +46,8 @@ class Sequence:
     finished_time: float | None = None
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
-    new_text: str = ""
+    new_text: str = ""  # text and tokens the last step added (streaming deltas)
+    new_token_ids: list[int] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -76,7 +77,8 @@ class Sequence:
 
 @dataclass
 class CompletionOutput:
-    """One sample of a request (vLLM's ``CompletionOutput``)."""
+    """One sample of a request (vLLM's ``CompletionOutput``); ``new_text`` / ``new_token_ids`` are the delta of
+    the step that produced this output."""
 
     index: int
     text: str
@@ -85,6 +87,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    new_text: str = ""  # what the last engine step added (for streaming)
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

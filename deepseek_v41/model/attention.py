@@ -32,7 +32,7 @@ from deepseek_v41.plan import LayerRole, LayerSpec
 def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, window: int,
                      topk: torch.Tensor | None, gather: Callable[[torch.Tensor], torch.Tensor] | None,
                      sink: torch.Tensor, scale: float, chunk: int = QUERY_CHUNK, banded: bool = True,
-                     entry_probs: bool = False):
+                     entry_probs: bool = False, shared_entries: torch.Tensor | None = None):
     """One softmax per (query, head) over its window keys and its selected compressed entries, with a sink.
 
     q [B, T, H, d]; q_pos [B, T]; keys [B, P + T, d] with key_pos [B, P + T]: the last T rows are the new tokens
@@ -43,7 +43,9 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
     no valid key returns 0. Returns [B, T, H, d] in q's dtype. ``banded=False``: every row is treated like an
     earlier row (masked by position only; the DSpark draft block, whose rows all report the anchor position).
     ``entry_probs=True`` also returns the attention probabilities of the selected entries [B, T, H, k] (the
-    indexer's training target), as ``(o, probs)``.
+    indexer's training target), as ``(o, probs)``. ``shared_entries`` [B, N, d]: every query may attend every
+    entry (training's dense warm-up); then ``topk`` is [B, T, N] with column n for entry n (-1 = not visible)
+    and the entries are read once for all queries instead of gathered per query.
 
     Each query reads exactly its band of ``min(window, T)`` new rows (a strided view, no copy of the keys), the P
     earlier rows and its k entries, so the work is O(T x (window + P + k)) — no masked-out block work — and
@@ -75,8 +77,12 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
         selected = None
         if topk is not None and topk.shape[-1] > 0:
             idx = topk[:, i0:i1]
-            selected = gather(idx).to(qc.dtype)  # [B, c, k, d]
-            s_c = torch.einsum("bchd,bckd->bchk", qc, selected) * scale
+            if shared_entries is not None:
+                selected = upcast(shared_entries).to(qc.dtype)  # [B, N, d], the same for every query
+                s_c = torch.einsum("bchd,bnd->bchn", qc, selected) * scale
+            else:
+                selected = gather(idx).to(qc.dtype)  # [B, c, k, d]
+                s_c = torch.einsum("bchd,bckd->bchk", qc, selected) * scale
             parts.append(s_c.masked_fill((idx < 0)[:, :, None, :], float("-inf")))
         parts.append(sink.to(qc.dtype).view(1, 1, H, 1).expand(B, i1 - i0, H, 1))
         probs = torch.softmax(torch.cat(parts, -1), dim=-1)
@@ -84,7 +90,8 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
         if band:
             o = o + torch.einsum("bchw,bcdw->bchd", probs[..., P: P + band], bk)
         if selected is not None:
-            o = o + torch.einsum("bchk,bckd->bchd", probs[..., P + band:-1], selected)
+            equation = "bchk,bkd->bchd" if shared_entries is not None else "bchk,bckd->bchd"
+            o = o + torch.einsum(equation, probs[..., P + band:-1], selected)
             picked.append(probs[..., P + band:-1])
         out.append(o)
     o = torch.cat(out, 1).to(q.dtype)
@@ -178,7 +185,7 @@ class Attention(nn.Module):
         q = self.rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), pos)
         kv = self.rope(self.kv_norm(self.wkv(x)), pos)
         keys, key_pos = ctx.window(self.spec.layer_id, kv)
-        topk = gather = None
+        topk = gather = shared = None
         if self.spec.role is not LayerRole.WINDOW:
             if self.compressor is not None and compress:
                 self.compress(x, ctx)
@@ -190,9 +197,12 @@ class Attention(nn.Module):
             def gather(idx: torch.Tensor) -> torch.Tensor:
                 return ctx.gather_entries(source, idx)
 
+            if ctx.dense_indexer:  # training warm-up: every visible entry, read once for all queries
+                shared = ctx.all_entries(source)
+
         train_indexer = self.indexer is not None and ctx.indexer_losses is not None
         o = self.core(q, pos, keys, key_pos, self.window, topk, gather, self.attn_sink, self.head_dim ** -0.5,
-                      self.query_chunk, ctx.banded_window, entry_probs=train_indexer)
+                      self.query_chunk, ctx.banded_window, entry_probs=train_indexer, shared_entries=shared)
         if train_indexer:
             o, entry_probs = o
             ctx.indexer_losses.append(indexer_kl(entry_probs, ctx.shared.pop(("indexer_scores", self.spec.layer_id)),
@@ -222,7 +232,7 @@ class Attention(nn.Module):
         keys = ctx.index_keys(spec.kv_source)
         B, T = q_lat.shape[:2]
         N = keys.shape[1]
-        k = N if ctx.dense_indexer else min(self.index_topk, N)
+        k = min(self.index_topk, N)
         if k == 0:
             return torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
         q, w = self.indexer.queries(q_lat, x, ctx.positions, self.rope, ctx.fake_quant)
@@ -246,6 +256,11 @@ class Attention(nn.Module):
                     picked_scores.append(scores.gather(-1, local.clamp(min=0)))
                 continue
             scores = mask_invisible(self.indexer.score(qc, wc, keys), all_entries, vis)
+            if ctx.dense_indexer:  # warm-up: every visible entry, entry n in column n
+                picks.append(torch.where(all_entries < vis[..., None], all_entries, -1))
+                if training:
+                    picked_scores.append(scores)
+                continue
             if spec.is_candidate_source:
                 pools.append(candidate_blocks(scores, vis, self.candidate_block_size, self.candidate_topk_blocks))
             picks.append(topk_entries(scores, k))  # a pool holding every block restricts nothing

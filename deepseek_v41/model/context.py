@@ -65,6 +65,10 @@ class DenseContext:
     def index_keys(self, layer: int) -> torch.Tensor:
         return self._index_keys[layer]
 
+    def all_entries(self, layer: int) -> torch.Tensor:
+        """Every stored entry of kv source ``layer`` [B, N, d] (training's dense warm-up)."""
+        return self._entries[layer]
+
     def gather_entries(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
         entries = self._entries[layer]
         B, c, k = idx.shape
