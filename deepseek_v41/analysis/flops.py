@@ -96,6 +96,7 @@ class _MetaSequence:
     def __init__(self, num_tokens: int, num_computed: int, decoder_start: int, pages: int):
         self.slot, self.block_table = 0, list(range(1, pages + 1))
         self.num_tokens, self.num_computed, self.decoder_start = num_tokens, num_computed, decoder_start
+        self.decoder_done = self.write_from = 0
 
     def token_at(self, start: int, end: int) -> list[int]:
         return [0] * (end - start)

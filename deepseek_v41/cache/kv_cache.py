@@ -29,12 +29,14 @@ class PagedKVCache:
     """All KV tensors of an engine: ``num_pages`` pages of ``block_size`` tokens and ``num_slots`` sequence slots.
 
     ``state_dtype``: dtype of the pending pairs (fp32 as in the reference; float64 for a float64 model).
+    ``residual_dtype``: when given, every slot also keeps a ring of the encoder's final residual streams (the CED
+    decoder's inputs) of its last ``window_rows`` positions, for SWA snapshots (SPEC.md §4.3).
     Raises ValueError when ``block_size`` is not a multiple of every compress ratio or the slack is negative.
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, block_size: int, num_slots: int,
                  window_slack_rows: int = 16, device: torch.device | str = "cpu",
-                 state_dtype: torch.dtype = torch.float32):
+                 state_dtype: torch.dtype = torch.float32, residual_dtype: torch.dtype | None = None):
         plan = build_layer_plan(cfg)
         ratios = sorted({s.compress_ratio for s in plan.layers if s.is_kv_source})
         if block_size <= 0 or any(block_size % m for m in ratios):
@@ -68,6 +70,12 @@ class PagedKVCache:
                                    device=device)
         depth = max(1, cfg.engram_max_ngram_size - 1) if cfg.engram_layer_ids else 1
         self.engram_history = torch.full((num_slots, depth), -1, dtype=torch.int64, device=device)
+        self.residuals = residual_dtype is not None
+        if self.residuals:
+            hc, D = cfg.hc_mult, cfg.hidden_size
+            self.residual_streams = torch.zeros(num_slots, R, hc, D, dtype=residual_dtype, device=device)
+            self.residual_pre = torch.zeros(num_slots, R, hc, dtype=state_dtype, device=device)
+            self.residual_pos = torch.full((num_slots, R), -1, dtype=torch.int32, device=device)
         self.free_slots = list(range(num_slots))
 
     # ------------------------------------------------------------------ accounting (SPEC.md §4.1)
@@ -107,7 +115,82 @@ class PagedKVCache:
         self.window_pos[slot] = -1
         self.pending[slot] = 0
         self.engram_history[slot] = -1
+        if self.residuals:
+            self.residual_pos[slot] = -1
         return slot
+
+    # ------------------------------------------------------------------ residual ring (CED decoder inputs)
+    def write_residuals(self, slot: int, positions: range, streams: torch.Tensor, pre: torch.Tensor) -> None:
+        """Keep the encoder's final streams [T, hc, D] and ``pre`` [T, hc] of ``positions`` (last rows only)."""
+        R = self.window_rows
+        keep = min(len(positions), R)
+        pos = torch.arange(positions.stop - keep, positions.stop, device=self.device)
+        self.residual_streams[slot, pos % R] = streams[-keep:].to(self.residual_streams.dtype)
+        self.residual_pre[slot, pos % R] = pre[-keep:].to(self.residual_pre.dtype)
+        self.residual_pos[slot, pos % R] = pos.to(torch.int32)
+
+    def read_residuals(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept streams [end - start, hc, D] and ``pre`` of positions [start, end). Raises RuntimeError when
+        a position is not in the ring."""
+        pos = torch.arange(start, end, device=self.device)
+        rows = pos % self.window_rows
+        if not torch.equal(self.residual_pos[slot, rows].long(), pos):
+            raise RuntimeError(f"residuals of positions [{start}, {end}) are not in slot {slot}'s ring")
+        return self.residual_streams[slot, rows], self.residual_pre[slot, rows]
+
+    # ------------------------------------------------------------------ SWA snapshots (SPEC.md §4.3)
+    def snapshot(self, slot: int, boundary: int, layers: list[int]) -> dict[str, torch.Tensor] | None:
+        """Window rows of ``layers`` (and, with residuals, the decoder inputs) for positions
+        [max(0, boundary - sliding_window), boundary), copied out of slot ``slot``; None when the rings no longer
+        hold them all."""
+        start = max(0, boundary - self.config.sliding_window)
+        pos = torch.arange(start, boundary, device=self.device)
+        rows = pos % self.window_rows
+        held = self.window_pos[slot][layers][:, rows].long()
+        if not torch.equal(held, pos.expand_as(held)):
+            return None
+        out = {"positions": pos.to(torch.int32).cpu(),
+               "window_codes": self.window_codes[slot][layers][:, rows].cpu(),
+               "window_scales": self.window_scales[slot][layers][:, rows].cpu()}
+        if self.residuals:
+            try:
+                streams, pre = self.read_residuals(slot, start, boundary)
+            except RuntimeError:
+                return None
+            out["residual_streams"], out["residual_pre"] = streams.cpu(), pre.cpu()
+        return out
+
+    def restore(self, slot: int, snapshot: dict[str, torch.Tensor], layers: list[int]) -> None:
+        """Write a snapshot's rows back into slot ``slot``'s rings (positions as recorded)."""
+        pos = snapshot["positions"].to(self.device).long()
+        rows = pos % self.window_rows
+        for i, layer in enumerate(layers):
+            self.window_codes[slot, layer, rows] = snapshot["window_codes"][i].to(self.device)
+            self.window_scales[slot, layer, rows] = snapshot["window_scales"][i].to(self.device)
+            self.window_pos[slot, layer, rows] = pos.to(torch.int32)
+        if self.residuals and "residual_streams" in snapshot:
+            self.residual_streams[slot, rows] = snapshot["residual_streams"].to(self.device,
+                                                                                self.residual_streams.dtype)
+            self.residual_pre[slot, rows] = snapshot["residual_pre"].to(self.device, self.residual_pre.dtype)
+            self.residual_pos[slot, rows] = pos.to(torch.int32)
+
+    # ------------------------------------------------------------------ pages as bytes (persistent tier)
+    def page_layout(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Names, shapes and dtypes of one page's tensors (every kv-source layer's codes and scales)."""
+        parts = ("main_codes", "main_scales", "index_codes", "index_scales")
+        return {f"{layer}.{part}": (tuple(t.shape[1:]), "uint8")
+                for layer, pool in self.pools.items() for part, t in zip(parts, pool, strict=True)}
+
+    def read_page(self, page: int) -> dict[str, torch.Tensor]:
+        parts = ("main_codes", "main_scales", "index_codes", "index_scales")
+        return {f"{layer}.{part}": t[page].cpu().clone()
+                for layer, pool in self.pools.items() for part, t in zip(parts, pool, strict=True)}
+
+    def write_page(self, page: int, tensors: dict[str, torch.Tensor]) -> None:
+        parts = ("main_codes", "main_scales", "index_codes", "index_scales")
+        for layer, pool in self.pools.items():
+            for part, t in zip(parts, pool, strict=True):
+                t[page] = tensors[f"{layer}.{part}"].to(t.device)
 
     def release_slot(self, slot: int) -> None:
         self.free_slots.append(slot)

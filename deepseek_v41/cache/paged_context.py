@@ -22,11 +22,12 @@ class PagedContext:
 
     ``positions`` [B, T]: absolute positions of the new tokens (each row consecutive); ``ends``: per row, the
     position after its last new token (Python ints, so shapes never depend on tensor values: the forward also
-    runs on ``meta``); ``dtype``: the dtype attention computes in.
+    runs on ``meta``); ``dtype``: the dtype attention computes in; ``write_from``: per row, the first position
+    whose compressed entries this forward may write (earlier ones live in shared prefix-cache pages).
     """
 
     def __init__(self, cache: PagedKVCache, slots: list[int], tables: list[list[int]], positions: torch.Tensor,
-                 ends: list[int], dtype: torch.dtype):
+                 ends: list[int], dtype: torch.dtype, write_from: list[int] | None = None):
         self.cache = cache
         self.positions = positions
         self.fake_quant = True  # the indexer query is quantized as in the reference
@@ -41,6 +42,10 @@ class PagedContext:
         width = max(1, max(len(t) for t in tables))
         padded = [t + [BlockManager.NULL_PAGE] * (width - len(t)) for t in tables]
         self.tables = torch.tensor(padded, dtype=torch.long, device=device)
+        # Entries of positions below write_from are already in (shared) prefix-cache pages: replay never
+        # rewrites them (SPEC.md §4.3).
+        self.write_from = torch.tensor(write_from or [0] * len(slots), device=device)[:, None]
+        self.entries_written: dict[int, int] = {}
 
     # ------------------------------------------------------------------ window rings
     def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +97,10 @@ class PagedContext:
 
     def add_entries(self, layer: int, entries: torch.Tensor, index_keys: torch.Tensor, group: torch.Tensor) -> None:
         main_codes, main_scales, idx_codes, idx_scales = self.cache.pools[layer]
+        group = torch.where(group * self.cache.ratio[layer] >= self.write_from, group, -1)
         page, slot = self._locate(layer, group)
+        if group.device.type != "meta":
+            self.entries_written[layer] = self.entries_written.get(layer, 0) + int((group >= 0).sum())
         codes, scales = quantize_fp4(entries, 16, "e4m3")
         main_codes[page, slot] = codes
         main_scales[page, slot] = scales

@@ -37,6 +37,12 @@ class EngineArgs:
     (default: room for ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most 1 GiB).
     ``window_slack_rows``: extra rows per window ring (SPEC.md §4.1). ``prefill_mode``: "ced" (default when the
     layout allows) or "exact".
+
+    Prefix caching (SPEC.md §4.3): ``enable_prefix_caching`` shares the pages of common prefixes between requests
+    (device tier); ``swa_pool_bytes`` sizes the in-memory SWA snapshot pool (default 10% of RAM; 0 disables
+    snapshots); ``cache_dir`` keeps global KV pages on disk across restarts (``cache_max_bytes`` budget, 72 h TTL;
+    default None: no persistence); ``replay`` is "bounded" (default) or "exact" for hits without a snapshot;
+    ``redis_url`` shares the SWA pool and the page index between engine processes.
     """
 
     prefill_mode: str | None = None
@@ -48,6 +54,12 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     window_slack_rows: int = 16
     seed: int = 0
+    enable_prefix_caching: bool = True
+    cache_dir: str | None = None
+    cache_max_bytes: int = 16 * 1024**3
+    swa_pool_bytes: int | None = None
+    replay: str = "bounded"
+    redis_url: str | None = None
 
 
 class LLMEngine:
@@ -56,7 +68,7 @@ class LLMEngine:
     Raises ValueError for settings that cannot work (prefill mode, sizes, a pool too small for one sequence).
     """
 
-    def __init__(self, model, args: EngineArgs, tokenizer: Any | None = None):
+    def __init__(self, model, args: EngineArgs, tokenizer: Any | None = None, model_path: str | Path | None = None):
         cfg = model.config
         self.model, self.config, self.args, self.tokenizer = model, cfg, args, tokenizer
         mode = args.prefill_mode or ("ced" if model.plan.ced else "exact")
@@ -76,9 +88,14 @@ class LLMEngine:
         device = weight.device
         num_pages = self._num_pages(args, device)
         state_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        swa_bytes = self._swa_pool_bytes(args)
+        residuals = weight.dtype if (args.enable_prefix_caching and swa_bytes and self.prefill_mode is PrefillMode.CED)\
+            else None
         self.cache = PagedKVCache(cfg, num_pages, args.block_size, args.max_num_seqs, args.window_slack_rows, device,
-                                  state_dtype)
-        self.scheduler = Scheduler(self.cache, args.max_num_seqs, args.max_num_batched_tokens)
+                                  state_dtype, residuals)
+        self.prefix_cache = self._prefix_cache(args, swa_bytes, model_path) if args.enable_prefix_caching else None
+        self.scheduler = Scheduler(self.cache, args.max_num_seqs, args.max_num_batched_tokens,
+                                   on_admit=self._admit if self.prefix_cache is not None else None)
         self.runner = ModelRunner(model, self.cache, self.prefill_mode)
         self.sampler = Sampler()
         self.device = device
@@ -87,6 +104,84 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self._prompts: dict[str, str | None] = {}
         self.num_steps = 0
+
+    @staticmethod
+    def _swa_pool_bytes(args: EngineArgs) -> int:
+        from deepseek_v41.cache.swa_pool import default_swa_pool_bytes
+
+        if args.swa_pool_bytes is not None and args.swa_pool_bytes < 0:
+            raise ValueError(f"swa_pool_bytes must be >= 0 (0 disables the SWA pool), got {args.swa_pool_bytes}")
+        return default_swa_pool_bytes() if args.swa_pool_bytes is None else args.swa_pool_bytes
+
+    def _prefix_cache(self, args: EngineArgs, swa_bytes: int, model_path: str | Path | None):
+        from deepseek_v41.cache.prefix_cache import PrefixCache, model_fingerprint
+
+        if args.replay not in ("bounded", "exact"):
+            raise ValueError(f"replay must be 'bounded' or 'exact', got {args.replay!r}")
+        if swa_bytes and args.window_slack_rows < args.block_size - 1:
+            raise ValueError(f"SWA snapshots need window_slack_rows >= block_size - 1 ({args.block_size - 1}), got "
+                             f"{args.window_slack_rows}: the rings must still hold the window before the last page "
+                             f"boundary (or set swa_pool_bytes=0)")
+        fingerprint = model_fingerprint(self.model, model_path)
+        page_store = swa_pool = page_index = None
+        if args.cache_dir is not None:
+            from deepseek_v41.cache.store import PageStore
+
+            page_store = PageStore(Path(args.cache_dir) / fingerprint[:16], fingerprint, self.cache.page_layout(),
+                                   args.cache_max_bytes)
+        if args.redis_url is not None:
+            from deepseek_v41.cache.redis_store import RedisStore
+
+            swa_pool = page_index = RedisStore(args.redis_url, namespace=fingerprint[:32])
+        elif swa_bytes:
+            from deepseek_v41.cache.swa_pool import SwaPool
+
+            swa_pool = SwaPool(swa_bytes)
+        return PrefixCache(self.cache, fingerprint, self.prefill_mode is PrefillMode.EXACT, args.replay, page_store,
+                           swa_pool, page_index)
+
+    def _admit(self, seq: Sequence) -> None:
+        """Prefix-cache lookup for a sequence that just got its slot: take the cached pages, restore or plan the
+        window state, and start computing at the hit's start (SPEC.md §4.3)."""
+        from deepseek_v41.cache.prefix_cache import chain_hashes
+
+        pc = self.prefix_cache
+        tokens = seq.token_at(0, seq.num_tokens)
+        seq.block_hashes = chain_hashes(pc.root(seq.cache_salt), tokens, self.cache.block_size, seq.block_hashes)
+        hit = pc.match(tokens, seq.block_hashes)
+        if hit.cached == 0:
+            return
+        seq.block_table[:] = hit.pages
+        seq.registered_pages = len(hit.pages)
+        seq.num_computed, seq.write_from = hit.start, hit.cached
+        if seq.num_cached_tokens == 0:  # a preempted sequence keeps what its first admission reported
+            seq.num_cached_tokens, seq.num_replayed_tokens = hit.cached, hit.replayed
+        pc.counters["cached_tokens"] += hit.cached
+        pc.counters["replayed_tokens"] += hit.replayed
+        pc.restore(seq.slot, hit)
+        hasher = self.model.hasher
+        if hasher is not None:  # Engram history from the real tokens before the restart point
+            depth = hasher.depth
+            before = torch.tensor([tokens[max(0, hit.start - depth): hit.start]], dtype=torch.long, device=self.device)
+            history = hasher.next_history(before, None, hasher.start_history(1, self.device))
+            self.cache.engram_history[seq.slot, :depth] = history[0]
+
+    def _after_forward(self, seq: Sequence, prompt_done: bool) -> None:
+        """Register the sequence's newly completed pages; snapshot the window at the prompt's last page boundary."""
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        from deepseek_v41.cache.prefix_cache import chain_hashes
+
+        P = self.cache.block_size
+        full = seq.num_computed // P
+        if full > seq.registered_pages:
+            seq.block_hashes = chain_hashes(pc.root(seq.cache_salt), seq.token_at(0, full * P), P, seq.block_hashes)
+            pc.register(seq.block_table, seq.block_hashes, seq.registered_pages, full)
+            seq.registered_pages = full
+        if prompt_done and not seq.prompt_snapshot_taken:
+            seq.prompt_snapshot_taken = True
+            pc.take_snapshot(seq.slot, P * (len(seq.prompt_token_ids) // P), seq.block_hashes)
 
     def _num_pages(self, args: EngineArgs, device: torch.device) -> int:
         if args.num_kv_pages is not None:
@@ -99,7 +194,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+                    prompt: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> None:
         """Queue a request (``params.n`` sequences). Raises ValueError for an empty prompt, token ids outside the
         vocabulary, a prompt longer than ``max_model_len`` or than the KV pool can ever hold, a duplicate id."""
         if request_id in self.requests:
@@ -128,7 +224,8 @@ class LLMEngine:
                                            max_tokens=min(self.max_model_len, capacity) - n)
             sampling.output_token_ids = detok.output_token_ids
             seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, sampling, detok,
-                           decoder_start=max(0, n - self.config.sliding_window), arrival_time=arrival)
+                           decoder_start=max(0, n - self.config.sliding_window), arrival_time=arrival,
+                           cache_salt=cache_salt)
             seqs.append(seq)
         # Queue only once every sample was built: a failure above leaves nothing half-added.
         for seq in seqs:
@@ -156,12 +253,14 @@ class LLMEngine:
             seq.first_scheduled_time = seq.first_scheduled_time or now
             logits = self.runner.prefill(seq, start, end)
             seq.num_computed = end
+            self._after_forward(seq, prompt_done=end >= len(seq.prompt_token_ids))
             if logits is not None:
                 sampled.append((seq, logits))
         if plan.decodes:
             logits = self.runner.decode(plan.decodes)
             for row, seq in enumerate(plan.decodes):
                 seq.num_computed += 1
+                self._after_forward(seq, prompt_done=True)
                 sampled.append((seq, logits[row]))
         for seq, _ in sampled:
             seq.new_text, seq.new_token_ids = "", []
@@ -185,6 +284,9 @@ class LLMEngine:
             seq.logprobs.append(entry)
             seq.cumulative_logprob += entry[token].logprob
         if update.finished:
+            if self.prefix_cache is not None:  # the full sequence's last page boundary (SPEC.md §4.3 policy)
+                P = self.cache.block_size
+                self.prefix_cache.take_snapshot(seq.slot, P * (seq.num_computed // P), seq.block_hashes)
             self.scheduler.finish(seq)
             seq.finished_time = now
 
@@ -203,7 +305,7 @@ class LLMEngine:
                                  min((s.first_token_time for s in seqs if s.first_token_time), default=None),
                                  max((s.finished_time or 0 for s in seqs), default=None) if finished else None)
         return RequestOutput(request_id, self._prompts[request_id], list(first.prompt_token_ids), outputs,
-                             finished, first.num_cached_tokens, metrics)
+                             finished, first.num_cached_tokens, metrics, first.num_replayed_tokens)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
@@ -229,7 +331,19 @@ class LLMEngine:
             "window_bytes_per_sequence_logical": cache.window_bytes_per_slot_logical,
             "window_bytes_per_sequence_allocated": cache.window_bytes_per_slot_allocated,
             "prefill_mode": self.prefill_mode.value,
+            "entries_written": dict(self.runner.entries_written),
+            **({"prefix_cache": self._prefix_stats()} if self.prefix_cache is not None else {}),
         }
+
+    def _prefix_stats(self) -> dict[str, Any]:
+        pc = self.prefix_cache
+        out: dict[str, Any] = dict(pc.counters)
+        if pc.swa_pool is not None:
+            out["swa_pool_occupancy_bytes"] = pc.swa_pool.occupancy_bytes
+            out["swa_pool"] = dict(pc.swa_pool.stats)
+        if pc.page_store is not None:
+            out["disk"] = dict(pc.page_store.stats)
+        return out
 
 
 def load_tokenizer(path: str | Path):

@@ -38,7 +38,8 @@ class LLM:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: "
                             f"{sorted(EngineArgs.__dataclass_fields__)}")
         self.tokenizer = tokenizer
-        self.engine = LLMEngine(self.model, EngineArgs(**engine_args), tokenizer)
+        path = Path(model) if isinstance(model, str | Path) else None
+        self.engine = LLMEngine(self.model, EngineArgs(**engine_args), tokenizer, model_path=path)
         self._ids = itertools.count()
 
     def _prompt_ids(self, prompt: str | dict, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
@@ -55,7 +56,8 @@ class LLM:
 
     def generate(self, prompts: str | dict | list, sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool = False, add_special_tokens: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (a string, ``{"prompt_token_ids": [...]}`` or a list of them); outputs in
+        """Generate for every prompt (a string, ``{"prompt_token_ids": [...]}`` — optionally with ``"cache_salt"``,
+        which keeps its prefix-cache entries apart from other salts — or a list of them); outputs in
         prompt order. ``sampling_params`` is one for all or one per prompt (default: greedy-free vLLM defaults).
         Raises ValueError for bad prompts (before anything runs)."""
         single = isinstance(prompts, str | dict)
@@ -67,9 +69,10 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         encoded = [self._prompt_ids(p, add_special_tokens) for p in prompts]
         ids = []
-        for (text, tokens), p in zip(encoded, params, strict=True):
+        for prompt, (text, tokens), p in zip(prompts, encoded, params, strict=True):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, tokens, p, prompt=text)
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            self.engine.add_request(rid, tokens, p, prompt=text, cache_salt=salt)
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

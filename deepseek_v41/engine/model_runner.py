@@ -39,12 +39,17 @@ class ModelRunner:
         self.device = cache.device
         self.dtype = next(model.parameters()).dtype
         self.layer_tokens = [0] * len(model.layers)
+        self.entries_written: dict[int, int] = {}  # compressed entries written per kv-source layer
         self.max_decode_batch = 0
 
     # ------------------------------------------------------------------ helpers
     def _context(self, seqs: list[Sequence], positions: torch.Tensor, ends: list[int]) -> PagedContext:
         return PagedContext(self.cache, [s.slot for s in seqs], [s.block_table for s in seqs], positions, ends,
-                            self.dtype)
+                            self.dtype, [s.write_from for s in seqs])
+
+    def _count_entries(self, ctx: PagedContext) -> None:
+        for layer, n in ctx.entries_written.items():
+            self.entries_written[layer] = self.entries_written.get(layer, 0) + n
 
     def _engram(self, seqs: list[Sequence], ids: torch.Tensor):
         """Engram rows of this forward and the histories after it (from the cache slots)."""
@@ -80,16 +85,25 @@ class ModelRunner:
         if self.prefill_mode is PrefillMode.CED and plan.ced:
             streams, pre = model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows)
             self._count(plan.encoder_layers, end - start)
+            if self.cache.residuals:
+                self.cache.write_residuals(seq.slot, range(start, end), streams[0], pre[0])
             boundary = model.layers[plan.decoder_layers[0]]
             boundary.attn.compress(boundary.attention_input(streams, pre), ctx)
-            first = max(start, seq.decoder_start)
+            first = max(seq.decoder_start, seq.decoder_done)
             logits = None
             if first < end:
-                tail = self._context([seq], positions[:, first - start:], [end])
-                streams, pre = streams[:, first - start:], pre[:, first - start:]
+                if first < start:
+                    # Resumed from an SWA snapshot: the decoder's inputs before this chunk are the snapshot's.
+                    old_streams, old_pre = self.cache.read_residuals(seq.slot, first, start)
+                    streams = torch.cat((old_streams[None].to(streams.dtype), streams), 1)
+                    pre = torch.cat((old_pre[None].to(pre.dtype), pre), 1)
+                else:
+                    streams, pre = streams[:, first - start:], pre[:, first - start:]
+                tail = self._context([seq], torch.arange(first, end, device=self.device)[None], [end])
                 streams, pre = model.run_layers(plan.decoder_layers, streams, pre, tail, None, rows,
                                                 skip_compress={boundary.layer_id})
                 self._count(plan.decoder_layers, end - first)
+                seq.decoder_done = end
                 if want_logits:
                     logits = model.logits(streams[:, -1:], pre[:, -1:])[0, -1]
         else:
@@ -98,6 +112,7 @@ class ModelRunner:
             self._count(layers, end - start)
             logits = model.logits(streams[:, -1:], pre[:, -1:])[0, -1] if want_logits else None
         self._commit_engram(engram)
+        self._count_entries(ctx)
         return logits
 
     @torch.no_grad()
@@ -110,9 +125,19 @@ class ModelRunner:
         ctx = self._context(seqs, positions, [seq.num_computed + 1 for seq in seqs])
         rows, engram = self._engram(seqs, ids)
         streams, pre = self.model.embed_streams(ids)
-        layers = range(len(self.model.layers))
-        streams, pre = self.model.run_layers(layers, streams, pre, ctx, None, rows)
-        self._count(layers, len(seqs))
+        plan = self.plan
+        if self.cache.residuals and plan.ced:  # keep the decoder inputs for SWA snapshots
+            streams, pre = self.model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows)
+            for row, seq in enumerate(seqs):
+                self.cache.write_residuals(seq.slot, range(seq.num_computed, seq.num_computed + 1), streams[row],
+                                           pre[row])
+            streams, pre = self.model.run_layers(plan.decoder_layers, streams, pre, ctx, None, rows)
+        else:
+            streams, pre = self.model.run_layers(range(len(self.model.layers)), streams, pre, ctx, None, rows)
+        self._count(range(len(self.model.layers)), len(seqs))
+        for seq in seqs:
+            seq.decoder_done = seq.num_computed + 1
         self.max_decode_batch = max(self.max_decode_batch, len(seqs))
         self._commit_engram(engram)
+        self._count_entries(ctx)
         return self.model.logits(streams, pre)[:, -1]

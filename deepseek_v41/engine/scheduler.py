@@ -33,8 +33,9 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting queue, running list and the per-step plan (see the module docstring)."""
 
-    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int, on_admit=None):
         self.cache = cache
+        self.on_admit = on_admit  # called with a sequence right after it gets its slot (prefix-cache lookup)
         self.blocks = cache.blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -80,23 +81,27 @@ class Scheduler:
                 budget -= end - seq.num_computed
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.cache.free_slots:
             seq = self.waiting[0]
-            end = self._chunk_end(seq, budget)
+            end = self._chunk_end(seq, budget, grow=False)
             if end <= seq.num_computed:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.slot = self.cache.acquire_slot()
             self.running.append(seq)
+            if self.on_admit is not None:
+                self.on_admit(seq)  # may take cached pages and move num_computed forward
+            end = self._chunk_end(seq, budget)
             out.prefills.append((seq, seq.num_computed, end))
             budget -= end - seq.num_computed
         return out
 
-    def _chunk_end(self, seq: Sequence, budget: int) -> int:
-        """End of the next prefill chunk of ``seq`` within ``budget`` tokens and the free pages (grows its table)."""
+    def _chunk_end(self, seq: Sequence, budget: int, grow: bool = True) -> int:
+        """End of the next prefill chunk of ``seq`` within ``budget`` tokens and the free pages (with ``grow``,
+        its table is extended to cover it)."""
         end = min(seq.num_tokens, seq.num_computed + budget)
         free_tokens = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
         end = min(end, free_tokens)
-        if end > seq.num_computed:
+        if grow and end > seq.num_computed:
             self.blocks.grow(seq.block_table, end)
         return end
 
@@ -117,7 +122,7 @@ class Scheduler:
         """Free ``seq``'s pages and slot; it goes back to the front of the queue and will recompute."""
         self.running.remove(seq)
         self._free(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.decoder_done = seq.write_from = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -133,6 +138,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)
+        seq.registered_pages = 0
         if seq.slot is not None:
             self.cache.release_slot(seq.slot)
             seq.slot = None

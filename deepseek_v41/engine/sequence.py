@@ -48,6 +48,15 @@ class Sequence:
     cumulative_logprob: float = 0.0
     new_text: str = ""  # text and tokens the last step added (streaming deltas)
     new_token_ids: list[int] = field(default_factory=list)
+    # Prefix caching (SPEC.md §4.3): the request's salt, the chain hashes of its full blocks, how many of its
+    # pages are registered, the first position whose entries it writes (L'), tokens replayed, decoder progress.
+    cache_salt: str | None = None
+    block_hashes: list[str] = field(default_factory=list)
+    registered_pages: int = 0
+    write_from: int = 0
+    num_replayed_tokens: int = 0
+    decoder_done: int = 0
+    prompt_snapshot_taken: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -109,7 +118,8 @@ class RequestMetrics:
 class RequestOutput:
     """What ``LLM.generate`` returns per prompt (vLLM's ``RequestOutput``).
 
-    ``num_cached_tokens``: prompt tokens served from the prefix cache (0 until prefix caching lands).
+    ``num_cached_tokens``: prompt tokens served from the prefix cache (L' of SPEC.md §4.3 = DeepSeek's
+    ``prompt_cache_hit_tokens``); replayed tokens are reported apart, never subtracted.
     """
 
     request_id: str
@@ -119,3 +129,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    num_replayed_tokens: int = 0  # cached prompt tokens recomputed to rebuild window state (bounded replay)

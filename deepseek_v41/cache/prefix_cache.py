@@ -1,0 +1,210 @@
+"""The prefix cache: reuse a prompt's global KV across requests and restarts (SPEC.md §4.3).
+
+Prefix identity is a hash chain over page-sized token blocks, salted by the model fingerprint and a per-request
+``cache_salt``. Tiers: device pages (shared, ref-counted, see :class:`~deepseek_v41.cache.block_manager.
+BlockManager`) -> the **SWA pool** of window snapshots in host memory (or Redis) -> the **persistent store** of
+global KV pages on disk. Window KV never goes to disk: on a hit without a snapshot, the engine rebuilds it by
+replaying a bounded number of tokens.
+
+With N prompt tokens, P the page size and w the window, the reused length is ``L' = P * floor(min(match, N-1) / P)``
+(a page multiple; the last prompt token is always computed). What the engine then runs, in CED mode:
+
+- **snapshot at L'** (exact): windows from the snapshot, encoder over [L', N), decoder inputs for positions < L'
+  from the snapshot's residuals;
+- **bounded replay** (default): encoder over [max(0, L' - w), N) with windows truncated at that start (an
+  approximation, measured);
+- **exact replay** (``replay="exact"``): encoder over [max(0, min(L', N - w) - R), N), R = encoder layers x (w - 1),
+  the receptive field of the encoder windows (exact).
+
+Replayed positions write window rows and residuals only; compressed entries, index keys and pending pairs of
+[0, L') come from the pages. In ``exact`` prefill mode every layer resumes from the snapshot (which then holds
+every layer's window rows); without one the prompt is a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from deepseek_v41.cache.kv_cache import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT_VERSION = 1
+REPLAY_MODES = ("bounded", "exact")
+
+
+def model_fingerprint(model: torch.nn.Module, path: str | Path | None = None) -> str:
+    """sha256 of config.json, the safetensors headers and file sizes and the cache format version (a model
+    directory), or of the config and every parameter's bytes (a model built in memory)."""
+    digest = hashlib.sha256(f"deepseek_v41 prefix cache v{CACHE_FORMAT_VERSION}".encode())
+    if path is not None:
+        path = Path(path)
+        digest.update((path / "config.json").read_bytes())
+        for file in sorted(path.glob("*.safetensors")):
+            with file.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                digest.update(f.read(size))
+            digest.update(str(file.stat().st_size).encode())
+        return digest.hexdigest()
+    digest.update(json.dumps(model.config.to_dict(), sort_keys=True).encode())
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def chain_hashes(root: str, tokens: list[int], block_size: int, start: list[str] | None = None) -> list[str]:
+    """Hashes of every full block of ``tokens``: ``h_i = sha256(h_{i-1} || block_i)`` with ``h_{-1} = root``.
+    ``start`` holds already computed hashes of the first blocks (extended, not recomputed)."""
+    out = list(start or [])
+    prev = out[-1] if out else root
+    for i in range(len(out), len(tokens) // block_size):
+        block = np.asarray(tokens[i * block_size:(i + 1) * block_size], dtype="<i4").tobytes()
+        prev = hashlib.sha256(bytes.fromhex(prev) + block).hexdigest()
+        out.append(prev)
+    return out
+
+
+@dataclass
+class Hit:
+    """What a request reuses: ``cached`` = L' tokens (pages ``pages``), computation restarts at ``start``
+    (= L' with a snapshot, the replay start otherwise), ``snapshot`` the SWA snapshot restored, if any."""
+
+    cached: int
+    start: int
+    pages: list[int]
+    snapshot: dict[str, torch.Tensor] | None
+
+    @property
+    def replayed(self) -> int:
+        return self.cached - self.start
+
+
+class PrefixCache:
+    """Matching, page registration and SWA snapshots for one engine (see the module docstring).
+
+    ``exact_prefill``: the engine prefills in ``exact`` mode (a hit then needs a snapshot of every layer's
+    window). ``page_store``: a :class:`~deepseek_v41.cache.store.PageStore` (persistent tier) or None;
+    ``swa_pool``: a :class:`~deepseek_v41.cache.swa_pool.SwaPool` / :class:`~deepseek_v41.cache.redis_store.
+    RedisStore` or None; ``page_index``: a RedisStore whose shared page index records the pages on disk.
+    """
+
+    def __init__(self, cache: PagedKVCache, fingerprint: str, exact_prefill: bool, replay: str = "bounded",
+                 page_store: Any | None = None, swa_pool: Any | None = None, page_index: Any | None = None):
+        if replay not in REPLAY_MODES:
+            raise ValueError(f"replay must be one of {REPLAY_MODES}, got {replay!r}")
+        self.cache, self.fingerprint = cache, fingerprint
+        self.exact_prefill, self.replay = exact_prefill, replay
+        self.page_store, self.swa_pool, self.page_index = page_store, swa_pool, page_index
+        self.block_size = cache.block_size
+        cfg, plan = cache.config, cache.plan
+        self.window = cfg.sliding_window
+        n = cfg.num_hidden_layers
+        self.snapshot_layers = list(range(n)) if exact_prefill or not plan.ced else list(plan.encoder_layers)
+        self.receptive_field = len(self.snapshot_layers) * (self.window - 1)
+        self.counters = {"device_pages_hit": 0, "disk_pages_read": 0, "disk_pages_written": 0,
+                         "snapshots_hit": 0, "snapshots_written": 0, "cached_tokens": 0, "replayed_tokens": 0}
+
+    def root(self, salt: str | None) -> str:
+        """The chain's root: the model fingerprint and the request's cache salt."""
+        return hashlib.sha256(f"{self.fingerprint}\0{salt or ''}".encode()).hexdigest()
+
+    def snapshot_key(self, block_hash: str) -> str:
+        return f"{block_hash}-{'exact' if self.exact_prefill else 'ced'}"
+
+    # ------------------------------------------------------------------ lookup
+    def match(self, tokens: list[int], hashes: list[str]) -> Hit:
+        """Find the longest cached prefix of ``tokens`` (hashes of its full blocks given) and take its pages
+        (shared device pages, or pages loaded from disk into new device pages). Returns a Hit with ``cached=0``
+        on a miss. Never raises for a bad cache: unreadable pages are misses."""
+        blocks = self.cache.blocks
+        limit = min(len(hashes), (len(tokens) - 1) // self.block_size)
+        pages: list[int] = []
+        device_hits = 0
+        for i in range(limit):
+            page = blocks.lookup(hashes[i])
+            if page is not None:
+                blocks.share(page)
+                device_hits += 1
+            else:
+                page = self._from_disk(hashes[i])
+                if page is None:
+                    break
+            pages.append(page)
+        cached = len(pages) * self.block_size
+        snapshot = self.swa_pool.get(self.snapshot_key(hashes[len(pages) - 1])) if (pages and self.swa_pool) else None
+        if snapshot is not None:
+            self.counters["snapshots_hit"] += 1
+            self.counters["device_pages_hit"] += device_hits
+            return Hit(cached, cached, pages, snapshot)
+        if self.exact_prefill or not pages:
+            blocks.release(pages)  # exact prefill needs every layer's windows: without a snapshot, a miss
+            return Hit(0, 0, [], None)
+        self.counters["device_pages_hit"] += device_hits
+        n = len(tokens)
+        if self.replay == "bounded":
+            start = max(0, cached - self.window)
+        else:
+            start = max(0, min(cached, n - self.window) - self.receptive_field)
+        return Hit(cached, start, pages, None)
+
+    def _from_disk(self, block_hash: str) -> int | None:
+        store = self.page_store
+        if store is None or (self.page_index is not None and not self.page_index.has_page(block_hash)
+                             and not store.contains(block_hash)):
+            return None
+        if not self.cache.blocks.free:
+            return None
+        tensors = store.get(block_hash)
+        if tensors is None:
+            return None
+        page = self.cache.blocks.allocate()
+        self.cache.write_page(page, tensors)
+        self.cache.blocks.register(page, block_hash)
+        self.counters["disk_pages_read"] += 1
+        return page
+
+    # ------------------------------------------------------------------ writes
+    def register(self, table: list[int], hashes: list[str], first: int, upto: int) -> None:
+        """Record the full pages ``first .. upto - 1`` of a sequence (device index; disk when configured)."""
+        for i in range(first, upto):
+            page = table[i]
+            self.cache.blocks.register(page, hashes[i])
+            if self.page_store is not None and self.page_store.put(hashes[i], self.cache.read_page(page)):
+                self.counters["disk_pages_written"] += 1
+        if self.page_index is not None and upto > first:
+            self.page_index.add_pages(hashes[first:upto])
+
+    def take_snapshot(self, slot: int, boundary: int, hashes: list[str]) -> bool:
+        """Copy the window rows (and decoder inputs) of [boundary - w, boundary) of slot ``slot`` into the SWA
+        pool under the chain hash of ``boundary``; False when there is no pool or nothing to take."""
+        if self.swa_pool is None or boundary <= 0 or boundary // self.block_size > len(hashes):
+            return False
+        key = self.snapshot_key(hashes[boundary // self.block_size - 1])
+        if self.swa_pool.contains(key):
+            return False
+        snapshot = self.cache.snapshot(slot, boundary, self.snapshot_layers)
+        if snapshot is None or not self.swa_pool.put(key, snapshot):
+            return False
+        self.counters["snapshots_written"] += 1
+        return True
+
+    def drop_device_tier(self) -> None:
+        """Forget which free device pages hold which prefix (as if they had all been reused): later hits come
+        from the persistent store. Pages in use are not touched."""
+        blocks = self.cache.blocks
+        for page in [p for p in blocks.page_hash if blocks.ref_count[p] == 0]:
+            del blocks.hash_page[blocks.page_hash.pop(page)]
+
+    def restore(self, slot: int, hit: Hit) -> None:
+        """Put a hit's snapshot into the sequence's slot."""
+        if hit.snapshot is not None:
+            self.cache.restore(slot, hit.snapshot, self.snapshot_layers)
