@@ -2,7 +2,6 @@
 cached tokens, and a repeated long prompt reports cached tokens once prefix caching exists in the engine."""
 
 import openai
-import pytest
 from serving_helpers import KEYS, MODEL
 
 LONG = [{"role": "user", "content": "The city is Paris. " * 40}]
@@ -40,7 +39,6 @@ def test_second_key_gets_no_cached_tokens(server):
     assert usage.model_extra["prompt_cache_miss_tokens"] == usage.prompt_tokens
 
 
-@pytest.mark.xfail(strict=True, reason="prefix caching not built yet")
 def test_repeated_long_prompt_hits_the_cache(server):
     ask(server, KEYS[0])
     usage = ask(server, KEYS[0])
