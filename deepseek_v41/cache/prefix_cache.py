@@ -26,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import queue
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,11 @@ class PrefixCache:
         self.receptive_field = len(self.snapshot_layers) * (self.window - 1)
         self.counters = {"device_pages_hit": 0, "disk_pages_read": 0, "disk_pages_written": 0,
                          "snapshots_hit": 0, "snapshots_written": 0, "cached_tokens": 0, "replayed_tokens": 0}
+        # Disk writes (an fsync each) run on a background thread, off the request path; the store is used
+        # under one lock from both threads.
+        self._store_lock = threading.Lock()
+        self._writes: queue.Queue = queue.Queue()
+        self._writer: threading.Thread | None = None
 
     def root(self, salt: str | None) -> str:
         """The chain's root: the model fingerprint and the request's cache salt."""
@@ -158,12 +165,10 @@ class PrefixCache:
 
     def _from_disk(self, block_hash: str) -> int | None:
         store = self.page_store
-        if store is None or (self.page_index is not None and not self.page_index.has_page(block_hash)
-                             and not store.contains(block_hash)):
+        if store is None or not self.cache.blocks.free:
             return None
-        if not self.cache.blocks.free:
-            return None
-        tensors = store.get(block_hash)
+        with self._store_lock:
+            tensors = store.get(block_hash)
         if tensors is None:
             return None
         page = self.cache.blocks.allocate()
@@ -178,10 +183,32 @@ class PrefixCache:
         for i in range(first, upto):
             page = table[i]
             self.cache.blocks.register(page, hashes[i])
-            if self.page_store is not None and self.page_store.put(hashes[i], self.cache.read_page(page)):
-                self.counters["disk_pages_written"] += 1
+            if self.page_store is not None:
+                self._write_later(hashes[i], self.cache.read_page(page))
         if self.page_index is not None and upto > first:
             self.page_index.add_pages(hashes[first:upto])
+
+    def _write_later(self, block_hash: str, tensors: dict[str, torch.Tensor]) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="dsv41-page-writer", daemon=True)
+            self._writer.start()
+        self._writes.put((block_hash, tensors))
+
+    def _write_loop(self) -> None:
+        while True:
+            block_hash, tensors = self._writes.get()
+            try:
+                with self._store_lock:
+                    if self.page_store.put(block_hash, tensors):
+                        self.counters["disk_pages_written"] += 1
+            except Exception:  # noqa: BLE001 - a failed write is a cache miss later, never a crash of the engine
+                log.exception("writing prefix-cache page %s failed", block_hash)
+            finally:
+                self._writes.task_done()
+
+    def flush(self) -> None:
+        """Wait until every page queued for the persistent store is written."""
+        self._writes.join()
 
     def take_snapshot(self, slot: int, boundary: int, hashes: list[str]) -> bool:
         """Copy the window rows (and decoder inputs) of [boundary - w, boundary) of slot ``slot`` into the SWA

@@ -146,6 +146,9 @@ class AsyncLLMEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._executor.shutdown(wait=True)
+        prefix_cache = getattr(self.engine, "prefix_cache", None)
+        if prefix_cache is not None:
+            await asyncio.to_thread(prefix_cache.flush)  # persistent pages reach the disk before exit
 
     def add_observer(self, observer: Observer) -> None:
         """Call ``observer(step_outputs, stats)`` on the event loop after every step that produced outputs."""

@@ -105,6 +105,8 @@ class LLM:
                         progress.update(1)
         if progress is not None:
             progress.close()
+        if engine.prefix_cache is not None:
+            engine.prefix_cache.flush()  # pages on their way to disk are there when generate returns
         return [done[r] for r in request_ids]
 
     @property
