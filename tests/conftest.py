@@ -1,1 +1,58 @@
-"""Root conftest: puts tests/ on sys.path so that `from optional_deps import require` works in every folder."""
+"""Root conftest (tests/ is on sys.path for `from optional_deps import require`): a throwaway
+``redis-server`` (Debian's package) on a free port, for the cache and engine tests."""
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+from optional_deps import require
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """``redis://127.0.0.1:<port>/0`` of a fresh server without persistence, stopped after the session.
+
+    Skips when the client or the binary is missing, but fails under CI=true (``.ci/run`` installs both)."""
+    client = require("redis")
+    binary = shutil.which("redis-server")
+    if binary is None:
+        message = "redis-server is not installed (apt-get install redis-server)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{message}; .ci/run installs it")
+        pytest.skip(message)
+    workdir = tmp_path_factory.mktemp("redis")
+    for _ in range(3):  # another process may take the free port before the server binds it
+        port = _free_port()
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(workdir), "--daemonize", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10.0
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                client.Redis.from_url(url, socket_connect_timeout=0.2).ping()
+                break
+            except client.ConnectionError:
+                time.sleep(0.02)
+        else:
+            proc.kill()
+            proc.wait()
+            continue
+        try:
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+        return
+    pytest.fail("redis-server did not start on a free port in 3 tries")
