@@ -2,7 +2,6 @@
 
 import logging
 
-import pytest
 import torch
 
 from deepseek_v41.engine import LLM, SamplingParams
