@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     kv = kv_section(flash_config())
+    ratio = 1 / kv["persistent_ratio_vs_v4"]
     print(f"persistent bytes per token, official config: {kv['persistent_bytes_per_token']:.0f} (global KV only) "
-          f"vs V4 {kv['persistent_bytes_per_token_v4']:.1f} (global + window) = 1/{1 / kv['persistent_ratio_vs_v4']:.1f}")
+          f"vs V4 {kv['persistent_bytes_per_token_v4']:.1f} (global + window) = 1/{ratio:.1f}")
     return 0
 
 
