@@ -66,7 +66,7 @@ def dequantize_fp4(
     """
     fmt = check_scale_format(scale_format)
     n = check_codes(codes, scales, block_size, elements_per_byte=2)
-    values = _e2m1_value(_unpack_nibbles(codes)).unflatten(-1, (n // block_size, block_size))
+    values = _decode_bytes(codes).unflatten(-1, (n // block_size, block_size))
     scale = e4m3_decode(scales) if fmt == "e4m3" else ue8m0_decode(scales)
     return (values * scale.unsqueeze(-1)).flatten(-2).to(dtype)
 
@@ -127,6 +127,21 @@ def _e2m1_value(code: Tensor) -> Tensor:
     m = (code & 7).float()
     magnitude = torch.where(m < 4, m * 0.5, torch.where(m < 6, m - 2, m * 2 - 8))
     return torch.where((code & 8) != 0, -magnitude, magnitude)
+
+
+_BYTE_VALUES: dict[torch.device, Tensor] = {}
+
+
+def _decode_bytes(packed: Tensor) -> Tensor:
+    """float32 [..., 2n] of packed E2M1 bytes [..., n]: one lookup per byte in a 256 x 2 table (low nibble
+    first), the same values as :func:`_e2m1_value` on each nibble, in a fraction of the elementwise work."""
+    table = _BYTE_VALUES.get(packed.device)
+    if table is None:
+        every_byte = torch.arange(256, dtype=torch.uint8)
+        table = _e2m1_value(_unpack_nibbles(every_byte[:, None])).to(packed.device)  # [256, 2]
+        if packed.device.type != "meta":
+            _BYTE_VALUES[packed.device] = table
+    return table[packed.long()].flatten(-2)
 
 
 def _pack_nibbles(codes: Tensor) -> Tensor:

@@ -1,0 +1,164 @@
+"""Engine benchmark on the "bench-8m" config (issue 10): prefill and decode speed, long-context decode, memory.
+
+Config (random weights, fixed seed): vocab 8192, hidden 256, 8 layers, ratios [0,2,2,2,1,1,1,1], kv sources [1,3,4],
+index sources [1,3,4,6], candidate source 4, 4 heads x 64 (rope 16), q rank 128, 2 output groups of rank 128,
+16 routed experts top-2 + 1 shared (inter 256), indexer 4 x 32, top-k 64, window 128, pool 32 blocks of 8,
+4 mHC streams; no Engram, no DSpark; routed experts stored as packed FP4 (``expert_dtype: fp4``), the rest fp32.
+
+Measured (median of ``--repeat`` runs after a warm-up, prefix caching off, eager):
+prefill tokens/s at 1K and 8K prompts; decode tokens/s at batch 1 and 8 with 1K context; decode ms/token at 16K
+context over the same at 1K (a ratio); peak RSS of an 8K prefill above the RSS right after imports (a child
+process per measurement, so peaks do not mix). ``--dtype`` fp32 (default) or bf16. The table prints each number
+with the issue's target.
+
+    python bench/engine.py [--dtype fp32|bf16] [--repeat 3] [--threads N] [--only prefill,decode,long,rss]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGETS = {"prefill_1k_tok_s": 4000, "prefill_8k_tok_s": 3000, "decode_b1_tok_s": 150, "decode_b8_tok_s": 800,
+           "decode_16k_over_1k": 1.15, "prefill_8k_peak_rss_gb": 0.5}
+
+
+def bench_config():
+    from deepseek_v41.config import ModelConfig, QuantizationConfig
+
+    return ModelConfig.from_dict(dict(
+        model_type="deepseek_v41", vocab_size=8192, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
+        head_dim=64, qk_rope_head_dim=16, q_lora_rank=128, o_groups=2, o_lora_rank=128, moe_intermediate_size=256,
+        n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1, compress_ratios=[0, 2, 2, 2, 1, 1, 1, 1],
+        kv_source_layer_ids=[1, 3, 4], index_source_layer_ids=[1, 3, 4, 6], candidate_source_layer_id=4,
+        index_n_heads=4, index_head_dim=32, index_topk=64, sliding_window=128, candidate_topk_blocks=32,
+        candidate_block_size=8, hc_mult=4, max_position_embeddings=32768,
+        rope_scaling={"rope_type": "yarn", "factor": 8, "beta_fast": 32, "beta_slow": 1,
+                      "original_max_position_embeddings": 4096},
+    )).replace(quantization_config=QuantizationConfig(expert_dtype="fp4"))
+
+
+def make_model_dir(path: Path) -> Path:
+    """The bench model saved with routed experts in the official packed FP4 format."""
+    import torch
+
+    from deepseek_v41.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(bench_config())
+    model.save_pretrained(path, quantization="official")
+    return path
+
+
+def _llm(model_dir: Path, dtype: str, max_len: int):
+    import torch
+
+    from deepseek_v41.engine import LLM
+
+    return LLM(model_dir, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], max_model_len=max_len,
+               max_num_batched_tokens=max_len, enable_prefix_caching=False, max_num_seqs=8)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 8192) for _ in range(n)]
+
+
+def measure(model_dir: Path, what: str, dtype: str, repeat: int) -> dict[str, float]:
+    """One family of measurements in this process."""
+    from deepseek_v41.engine import SamplingParams
+
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    out: dict[str, float] = {}
+    if what == "prefill":
+        for n, key in ((1024, "prefill_1k_tok_s"), (8192, "prefill_8k_tok_s")):
+            llm = _llm(model_dir, dtype, n + 8)
+            llm.generate({"prompt_token_ids": _ids(n, 0)}, one)  # warm-up
+            times = []
+            for r in range(repeat):
+                start = time.perf_counter()
+                llm.generate({"prompt_token_ids": _ids(n, r + 1)}, one)
+                times.append(time.perf_counter() - start)
+            out[key] = n / statistics.median(times)
+    elif what == "decode":
+        steps = 64
+        params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+        for batch, key in ((1, "decode_b1_tok_s"), (8, "decode_b8_tok_s")):
+            llm = _llm(model_dir, dtype, 1024 + steps + 8)
+            rates = []
+            for r in range(repeat + 1):
+                prompts = [{"prompt_token_ids": _ids(1024, 100 * r + b)} for b in range(batch)]
+                outs = llm.generate(prompts, params)
+                decode = max(o.metrics.finished_time for o in outs) - min(o.metrics.first_token_time for o in outs)
+                rates.append(batch * steps / decode)
+            out[key] = statistics.median(rates[1:])
+    elif what == "long":
+        steps = 32
+        params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+        per_token = {}
+        for n in (1024, 16384):
+            llm = _llm(model_dir, dtype, n + steps + 8)
+            times = []
+            for r in range(repeat):
+                o = llm.generate({"prompt_token_ids": _ids(n, r)}, params)[0]
+                times.append((o.metrics.finished_time - o.metrics.first_token_time) / steps)
+            per_token[n] = statistics.median(times)
+        out["decode_ms_1k"], out["decode_ms_16k"] = per_token[1024] * 1e3, per_token[16384] * 1e3
+        out["decode_16k_over_1k"] = per_token[16384] / per_token[1024]
+    elif what == "rss":
+        import resource
+
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        llm = _llm(model_dir, dtype, 8192 + 8)
+        llm.generate({"prompt_token_ids": _ids(8192, 0)}, one)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out["prefill_8k_peak_rss_gb"] = (peak - base) * 1024 / 1e9
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads [default: torch's]")
+    parser.add_argument("--only", default="prefill,decode,long,rss")
+    parser.add_argument("--model-dir", type=Path, default=None, help="reuse a saved bench model")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        print(json.dumps(measure(args.model_dir, args.child, args.dtype, args.repeat)))
+        return 0
+    model_dir = args.model_dir or make_model_dir(Path(tempfile.mkdtemp(prefix="dsv41-bench8m-")))
+    results: dict[str, float] = {}
+    for what in args.only.split(","):
+        command = [sys.executable, __file__, "--child", what, "--model-dir", str(model_dir), "--dtype", args.dtype,
+                   "--repeat", str(args.repeat)] + (["--threads", str(args.threads)] if args.threads else [])
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            print(done.stderr, file=sys.stderr)
+            return done.returncode
+        results.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"bench-8m, {args.dtype}, threads={args.threads or 'default'}, median of {args.repeat}")
+    print(f"{'measure':<28}{'ours':>12}{'target':>12}")
+    for key, value in results.items():
+        target = TARGETS.get(key)
+        mark = "" if target is None else (" ok" if (value <= target if "over" in key or "rss" in key
+                                                   else value >= target) else " MISS")
+        print(f"{key:<28}{value:>12.2f}{'' if target is None else f'{target:>12}'}{mark}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
