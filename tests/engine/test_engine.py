@@ -63,7 +63,7 @@ def test_ced_differs_by_a_measured_amount_and_counts_its_tokens(model64):
 
 
 @pytest.mark.parametrize("mode", ["exact", "ced"])
-@pytest.mark.parametrize("chunk", [1, 7, 64, 4097])
+@pytest.mark.parametrize("chunk", [1, 7, 64, pytest.param(4097, marks=pytest.mark.slow)])
 def test_chunked_prefill_equals_unchunked(model64, mode, chunk):
     # Edges fall inside ratio-2 pairs (odd chunks) and inside candidate blocks of 4 entries.
     n = 4101 if chunk == 4097 else 203

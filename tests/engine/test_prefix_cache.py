@@ -10,7 +10,10 @@ from deepseek_v41.engine import LLM, SamplingParams
 
 W, P = 16, 16  # tiny config's window and the default page size
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-LENGTHS = [1, 2, 3, W - 1, W, W + 1, W + 2, 2 * W - 1, 2 * W, 2 * W + 1, 1000, 1001]
+SHORT = [1, 2, 3, W - 1, W, W + 1, W + 2, 2 * W - 1, 2 * W, 2 * W + 1]
+LONG = [1000, 1001]
+# Every path runs the short prefix lengths in the fast suite and the long ones in the slow one.
+SETS = [pytest.param(SHORT, id="short"), pytest.param(LONG, id="long", marks=pytest.mark.slow)]
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -25,25 +28,33 @@ def engine(model, **args):
     return LLM(model, max_model_len=2048, max_num_batched_tokens=2048, **args)
 
 
+class Cold(dict):
+    """Cold-run tokens of prefix + suffix per (prefill mode, prefix length), computed when first asked."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.llms = {mode: engine(model, prefill_mode=mode, enable_prefix_caching=False) for mode in ("ced", "exact")}
+
+    def __missing__(self, key):
+        mode, n = key
+        self[key] = run(self.llms[mode], tokens(n, n) + tokens(3, 7)).outputs[0].token_ids
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def cold(model64):
-    """Cold-run tokens of every prefix + suffix, per prefill mode."""
-    out = {}
-    for mode in ("ced", "exact"):
-        llm = engine(model64, prefill_mode=mode, enable_prefix_caching=False)
-        for n in LENGTHS:
-            out[mode, n] = run(llm, tokens(n, n) + tokens(3, 7)).outputs[0].token_ids
-    return out
+    return Cold(model64)
 
 
 def expected_cached(n: int) -> int:
     return P * (min(n, n + 3 - 1) // P)
 
 
+@pytest.mark.parametrize("lengths", SETS)
 @pytest.mark.parametrize("mode", ["ced", "exact"])
-def test_device_pages_and_snapshot(model64, cold, mode):
+def test_device_pages_and_snapshot(model64, cold, mode, lengths):
     llm = engine(model64, prefill_mode=mode, swa_pool_bytes=1 << 28)
-    for n in LENGTHS:
+    for n in lengths:
         run(llm, tokens(n, n))
         hit = run(llm, tokens(n, n) + tokens(3, 7))
         assert hit.num_cached_tokens == expected_cached(n), n
@@ -51,9 +62,10 @@ def test_device_pages_and_snapshot(model64, cold, mode):
         assert hit.outputs[0].token_ids == cold[mode, n], n
 
 
-def test_disk_pages_and_snapshot(model64, cold, tmp_path):
+@pytest.mark.parametrize("lengths", SETS)
+def test_disk_pages_and_snapshot(model64, cold, tmp_path, lengths):
     llm = engine(model64, cache_dir=str(tmp_path), swa_pool_bytes=1 << 28)
-    for n in LENGTHS:
+    for n in lengths:
         run(llm, tokens(n, n))
         llm.engine.prefix_cache.drop_device_tier()
         read = llm.stats["prefix_cache"]["disk_pages_read"]
@@ -63,21 +75,23 @@ def test_disk_pages_and_snapshot(model64, cold, tmp_path):
         assert hit.outputs[0].token_ids == cold["ced", n], n
 
 
-def test_disk_and_exact_replay_after_a_restart(model64, cold, tmp_path):
+@pytest.mark.parametrize("lengths", SETS)
+def test_disk_and_exact_replay_after_a_restart(model64, cold, tmp_path, lengths):
     writer = engine(model64, cache_dir=str(tmp_path), swa_pool_bytes=0)
-    for n in LENGTHS:
+    for n in lengths:
         run(writer, tokens(n, n))
-    for n in LENGTHS:  # a new engine: nothing on the device, no snapshots, the pages on disk
+    for n in lengths:  # a new engine: nothing on the device, no snapshots, the pages on disk
         reader = engine(model64, cache_dir=str(tmp_path), swa_pool_bytes=0, replay="exact")
         hit = run(reader, tokens(n, n) + tokens(3, 7))
         assert hit.num_cached_tokens == expected_cached(n), n
         assert hit.outputs[0].token_ids == cold["ced", n], n
 
 
-def test_disk_and_bounded_replay_counts_its_work(model64, tmp_path):
+@pytest.mark.parametrize("lengths", SETS)
+def test_disk_and_bounded_replay_counts_its_work(model64, tmp_path, lengths):
     writer = engine(model64, cache_dir=str(tmp_path), swa_pool_bytes=0)
     plan = model64.plan
-    for n in LENGTHS:
+    for n in lengths:
         run(writer, tokens(n, n))
         reader = engine(model64, cache_dir=str(tmp_path), swa_pool_bytes=0)
         prompt = tokens(n, n) + tokens(3, 7)
