@@ -24,6 +24,9 @@ class PagedContext:
     position after its last new token (Python ints, so shapes never depend on tensor values: the forward also
     runs on ``meta``); ``dtype``: the dtype attention computes in; ``write_from``: per row, the first position
     whose compressed entries this forward may write (earlier ones live in shared prefix-cache pages).
+
+    The block tables are padded with the null page up to ``max(ends)``: a speculative verify forward pads short
+    rows with positions past their pages, whose entries then go to the null page (DSPARK.md §7).
     """
 
     def __init__(self, cache: PagedKVCache, slots: list[int], tables: list[list[int]], positions: torch.Tensor,
@@ -34,12 +37,14 @@ class PagedContext:
         self.banded_window = True  # the new window rows are the new tokens, at consecutive positions
         self.indexer_losses: list[torch.Tensor] | None = None  # training: collects each indexer's KL loss
         self.dense_indexer = False  # training warm-up: every visible entry is selected
+        self.indexer_recall: list | None = None  # measurement: each index layer's recall of the dense attention
+        self.drop_compressed = False  # ablation: attend the window only
         self.shared: dict[Any, torch.Tensor] = {}
         self.dtype = dtype
         self.ends = ends
         device = cache.device
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
-        width = max(1, max(len(t) for t in tables))
+        width = max(1, max(len(t) for t in tables), -(-max(ends) // cache.block_size))
         padded = [t + [BlockManager.NULL_PAGE] * (width - len(t)) for t in tables]
         self.tables = torch.tensor(padded, dtype=torch.long, device=device)
         # Entries of positions below write_from are already in (shared) prefix-cache pages: replay never

@@ -119,6 +119,25 @@ def indexer_kl(entry_probs: torch.Tensor, indexer_scores: torch.Tensor, topk: to
     return (kl * rows).sum() / rows.sum().clamp_min(1)
 
 
+def indexer_recall(entry_probs: torch.Tensor, selection: torch.Tensor, visible: torch.Tensor) -> tuple[float, ...]:
+    """Share of the dense attention mass over compressed entries that falls on the indexer's selection, summed
+    over queries that see more entries than they select, with the share a random selection of the same size
+    would get, and the number of such queries: ``(recall_sum, random_sum, queries)``.
+
+    entry_probs [B, T, H, N] (dense attention over every entry); selection [B, T, k] (-1 = none); visible
+    [B, T, N] (entry n in column n, -1 = not visible).
+    """
+    mass = entry_probs.detach().sum(2)
+    total = mass.sum(-1)
+    picked = (mass.gather(-1, selection.clamp(min=0)) * (selection >= 0)).sum(-1)
+    n_visible = (visible >= 0).sum(-1)
+    n_selected = (selection >= 0).sum(-1)
+    rows = (n_visible > n_selected) & (total > 0)
+    recall = (picked / total.clamp_min(1e-30))[rows]
+    random = (n_selected / n_visible.clamp(min=1))[rows]
+    return float(recall.sum()), float(random.sum()), int(rows.sum())
+
+
 class SparseAttention(nn.Module):
     """:func:`sparse_attention` as a parameterless module (so that FLOPs accounting can name its matmuls)."""
 
@@ -199,6 +218,8 @@ class Attention(nn.Module):
 
             if ctx.dense_indexer:  # training warm-up: every visible entry, read once for all queries
                 shared = ctx.all_entries(source)
+            if ctx.drop_compressed:  # ablation: window attention only
+                topk = None
 
         train_indexer = self.indexer is not None and ctx.indexer_losses is not None
         o = self.core(q, pos, keys, key_pos, self.window, topk, gather, self.attn_sink, self.head_dim ** -0.5,
@@ -207,6 +228,10 @@ class Attention(nn.Module):
             o, entry_probs = o
             ctx.indexer_losses.append(indexer_kl(entry_probs, ctx.shared.pop(("indexer_scores", self.spec.layer_id)),
                                                  topk))
+            if ctx.indexer_recall is not None and ctx.dense_indexer:
+                ctx.indexer_recall.append(
+                    (self.spec.layer_id, *indexer_recall(entry_probs, ctx.shared.pop(("selection", self.spec.layer_id)),
+                                                         topk)))
         o = self.rope(o, pos, inverse=True)
         return self.wo_b(self.wo_a(o.reshape(B, T, self.o_groups, -1)))
 
@@ -237,7 +262,7 @@ class Attention(nn.Module):
             return torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
         q, w = self.indexer.queries(q_lat, x, ctx.positions, self.rope, ctx.fake_quant)
         visible = torch.div(ctx.positions + 1, spec.compress_ratio, rounding_mode="floor")
-        picks, pools, picked_scores = [], [], []
+        picks, pools, picked_scores, selections = [], [], [], []
         all_entries = torch.arange(N, device=x.device)
         pooled = spec.candidate_source is not None and not ctx.dense_indexer
         for i0 in range(0, T, self.query_chunk):
@@ -256,13 +281,21 @@ class Attention(nn.Module):
                     picked_scores.append(scores.gather(-1, local.clamp(min=0)))
                 continue
             scores = mask_invisible(self.indexer.score(qc, wc, keys), all_entries, vis)
+            if spec.is_candidate_source:
+                pools.append(candidate_blocks(scores, vis, self.candidate_block_size, self.candidate_topk_blocks))
             if ctx.dense_indexer:  # warm-up: every visible entry, entry n in column n
                 picks.append(torch.where(all_entries < vis[..., None], all_entries, -1))
                 if training:
                     picked_scores.append(scores)
+                if ctx.indexer_recall is not None:  # what inference would select, for the recall measurement
+                    chosen = scores
+                    if spec.candidate_source is not None and self.candidate_topk_blocks * self.candidate_block_size < N:
+                        blocks = ctx.shared[("pool", spec.candidate_source)][:, i0:i1]
+                        ids, valid = pool_entries(blocks, self.candidate_block_size, self.candidate_topk_blocks, N)
+                        inside = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, valid)
+                        chosen = scores.masked_fill(~inside, float("-inf"))
+                    selections.append(topk_entries(chosen, min(self.index_topk, N)))
                 continue
-            if spec.is_candidate_source:
-                pools.append(candidate_blocks(scores, vis, self.candidate_block_size, self.candidate_topk_blocks))
             picks.append(topk_entries(scores, k))  # a pool holding every block restricts nothing
             if training:
                 picked_scores.append(scores.gather(-1, picks[-1].clamp(min=0)))
@@ -270,4 +303,6 @@ class Attention(nn.Module):
             ctx.shared[("pool", spec.layer_id)] = torch.cat(pools, 1)
         if training:
             ctx.shared[("indexer_scores", spec.layer_id)] = torch.cat(picked_scores, 1)
+        if selections:
+            ctx.shared[("selection", spec.layer_id)] = torch.cat(selections, 1)
         return torch.cat(picks, 1)

@@ -40,6 +40,8 @@ class DenseContext:
         self.banded_window = True  # the new window rows are the new tokens, at consecutive positions
         self.indexer_losses: list[torch.Tensor] | None = None  # training: collects each indexer's KL loss
         self.dense_indexer = False  # training warm-up: every visible entry is selected
+        self.indexer_recall: list | None = None  # measurement: each index layer's recall of the dense attention
+        self.drop_compressed = False  # ablation: attend the window only
         self._entries: dict[int, torch.Tensor] = {}
         self._index_keys: dict[int, torch.Tensor] = {}
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
