@@ -24,6 +24,8 @@ def generate(
     dtype: str = typer.Option("float32", help="float32 | bfloat16."),
     device: str = typer.Option("cpu"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with text, token_ids and stats."),
+    follow_up: str | None = typer.Option(None, help="A second turn: prompt + first completion + this text, run "
+                                                   "after the first (it reuses the first turn's prefix cache)."),
 ) -> None:
     """Generate a continuation and print it with a stats line (prompt and cached tokens, TTFT, tokens/s,
     KV cache bytes)."""
@@ -42,15 +44,25 @@ def generate(
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         llm = LLM(model, dtype=dtypes[dtype], device=device, prefill_mode=prefill_mode)
-        start = time.perf_counter()
-        if chat:
-            out = llm.chat([{"role": "user", "content": text}], params, thinking=thinking)[0]
-        else:
-            out = llm.generate(text, params)[0]
-        wall = time.perf_counter() - start
+        turns = [text] if follow_up is None else [text, None]
+        messages = [{"role": "user", "content": text}]
+        for turn in range(len(turns)):
+            start = time.perf_counter()
+            out = (llm.chat(messages, params, thinking=thinking) if chat else llm.generate(turns[turn], params))[0]
+            wall = time.perf_counter() - start
+            if turn + 1 < len(turns):
+                _print(out, llm, wall, as_json)
+                turns[turn + 1] = turns[turn] + out.outputs[0].text + follow_up
+                messages += [{"role": "assistant", "content": out.outputs[0].text},
+                             {"role": "user", "content": follow_up}]
     except (FileNotFoundError, ValueError, ConfigError, CheckpointError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    _print(out, llm, wall, as_json)
+
+
+def _print(out, llm, wall: float, as_json: bool) -> None:
+    """The completion and its stats line (or one JSON object)."""
     completion = out.outputs[0]
     ttft = out.metrics.time_to_first_token
     decode_time = (out.metrics.finished_time or 0) - (out.metrics.first_token_time or 0)
@@ -58,6 +70,7 @@ def generate(
     stats = {
         "prompt_tokens": len(out.prompt_token_ids),
         "cached_tokens": out.num_cached_tokens,
+        "replayed_tokens": getattr(out, "num_replayed_tokens", 0),
         "generated_tokens": generated,
         "finish_reason": completion.finish_reason,
         "ttft_s": ttft,
@@ -72,7 +85,8 @@ def generate(
         return
     typer.echo(completion.text)
     rate = f"{stats['decode_tokens_per_s']:.1f} tok/s" if stats["decode_tokens_per_s"] else "n/a"
-    typer.echo(f"\n[{stats['prompt_tokens']} prompt tokens, {stats['cached_tokens']} cached, {generated} generated "
+    typer.echo(f"\n[{stats['prompt_tokens']} prompt tokens, {stats['cached_tokens']} cached "
+               f"({stats['replayed_tokens']} replayed), {generated} generated "
                f"({completion.finish_reason}); TTFT {ttft * 1000:.0f} ms; decode {rate}; "
                f"KV {stats['kv_bytes_per_token']:.0f} B/token + window {stats['window_bytes_per_sequence']:,} B/seq; "
                f"prefill {stats['prefill_mode']}]", err=True)
