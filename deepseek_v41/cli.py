@@ -130,6 +130,56 @@ def train(
     typer.echo(f"model written to {model_dir}")
 
 
+@app.command("model-card")
+def model_card(
+    model: Path = typer.Option(..., help="Exported model folder (gets MODEL_CARD.md and metrics.json)."),
+    run: Path = typer.Option(..., help="The training run folder (checkpoint/state.json, tokens/)."),
+    data: Path = typer.Option(..., help="Corpus folder (train.txt, heldout.txt, manifest.json)."),
+    prompt_file: Path = typer.Option(..., help="Held-out prompt for the sample continuation."),
+    extra: Path | None = typer.Option(None, help="JSON of more measured facts to include (e.g. ced_vs_exact)."),
+    eval_tokens: int | None = typer.Option(None, help="Evaluate on about this many held-out tokens [default: all]."),
+) -> None:
+    """Measure a trained checkpoint on held-out text and write its model card."""
+    from deepseek_v41.train.model_card import write_model_card
+
+    facts = json.loads(extra.read_text()) if extra else None
+    path = write_model_card(model, run, data, prompt_file.read_text(encoding="utf-8"), facts, eval_tokens=eval_tokens)
+    typer.echo(f"wrote {path}")
+
+
+@app.command("train-dspark")
+def train_dspark(
+    model: Path = typer.Option(..., help="Model folder of the trained target (config.json, safetensors, "
+                                         "tokenizer.json)."),
+    data: Path = typer.Option(..., help="Corpus folder from `dsv41 data prepare` (train.txt, heldout.txt)."),
+    steps: int = typer.Option(2000),
+    out: Path | None = typer.Option(None, help="Output model folder [default: write the draft back into MODEL]."),
+    batch_size: int = typer.Option(8),
+    context: int = typer.Option(256, help="Tokens per training window."),
+    num_anchors: int = typer.Option(64, help="Draft blocks per window."),
+    lr: float = typer.Option(6e-4),
+    seed: int = typer.Option(0),
+    cache: Path | None = typer.Option(None, help="Token-stream cache folder [default: DATA/tokens-dspark]."),
+    threads: int | None = typer.Option(None, help="torch threads (1 avoids OpenMP spin-waits on a busy machine)."),
+) -> None:
+    """Distil the DSpark draft (mtp.*) from a frozen trained target and write the model with it (DSPARK.md §8)."""
+    from deepseek_v41.train.dspark_train import DSparkTrainArgs, train_dspark_command
+
+    args = DSparkTrainArgs(steps=steps, batch_size=batch_size, context=context, num_anchors=num_anchors, lr=lr,
+                           warmup_steps=max(1, steps // 25), seed=seed)
+    try:
+        path, summary = train_dspark_command(model, data, out, args, cache, threads)
+    except (FileNotFoundError, ValueError, ConfigError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    for name in ("heldout_before", "heldout_after"):
+        result = summary[name]
+        acceptance = ", ".join(f"{a:.3f}" for a in result["acceptance_per_position"])
+        typer.echo(f"{name}: acceptance per position [{acceptance}], expected accepted length "
+                   f"{result['expected_accepted_length']:.3f}")
+    typer.echo(f"model with the trained draft written to {path}")
+
+
 @app.command("eval")
 def eval_(
     model: Path = typer.Option(..., help="Model folder (config.json, safetensors, tokenizer.json)."),

@@ -295,8 +295,6 @@ def train_command(config: str, data: Path, out: Path, tokenizer: Path | None, ar
                   threads: int | None) -> Path:
     """What ``dsv41 train`` does: tokenize (cached), build the model from ``config`` with the tokenizer's ids,
     train (resuming when asked), export the final weights in bf16 with the tokenizer to ``out/model``."""
-    import shutil
-
     from deepseek_v41.config import load_config
     from deepseek_v41.model.engram_hash import build_token_map
     from deepseek_v41.train.tokenizer import tokenizer_config_values
@@ -313,12 +311,27 @@ def train_command(config: str, data: Path, out: Path, tokenizer: Path | None, ar
     trainer = Trainer(cfg, train_stream, heldout_stream, out, args, resume=resume,
                       token_map=build_token_map(tokenizer / "tokenizer.json"))
     state = trainer.train()
-    model_dir = out / "model"
-    trainer.export(model_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer / name, model_dir / name)
-    (model_dir / "generation_config.json").write_text(json.dumps({
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "do_sample": False,
-        "temperature": 0.0, "max_new_tokens": 256}, indent=2) + "\n")
+    model_dir = export_checkpoint(out, out / "model", tokenizer)
     (out / "train_summary.json").write_text(json.dumps(run_summary(state), indent=2))
     return model_dir
+
+
+def export_checkpoint(run: Path, out: Path, tokenizer: Path) -> Path:
+    """Export the weights of a run's last checkpoint (``run/checkpoint``) as a bf16 model directory with the
+    tokenizer, without touching the run (training may still be going on)."""
+    import shutil
+
+    meta = json.loads((Path(run) / CHECKPOINT_DIR / "state.json").read_text())
+    tensors = load_file(Path(run) / CHECKPOINT_DIR / "tensors.safetensors")
+    config = ModelConfig.from_dict(meta["config"])
+    trainer = Trainer.__new__(Trainer)  # only the model: no data, no optimizer
+    trainer.model = Transformer(config)
+    trainer.model.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
+    out = Path(out)
+    trainer.export(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer) / name, out / name)
+    (out / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "do_sample": False,
+        "temperature": 0.0, "max_new_tokens": 256}, indent=2) + "\n")
+    return out
