@@ -10,6 +10,8 @@
   they only overwrite rows no query still needs.
 - **Pending pairs** of ratio-2 kv sources (kv and score of the open pair's first token, fp32) and the **Engram
   history** (the last ``max_ngram - 1`` compressed ids), per slot.
+- **DSpark draft rings** (speculative decoding only), per slot: each draft layer's ``sliding_window`` committed
+  context rows and their positions (DSPARK.md §3.1, §7); only accepted rows are ever written, so no slack.
 
 Allocated bytes are measured from the tensors (:meth:`PagedKVCache.allocated_bytes_per_token`), so the 890 B of
 the official config is a reading of real pool tensors (built on ``meta`` for the official sizes).
@@ -31,12 +33,15 @@ class PagedKVCache:
     ``state_dtype``: dtype of the pending pairs (fp32 as in the reference; float64 for a float64 model).
     ``residual_dtype``: when given, every slot also keeps a ring of the encoder's final residual streams (the CED
     decoder's inputs) of its last ``window_rows`` positions, for SWA snapshots (SPEC.md §4.3).
+    ``draft_layers``: DSpark draft layers whose rings each slot keeps (0 = none): ``draft_keys`` [draft_layers,
+    num_slots, sliding_window, head_dim] (``state_dtype``) and ``draft_pos`` [num_slots, sliding_window] long.
     Raises ValueError when ``block_size`` is not a multiple of every compress ratio or the slack is negative.
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, block_size: int, num_slots: int,
                  window_slack_rows: int = 16, device: torch.device | str = "cpu",
-                 state_dtype: torch.dtype = torch.float32, residual_dtype: torch.dtype | None = None):
+                 state_dtype: torch.dtype = torch.float32, residual_dtype: torch.dtype | None = None,
+                 draft_layers: int = 0):
         plan = build_layer_plan(cfg)
         ratios = sorted({s.compress_ratio for s in plan.layers if s.is_kv_source})
         if block_size <= 0 or any(block_size % m for m in ratios):
@@ -76,6 +81,11 @@ class PagedKVCache:
             self.residual_streams = torch.zeros(num_slots, R, hc, D, dtype=residual_dtype, device=device)
             self.residual_pre = torch.zeros(num_slots, R, hc, dtype=state_dtype, device=device)
             self.residual_pos = torch.full((num_slots, R), -1, dtype=torch.int32, device=device)
+        self.draft_layers = draft_layers
+        if draft_layers:
+            W = cfg.sliding_window
+            self.draft_keys = torch.zeros(draft_layers, num_slots, W, d, dtype=state_dtype, device=device)
+            self.draft_pos = torch.full((num_slots, W), -1, dtype=torch.long, device=device)
         self.free_slots = list(range(num_slots))
 
     # ------------------------------------------------------------------ accounting (SPEC.md §4.1)
@@ -105,7 +115,7 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ slots
     def acquire_slot(self) -> int:
-        """A free sequence slot, reset (empty window rings, no pending pair, fresh Engram history).
+        """A free sequence slot, reset (empty window and draft rings, no pending pair, fresh Engram history).
 
         Raises RuntimeError when every slot is taken (the scheduler never asks for more than ``num_slots``).
         """
@@ -117,6 +127,8 @@ class PagedKVCache:
         self.engram_history[slot] = -1
         if self.residuals:
             self.residual_pos[slot] = -1
+        if self.draft_layers:
+            self.draft_pos[slot] = -1
         return slot
 
     # ------------------------------------------------------------------ residual ring (CED decoder inputs)

@@ -43,6 +43,13 @@ class EngineArgs:
     snapshots); ``cache_dir`` keeps global KV pages on disk across restarts (``cache_max_bytes`` budget, 72 h TTL;
     default None: no persistence); ``replay`` is "bounded" (default) or "exact" for hits without a snapshot;
     ``redis_url`` shares the SWA pool and the page index between engine processes.
+
+    Speculative decoding (SPEC.md §4.4, DSPARK.md): ``speculative="dspark"`` (default None: off) drafts with the
+    checkpoint's DSpark draft and verifies at most ``speculative_max_len`` drafts per step (default and maximum:
+    the checkpoint's ``dspark_block_size``; needs ``window_slack_rows >= speculative_max_len``).
+    ``speculative_cost_table``: relative cost of a target forward verifying ℓ drafts per sequence, as a list
+    indexed by ℓ or a dict ℓ -> cost over 0..speculative_max_len; None (default) measures it at engine start;
+    ``"fixed"`` verifies ``speculative_max_len`` drafts every step.
     """
 
     prefill_mode: str | None = None
@@ -60,12 +67,16 @@ class EngineArgs:
     swa_pool_bytes: int | None = None
     replay: str = "bounded"
     redis_url: str | None = None
+    speculative: str | None = None
+    speculative_max_len: int | None = None
+    speculative_cost_table: dict[int, float] | list[float] | str | None = None
 
 
 class LLMEngine:
     """Owns the model, the cache, the scheduler, the runner and the sampler.
 
-    Raises ValueError for settings that cannot work (prefill mode, sizes, a pool too small for one sequence).
+    Raises ValueError for settings that cannot work (prefill mode, sizes, a pool too small for one sequence,
+    speculative settings the checkpoint or the window slack cannot support).
     """
 
     def __init__(self, model, args: EngineArgs, tokenizer: Any | None = None, model_path: str | Path | None = None):
@@ -91,19 +102,55 @@ class LLMEngine:
         swa_bytes = self._swa_pool_bytes(args)
         residuals = weight.dtype if (args.enable_prefix_caching and swa_bytes and self.prefill_mode is PrefillMode.CED)\
             else None
+        spec_len = self._speculative_len(args)
         self.cache = PagedKVCache(cfg, num_pages, args.block_size, args.max_num_seqs, args.window_slack_rows, device,
-                                  state_dtype, residuals)
+                                  state_dtype, residuals, len(model.mtp) if spec_len else 0)
         self.prefix_cache = self._prefix_cache(args, swa_bytes, model_path) if args.enable_prefix_caching else None
         self.scheduler = Scheduler(self.cache, args.max_num_seqs, args.max_num_batched_tokens,
-                                   on_admit=self._admit if self.prefix_cache is not None else None)
+                                   on_admit=self._admit if self.prefix_cache is not None else None,
+                                   num_lookahead_tokens=spec_len)
         self.runner = ModelRunner(model, self.cache, self.prefill_mode)
         self.sampler = Sampler()
+        self.speculator = self._speculator(args, spec_len) if spec_len else None
         self.device = device
         self._seq_ids = itertools.count()
         self._seed = args.seed
         self.requests: dict[str, list[Sequence]] = {}
         self._prompts: dict[str, str | None] = {}
         self.num_steps = 0
+
+    def _speculative_len(self, args: EngineArgs) -> int:
+        """Drafts verified per step at most (0 = no speculation); checks the speculative settings."""
+        from deepseek_v41.engine.speculative import SPECULATIVE_METHODS
+
+        if args.speculative is None:
+            return 0
+        if args.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS} or None, got {args.speculative!r}")
+        if self.model.mtp is None:
+            raise ValueError("speculative='dspark' needs a DSpark draft, but this checkpoint has none "
+                             "(num_nextn_predict_layers = 0)")
+        block = self.config.dspark_block_size
+        length = block if args.speculative_max_len is None else args.speculative_max_len
+        if not 1 <= length <= block:
+            raise ValueError(f"speculative_max_len ({length}) must be in [1, dspark_block_size ({block})]: the "
+                             f"draft proposes dspark_block_size tokens per step")
+        if args.window_slack_rows < length:
+            raise ValueError(f"speculative_max_len ({length}) needs window_slack_rows >= {length} (got "
+                             f"{args.window_slack_rows}): rows of rejected drafts must land in the ring's slack")
+        return length
+
+    def _speculator(self, args: EngineArgs, length: int):
+        from deepseek_v41.engine.speculative import FIXED, DSparkSpeculator, parse_cost_table
+
+        table = args.speculative_cost_table
+        if isinstance(table, str) and table != FIXED:
+            raise ValueError(f"speculative_cost_table must be a list, a dict, {FIXED!r} or None, got {table!r}")
+        cost = parse_cost_table(table, length) if table is not None and table != FIXED else None
+        speculator = DSparkSpeculator(self.model, self.cache, self.runner, self.sampler, length, cost)
+        if table is None:
+            speculator.cost = speculator.measure_cost(self.prefill_mode)
+        return speculator
 
     @staticmethod
     def _swa_pool_bytes(args: EngineArgs) -> int:
@@ -249,40 +296,56 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         now = time.time()
         sampled: list[tuple[Sequence, torch.Tensor]] = []
+        spec = self.speculator
         for seq, start, end in plan.prefills:
             seq.first_scheduled_time = seq.first_scheduled_time or now
-            logits = self.runner.prefill(seq, start, end)
+            taps = spec.prefill_taps() if spec is not None else None
+            logits = self.runner.prefill(seq, start, end, taps)
+            if spec is not None:
+                spec.add_context(seq, taps, end)
             seq.num_computed = end
             self._after_forward(seq, prompt_done=end >= len(seq.prompt_token_ids))
             if logits is not None:
                 sampled.append((seq, logits))
-        if plan.decodes:
+        verdicts = []
+        if plan.decodes and spec is not None:
+            verdicts = list(zip(plan.decodes, spec.step(plan.decodes), strict=True))
+        elif plan.decodes:
             logits = self.runner.decode(plan.decodes)
             for row, seq in enumerate(plan.decodes):
                 seq.num_computed += 1
                 self._after_forward(seq, prompt_done=True)
                 sampled.append((seq, logits[row]))
-        for seq, _ in sampled:
-            seq.new_text, seq.new_token_ids = "", []
-        touched = {seq.request_id for seq, _ in sampled}
+        touched = {seq.request_id for seq, _ in sampled} | {seq.request_id for seq, _ in verdicts}
         if sampled:
             out = self.sampler.sample(torch.stack([l for _, l in sampled]), [s.sampling for s, _ in sampled])
             tokens = out.token_ids.tolist()
             for row, (seq, _) in enumerate(sampled):
-                self._append(seq, tokens[row], out.logprobs, row)
+                entries = None
+                if out.logprobs is not None and seq.params.logprobs is not None:
+                    entries = [out.logprobs.to_dict(row, seq.params.logprobs)]
+                self._append(seq, [tokens[row]], entries)
+        for seq, verdict in verdicts:
+            self._append(seq, verdict.tokens, verdict.logprobs, speculative=True)
         self.num_steps += 1
         return [self.request_output(rid) for rid in touched]
 
-    def _append(self, seq: Sequence, token: int, logprobs, row: int) -> None:
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None, speculative: bool = False) -> None:
+        """Add one step's tokens (one, or the accepted drafts + one under speculation) with their logprobs
+        entries. A speculative step computed the accepted drafts already: its committed length is cut back to
+        the tokens kept (a stop inside the block) before the new full pages are registered."""
         now = time.time()
         seq.first_token_time = seq.first_token_time or now
-        update = seq.detokenizer.append([token])
+        update = seq.detokenizer.append(tokens)
         seq.new_text = update.new_text
-        seq.new_token_ids = [token][: update.kept]
-        if logprobs is not None and seq.params.logprobs is not None and update.kept:
-            entry = logprobs.to_dict(row, seq.params.logprobs)
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += entry[token].logprob
+        seq.new_token_ids = tokens[: update.kept]
+        if logprobs is not None and seq.params.logprobs is not None:
+            for token, entry in zip(seq.new_token_ids, logprobs, strict=False):
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += entry[token].logprob
+        if speculative:
+            seq.num_computed = min(seq.num_computed, seq.num_tokens)
+            self._after_forward(seq, prompt_done=True)
         if update.finished:
             if self.prefix_cache is not None:  # the full sequence's last page boundary (SPEC.md §4.3 policy)
                 P = self.cache.block_size
@@ -305,7 +368,8 @@ class LLMEngine:
                                  min((s.first_token_time for s in seqs if s.first_token_time), default=None),
                                  max((s.finished_time or 0 for s in seqs), default=None) if finished else None)
         return RequestOutput(request_id, self._prompts[request_id], list(first.prompt_token_ids), outputs,
-                             finished, first.num_cached_tokens, metrics, first.num_replayed_tokens)
+                             finished, first.num_cached_tokens, metrics, first.num_replayed_tokens,
+                             sum(s.spec_accepted_tokens for s in seqs), sum(s.spec_verify_steps for s in seqs))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
@@ -315,7 +379,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     @property
     def stats(self) -> dict[str, Any]:
-        """Engine counters: per-layer processed tokens, the largest decode batch, preemptions, KV bytes."""
+        """Engine counters: per-layer processed tokens, the largest decode batch, preemptions, KV bytes; with
+        speculation the ``spec_decode_*`` counters (:class:`~deepseek_v41.engine.speculative.SpecDecodeStats`)
+        and the cost table in use."""
         cache = self.cache
         return {
             "layer_tokens": list(self.runner.layer_tokens),
@@ -333,7 +399,12 @@ class LLMEngine:
             "prefill_mode": self.prefill_mode.value,
             "entries_written": dict(self.runner.entries_written),
             **({"prefix_cache": self._prefix_stats()} if self.prefix_cache is not None else {}),
+            **(self._spec_stats() if self.speculator is not None else {}),
         }
+
+    def _spec_stats(self) -> dict[str, Any]:
+        spec = self.speculator
+        return {**spec.stats.as_dict(), "spec_decode_max_len": spec.max_len, "spec_decode_cost_table": spec.cost}
 
     def _prefix_stats(self) -> dict[str, Any]:
         pc = self.prefix_cache

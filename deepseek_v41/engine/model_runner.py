@@ -10,11 +10,18 @@ Prefill modes:
 Both run in chunks of any size: each chunk is a forward over positions [start, end) of one sequence whose
 earlier state (window rings, pending pair, pages, Engram history) is in the cache. Decode runs one token of
 every decoding sequence in one batched forward of all layers.
+
+Speculative decoding (DSPARK.md §6, §7): :meth:`ModelRunner.verify` runs T tokens of every sequence (anchor +
+drafts, rows padded to one length) in one batched forward and commits nothing that depends on which tokens are
+accepted; :meth:`ModelRunner.commit_verify` then sets the ratio-2 pending pairs and the Engram history to those
+of the accepted prefix. Window rows and compressed entries of rejected positions stay behind, beyond the
+committed length, where no query reads them and the next forward overwrites them.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +33,17 @@ from deepseek_v41.engine.sequence import Sequence
 class PrefillMode(str, enum.Enum):
     EXACT = "exact"
     CED = "ced"
+
+
+@dataclass
+class VerifyState:
+    """What :meth:`ModelRunner.commit_verify` needs from a verify forward: the token ids [B, T], the Engram
+    history before it [B, depth] (None without Engram) and, per ratio-2 kv source, the compressor's input
+    [B, T, D] (the per-position candidates of the pending pair)."""
+
+    ids: torch.Tensor
+    history: torch.Tensor | None
+    pending_inputs: dict[int, torch.Tensor]
 
 
 class ModelRunner:
@@ -72,9 +90,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forwards
     @torch.no_grad()
-    def prefill(self, seq: Sequence, start: int, end: int) -> torch.Tensor | None:
+    def prefill(self, seq: Sequence, start: int, end: int, taps: dict | None = None) -> torch.Tensor | None:
         """Forward positions [start, end) of ``seq``; fp32 logits [V] of the last position when it is the last
-        token of the sequence, else None."""
+        token of the sequence, else None. ``taps`` receives each layer's input streams [1, n, hc, D] of the
+        positions that layer ran over, which end at ``end`` (CED decoder layers: from the decoder start)."""
         model, plan = self.model, self.plan
         ids = torch.tensor([seq.token_at(start, end)], dtype=torch.long, device=self.device)
         positions = torch.arange(start, end, device=self.device)[None]
@@ -83,7 +102,7 @@ class ModelRunner:
         streams, pre = model.embed_streams(ids)
         want_logits = end == seq.num_tokens
         if self.prefill_mode is PrefillMode.CED and plan.ced:
-            streams, pre = model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows)
+            streams, pre = model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows, taps)
             self._count(plan.encoder_layers, end - start)
             if self.cache.residuals:
                 self.cache.write_residuals(seq.slot, range(start, end), streams[0], pre[0])
@@ -100,7 +119,7 @@ class ModelRunner:
                 else:
                     streams, pre = streams[:, first - start:], pre[:, first - start:]
                 tail = self._context([seq], torch.arange(first, end, device=self.device)[None], [end])
-                streams, pre = model.run_layers(plan.decoder_layers, streams, pre, tail, None, rows,
+                streams, pre = model.run_layers(plan.decoder_layers, streams, pre, tail, None, rows, taps,
                                                 skip_compress={boundary.layer_id})
                 self._count(plan.decoder_layers, end - first)
                 seq.decoder_done = end
@@ -108,7 +127,7 @@ class ModelRunner:
                     logits = model.logits(streams[:, -1:], pre[:, -1:])[0, -1]
         else:
             layers = range(len(model.layers))
-            streams, pre = model.run_layers(layers, streams, pre, ctx, None, rows)
+            streams, pre = model.run_layers(layers, streams, pre, ctx, None, rows, taps)
             self._count(layers, end - start)
             logits = model.logits(streams[:, -1:], pre[:, -1:])[0, -1] if want_logits else None
         self._commit_engram(engram)
@@ -141,3 +160,77 @@ class ModelRunner:
         self._commit_engram(engram)
         self._count_entries(ctx)
         return self.model.logits(streams, pre)[:, -1]
+
+    @torch.no_grad()
+    def verify(self, seqs: list[Sequence], ids: torch.Tensor, taps: dict | None = None
+               ) -> tuple[torch.Tensor, VerifyState]:
+        """Speculative verify forward: row b runs ``ids[b]`` [T] (anchor + drafts) at positions
+        ``num_computed .. num_computed + T - 1`` of ``seqs[b]``, all layers, in one batched forward.
+
+        Writes window rows, compressed entries and residuals of all T positions (the caller guarantees
+        ``T - 1 <= window_slack_rows``) but leaves the Engram history and the meaning of the pending pairs to
+        :meth:`commit_verify`. ``taps`` receives each layer's input streams [B, T, hc, D].
+        Returns fp32 logits [B, T, V] (float64 for a float64 model) and the :class:`VerifyState`.
+        """
+        B, T = ids.shape
+        starts = [seq.num_computed for seq in seqs]
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
+        ctx = self._context(seqs, positions, [s + T for s in starts])
+        rows, engram = self._engram(seqs, ids)
+        history = None
+        if engram is not None:
+            history = self.cache.engram_history[engram[0]][:, : self.model.hasher.depth]
+        captured: dict[int, torch.Tensor] = {}
+        hooks = []
+        for layer in self.cache.pending_layers:  # the pending pair of any accepted length is one of these inputs
+            def keep(module, args, layer=layer):
+                captured[layer] = args[0]
+
+            hooks.append(self.model.layers[layer].attn.compressor.register_forward_pre_hook(keep))
+        try:
+            streams, pre = self.model.embed_streams(ids)
+            plan = self.plan
+            if self.cache.residuals and plan.ced:
+                streams, pre = self.model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows, taps)
+                for row, seq in enumerate(seqs):
+                    self.cache.write_residuals(seq.slot, range(starts[row], starts[row] + T), streams[row], pre[row])
+                streams, pre = self.model.run_layers(plan.decoder_layers, streams, pre, ctx, None, rows, taps)
+            else:
+                streams, pre = self.model.run_layers(range(len(self.model.layers)), streams, pre, ctx, None, rows,
+                                                     taps)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self._count(range(len(self.model.layers)), B * T)
+        self.max_decode_batch = max(self.max_decode_batch, B)
+        self._count_entries(ctx)
+        return self.model.logits(streams, pre), VerifyState(ids, history, captured)
+
+    @torch.no_grad()
+    def commit_verify(self, seqs: list[Sequence], state: VerifyState, accepted: list[int]) -> None:
+        """Make the cache state that of the accepted prefix: row b keeps ``accepted[b] + 1`` of its verified
+        tokens (anchor + accepted drafts), so its committed length becomes n' = num_computed + accepted + 1
+        (``num_computed`` is not changed here). Ratio-2 pending pair: the (kv, score) of position n' - 1 when n'
+        is odd, none when even (DSPARK.md §7); Engram history: advanced by the kept tokens only."""
+        device = self.device
+        slots = torch.tensor([s.slot for s in seqs], device=device)
+        keep = torch.tensor(accepted, device=device)
+        ends = torch.tensor([s.num_computed for s in seqs], device=device) + keep + 1
+        rows = torch.arange(len(seqs), device=device)
+        for k, layer in enumerate(self.cache.pending_layers):
+            if layer not in state.pending_inputs:
+                continue
+            x = state.pending_inputs[layer][rows, keep][:, None]  # the input of position n' - 1
+            compressor = self.model.layers[layer].attn.compressor
+            # One token at an even position opens a pair: the compressor returns exactly its (kv, score).
+            _, _, (kv, score) = compressor(x, torch.zeros_like(ends)[:, None], None)
+            odd = (ends % 2 == 1)[:, None]
+            pending = torch.stack((torch.where(odd, kv, 0.0), torch.where(odd, score, 0.0)), 1)
+            self.cache.pending[slots, k] = pending.to(self.cache.pending.dtype)
+        if state.history is not None:
+            hasher = self.model.hasher
+            for b, a in enumerate(accepted):
+                after = hasher.next_history(state.ids[b:b + 1, : a + 1], None, state.history[b:b + 1])
+                self.cache.engram_history[seqs[b].slot, : after.shape[1]] = after[0]
+        for seq, end in zip(seqs, ends.tolist(), strict=True):
+            seq.decoder_done = end

@@ -6,6 +6,10 @@ most recently arrived running sequences when the pool is short); the rest of the
 order (FIFO: a waiting request that does not fit blocks the ones behind it). Preempted sequences free their
 pages and slot and go back to the front of the queue; they later recompute prompt + output. The scheduler
 decides; it never computes.
+
+With speculative decoding (``num_lookahead_tokens`` = the most drafts a step verifies) a decoding sequence gets
+pages for its anchor and that many drafts, up to its last possible position, and costs as many tokens of the
+budget (vLLM's lookahead slots).
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting queue, running list and the per-step plan (see the module docstring)."""
 
-    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int, on_admit=None):
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int, on_admit=None,
+                 num_lookahead_tokens: int = 0):
         self.cache = cache
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.on_admit = on_admit  # called with a sequence right after it gets its slot (prefix-cache lookup)
         self.blocks = cache.blocks
         self.max_num_seqs = max_num_seqs
@@ -68,10 +74,10 @@ class Scheduler:
         for seq in [s for s in self.running if not s.needs_prefill]:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below while making room for an earlier sequence
-            if not self._make_room(seq, seq.num_computed + 1, out):
+            if not self._make_room(seq, self._decode_end(seq), out):
                 continue
             out.decodes.append(seq)
-            budget -= 1
+            budget -= 1 + self.num_lookahead_tokens
         for seq in [s for s in self.running if s.needs_prefill]:
             if budget <= 0:
                 break
@@ -94,6 +100,13 @@ class Scheduler:
             out.prefills.append((seq, seq.num_computed, end))
             budget -= end - seq.num_computed
         return out
+
+    def _decode_end(self, seq: Sequence) -> int:
+        """Positions a decode step of ``seq`` may write: its anchor and the lookahead, but never past the last
+        position it can reach (prompt + max tokens), so speculation never needs more pages than the request."""
+        end = seq.num_computed + 1 + self.num_lookahead_tokens
+        limit = seq.detokenizer.max_tokens
+        return end if limit is None else max(seq.num_computed + 1, min(end, len(seq.prompt_token_ids) + limit))
 
     def _chunk_end(self, seq: Sequence, budget: int, grow: bool = True) -> int:
         """End of the next prefill chunk of ``seq`` within ``budget`` tokens and the free pages (with ``grow``,

@@ -57,6 +57,9 @@ class Sequence:
     num_replayed_tokens: int = 0
     decoder_done: int = 0
     prompt_snapshot_taken: bool = False
+    # Speculative decoding (DSPARK.md §6): drafts accepted (bonus tokens not counted) and verify steps.
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -120,6 +123,9 @@ class RequestOutput:
 
     ``num_cached_tokens``: prompt tokens served from the prefix cache (L' of SPEC.md §4.3 = DeepSeek's
     ``prompt_cache_hit_tokens``); replayed tokens are reported apart, never subtracted.
+    ``spec_accepted_tokens``: DSpark drafts the target accepted over all samples (bonus tokens not counted, as
+    vLLM's ``num_accepted_tokens``); ``spec_verify_steps``: speculative steps over all samples (0 without
+    speculation).
     """
 
     request_id: str
@@ -130,3 +136,5 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     num_replayed_tokens: int = 0  # cached prompt tokens recomputed to rebuild window state (bounded replay)
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0

@@ -1,0 +1,397 @@
+"""DSpark speculative decoding in the engine: draft proposals, the verification-length scheduler, lossless
+verification and the commit of accepted tokens (DSPARK.md §3–§7; SPEC.md §4.4).
+
+One speculative step for the decoding sequences (each has committed positions < p+1 and its anchor t* at p+1):
+
+1. **Propose** (DSPARK.md §3): the draft ``model.mtp`` reads each slot's ring of committed context rows and
+   drafts K = ``dspark_block_size`` tokens with their draft distributions q and survival probabilities a_j.
+2. **Schedule** (§5): :func:`schedule_verify_lengths` picks the verification length ℓ from the survival
+   probabilities and the cost table (relative cost of a target forward verifying ℓ drafts per sequence).
+3. **Verify** (§6): the target runs ``[t*, d_1..d_ℓ]`` of every sequence in one batched forward
+   (:meth:`~deepseek_v41.engine.model_runner.ModelRunner.verify`); :func:`verify_sequence` accepts the longest
+   prefix matching the target's greedy tokens, or by lossless speculative sampling with the sampler's own
+   processed distribution, and emits the accepted drafts plus one target token.
+4. **Commit** (§7): pending pairs and Engram history of the accepted prefix
+   (:meth:`~deepseek_v41.engine.model_runner.ModelRunner.commit_verify`), the draft rings take the anchor and
+   accepted rows only; window rows and compressed entries of rejected positions lie beyond the committed length,
+   where nothing reads them (``window_slack_rows >= speculative_max_len``, checked at engine start) and the next
+   forward overwrites them; the engine registers only pages below the committed length in the prefix cache.
+
+Batching: the verify forward pads every row to the longest ℓ with that row's further drafts; padded positions
+are computed and ignored (their entries go past the committed length, or to the null page).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from deepseek_v41.engine.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingState,
+    _filter,
+    _gather_logprobs,
+    exponential_race,
+)
+from deepseek_v41.engine.sampling_params import SamplingParams
+from deepseek_v41.engine.sequence import Sequence
+from deepseek_v41.model.dspark import DSparkState
+
+SPECULATIVE_METHODS = ("dspark",)
+FIXED = "fixed"  # speculative_cost_table value: no cost table, verify speculative_max_len drafts every step
+
+
+def parse_cost_table(table: Mapping[int, float] | Seq[float], max_len: int) -> list[float]:
+    """A user cost table -> ``[c_0 .. c_max_len]`` (c_ℓ = relative cost of a target forward verifying ℓ drafts
+    per sequence). ``table``: a list indexed by ℓ, or a dict ℓ -> cost; it must cover 0..max_len (extra entries
+    are ignored) with positive finite costs. Raises ValueError naming what is missing or wrong."""
+    if isinstance(table, Mapping):
+        try:
+            items = {int(k): float(v) for k, v in table.items()}
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"speculative_cost_table keys must be verification lengths and values costs: {exc}") \
+                from exc
+    else:
+        items = {i: float(v) for i, v in enumerate(table)}
+    missing = [ell for ell in range(max_len + 1) if ell not in items]
+    if missing:
+        raise ValueError(f"speculative_cost_table must give a cost for every verification length 0..{max_len} "
+                         f"(speculative_max_len); missing {missing}")
+    costs = [items[ell] for ell in range(max_len + 1)]
+    if not all(0 < c < float("inf") for c in costs):
+        raise ValueError(f"speculative_cost_table costs must be positive and finite, got {costs}")
+    return costs
+
+
+def schedule_verify_lengths(survival: Seq[Seq[float]], caps: Seq[int], cost: Seq[float] | None) -> list[int]:
+    """Verification length of every sequence of one step (DSPARK.md §5.1, Algorithm 1, for a padded batch).
+
+    survival [R][K]: a_{r,j} = prod_{i<=j} sigmoid(z_{r,i}) (non-increasing in j); caps [R]: the most drafts
+    sequence r may verify (speculative_max_len, or fewer near max_tokens); cost [L+1]: c_ℓ, the relative cost of
+    a target forward verifying ℓ drafts per sequence (None: verify ``caps``, the whole block).
+
+    The verify forward pads every row to the longest ℓ, so its cost is c_ℓ whatever each row uses: level ℓ is
+    admitted for every sequence at once. With τ(ℓ) = Σ_r (1 + Σ_{j <= min(ℓ, cap_r)} a_{r,j}) expected emitted
+    tokens, Θ(ℓ) = τ(ℓ) / c_ℓ; starting from Θ(0), level ℓ+1 is admitted while it raises Θ strictly, and the
+    first level that does not ends the scan (Algorithm 1's early stop). Level ℓ's value reads a_{·,ℓ}, which
+    depends on drafts < ℓ only (the confidence of draft j sees d_{j-1}, not d_j), so whether a draft is verified
+    never depends on the draft itself: speculative sampling stays lossless (DSPARK.md §5.1, Appendix A).
+    Returns ``[min(ℓ*, cap_r)]``.
+    """
+    top = max(caps, default=0)
+    if cost is None or top == 0:
+        return list(caps)
+    tau = float(len(caps))
+    best, chosen = tau / cost[0], 0
+    for level in range(1, top + 1):
+        tau += sum(row[level - 1] for row, cap in zip(survival, caps, strict=True) if cap >= level)
+        theta = tau / cost[level]
+        if not theta > best:
+            break
+        best, chosen = theta, level
+    return [min(chosen, cap) for cap in caps]
+
+
+class Verdict(NamedTuple):
+    """Outcome of one verify step of one sequence: ``tokens`` to emit (the accepted drafts, then the target's
+    token), their ``logprobs`` entries (None when the request asked for none) and ``accepted`` drafts."""
+
+    tokens: list[int]
+    logprobs: list[dict] | None
+    accepted: int
+
+
+def verify_sequence(sampler: Sampler, logits: torch.Tensor, state: SamplingState, drafts: Seq[int],
+                    draft_probs: torch.Tensor | None) -> Verdict:
+    """Accept a prefix of ``drafts`` (ℓ tokens) against the target's ``logits`` [ℓ+1, V] at the anchor and each
+    draft, processed by ``sampler`` exactly as non-speculative decoding would (penalties, min_tokens, top-k/p).
+
+    Greedy requests (DSPARK.md §6.1): the longest prefix equal to the target's own greedy tokens, then the
+    target's token after it. Sampling (§6.2): draft j is accepted with probability min(1, P_j(d)/q_j(d)) where P
+    is :meth:`Sampler.probs` and q = ``draft_probs`` [ℓ, V] (the distribution d was drawn from); at the first
+    rejection the token comes from the residual norm(max(0, P_j - q_j)) (P_j when it has no mass), and after ℓ
+    acceptances from P_ℓ. Draws come from the request's generator. Logprobs follow ``sampler.logprobs_mode``.
+    """
+    drafts = list(drafts)
+    ell = len(drafts)
+    num = state.params.logprobs
+    if state.params.is_greedy:
+        out = sampler.sample_row(logits, state, drafts)
+        greedy = out.token_ids.tolist()
+        accepted = next((j for j in range(ell) if drafts[j] != greedy[j]), ell)
+        entries = None
+        if out.logprobs is not None and num is not None:
+            entries = [out.logprobs.to_dict(j, num) for j in range(accepted + 1)]
+        return Verdict(greedy[: accepted + 1], entries, accepted)
+    probs = sampler.probs(logits, state, drafts)
+    generator = state.generator
+    tokens: list[int] = []
+    for j, d in enumerate(drafts):
+        p, q = probs[j, d], draft_probs[j, d]
+        u = torch.rand((), generator=generator, device=probs.device)
+        if u * q < p:  # accept with probability min(1, p / q)
+            tokens.append(d)
+            continue
+        residual = (probs[j] - draft_probs[j]).clamp_min(0.0)
+        if residual.sum() <= torch.finfo(residual.dtype).tiny:
+            residual = probs[j]
+        tokens.append(_draw(residual, generator))
+        break
+    else:
+        tokens.append(_draw(probs[ell], generator))
+    accepted = len(tokens) - 1
+    entries = None
+    if num is not None:
+        rows = logits[: accepted + 1].float()
+        logprobs = torch.log_softmax(rows, -1) if sampler.logprobs_mode == "raw_logprobs" else \
+            torch.log(probs[: accepted + 1])
+        table: LogprobsTensors = _gather_logprobs(logprobs, torch.tensor(tokens, device=rows.device),
+                                                  min(num, rows.shape[1]))
+        entries = [table.to_dict(j, num) for j in range(accepted + 1)]
+    return Verdict(tokens, entries, accepted)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(exponential_race(probs[None], generator)[0])
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters of speculative decoding (vLLM's ``SpecDecodingStats`` names, plus the chosen lengths).
+
+    ``num_drafts``: verify steps of a sequence (one drafted block each); ``num_draft_tokens``: drafts verified;
+    ``num_accepted_tokens``: drafts accepted; ``accepted_per_pos[j]`` / ``verified_per_pos[j]``: accepted /
+    verified drafts at draft position j; ``verify_lengths[ℓ]``: steps that verified ℓ drafts.
+    """
+
+    max_len: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    verified_per_pos: list[int] = field(default_factory=list)
+    verify_lengths: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.max_len
+        self.verified_per_pos = [0] * self.max_len
+        self.verify_lengths = [0] * (self.max_len + 1)
+
+    def record(self, verified: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += verified
+        self.num_accepted_tokens += accepted
+        self.verify_lengths[verified] += 1
+        for j in range(verified):
+            self.verified_per_pos[j] += 1
+            self.accepted_per_pos[j] += j < accepted
+
+    def as_dict(self) -> dict[str, Any]:
+        """``spec_decode_*`` entries of ``LLMEngine.stats``; the mean accepted length counts the bonus token."""
+        n = max(1, self.num_drafts)
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "spec_decode_num_verified_tokens_per_pos": list(self.verified_per_pos),
+            "spec_decode_acceptance_per_pos": [a / v if v else 0.0 for a, v in
+                                               zip(self.accepted_per_pos, self.verified_per_pos, strict=True)],
+            "spec_decode_mean_accepted_length": 1.0 + self.num_accepted_tokens / n if self.num_drafts else 0.0,
+            "spec_decode_verify_lengths": list(self.verify_lengths),
+            "spec_decode_mean_verify_length": self.num_draft_tokens / n,
+        }
+
+
+class TargetTaps(dict):
+    """A ``taps`` dict for ``Transformer.run_layers`` that keeps only the draft's target layers ``layers`` (the
+    others would pin every layer's activations), and of those only the last ``last`` positions (copied)."""
+
+    def __init__(self, layers: Seq[int], last: int | None = None):
+        super().__init__()
+        self.layers = frozenset(layers)
+        self.last = last
+
+    def __setitem__(self, layer: int, streams: torch.Tensor) -> None:
+        if layer in self.layers:
+            super().__setitem__(layer, streams if self.last is None else streams[:, -self.last:].clone())
+
+
+class DSparkSpeculator:
+    """The DSpark proposer, the verification-length scheduler and verification for one engine.
+
+    ``model``: the target (its ``mtp`` is the draft); ``cache``: a cache built with ``draft_layers`` (the draft
+    rings live per slot there); ``runner``, ``sampler``: the engine's. ``max_len``: the most drafts a step
+    verifies (<= ``dspark_block_size``); ``cost``: ``[c_0..c_max_len]`` or None (always verify ``max_len``).
+    """
+
+    def __init__(self, model, cache, runner, sampler: Sampler, max_len: int, cost: list[float] | None):
+        self.model, self.cache, self.runner, self.sampler = model, cache, runner, sampler
+        self.draft = model.mtp
+        self.max_len = max_len
+        self.cost = cost
+        self.window = self.draft.window
+        self.stats = SpecDecodeStats(max_len)
+
+    # ------------------------------------------------------------------ draft context (DSPARK.md §3.1)
+    def prefill_taps(self) -> TargetTaps:
+        """A taps dict for a prefill chunk: the target layers' inputs of the chunk's last W positions."""
+        return TargetTaps(self.draft.target_layer_ids, self.window)
+
+    @torch.no_grad()
+    def add_context(self, seq: Sequence, taps: Mapping[int, torch.Tensor], end: int) -> None:
+        """Commit the draft context rows of prefilled positions (every one of them is committed): ``taps`` from
+        :meth:`prefill_taps` filled by a prefill chunk ending at ``end``. Layers that did not run (a CED chunk
+        before the decoder start) leave nothing to add."""
+        if set(taps) != set(self.draft.target_layer_ids):
+            return
+        n = min(t.shape[1] for t in taps.values())
+        if n == 0:
+            return
+        positions = torch.arange(end - n, end, device=self.cache.device)[None]
+        self._commit_rows([seq], {j: t[:, -n:] for j, t in taps.items()}, positions, None)
+
+    def _state(self, slots: torch.Tensor) -> DSparkState:
+        return DSparkState(self.cache.draft_keys[:, slots], self.cache.draft_pos[slots])
+
+    def _commit_rows(self, seqs: list[Sequence], taps: Mapping[int, torch.Tensor], positions: torch.Tensor,
+                     keep: torch.Tensor | None) -> None:
+        """Write the rows of ``taps`` at ``positions`` [B, L] (the first ``keep[b]`` of row b; all when None)."""
+        slots = torch.tensor([s.slot for s in seqs], device=self.cache.device)
+        state = self._state(slots)
+        self.draft.stage(state, taps, positions)
+        state.commit(keep)
+        self.cache.draft_keys[:, slots] = state.keys
+        self.cache.draft_pos[slots] = state.positions
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def propose(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Draft a block for every sequence: tokens [B, K] long, q [B, K, V] fp32 (None when every request is
+        greedy: greedy acceptance never reads q), survival [B, K] fp32. Greedy requests draft by argmax in one
+        batched draft forward; sampling requests one by one, from their own generator and with their own
+        temperature / min-p / top-k / top-p (so q is what the target sampler would use, and a seeded request
+        does not depend on its batch)."""
+        device = self.cache.device
+        model, draft = self.model, self.draft
+        anchors = torch.tensor([s.token_at(s.num_computed, s.num_computed + 1)[0] for s in seqs], device=device)
+        positions = torch.tensor([s.num_computed for s in seqs], device=device)
+        slots = torch.tensor([s.slot for s in seqs], device=device)
+        B, K, V = len(seqs), draft.block_size, model.config.vocab_size
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        survival = torch.zeros(B, K, dtype=torch.float32, device=device)
+        sampled = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
+        probs = torch.zeros(B, K, V, dtype=torch.float32, device=device) if sampled else None
+        greedy = [i for i, s in enumerate(seqs) if s.params.is_greedy]
+        embed, head = model.embed.weight, model.head.weight
+        if greedy:
+            idx = torch.tensor(greedy, device=device)
+            out = draft.propose(self._state(slots[idx]), anchors[idx], positions[idx], embed, head)
+            tokens[idx], survival[idx] = out.tokens, out.survival
+        for i in sampled:
+            params: SamplingParams = seqs[i].params
+            one = slice(i, i + 1)
+            out = draft.propose(self._state(slots[one]), anchors[one], positions[one], embed, head, 1.0,
+                                seqs[i].sampling.generator, lambda x, p=params: _filter(x, [p] * x.shape[0]))
+            tokens[one], probs[one], survival[one] = out.tokens, out.probs, out.survival
+        return tokens, probs, survival
+
+    def caps(self, seqs: list[Sequence]) -> list[int]:
+        """The most drafts each sequence may verify: ``max_len``, and no more than it can still emit - 1."""
+        caps = []
+        for seq in seqs:
+            limit = seq.detokenizer.max_tokens
+            left = self.max_len if limit is None else limit - len(seq.output_token_ids) - 1
+            caps.append(max(0, min(self.max_len, left)))
+        return caps
+
+    @torch.no_grad()
+    def step(self, seqs: list[Sequence]) -> list[Verdict]:
+        """One speculative decode step of ``seqs`` (propose, schedule, verify, commit). Advances each
+        ``num_computed`` by the anchor + accepted drafts (the engine clamps it when a stop cuts the tokens) and
+        returns each sequence's :class:`Verdict`; the tokens are not appended here."""
+        tokens, probs, survival = self.propose(seqs)
+        caps = self.caps(seqs)
+        lengths = schedule_verify_lengths(survival.tolist(), caps, self.cost)
+        T = 1 + max(lengths)
+        device = self.cache.device
+        anchors = torch.tensor([[s.token_at(s.num_computed, s.num_computed + 1)[0]] for s in seqs], device=device)
+        ids = torch.cat((anchors, tokens[:, : T - 1]), 1)
+        taps = TargetTaps(self.draft.target_layer_ids)
+        logits, state = self.runner.verify(seqs, ids, taps)
+        drafts = tokens.tolist()
+        verdicts = []
+        for b, seq in enumerate(seqs):
+            ell = lengths[b]
+            verdicts.append(verify_sequence(self.sampler, logits[b, : ell + 1], seq.sampling, drafts[b][:ell],
+                                            None if probs is None else probs[b, :ell]))
+        accepted = [v.accepted for v in verdicts]
+        self.runner.commit_verify(seqs, state, accepted)
+        starts = torch.tensor([s.num_computed for s in seqs], device=device)
+        positions = starts[:, None] + torch.arange(T, device=device)
+        self._commit_rows(seqs, taps, positions, torch.tensor(accepted, device=device) + 1)
+        for seq, ell, a in zip(seqs, lengths, accepted, strict=True):
+            seq.num_computed += 1 + a
+            seq.spec_accepted_tokens += a
+            seq.spec_verify_steps += 1
+            self.stats.record(ell, a)
+        return verdicts
+
+    # ------------------------------------------------------------------ cost table (DSPARK.md §5.3)
+    @torch.no_grad()
+    def measure_cost(self, prefill_mode, repeats: int = 3) -> list[float] | None:
+        """Time one step at batch 1 over a context of ``sliding_window`` tokens: the draft (independent of ℓ)
+        plus the target verify forward at each ℓ = 0..max_len; ``c_ℓ = t_ℓ / t_0`` made non-decreasing (timing
+        noise). Uses a scratch slot and pages, returned afterwards, and a scratch runner (the engine's counters
+        stay untouched). None when the pool cannot hold the scratch sequence (then the whole block is verified).
+        """
+        from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
+        from deepseek_v41.engine.model_runner import ModelRunner
+
+        cache = self.cache
+        n = self.window
+        if not cache.free_slots or not cache.blocks.can_grow([], n + 1 + self.max_len):
+            return None
+        runner = ModelRunner(self.model, cache, prefill_mode)
+        params = SamplingParams(temperature=0, max_tokens=self.max_len + 2, ignore_eos=True)
+        prompt = [(7 * i + 3) % self.model.config.vocab_size for i in range(n)]
+        seq = Sequence(-1, "cost-table", 0, prompt, params, SamplingState(params, prompt, device=cache.device),
+                       IncrementalDetokenizer(None, prompt, params), decoder_start=0)
+        seq.slot = cache.acquire_slot()
+        try:
+            cache.blocks.grow(seq.block_table, n + 1 + self.max_len)
+            runner.prefill(seq, 0, n)
+            seq.num_computed = n
+            seq.detokenizer.output_token_ids.append(prompt[0])
+            sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
+
+            def timed(fn) -> float:
+                fn()  # warm-up
+                best = float("inf")
+                for _ in range(repeats):
+                    sync()
+                    start = time.perf_counter()
+                    fn()
+                    sync()
+                    best = min(best, time.perf_counter() - start)
+                return best
+
+            speculator = DSparkSpeculator(self.model, cache, runner, self.sampler, self.max_len, None)
+            draft = timed(lambda: speculator.propose([seq]))
+            ids = torch.tensor([prompt[:1] * (1 + self.max_len)], device=cache.device)
+            times = [draft + timed(lambda ell=ell: runner.verify([seq], ids[:, : ell + 1]))
+                     for ell in range(self.max_len + 1)]
+        finally:
+            cache.blocks.release(seq.block_table)
+            cache.release_slot(seq.slot)
+        costs, running = [], 0.0
+        for t in times:
+            running = max(running, t / times[0])
+            costs.append(running)
+        return costs
