@@ -24,6 +24,10 @@ def generate(
     dtype: str = typer.Option("float32", help="float32 | bfloat16."),
     device: str = typer.Option("cpu"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with text, token_ids and stats."),
+    speculative: str | None = typer.Option(None, help="'dspark': speculative decoding with the checkpoint's DSpark "
+                                                     "draft [default: off]."),
+    speculative_max_len: int | None = typer.Option(None, help="Drafts verified per step at most [default: the "
+                                                             "checkpoint's dspark_block_size]."),
     follow_up: str | None = typer.Option(None, help="A second turn: prompt + first completion + this text, run "
                                                    "after the first (it reuses the first turn's prefix cache)."),
 ) -> None:
@@ -43,7 +47,8 @@ def generate(
         raise typer.BadParameter(f"--dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        llm = LLM(model, dtype=dtypes[dtype], device=device, prefill_mode=prefill_mode)
+        llm = LLM(model, dtype=dtypes[dtype], device=device, prefill_mode=prefill_mode, speculative=speculative,
+                  speculative_max_len=speculative_max_len)
         turns = [text] if follow_up is None else [text, None]
         messages = [{"role": "user", "content": text}]
         for turn in range(len(turns)):
@@ -80,13 +85,18 @@ def _print(out, llm, wall: float, as_json: bool) -> None:
         "window_bytes_per_sequence": llm.stats["window_bytes_per_sequence_logical"],
         "prefill_mode": llm.stats["prefill_mode"],
     }
+    if "spec_decode_mean_accepted_length" in llm.stats:
+        stats["spec_decode_mean_accepted_length"] = llm.stats["spec_decode_mean_accepted_length"]
     if as_json:
         typer.echo(json.dumps({"text": completion.text, "token_ids": completion.token_ids, **stats}, indent=2))
         return
     typer.echo(completion.text)
+    spec = ""
+    if "spec_decode_mean_accepted_length" in stats:
+        spec = f"; DSpark mean accepted length {stats['spec_decode_mean_accepted_length']:.2f}"
     rate = f"{stats['decode_tokens_per_s']:.1f} tok/s" if stats["decode_tokens_per_s"] else "n/a"
     typer.echo(f"\n[{stats['prompt_tokens']} prompt tokens, {stats['cached_tokens']} cached "
                f"({stats['replayed_tokens']} replayed), {generated} generated "
                f"({completion.finish_reason}); TTFT {ttft * 1000:.0f} ms; decode {rate}; "
                f"KV {stats['kv_bytes_per_token']:.0f} B/token + window {stats['window_bytes_per_sequence']:,} B/seq; "
-               f"prefill {stats['prefill_mode']}]", err=True)
+               f"prefill {stats['prefill_mode']}{spec}]", err=True)

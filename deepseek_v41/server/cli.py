@@ -27,8 +27,7 @@ def serve(
     max_model_len: int | None = typer.Option(None, help="Prompt + output tokens at most (default: the model's, "
                                              "capped at 32768)."),
     cache_dir: Path | None = typer.Option(None, help="Directory of the persistent prefix cache (default "
-                                          "~/.cache/deepseek_v41/prefix-cache once the engine has one; until then "
-                                          "it is accepted and ignored)."),
+                                          "~/.cache/deepseek_v41/prefix-cache)."),
     max_num_seqs: int = typer.Option(64, help="Sequences in the running batch at most."),
     max_num_batched_tokens: int = typer.Option(4096, help="Tokens per engine step at most."),
     block_size: int = typer.Option(16, help="Tokens per KV page."),
@@ -41,17 +40,20 @@ def serve(
     seed: int = typer.Option(0, help="Seed of requests that do not give one."),
     threads: int | None = typer.Option(None, help="torch threads for the engine (1 avoids OpenMP spin-waits on a "
                                        "busy machine; default: torch's)."),
+    speculative: str | None = typer.Option(None, help="Speculative decoding: 'dspark' drafts with the checkpoint's "
+                                          "DSpark draft (default: off)."),
+    speculative_max_len: int | None = typer.Option(None, help="Drafts verified per step at most (default and "
+                                                   "maximum: the checkpoint's dspark_block_size)."),
     max_body_mb: float = typer.Option(32.0, help="Largest request body, MiB."),
     drain_timeout: float = typer.Option(30.0, help="Seconds running requests get to finish on SIGTERM."),
     log_stats_interval: float = typer.Option(10.0, help="Seconds between throughput log lines (0 = off)."),
     log_level: str = typer.Option("info", help="uvicorn / server log level."),
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, tokenize, metrics) for a model directory."""
-    import dataclasses
 
     import torch
 
-    from deepseek_v41.engine import LLM, EngineArgs
+    from deepseek_v41.engine import LLM
     from deepseek_v41.engine.async_engine import AsyncLLMEngine
     from deepseek_v41.server.app import build_app
     from deepseek_v41.server.common import ServerConfig
@@ -70,11 +72,9 @@ def serve(
                           "float32" if dtype == "auto" else dtype)
     engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, max_model_len=max_model_len, num_kv_pages=num_kv_pages,
-                       kv_cache_memory_bytes=kv_cache_memory_bytes, prefill_mode=prefill_mode, seed=seed)
-    if "cache_dir" in {f.name for f in dataclasses.fields(EngineArgs)}:
-        engine_args["cache_dir"] = str(cache_dir or DEFAULT_CACHE_DIR)  # SPEC.md §4.3: serve gives a default
-    elif cache_dir is not None:
-        log.warning("--cache-dir %s is ignored: the engine has no persistent prefix cache yet", cache_dir)
+                       kv_cache_memory_bytes=kv_cache_memory_bytes, prefill_mode=prefill_mode, seed=seed,
+                       cache_dir=str(cache_dir or DEFAULT_CACHE_DIR),  # SPEC.md §4.3: serve persists by default
+                       speculative=speculative, speculative_max_len=speculative_max_len)
     try:
         llm = LLM(model, dtype=torch_dtype, device=device, **engine_args)
     except (ValueError, FileNotFoundError) as exc:

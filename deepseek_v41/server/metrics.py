@@ -43,7 +43,7 @@ class ServerMetrics:
         engine: the async engine to observe (registers itself as an observer).
         model_name: the ``model_name`` label (the first served name).
         spec_positions: how many draft positions the acceptance counters have (the config's
-            ``dspark_block_size``); all stay 0 until speculative decoding lands in the engine.
+            ``dspark_block_size``); they stay 0 when the engine runs without ``--speculative``.
     """
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, spec_positions: int = 0):
@@ -62,11 +62,11 @@ class ServerMetrics:
         self.finished = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
         self.prompt_tokens = Counter("dsv41:prompt_tokens", "Prompt tokens of requests that started generating.",
                                      labels, registry=reg).labels(model_name)
-        self.cached_tokens = Counter("dsv41:prompt_tokens_cached", "Prompt tokens served from the prefix cache "
-                                     "(0 until prefix caching lands in the engine).", labels,
+        self.cached_tokens = Counter("dsv41:prompt_tokens_cached", "Prompt tokens served from the prefix cache.",
+                                     labels,
                                      registry=reg).labels(model_name)
         self.replayed_tokens = Counter("dsv41:prompt_tokens_replayed", "Prompt tokens recomputed by bounded replay "
-                                       "after a prefix-cache hit (0 until prefix caching lands).", labels,
+                                       "after a prefix-cache hit.", labels,
                                        registry=reg).labels(model_name)
         self.generation_tokens = Counter("dsv41:generation_tokens", "Generated tokens.", labels,
                                          registry=reg).labels(model_name)
@@ -175,18 +175,26 @@ class _EngineCollector:
         in_use.add_metric([name, "global"], stats["kv_global_bytes"] * stats["kv_pages_used"] / (pages_total + 1))
         in_use.add_metric([name, "window"], window * stats["num_running"])
         yield in_use
-        yield gauge("dsv41:swa_pool_occupancy", "Fraction of the SWA snapshot pool in use, 0..1 (0 until prefix "
-                    "caching lands in the engine).", stats.get("swa_pool_occupancy", 0.0))
+        yield gauge("dsv41:swa_pool_occupancy", "Fraction of the SWA snapshot pool in use, 0..1 (0 without "
+                    "prefix caching).", stats.get("swa_pool_occupancy", 0.0))
         preemptions = CounterMetricFamily("dsv41:num_preemptions", "Sequences preempted (recomputed later).",
                                           labels=["model_name"])
         preemptions.add_metric([name], stats["num_preemptions"])
         yield preemptions
-        drafts = CounterMetricFamily("dsv41:spec_decode_num_drafts", "Speculative draft blocks verified (0 until "
-                                     "DSpark lands in the engine).", labels=["model_name"])
-        drafts.add_metric([name], stats.get("spec_decode_num_drafts", 0))
-        yield drafts
+        for key, doc in (("num_drafts", "Speculative draft blocks verified (one per sequence and step)."),
+                         ("num_draft_tokens", "Draft tokens verified by the target."),
+                         ("num_accepted_tokens", "Draft tokens accepted (bonus tokens not counted).")):
+            family = CounterMetricFamily(f"dsv41:spec_decode_{key}", doc, labels=["model_name"])
+            family.add_metric([name], stats.get(f"spec_decode_{key}", 0))
+            yield family
+        lengths = CounterMetricFamily("dsv41:spec_decode_verify_length", "Speculative steps by the verification "
+                                      "length the DSpark scheduler chose (drafts verified).",
+                                      labels=["model_name", "length"])
+        for length, count in enumerate(stats.get("spec_decode_verify_lengths", [])):
+            lengths.add_metric([name, str(length)], count)
+        yield lengths
         accepted = CounterMetricFamily("dsv41:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
-                                       "each draft position (0 until DSpark lands in the engine).",
+                                       "each draft position.",
                                        labels=["model_name", "position"])
         per_pos = list(stats.get("spec_decode_num_accepted_tokens_per_pos", []))
         for pos in range(max(m.spec_positions, len(per_pos))):
