@@ -40,6 +40,14 @@ def serve(
     seed: int = typer.Option(0, help="Seed of requests that do not give one."),
     threads: int | None = typer.Option(None, help="torch threads for the engine (1 avoids OpenMP spin-waits on a "
                                        "busy machine; default: torch's)."),
+    enable_prefix_caching: bool = typer.Option(True, help="Share and persist the KV of common prefixes "
+                                               "(SPEC.md §4.3)."),
+    swa_pool_bytes: int | None = typer.Option(None, help="Host bytes for SWA snapshots (default 10% of RAM; "
+                                              "0 = no snapshots, hits use replay)."),
+    replay: str = typer.Option("bounded", help="Hits without a snapshot: 'bounded' (replay one window) or "
+                               "'exact' (replay the whole prefix)."),
+    redis_url: str | None = typer.Option(None, help="Share the SWA pool and the page index with other "
+                                         "servers through Redis, e.g. redis://localhost:6379/0."),
     speculative: str | None = typer.Option(None, help="Speculative decoding: 'dspark' drafts with the checkpoint's "
                                           "DSpark draft (default: off)."),
     speculative_max_len: int | None = typer.Option(None, help="Drafts verified per step at most (default and "
@@ -74,6 +82,8 @@ def serve(
                        block_size=block_size, max_model_len=max_model_len, num_kv_pages=num_kv_pages,
                        kv_cache_memory_bytes=kv_cache_memory_bytes, prefill_mode=prefill_mode, seed=seed,
                        cache_dir=str(cache_dir or DEFAULT_CACHE_DIR),  # SPEC.md §4.3: serve persists by default
+                       enable_prefix_caching=enable_prefix_caching, swa_pool_bytes=swa_pool_bytes, replay=replay,
+                       redis_url=redis_url,
                        speculative=speculative, speculative_max_len=speculative_max_len)
     try:
         llm = LLM(model, dtype=torch_dtype, device=device, **engine_args)

@@ -66,3 +66,13 @@ def test_serve_missing_model_dir(tmp_path):
     result = subprocess.run([sys.executable, "-m", "deepseek_v41.cli", "serve", "--model", str(tmp_path / "none")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "not found" in result.stderr
+
+
+def test_serve_rejects_bad_engine_settings(model_dir, tmp_path):
+    for flags, message in ((["--replay", "sometimes"], "replay must be"),
+                           (["--speculative", "medusa"], "speculative must be one of"),
+                           (["--speculative", "dspark", "--speculative-max-len", "99"], "speculative_max_len")):
+        result = subprocess.run([sys.executable, "-m", "deepseek_v41.cli", "serve", "--model", str(model_dir),
+                                 "--cache-dir", str(tmp_path / "cache"), *flags],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and message in result.stderr, (flags, result.stderr[-500:])
