@@ -174,7 +174,7 @@ class LLMEngine:
         if args.cache_dir is not None:
             from deepseek_v41.cache.store import PageStore
 
-            page_store = PageStore(Path(args.cache_dir) / fingerprint[:16], fingerprint, self.cache.page_layout(),
+            page_store = PageStore(Path(args.cache_dir).expanduser() / fingerprint[:16], fingerprint, self.cache.page_layout(),
                                    args.cache_max_bytes)
         if args.redis_url is not None:
             from deepseek_v41.cache.redis_store import RedisStore

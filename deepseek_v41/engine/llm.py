@@ -43,10 +43,12 @@ class LLM:
         self._ids = itertools.count()
 
     def _prompt_ids(self, prompt: str | dict, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt_token_ids'")
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, dict):  # vLLM's TokensPrompt / TextPrompt
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if not isinstance(prompt.get("prompt"), str):
+                raise ValueError("a dict prompt needs 'prompt_token_ids' (a list of ids) or 'prompt' (a string)")
+            prompt = prompt["prompt"]
         if not isinstance(prompt, str):
             raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if self.tokenizer is None:
@@ -56,7 +58,8 @@ class LLM:
 
     def generate(self, prompts: str | dict | list, sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool = False, add_special_tokens: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (a string, ``{"prompt_token_ids": [...]}`` — optionally with ``"cache_salt"``,
+        """Generate for every prompt (a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}`` — either
+        optionally with ``"cache_salt"``,
         which keeps its prefix-cache entries apart from other salts — or a list of them); outputs in
         prompt order. ``sampling_params`` is one for all or one per prompt (default: greedy-free vLLM defaults).
         Raises ValueError for bad prompts (before anything runs)."""

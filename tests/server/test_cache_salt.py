@@ -2,6 +2,7 @@
 cached tokens, and a repeated long prompt reports cached tokens once prefix caching exists in the engine."""
 
 import openai
+import pytest
 from serving_helpers import KEYS, MODEL
 
 LONG = [{"role": "user", "content": "The city is Paris. " * 40}]
@@ -44,3 +45,21 @@ def test_repeated_long_prompt_hits_the_cache(server):
     usage = ask(server, KEYS[0])
     assert 0 < usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
     assert usage.model_extra["prompt_cache_hit_tokens"] == usage.prompt_tokens_details.cached_tokens
+
+
+def test_llm_text_prompt_dicts(model_dir):
+    """vLLM's TextPrompt: {"prompt": text} tokenizes like a plain string, and its cache_salt keeps caches apart."""
+    from deepseek_v41.engine import LLM, SamplingParams
+
+    llm = LLM(model_dir, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    text = "The io module provides Python's main facilities for dealing with various types of I/O. " * 2
+    plain = llm.generate(text, params)[0]
+    salted = llm.generate({"prompt": text, "cache_salt": "tenant-b"}, params)[0]
+    assert salted.prompt_token_ids == plain.prompt_token_ids and salted.prompt == text
+    assert salted.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert plain.num_cached_tokens == 0 and salted.num_cached_tokens == 0  # another salt: no hit
+    again = llm.generate({"prompt": text, "cache_salt": "tenant-b"}, params)[0]
+    assert again.num_cached_tokens > 0
+    with pytest.raises(ValueError, match="'prompt' \\(a string\\)"):
+        llm.generate({"text": text}, params)
