@@ -51,27 +51,32 @@ def replay_vs_cold(model_dir: Path, stream, lengths: list[int], tokens: int, suf
 
     from deepseek_v41.engine import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=20)
     rows = []
     for n in lengths:
         prefix = stream[:n].tolist()
         prompt = prefix + suffix
         common = dict(max_model_len=n + len(suffix) + tokens + 16, max_num_batched_tokens=2048)
-        cold = LLM(model_dir, enable_prefix_caching=False, **common).generate({"prompt_token_ids": prompt},
-                                                                                params)[0]
+        cold_llm = LLM(model_dir, enable_prefix_caching=False, **common)
+        # every token's logprob at every step: the KL below is over the whole vocabulary
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True,
+                                logprobs=cold_llm.engine.config.vocab_size)
+        cold = cold_llm.generate({"prompt_token_ids": prompt}, params)[0]
         with tempfile.TemporaryDirectory() as cache:
             LLM(model_dir, cache_dir=cache, swa_pool_bytes=0, **common).generate(
                 {"prompt_token_ids": prefix}, SamplingParams(max_tokens=1))
             hit = LLM(model_dir, cache_dir=cache, swa_pool_bytes=0, **common).generate(
                 {"prompt_token_ids": prompt}, params)[0]
         a, b = cold.outputs[0], hit.outputs[0]
-        shared = set(a.logprobs[0]) & set(b.logprobs[0])
-        p = torch.tensor([math.exp(a.logprobs[0][t].logprob) for t in shared], dtype=torch.float64)
-        q = torch.tensor([math.exp(b.logprobs[0][t].logprob) for t in shared], dtype=torch.float64)
-        kl = float((p * (p.log() - q.log())).sum())  # over the top-20 tokens both runs list
         agree = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), tokens)
+        kls = []
+        for step in range(min(agree + 1, tokens)):  # same context up to and including the first divergence
+            ids = sorted(a.logprobs[step])
+            p = torch.tensor([a.logprobs[step][t].logprob for t in ids], dtype=torch.float64)
+            q = torch.tensor([b.logprobs[step][t].logprob for t in ids], dtype=torch.float64)
+            kls.append(float((p.exp() * (p - q)).sum()))
         rows.append({"prefix_tokens": n, "cached": hit.num_cached_tokens, "replayed": hit.num_replayed_tokens,
-                     "first_token_kl_top20": kl, "greedy_tokens_equal_before_divergence": agree,
+                     "first_token_kl": kls[0], "mean_kl_same_context": sum(kls) / len(kls),
+                     "greedy_tokens_equal_before_divergence": agree,
                      "token_agreement": sum(x == y for x, y in zip(a.token_ids, b.token_ids, strict=True)) / tokens})
     return rows
 
@@ -107,11 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     else:
         c = result["ced_vs_exact"]
-        print(f"CED vs exact prefill over {c['tokens']} held-out tokens: KL {c['kl_nats_per_token']:.4f} nats/token, "
+        print(f"CED vs exact prefill over {c['tokens']} held-out tokens: KL {c['kl_nats_per_token']:.2e} nats/token, "
               f"perplexity {c['perplexity_exact']:.3f} (exact) vs {c['perplexity_ced']:.3f} (CED)")
         for row in result["bounded_replay_vs_cold"]:
             print(f"bounded replay, {row['prefix_tokens']}-token prefix (cached {row['cached']}, replayed "
-                  f"{row['replayed']}): first-token KL {row['first_token_kl_top20']:.4f}, greedy equal for "
+                  f"{row['replayed']}): first-token KL {row['first_token_kl']:.2e}, mean KL while the contexts agree "
+                  f"{row['mean_kl_same_context']:.2e} nats, greedy equal for "
                   f"{row['greedy_tokens_equal_before_divergence']} tokens, agreement {row['token_agreement']:.0%}")
     return 0
 

@@ -128,6 +128,8 @@ def render(facts: dict[str, Any]) -> str:
     sample = facts["sample"]
     lines += ["", "## A greedy continuation", "", "Prompt (held-out Python documentation):", "", "```",
               sample["prompt"], "```", "", "Continuation:", "", "```", sample["continuation"], "```", ""]
+    if facts.get("notes"):
+        lines += ["## Notes", "", *[f"- {note}" for note in facts["notes"]], ""]
     return "\n".join(lines)
 
 
