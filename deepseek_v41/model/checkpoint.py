@@ -189,6 +189,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
         if hasattr(module, "reset_buffers"):
             module.reset_buffers(device)
     model.fake_quant = fake_quant
+    model.name_or_path = str(path)  # Hugging Face's name: save_pretrained copies the tokenizer files from here
     _install_token_map(model, path)
     return model.eval()
 
@@ -229,7 +230,9 @@ def save_pretrained(model, path: str | Path, quantization: str = "none",
     ``quantization="none"`` stores every tensor as it is in memory; ``"official"`` stores the release's
     formats: FP8 32x32-block dense weights, packed FP4 routed experts, FP8 Engram tables (the config then
     records a ``quantization_config``). Shards above ``max_shard_bytes`` bytes split into several files with a
-    ``model.safetensors.index.json``. Returns the files written. Raises ValueError for an unknown quantization.
+    ``model.safetensors.index.json``. A model loaded by :func:`load_model` also gets its directory's
+    ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json`` copied over (files already in
+    ``path`` are kept). Returns the files written. Raises ValueError for an unknown quantization.
     """
     if quantization not in ("none", "official"):
         raise ValueError(f"quantization must be 'none' or 'official', got {quantization!r}")
@@ -271,4 +274,25 @@ def save_pretrained(model, path: str | Path, quantization: str = "none",
         index = path / "model.safetensors.index.json"
         index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
         written.append(index)
+    written += _copy_companions(model, path)
     return written
+
+
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def _copy_companions(model, path: Path) -> list[Path]:
+    """Copy the tokenizer and generation files of the directory ``model`` was loaded from (``name_or_path``)
+    into ``path`` when ``path`` lacks them, so the saved directory loads and serves on its own (the Engram token
+    map is built from ``tokenizer.json``)."""
+    import shutil
+
+    source = getattr(model, "name_or_path", None)
+    if not source or not Path(source).is_dir() or Path(source).resolve() == path.resolve():
+        return []
+    copied = []
+    for name in COMPANION_FILES:
+        if (Path(source) / name).is_file() and not (path / name).exists():
+            shutil.copyfile(Path(source) / name, path / name)
+            copied.append(path / name)
+    return copied

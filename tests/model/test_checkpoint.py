@@ -132,3 +132,26 @@ def test_missing_weights_and_config(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
     with pytest.raises(CheckpointError, match="missing tensor embed.weight"):
         load_model(tmp_path)
+
+
+def test_a_loaded_model_saves_a_directory_that_serves(tmp_path):
+    """save_pretrained of a loaded model copies its tokenizer / generation files, so the saved directory loads
+    (Engram token map from tokenizer.json) and generates like the source directory; files already there stay."""
+    from pathlib import Path
+
+    from deepseek_v41.engine import LLM, SamplingParams
+
+    bundled = Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny"
+    source = load_model(bundled)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "generation_config.json").write_text("{}")
+    source.save_pretrained(tmp_path / "plain")
+    source.save_pretrained(tmp_path / "official", quantization="official")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "plain" / name).read_bytes() == (bundled / name).read_bytes()
+    assert (tmp_path / "plain" / "generation_config.json").read_text() == "{}"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = "The io module provides"
+    expected = LLM(bundled, max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids
+    assert LLM(tmp_path / "plain", max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids == expected
+    assert len(LLM(tmp_path / "official", max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids) == 6
