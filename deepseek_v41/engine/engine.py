@@ -97,7 +97,7 @@ class LLMEngine:
                              f"(max_position_embeddings), got {args.max_model_len}")
         weight = next(model.parameters())
         device = weight.device
-        num_pages = self._num_pages(args, device)
+        num_pages = self._num_pages(args)
         state_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
         swa_bytes = self._swa_pool_bytes(args)
         residuals = weight.dtype if (args.enable_prefix_caching and swa_bytes and self.prefill_mode is PrefillMode.CED)\
@@ -124,6 +124,11 @@ class LLMEngine:
         from deepseek_v41.engine.speculative import SPECULATIVE_METHODS
 
         if args.speculative is None:
+            given = [name for name in ("speculative_max_len", "speculative_cost_table")
+                     if getattr(args, name) is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} needs speculative='dspark' (speculative is None: no "
+                                 f"speculative decoding)")
             return 0
         if args.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS} or None, got {args.speculative!r}")
@@ -174,8 +179,8 @@ class LLMEngine:
         if args.cache_dir is not None:
             from deepseek_v41.cache.store import PageStore
 
-            page_store = PageStore(Path(args.cache_dir).expanduser() / fingerprint[:16], fingerprint, self.cache.page_layout(),
-                                   args.cache_max_bytes)
+            page_store = PageStore(Path(args.cache_dir).expanduser() / fingerprint[:16], fingerprint,
+                                   self.cache.page_layout(), args.cache_max_bytes)
         if args.redis_url is not None:
             from deepseek_v41.cache.redis_store import RedisStore
 
@@ -230,28 +235,54 @@ class LLMEngine:
             seq.prompt_snapshot_taken = True
             pc.take_snapshot(seq.slot, P * (len(seq.prompt_token_ids) // P), seq.block_hashes)
 
-    def _num_pages(self, args: EngineArgs, device: torch.device) -> int:
+    def _num_pages(self, args: EngineArgs) -> int:
+        """Pages of the global KV pool, the reserved null page included.
+
+        Raises ValueError when an explicitly sized pool (``num_kv_pages`` or ``kv_cache_memory_bytes``) cannot
+        hold one sequence of ``max_model_len`` tokens: such a pool would cut every long output short (vLLM
+        refuses it at start too). The default pool (at most 1 GiB) is not checked.
+        """
+        P = args.block_size
+        needed = -(-self.max_model_len // P)  # pages of one sequence of max_model_len tokens
+        page_bytes = max(1, PagedKVCache(self.config, 2, P, 1, 0, "meta").global_bytes // 2)
+        wanted = args.max_num_seqs * needed
         if args.num_kv_pages is not None:
-            return args.num_kv_pages + 1  # + the reserved null page
-        probe = PagedKVCache(self.config, 2, args.block_size, 1, 0, "meta")
-        page_bytes = probe.global_bytes // 2
-        wanted = args.max_num_seqs * -(-self.max_model_len // args.block_size)
-        budget = args.kv_cache_memory_bytes if args.kv_cache_memory_bytes is not None else 1 << 30
-        return max(2, min(wanted, budget // max(1, page_bytes)) + 1)
+            pages, given = args.num_kv_pages, f"num_kv_pages={args.num_kv_pages}"
+        elif args.kv_cache_memory_bytes is not None:
+            pages = max(0, min(wanted, args.kv_cache_memory_bytes // page_bytes))
+            given = f"kv_cache_memory_bytes={args.kv_cache_memory_bytes}: {pages} pages of {page_bytes} bytes"
+        else:
+            return max(1, min(wanted, (1 << 30) // page_bytes)) + 1  # + the reserved null page
+        if pages < needed:
+            tokens = max(0, pages) * P
+            smaller = f" or set max_model_len <= {tokens}" if tokens >= 2 else ""
+            raise ValueError(f"the KV pool ({given}, {tokens} tokens) cannot hold one sequence of "
+                             f"max_model_len={self.max_model_len} tokens: that needs {needed} pages of {P} tokens "
+                             f"(num_kv_pages >= {needed} or kv_cache_memory_bytes >= {needed * page_bytes}); "
+                             f"raise the pool{smaller}")
+        return pages + 1  # + the reserved null page
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None) -> None:
-        """Queue a request (``params.n`` sequences). Raises ValueError for an empty prompt, token ids outside the
-        vocabulary, a prompt longer than ``max_model_len`` or than the KV pool can ever hold, a duplicate id."""
+        """Queue a request (``params.n`` sequences). Raises ValueError, with nothing queued, for an empty prompt,
+        token ids outside ``[0, vocab_size)``, ``params.logprobs`` above ``vocab_size``, a ``cache_salt`` that is
+        not None or a non-empty string, a prompt longer than ``max_model_len`` or than the KV pool can ever hold,
+        a duplicate id."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        bad = next((i for i, t in enumerate(prompt_token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}) (the vocabulary), got "
+                             f"{prompt_token_ids[bad]} at position {bad}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be in [0, {vocab}] (the vocabulary size) or None, got {params.logprobs}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be None or a non-empty string, got {cache_salt!r}")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} (the prompt "

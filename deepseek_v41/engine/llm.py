@@ -6,6 +6,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from deepseek_v41.engine.engine import EngineArgs, LLMEngine, load_tokenizer
@@ -42,10 +43,27 @@ class LLM:
         self.engine = LLMEngine(self.model, EngineArgs(**engine_args), tokenizer, model_path=path)
         self._ids = itertools.count()
 
+    def _token_ids(self, ids: Any) -> list[int]:
+        """``prompt_token_ids`` as a list of Python ints: a sequence (list, tuple, 1-D tensor or array) of Python
+        ints or numpy / torch integer scalars. Raises ValueError naming the first value that is not one (a float,
+        a bool, a string, ...); the range ``[0, vocab_size)`` is checked at admission
+        (:meth:`LLMEngine.add_request`)."""
+        vocab = self.engine.config.vocab_size
+        if isinstance(ids, str | bytes | dict) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab}), got "
+                             f"{type(ids).__name__} {ids!r}")
+        out = []
+        for position, value in enumerate(ids):
+            if not _is_integer(value):
+                raise ValueError(f"prompt_token_ids[{position}] is {type(value).__name__} {value!r}: token ids are "
+                                 f"integers in [0, {vocab}) (Python, numpy or torch integers; not bool or float)")
+            out.append(int(value))
+        return out
+
     def _prompt_ids(self, prompt: str | dict, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):  # vLLM's TokensPrompt / TextPrompt
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"])
             if not isinstance(prompt.get("prompt"), str):
                 raise ValueError("a dict prompt needs 'prompt_token_ids' (a list of ids) or 'prompt' (a string)")
             prompt = prompt["prompt"]
@@ -62,7 +80,11 @@ class LLM:
         optionally with ``"cache_salt"``,
         which keeps its prefix-cache entries apart from other salts — or a list of them); outputs in
         prompt order. ``sampling_params`` is one for all or one per prompt (default: greedy-free vLLM defaults).
-        Raises ValueError for bad prompts (before anything runs)."""
+
+        Raises ValueError for bad prompts or parameters (token ids that are not integers in ``[0, vocab_size)``, a
+        ``cache_salt`` that is not a non-empty string, ``logprobs`` above ``vocab_size``, ...) before anything runs.
+        Any exception out of an engine step (KeyboardInterrupt included) aborts all of this call's requests, their
+        pages and slots freed, and is re-raised: the LLM stays usable."""
         single = isinstance(prompts, str | dict)
         prompts = [prompts] if single else list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()]
@@ -71,13 +93,17 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         encoded = [self._prompt_ids(p, add_special_tokens) for p in prompts]
-        ids = []
-        for prompt, (text, tokens), p in zip(prompts, encoded, params, strict=True):
-            rid = str(next(self._ids))
-            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-            self.engine.add_request(rid, tokens, p, prompt=text, cache_salt=salt)
-            ids.append(rid)
-        return self._run(ids, use_tqdm)
+        ids: list[str] = []
+        try:  # a request failing admission, or a step failing, takes this call's requests out of the engine
+            for prompt, (text, tokens), p in zip(prompts, encoded, params, strict=True):
+                rid = str(next(self._ids))
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                self.engine.add_request(rid, tokens, p, prompt=text, cache_salt=salt)
+                ids.append(rid)
+            return self._run(ids, use_tqdm)
+        except BaseException:  # KeyboardInterrupt too: the LLM must stay usable after Ctrl-C
+            self._abort(ids)
+            raise
 
     def chat(self, messages: list | list[list], sampling_params: SamplingParams | None = None,
              tools: list | None = None, thinking: bool = False, reasoning_effort: Any = None,
@@ -99,19 +125,38 @@ class LLM:
             from tqdm import tqdm
 
             progress = tqdm(total=len(request_ids), desc="Processed prompts", unit="req")
-        while len(done) < len(request_ids):
-            for output in engine.step():
-                if output.finished and output.request_id in request_ids and output.request_id not in done:
-                    done[output.request_id] = output
-                    engine.release(output.request_id)
-                    if progress is not None:
-                        progress.update(1)
-        if progress is not None:
-            progress.close()
+        try:
+            while len(done) < len(request_ids):
+                for output in engine.step():
+                    if output.finished and output.request_id in request_ids and output.request_id not in done:
+                        done[output.request_id] = output
+                        engine.release(output.request_id)
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
         if engine.prefix_cache is not None:
             engine.prefix_cache.flush()  # pages on their way to disk are there when generate returns
         return [done[r] for r in request_ids]
 
+    def _abort(self, request_ids: list[str]) -> None:
+        """Abort and forget ``request_ids`` (finished ones are only forgotten): their pages and slots return to
+        the pool and nothing of them stays in the scheduler, so the next call starts from a clean engine."""
+        for rid in request_ids:
+            self.engine.abort_request(rid)
+            self.engine.release(rid)
+
     @property
     def stats(self) -> dict[str, Any]:
         return self.engine.stats
+
+
+def _is_integer(value: Any) -> bool:
+    """True for a Python int and a numpy or torch integer scalar; False for bools, floats and everything else."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | np.integer):
+        return True
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point \
+        and not value.dtype.is_complex and value.dtype is not torch.bool

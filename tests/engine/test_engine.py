@@ -113,7 +113,7 @@ def test_preemption_by_recompute_gives_the_same_tokens(model64):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for mode in ("exact", "ced"):
         roomy = generate(LLM(model64, prefill_mode=mode, max_model_len=512), prompts, params)
-        tight = LLM(model64, prefill_mode=mode, max_model_len=512, num_kv_pages=10)
+        tight = LLM(model64, prefill_mode=mode, max_model_len=160, num_kv_pages=10)  # 10 pages: 160 tokens
         assert generate(tight, prompts, params) == roomy
         assert tight.stats["num_preemptions"] > 0
         assert tight.stats["kv_pages_used"] == 0
