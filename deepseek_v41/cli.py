@@ -102,7 +102,7 @@ def train(
     config: str = typer.Option(..., help="Preset name, model directory or config.json (e.g. configs/v41-tiny.json)."),
     data: Path = typer.Option(..., help="Corpus folder from `dsv41 data prepare` (train.txt, heldout.txt)."),
     out: Path = typer.Option(..., help="Run folder: checkpoint/, tokens/, model/ (the exported bf16 model)."),
-    tokenizer: Path | None = typer.Option(None, help="Tokenizer folder [default: DATA/tokenizer]."),
+    tokenizer: Path | None = typer.Option(None, help="Tokenizer folder (default: DATA/tokenizer)."),
     steps: int = typer.Option(4000),
     batch_size: int = typer.Option(8),
     context: int = typer.Option(512, help="Tokens per training window."),
@@ -137,7 +137,7 @@ def model_card(
     data: Path = typer.Option(..., help="Corpus folder (train.txt, heldout.txt, manifest.json)."),
     prompt_file: Path = typer.Option(..., help="Held-out prompt for the sample continuation."),
     extra: Path | None = typer.Option(None, help="JSON of more measured facts to include (e.g. ced_vs_exact)."),
-    eval_tokens: int | None = typer.Option(None, help="Evaluate on about this many held-out tokens [default: all]."),
+    eval_tokens: int | None = typer.Option(None, help="Evaluate on about this many held-out tokens (default: all)."),
 ) -> None:
     """Measure a trained checkpoint on held-out text and write its model card."""
     from deepseek_v41.train.model_card import write_model_card
@@ -153,13 +153,13 @@ def train_dspark(
                                          "tokenizer.json)."),
     data: Path = typer.Option(..., help="Corpus folder from `dsv41 data prepare` (train.txt, heldout.txt)."),
     steps: int = typer.Option(2000),
-    out: Path | None = typer.Option(None, help="Output model folder [default: write the draft back into MODEL]."),
+    out: Path | None = typer.Option(None, help="Output model folder (default: write the draft back into MODEL)."),
     batch_size: int = typer.Option(8),
     context: int = typer.Option(256, help="Tokens per training window."),
     num_anchors: int = typer.Option(64, help="Draft blocks per window."),
     lr: float = typer.Option(6e-4),
     seed: int = typer.Option(0),
-    cache: Path | None = typer.Option(None, help="Token-stream cache folder [default: DATA/tokens-dspark]."),
+    cache: Path | None = typer.Option(None, help="Token-stream cache folder (default: DATA/tokens-dspark)."),
     threads: int | None = typer.Option(None, help="torch threads (1 avoids OpenMP spin-waits on a busy machine)."),
 ) -> None:
     """Distil the DSpark draft (mtp.*) from a frozen trained target and write the model with it (DSPARK.md §8)."""
@@ -185,11 +185,11 @@ def eval_(
     model: Path = typer.Option(..., help="Model folder (config.json, safetensors, tokenizer.json)."),
     data: Path = typer.Option(..., help="Corpus file (e.g. heldout.txt) or any UTF-8 text file."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    context: int | None = typer.Option(None, help="Tokens per window [default: 1024, capped by the model]."),
+    context: int | None = typer.Option(None, help="Tokens per window (default: 1024, capped by the model)."),
     prefill_mode: str = typer.Option("exact", help="exact | ced."),
     train: Path | None = typer.Option(None, help="Corpus file the unigram baseline is counted on "
-                                                 "[default: the evaluated file]."),
-    tokenizer: Path | None = typer.Option(None, help="Tokenizer folder [default: the model folder]."),
+                                                 "(default: the evaluated file)."),
+    tokenizer: Path | None = typer.Option(None, help="Tokenizer folder (default: the model folder)."),
     device: str = typer.Option("cpu", help="torch device."),
 ) -> None:
     """Perplexity and bits per byte on a text, next to a unigram baseline."""

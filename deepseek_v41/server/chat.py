@@ -133,24 +133,19 @@ def _tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
 
 
 def _response_format(messages: list[dict[str, Any]], fmt: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """json_object / json_schema go on the first system message, where the official encoder renders them."""
+    """Only ``{"type": "text"}`` (or no response_format) is served: this server has no constrained decoding, so
+    ``json_object`` / ``json_schema`` get a 400 "not supported" (as ``logit_bias``) instead of a reply that may not
+    be JSON. A schema for the model to read can still go on a system message as the chat format's
+    ``response_format`` field (CHAT_FORMAT.md), which the encoder renders as an instruction."""
     kind = (fmt or {}).get("type", "text")
     if kind == "text":
         return messages
-    if kind not in ("json_object", "json_schema"):
-        raise APIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                       "response_format.type", "invalid_value")
-    schema = fmt.get("json_schema") if kind == "json_schema" else {"type": "object"}
-    if kind == "json_schema" and not isinstance(schema, dict):
-        raise APIError("response_format.json_schema must be an object", "response_format.json_schema", "invalid_type")
-    schema = schema.get("schema", schema) if kind == "json_schema" else schema
-    messages = list(messages)
-    at = next((i for i, m in enumerate(messages) if m.get("role") == "system"), None)
-    if at is None:
-        messages.insert(0, {"role": "system", "content": ""})
-        at = 0
-    messages[at] = {**messages[at], "response_format": schema}
-    return messages
+    if kind in ("json_object", "json_schema"):
+        raise APIError(f"response_format type {kind!r} is not supported: this server has no constrained (JSON) "
+                       f"decoding; only {{'type': 'text'}} is accepted (omit response_format)", "response_format",
+                       "unsupported_parameter")
+    raise APIError(f"response_format.type must be 'text' (the only type this server supports), got {kind!r}",
+                   "response_format.type", "invalid_value")
 
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_length: bool = True) -> ChatPlan:

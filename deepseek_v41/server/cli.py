@@ -7,95 +7,226 @@ FastAPI) happen inside the command so that ``dsv41 --help`` stays fast.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "deepseek_v41" / "prefix-cache"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+REPLAY_MODES = ("bounded", "exact")
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``error: message`` on stderr and exit with status 2 (a usage error, as click's own checks)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def available_devices() -> list[str]:
+    """The torch devices this process can run on: ``cpu``, then ``cuda`` / ``cuda:0`` ... and ``mps`` when present."""
+    import torch
+
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        out.append("mps")
+    return out
+
+
+def check_device(device: str, option: str = "--device"):
+    """``device`` parsed as a ``torch.device`` that exists here; exits 2 with the available devices otherwise (a
+    malformed name, CUDA on a CPU-only torch or machine, a CUDA index beyond the GPUs, a type this CLI cannot
+    run on such as ``meta``)."""
+    import torch
+
+    available = ", ".join(available_devices())
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        fail(f"{option} {device!r} is not a torch device name; available here: {available}")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            fail(f"{option} {device!r}: {why}; available here: {available}")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            fail(f"{option} {device!r}: there are {torch.cuda.device_count()} CUDA device(s); available here: "
+                 f"{available}")
+    elif parsed.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            fail(f"{option} {device!r}: MPS is not available; available here: {available}")
+    elif parsed.type != "cpu":
+        fail(f"{option} {device!r}: device type {parsed.type!r} is not supported (cpu, cuda or mps); available "
+             f"here: {available}")
+    return parsed
+
+
+def resolve_dtype(dtype: str, device, option: str = "--dtype"):
+    """The torch dtype of ``--dtype`` (one of :data:`DTYPES`; ``auto`` = float32 on CPU, bfloat16 elsewhere) for
+    the parsed ``device``; exits 2 naming the allowed values otherwise."""
+    import torch
+
+    if dtype not in DTYPES:
+        fail(f"{option} must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, dtype)
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    out = []
+    path = path.expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        out.append(path)
+        path = path.parent
+    return out
+
+
+def _remove_created(dirs: list[Path]) -> None:
+    """After a failed start: remove the directories of :func:`_missing_dirs` (they did not exist before this
+    process) as far as they are empty, empty subdirectories the engine made in them included; files are never
+    deleted, so a directory holding one stays."""
+    if not dirs:
+        return
+    for root, _, _ in os.walk(dirs[-1], topdown=False):
+        with contextlib.suppress(OSError):
+            os.rmdir(root)
 
 
 def serve(
     model: Path = typer.Option(..., "--model", help="Model directory (config.json, safetensors, tokenizer.json)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
-    port: int = typer.Option(8000, help="Port to listen on."),
+    port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
     api_key: list[str] = typer.Option([], "--api-key", help="Accepted bearer key (repeat for several); none = "
                                       "no auth. Each key gets its own prefix-cache salt."),
     served_model_name: list[str] = typer.Option([], "--served-model-name", help="Name(s) clients use as 'model' "
                                                 "(repeatable; default: the --model path)."),
-    max_model_len: int | None = typer.Option(None, help="Prompt + output tokens at most (default: the model's, "
-                                             "capped at 32768)."),
+    max_model_len: int | None = typer.Option(None, min=1, help="Prompt + output tokens at most (default: the "
+                                             "model's, capped at 32768)."),
     cache_dir: Path | None = typer.Option(None, help="Directory of the persistent prefix cache (default "
-                                          "~/.cache/deepseek_v41/prefix-cache)."),
-    max_num_seqs: int = typer.Option(64, help="Sequences in the running batch at most."),
-    max_num_batched_tokens: int = typer.Option(4096, help="Tokens per engine step at most."),
-    block_size: int = typer.Option(16, help="Tokens per KV page."),
-    num_kv_pages: int | None = typer.Option(None, help="Pages in the global KV pool (default: from memory)."),
-    kv_cache_memory_bytes: int | None = typer.Option(None, help="Byte budget of the global KV pool."),
+                                          "~/.cache/deepseek_v41/prefix-cache); created once the settings are "
+                                          "checked."),
+    max_num_seqs: int = typer.Option(64, min=1, help="Sequences in the running batch at most."),
+    max_num_batched_tokens: int = typer.Option(4096, min=1, help="Tokens per engine step at most."),
+    block_size: int = typer.Option(16, min=1, help="Tokens per KV page."),
+    num_kv_pages: int | None = typer.Option(None, min=1, help="Pages in the global KV pool (default: from "
+                                            "memory)."),
+    kv_cache_memory_bytes: int | None = typer.Option(None, min=1, help="Byte budget of the global KV pool."),
     prefill_mode: str | None = typer.Option(None, help="'ced' (default when the layout allows) or 'exact'."),
-    dtype: str = typer.Option("auto", help=f"Weights dtype: {', '.join(_DTYPES)} (auto = float32 on CPU, "
+    dtype: str = typer.Option("auto", help=f"Weights dtype: {', '.join(DTYPES)} (auto = float32 on CPU, "
                               "bfloat16 on GPU)."),
-    device: str = typer.Option("cpu", help="torch device, e.g. cpu or cuda."),
+    device: str = typer.Option("cpu", help="torch device, e.g. cpu, cuda or cuda:1 (checked at start)."),
     seed: int = typer.Option(0, help="Seed of requests that do not give one."),
-    threads: int | None = typer.Option(None, help="torch threads for the engine (1 avoids OpenMP spin-waits on a "
-                                       "busy machine; default: torch's)."),
+    threads: int | None = typer.Option(None, min=1, help="torch threads for the engine (1 avoids OpenMP "
+                                       "spin-waits on a busy machine; default: torch's)."),
     enable_prefix_caching: bool = typer.Option(True, help="Share and persist the KV of common prefixes "
                                                "(SPEC.md §4.3)."),
-    swa_pool_bytes: int | None = typer.Option(None, help="Host bytes for SWA snapshots (default 10% of RAM; "
-                                              "0 = no snapshots, hits use replay)."),
+    swa_pool_bytes: int | None = typer.Option(None, min=0, help="Host bytes for SWA snapshots (default 10% of "
+                                              "RAM; 0 = no snapshots, hits use replay)."),
     replay: str = typer.Option("bounded", help="Hits without a snapshot: 'bounded' (replay one window) or "
                                "'exact' (replay the whole prefix)."),
     redis_url: str | None = typer.Option(None, help="Share the SWA pool and the page index with other "
                                          "servers through Redis, e.g. redis://localhost:6379/0."),
     speculative: str | None = typer.Option(None, help="Speculative decoding: 'dspark' drafts with the checkpoint's "
                                           "DSpark draft (default: off)."),
-    speculative_max_len: int | None = typer.Option(None, help="Drafts verified per step at most (default and "
-                                                   "maximum: the checkpoint's dspark_block_size)."),
-    max_body_mb: float = typer.Option(32.0, help="Largest request body, MiB."),
-    drain_timeout: float = typer.Option(30.0, help="Seconds running requests get to finish on SIGTERM."),
-    log_stats_interval: float = typer.Option(10.0, help="Seconds between throughput log lines (0 = off)."),
-    log_level: str = typer.Option("info", help="uvicorn / server log level."),
+    speculative_max_len: int | None = typer.Option(None, min=1, help="Drafts verified per step at most (default "
+                                                   "and maximum: the checkpoint's dspark_block_size)."),
+    max_body_mb: float = typer.Option(32.0, help="Largest request body, MiB (> 0)."),
+    drain_timeout: float = typer.Option(30.0, min=0, help="Seconds running requests get to finish on SIGTERM."),
+    log_stats_interval: float = typer.Option(10.0, min=0, help="Seconds between throughput log lines (0 = off)."),
+    log_level: str = typer.Option("info", help=f"uvicorn / server log level: {', '.join(LOG_LEVELS)}."),
 ) -> None:
-    """Serve the OpenAI-compatible API (chat, completions, models, tokenize, metrics) for a model directory."""
+    """Serve the OpenAI-compatible API (chat, completions, models, tokenize, metrics) for a model directory.
+
+    Every setting is checked before anything is loaded or created: a bad one exits with status 2 and a message on
+    stderr, and leaves no cache directory behind (one the start created is removed again if the start fails).
+    """
+    # Checks that need no heavy import come first, so that a typo fails fast.
+    if log_level.lower() not in LOG_LEVELS:
+        fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    if not max_body_mb > 0:
+        fail(f"--max-body-mb must be > 0, got {max_body_mb}")
+    if replay not in REPLAY_MODES:
+        fail(f"--replay must be one of {', '.join(REPLAY_MODES)}, got {replay!r}")
+    if speculative_max_len is not None and speculative is None:
+        fail("--speculative-max-len needs --speculative dspark (speculative decoding is off)")
+    if not model.is_dir():
+        fail(f"model directory {model} not found")
 
     import torch
 
+    torch_device = check_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+
+    from deepseek_v41.config import ConfigError
     from deepseek_v41.engine import LLM
     from deepseek_v41.engine.async_engine import AsyncLLMEngine
+    from deepseek_v41.model.checkpoint import CheckpointError
     from deepseek_v41.server.app import build_app
     from deepseek_v41.server.common import ServerConfig
     from deepseek_v41.server.launch import make_server
 
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper() if log_level.lower() != "trace" else 5,
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     log = logging.getLogger("deepseek_v41.server")
-    if dtype not in _DTYPES:
-        raise typer.BadParameter(f"must be one of {', '.join(_DTYPES)}", param_hint="--dtype")
-    if not model.is_dir():
-        typer.echo(f"error: model directory {model} not found", err=True)
-        raise typer.Exit(2)
     if threads is not None:
         torch.set_num_threads(threads)
-    torch_dtype = getattr(torch, "bfloat16" if dtype == "auto" and device != "cpu" else
-                          "float32" if dtype == "auto" else dtype)
+    cache_path = (cache_dir or DEFAULT_CACHE_DIR).expanduser()
     engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, max_model_len=max_model_len, num_kv_pages=num_kv_pages,
                        kv_cache_memory_bytes=kv_cache_memory_bytes, prefill_mode=prefill_mode, seed=seed,
-                       cache_dir=str(cache_dir or DEFAULT_CACHE_DIR),  # SPEC.md §4.3: serve persists by default
+                       cache_dir=str(cache_path),  # SPEC.md §4.3: serve persists by default
                        enable_prefix_caching=enable_prefix_caching, swa_pool_bytes=swa_pool_bytes, replay=replay,
                        redis_url=redis_url,
                        speculative=speculative, speculative_max_len=speculative_max_len)
+    created = _missing_dirs(cache_path)  # what the engine's persistent store will create
+    started = False
     try:
-        llm = LLM(model, dtype=torch_dtype, device=device, **engine_args)
-    except (ValueError, FileNotFoundError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
-    engine = AsyncLLMEngine(llm.engine)
-    config = ServerConfig(served_model_names=served_model_name or [str(model)], model_path=str(model),
-                          api_keys=list(api_key), max_body_bytes=int(max_body_mb * 1024 * 1024),
-                          log_stats_interval_s=log_stats_interval, drain_timeout_s=drain_timeout)
-    app = build_app(engine, config)
-    server = make_server(app, host, port, drain_timeout, log_level)
-    log.info("serving %s as %s on http://%s:%d (max_model_len %d, %d KV pages)", model, config.served_model_names,
-             host, port, engine.max_model_len, engine.stats["kv_pages_total"])
-    server.run()
+        try:
+            llm = LLM(model, dtype=torch_dtype, device=str(torch_device), **engine_args)
+        except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as exc:
+            fail(str(exc))
+        engine = AsyncLLMEngine(llm.engine)
+        config = ServerConfig(served_model_names=served_model_name or [str(model)], model_path=str(model),
+                              api_keys=list(api_key), max_body_bytes=int(max_body_mb * 1024 * 1024),
+                              log_stats_interval_s=log_stats_interval, drain_timeout_s=drain_timeout)
+        app = build_app(engine, config)
+        server = make_server(app, host, port, drain_timeout, log_level.lower())
+        log.info("serving %s as %s on http://%s:%d (max_model_len %d, %d KV pages, %s, %s; %s, %s)", model,
+                 config.served_model_names, host, port, engine.max_model_len, engine.stats["kv_pages_total"],
+                 torch_dtype, torch_device, _prefix_line(llm, cache_path), _speculative_line(llm))
+        try:
+            server.run()
+        finally:
+            started = bool(getattr(server, "started", False))
+    finally:
+        if not started:
+            _remove_created(created)
+
+
+def _prefix_line(llm, cache_path: Path) -> str:
+    """The prefix-caching part of the startup line: off, or on with its cache directory and SWA pool."""
+    pc = llm.engine.prefix_cache
+    if pc is None:
+        return "prefix caching off"
+    pool = pc.swa_pool
+    capacity = getattr(pool, "capacity_bytes", None)
+    snapshots = ("no SWA snapshots" if pool is None else
+                 f"SWA pool {capacity / 2**20:.0f} MiB" if capacity is not None else f"SWA pool in {pool.url}")
+    return f"prefix caching on, cache dir {cache_path}, {snapshots}"
+
+
+def _speculative_line(llm) -> str:
+    """The speculative part of the startup line: off, or the method and the drafts verified per step at most."""
+    spec = llm.engine.speculator
+    if spec is None:
+        return "speculative decoding off"
+    return f"speculative decoding {llm.engine.args.speculative} (up to {spec.max_len} drafts per step)"

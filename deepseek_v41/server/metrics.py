@@ -11,6 +11,15 @@ Names (``model_name`` label on all): ``time_to_first_token_seconds``, ``inter_to
 ``num_preemptions_total``, ``spec_decode_num_drafts_total``, ``spec_decode_num_accepted_tokens_per_pos_total``
 (counters); ``num_requests_running``, ``num_requests_waiting``, ``kv_pages_used``, ``kv_pages_total``,
 ``kv_cache_usage_perc``, ``kv_cache_bytes{kind}``, ``swa_pool_occupancy`` (gauges).
+
+Prefix caching (SPEC.md §4.3), as vLLM counts it in tokens: ``prefix_cache_queries_total`` (prompt tokens looked
+up) and ``prefix_cache_hits_total{path}`` (prompt tokens served from the cache, by how the window state was
+rebuilt: ``snapshot`` = restored from the SWA pool, ``replay`` = recomputed by replay); from the engine's own
+counters ``prefix_cache_page_hits_total{tier}`` (pages shared on the ``device`` or loaded from ``disk``),
+``prefix_cache_pages_written_total{tier="disk"}``, ``swa_pool_snapshots_total{event="hit"|"written"}``,
+``swa_pool_evictions_total``; gauges ``swa_pool_used_bytes``, ``swa_pool_capacity_bytes``,
+``swa_pool_occupancy`` (used / capacity, 0..1; 0 without a pool or with the Redis pool, which has no capacity)
+and ``prefix_cache_disk_bytes``.
 Source: SPEC.md §4.6; vLLM ``vllm/v1/metrics/loggers.py``.
 """
 
@@ -34,6 +43,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
+PREFIX_HIT_PATHS = ("snapshot", "replay")
 
 
 class ServerMetrics:
@@ -70,6 +80,13 @@ class ServerMetrics:
                                        registry=reg).labels(model_name)
         self.generation_tokens = Counter("dsv41:generation_tokens", "Generated tokens.", labels,
                                          registry=reg).labels(model_name)
+        self.prefix_caching = getattr(engine.engine, "prefix_cache", None) is not None
+        self.prefix_queries = Counter("dsv41:prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "(0 with prefix caching off).", labels, registry=reg).labels(model_name)
+        hits = Counter("dsv41:prefix_cache_hits", "Prompt tokens served from the prefix cache, by how the window "
+                       "state was rebuilt: snapshot (restored from the SWA pool) or replay (recomputed).",
+                       labels + ["path"], registry=reg)
+        self.prefix_hits = {path: hits.labels(model_name, path) for path in PREFIX_HIT_PATHS}
         reg.register(_EngineCollector(self))
         self._last_token: dict[str, float] = {}
         self.interval = _Interval()
@@ -88,7 +105,12 @@ class ServerMetrics:
                     computed = len(out.prompt_token_ids) - out.num_cached_tokens
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
                     self.cached_tokens.inc(out.num_cached_tokens)
-                    self.replayed_tokens.inc(getattr(out, "num_replayed_tokens", 0))
+                    replayed = getattr(out, "num_replayed_tokens", 0)
+                    self.replayed_tokens.inc(replayed)
+                    if self.prefix_caching:
+                        self.prefix_queries.inc(len(out.prompt_token_ids))
+                    if out.num_cached_tokens:  # a snapshot hit replays nothing; a hit without one replays
+                        self.prefix_hits["replay" if replayed else "snapshot"].inc(out.num_cached_tokens)
                     self.interval.prompt_tokens += computed
                 else:
                     self.itl.observe(max(0.0, step.time - last) / max(1, max(len(i) for i in step.delta_token_ids)))
@@ -175,8 +197,7 @@ class _EngineCollector:
         in_use.add_metric([name, "global"], stats["kv_global_bytes"] * stats["kv_pages_used"] / (pages_total + 1))
         in_use.add_metric([name, "window"], window * stats["num_running"])
         yield in_use
-        yield gauge("dsv41:swa_pool_occupancy", "Fraction of the SWA snapshot pool in use, 0..1 (0 without "
-                    "prefix caching).", stats.get("swa_pool_occupancy", 0.0))
+        yield from self._prefix_cache(stats, gauge)
         preemptions = CounterMetricFamily("dsv41:num_preemptions", "Sequences preempted (recomputed later).",
                                           labels=["model_name"])
         preemptions.add_metric([name], stats["num_preemptions"])
@@ -200,3 +221,46 @@ class _EngineCollector:
         for pos in range(max(m.spec_positions, len(per_pos))):
             accepted.add_metric([name, str(pos)], per_pos[pos] if pos < len(per_pos) else 0)
         yield accepted
+
+    def _prefix_cache(self, stats: dict[str, Any], gauge):
+        """The engine-owned prefix-cache metrics (all 0 with prefix caching off)."""
+        name = self.metrics.model_name
+        pc = stats.get("prefix_cache") or {}
+
+        def counter(metric: str, doc: str, label: str, values: dict[str, int]):
+            family = CounterMetricFamily(metric, doc, labels=["model_name", label])
+            for key, value in values.items():
+                family.add_metric([name, key], value)
+            return family
+
+        yield counter("dsv41:prefix_cache_page_hits", "Pages of matched prefixes by tier: device = shared from the "
+                      "KV pool, disk = loaded from the persistent store.", "tier",
+                      {"device": pc.get("device_pages_hit", 0), "disk": pc.get("disk_pages_read", 0)})
+        yield counter("dsv41:prefix_cache_pages_written", "Pages written to the persistent store.", "tier",
+                      {"disk": pc.get("disk_pages_written", 0)})
+        yield counter("dsv41:swa_pool_snapshots", "SWA window snapshots: hit = restored for a prefix-cache hit, "
+                      "written = taken at a page boundary.", "event",
+                      {"hit": pc.get("snapshots_hit", 0), "written": pc.get("snapshots_written", 0)})
+        evictions = CounterMetricFamily("dsv41:swa_pool_evictions", "SWA snapshots evicted to stay within the "
+                                        "pool's capacity.", labels=["model_name"])
+        evictions.add_metric([name], (pc.get("swa_pool") or {}).get("evictions", 0))
+        yield evictions
+        used = pc.get("swa_pool_occupancy_bytes", 0) or 0
+        capacity = self._swa_capacity(pc)
+        yield gauge("dsv41:swa_pool_used_bytes", "Bytes of the stored SWA snapshots.", used)
+        yield gauge("dsv41:swa_pool_capacity_bytes", "Byte capacity of the SWA snapshot pool (0 without a pool or "
+                    "with the Redis pool).", capacity)
+        yield gauge("dsv41:swa_pool_occupancy", "Fraction of the SWA snapshot pool in use, 0..1 (0 without "
+                    "prefix caching, without a pool or with the Redis pool).",
+                    min(1.0, used / capacity) if capacity else 0.0)
+        yield gauge("dsv41:prefix_cache_disk_bytes", "Bytes of the page files in the persistent prefix cache.",
+                    (pc.get("disk") or {}).get("bytes_used", 0))
+
+    def _swa_capacity(self, pc: dict[str, Any]) -> int:
+        """The SWA pool's byte capacity: the engine's stats key when it reports one, else the in-memory pool's
+        ``capacity_bytes``; 0 without a pool and for the Redis pool (no capacity)."""
+        if pc.get("swa_pool_capacity_bytes") is not None:
+            return int(pc["swa_pool_capacity_bytes"])
+        prefix_cache = getattr(self.metrics.engine.engine, "prefix_cache", None)
+        pool = getattr(prefix_cache, "swa_pool", None)
+        return int(getattr(pool, "capacity_bytes", 0) or 0)

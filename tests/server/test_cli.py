@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 
 def free_port() -> int:
@@ -76,3 +77,74 @@ def test_serve_rejects_bad_engine_settings(model_dir, tmp_path):
                                  "--cache-dir", str(tmp_path / "cache"), *flags],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (flags, result.stderr[-500:])
+
+
+def run_serve(*flags: str):
+    """``dsv41 serve FLAGS`` in this process (for settings refused before the server starts)."""
+    from typer.testing import CliRunner
+
+    from deepseek_v41.cli import app
+
+    return CliRunner().invoke(app, ["serve", *flags])
+
+
+def bad_device() -> str:
+    import torch
+
+    return "cuda:99" if torch.cuda.is_available() else "cuda"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--port", "99999"], "'--port'"),
+    (["--port", "0"], "'--port'"),
+    (["--max-model-len", "0"], "'--max-model-len'"),
+    (["--max-num-seqs", "-1"], "'--max-num-seqs'"),
+    (["--max-num-batched-tokens", "0"], "'--max-num-batched-tokens'"),
+    (["--block-size", "0"], "'--block-size'"),
+    (["--num-kv-pages", "0"], "'--num-kv-pages'"),
+    (["--kv-cache-memory-bytes", "0"], "'--kv-cache-memory-bytes'"),
+    (["--swa-pool-bytes", "-1"], "'--swa-pool-bytes'"),
+    (["--threads", "0"], "'--threads'"),
+    (["--speculative-max-len", "0"], "'--speculative-max-len'"),
+    (["--drain-timeout", "-1"], "'--drain-timeout'"),
+    (["--max-body-mb", "0"], "--max-body-mb must be > 0"),
+    (["--log-level", "loud"], "--log-level must be one of critical, error"),
+    (["--replay", "sometimes"], "--replay must be one of bounded, exact"),
+    (["--dtype", "int8"], "--dtype must be one of auto, float32, bfloat16, float16, float64"),
+    (["--device", "foo"], "'foo' is not a torch device name; available here: cpu"),
+    (["--device", "meta"], "device type 'meta' is not supported"),
+    (["--device", bad_device()], "available here: cpu"),
+    (["--speculative-max-len", "2"], "--speculative-max-len needs --speculative dspark"),
+    (["--num-kv-pages", "1"], "cannot hold one sequence"),  # an engine check, after the model is loaded
+])
+def test_serve_refuses_bad_settings_cleanly(model_dir, tmp_path, monkeypatch, flags, message):
+    """Exit 2 with the message on stderr (no traceback, no silent default), and no cache directory created."""
+    import deepseek_v41.server.cli as serve_cli
+
+    monkeypatch.setattr(serve_cli, "DEFAULT_CACHE_DIR", tmp_path / "home" / ".cache" / "prefix-cache")
+    result = run_serve("--model", str(model_dir), *flags)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert message in " ".join(result.stderr.split()), result.stderr
+    assert not (tmp_path / "home").exists()
+    explicit = run_serve("--model", str(model_dir), "--cache-dir", str(tmp_path / "a" / "b"), *flags)
+    assert explicit.exit_code == 2 and not (tmp_path / "a").exists()
+
+
+def test_serve_failed_start_removes_the_cache_dir_it_created(model_dir, tmp_path):
+    """A start that fails after the engine made its cache directory (here: the port is taken) removes it again;
+    the startup line names the cache directory and the speculative mode."""
+    home = tmp_path / "home"
+    home.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "deepseek_v41.cli", "serve", "--model", str(model_dir),
+                                 "--port", str(port), "--threads", "1", "--speculative", "dspark"],
+                                capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "HOME": str(home), "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0 and "address already in use" in result.stderr, result.stderr[-2000:]
+    cache = home / ".cache" / "deepseek_v41" / "prefix-cache"
+    assert f"prefix caching on, cache dir {cache}" in result.stderr
+    assert "speculative decoding dspark (up to" in result.stderr
+    assert not (home / ".cache").exists()
