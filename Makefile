@@ -2,6 +2,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+MODEL  ?= checkpoints/v41-tiny
+# One OpenMP thread: the models here are small, and on a 2-core machine spinning OpenMP workers make a busy
+# machine 10-20x slower (bench/README.md).
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: run test test-slow lint clean
 
@@ -17,8 +21,10 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e '.[dev]'
 	touch $@ $(VENV)/.installed-run
 
+# The main job: the bundled checkpoint continues a held-out prompt, then a second turn reuses its prefix.
 run: $(VENV)/.installed-run
-	$(BIN)/dsv41 report
+	$(BIN)/dsv41 generate --model $(MODEL) --prompt-file $(MODEL)/prompt.txt --max-tokens 64 \
+		--follow-up "$$(cat $(MODEL)/follow_up.txt)"
 
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .

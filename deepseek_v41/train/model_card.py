@@ -121,7 +121,7 @@ def render(facts: dict[str, Any]) -> str:
         lines.append(f"| {layer} | {r['recall']:.3f} | {r['random']:.3f} |")
     if "ced_vs_exact" in facts:
         c = facts["ced_vs_exact"]
-        lines += ["", f"- CED against exact prefill: KL {c['kl_nats_per_token']:.4f} nats per token, perplexity "
+        lines += ["", f"- CED against exact prefill: KL {c['kl_nats_per_token']:.1e} nats per token, perplexity "
                       f"{c['perplexity_ced']:.3f} vs {c['perplexity_exact']:.3f} (`bench/quality.py`)."]
     if "dspark" in facts:
         lines += ["", f"- DSpark draft: {facts['dspark']}"]
