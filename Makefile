@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 MODEL  ?= checkpoints/v41-tiny
+# pytest-xdist workers: 2 = the cores of the CI machines.
+TEST_WORKERS ?= 2
 # One OpenMP thread: the models here are small, and on a 2-core machine spinning OpenMP workers make a busy
 # machine 10-20x slower (bench/README.md).
 export OMP_NUM_THREADS ?= 1
@@ -28,11 +30,11 @@ run: $(VENV)/.installed-run
 
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow"
 
 # pytest exits 5 when no test carries the mark; that is not a failure.
 test-slow: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -m slow || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m slow || [ $$? -eq 5 ]
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
