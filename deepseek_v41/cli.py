@@ -142,8 +142,14 @@ def model_card(
     """Measure a trained checkpoint on held-out text and write its model card."""
     from deepseek_v41.train.model_card import write_model_card
 
-    facts = json.loads(extra.read_text()) if extra else None
-    path = write_model_card(model, run, data, prompt_file.read_text(encoding="utf-8"), facts, eval_tokens=eval_tokens)
+    try:
+        facts = json.loads(extra.read_text(encoding="utf-8")) if extra else None
+        prompt = prompt_file.read_text(encoding="utf-8")
+        path = write_model_card(model, run, data, prompt, facts, eval_tokens=eval_tokens)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, KeyError) as exc:
+        typer.echo(f"error: {exc!s} (model-card needs --model, --run, --data and --prompt-file as described in "
+                   f"--help)", err=True)
+        raise typer.Exit(2) from exc
     typer.echo(f"wrote {path}")
 
 
