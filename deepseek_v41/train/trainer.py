@@ -120,12 +120,17 @@ def balance_experts(model: torch.nn.Module, rate: float) -> None:
 
 @torch.no_grad()
 def heldout_nats(model: Transformer, stream: np.ndarray, context: int, tokens: int) -> dict[str, float]:
-    """Mean nats per token of the first ``tokens`` held-out tokens, scored in windows of ``context``."""
+    """Mean nats per token of about ``tokens`` held-out tokens: ``ceil(tokens / context)`` windows of ``context``
+    tokens spread evenly over the whole held-out stream (the first tokens alone can be one unrepresentative
+    document), each scored from its own start."""
     from deepseek_v41.train.evaluate import stream_nats
 
     was_training = model.training
     model.eval()
-    nats = stream_nats(model, stream[: tokens + 1], context)
+    windows = max(1, math.ceil(tokens / context))
+    last = max(0, len(stream) - context - 1)
+    starts = sorted({int(s) for s in np.linspace(0, last, num=windows)})
+    nats = np.concatenate([stream_nats(model, stream[s: s + context + 1], context) for s in starts])
     model.train(was_training)
     mean = float(nats.mean())
     return {"nats_per_token": mean, "perplexity": math.exp(mean)}

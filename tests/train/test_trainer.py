@@ -85,3 +85,20 @@ def test_schedule():
     args = TrainArgs(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     assert lr_at(0, args) == pytest.approx(0.1) and lr_at(9, args) == pytest.approx(1.0)
     assert lr_at(100, args) == pytest.approx(0.1) and 0.1 < lr_at(55, args) < 1.0
+
+
+def test_heldout_eval_spreads_its_windows_over_the_stream():
+    """The progress-bar perplexity reads windows from the whole held-out stream, not just its first tokens."""
+    from deepseek_v41.model.transformer import Transformer
+    from deepseek_v41.train.evaluate import stream_nats
+    from deepseek_v41.train.trainer import heldout_nats
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_config())
+    stream = byte_stream()[:400]
+    got = heldout_nats(model, stream, context=16, tokens=48)  # 3 windows: start, middle, end
+    starts = [0, (400 - 17) // 2, 400 - 17]
+    want = np.concatenate([stream_nats(model.eval(), stream[s: s + 17], 16) for s in starts]).mean()
+    assert got["nats_per_token"] == pytest.approx(float(want), rel=1e-9)
+    head = stream_nats(model, stream[:49], 16).mean()
+    assert abs(got["nats_per_token"] - float(head)) > 1e-6  # not the first 48 tokens
