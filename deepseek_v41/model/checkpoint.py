@@ -224,15 +224,17 @@ def _official_tensors(name: str, value: torch.Tensor) -> Iterator[tuple[str, tor
 
 
 def save_pretrained(model, path: str | Path, quantization: str = "none",
-                    max_shard_bytes: int = 4 * 1024**3) -> list[Path]:
+                    max_shard_bytes: int = 4 * 1024**3, dtype: torch.dtype | None = None) -> list[Path]:
     """Write ``config.json`` and the weights under the official names into directory ``path``.
 
     ``quantization="none"`` stores every tensor as it is in memory; ``"official"`` stores the release's
     formats: FP8 32x32-block dense weights, packed FP4 routed experts, FP8 Engram tables (the config then
     records a ``quantization_config``). Shards above ``max_shard_bytes`` bytes split into several files with a
-    ``model.safetensors.index.json``. A model loaded by :func:`load_model` also gets its directory's
-    ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json`` copied over (files already in
-    ``path`` are kept). Returns the files written. Raises ValueError for an unknown quantization.
+    ``model.safetensors.index.json``. ``dtype`` (e.g. bf16) casts the parameters on the way out, except those
+    :func:`keeps_fp32` names (mHC, sinks, router biases); the model itself is not changed. A model loaded by
+    :func:`load_model` also gets its directory's ``tokenizer.json``, ``tokenizer_config.json`` and
+    ``generation_config.json`` copied over (files already in ``path`` are kept). Returns the files written.
+    Raises ValueError for an unknown quantization.
     """
     if quantization not in ("none", "official"):
         raise ValueError(f"quantization must be 'none' or 'official', got {quantization!r}")
@@ -251,7 +253,10 @@ def save_pretrained(model, path: str | Path, quantization: str = "none",
         stale.unlink(missing_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
+    parameters = {name for name, _ in model.named_parameters()}
     for name, value in model.state_dict().items():
+        if dtype is not None and name in parameters and not keeps_fp32(name):
+            value = value.to(dtype)
         items = _official_tensors(name, value) if quantization == "official" else [(name, value)]
         for key, tensor in items:
             nbytes = tensor.numel() * tensor.element_size()

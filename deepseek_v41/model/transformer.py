@@ -125,12 +125,13 @@ class Transformer(nn.Module):
         if getattr(self, "mtp", None) is not None:
             self.mtp.fake_quant = bool(value)
 
-    def save_pretrained(self, path, quantization: str = "none", max_shard_bytes: int = 4 * 1024**3):
+    def save_pretrained(self, path, quantization: str = "none", max_shard_bytes: int = 4 * 1024**3,
+                        dtype: torch.dtype | None = None):
         """Write config.json + safetensors under the official names; see
         :func:`deepseek_v41.model.checkpoint.save_pretrained`."""
         from deepseek_v41.model.checkpoint import save_pretrained
 
-        return save_pretrained(self, path, quantization, max_shard_bytes)
+        return save_pretrained(self, path, quantization, max_shard_bytes, dtype)
 
     # ------------------------------------------------------------------ pieces the engine composes
     def embed_streams(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None,

@@ -181,25 +181,12 @@ def save_with_draft(model: Transformer, source: Path, out: Path) -> Path:
     stay fp32, as in ``Trainer.export``; an ``official``-format source is written in the official format).
     The other files of ``source`` (tokenizer, generation config) come along; ``out`` may be ``source``: the new
     weights are written next to it first and then moved in."""
-    from deepseek_v41.model.checkpoint import keeps_fp32
-
     source, out = Path(source), Path(out)
     dtype = _stored_dtype(source)
     quantization = "official" if model.config.quantization_config is not None else "none"
     staging = out.parent / f".{out.name}.dspark-tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    saved = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not keeps_fp32(name):
-                saved[name] = p.data
-                p.data = p.data.to(dtype)
-        try:
-            written = model.save_pretrained(staging, quantization)
-        finally:
-            for name, p in model.named_parameters():
-                if name in saved:
-                    p.data = saved[name]
+    written = model.save_pretrained(staging, quantization, dtype=dtype)
     out.mkdir(parents=True, exist_ok=True)
     if out.resolve() != source.resolve():
         for item in source.iterdir():

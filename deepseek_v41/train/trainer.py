@@ -249,19 +249,7 @@ class Trainer:
 
     def export(self, path: Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """Save the trained weights as a model directory (``dtype``; mHC, sinks and router biases stay fp32)."""
-        from deepseek_v41.model.checkpoint import keeps_fp32
-
-        model = self.model
-        saved = {}
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if not keeps_fp32(name):
-                    saved[name] = p.data
-                    p.data = p.data.to(dtype)
-            model.save_pretrained(path)
-            for name, p in model.named_parameters():
-                if name in saved:
-                    p.data = saved[name]
+        self.model.save_pretrained(path, dtype=dtype)
 
 
 def load_streams(data: Path, tokenizer_dir: Path, cache: Path) -> tuple[np.ndarray, np.ndarray]:

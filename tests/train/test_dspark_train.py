@@ -20,14 +20,6 @@ from deepseek_v41.train.dspark_train import DSparkDistiller, DSparkTrainArgs, ex
 SLICE = Path(__file__).parent / "data" / "slice.txt"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def byte_stream() -> np.ndarray:
     """The shipped text slice as byte-level ids (+3: ids 0-2 are BOS/EOS/PAD), fitting the tiny vocab of 512."""
     return np.frombuffer(SLICE.read_bytes(), dtype=np.uint8).astype(np.int64) + 3

@@ -24,14 +24,6 @@ def micro_args(**changes) -> TrainArgs:
     return TrainArgs(**{**base, **changes})
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_micro_model_loss_goes_down(tmp_path):
     stream = byte_stream()
     state = Trainer(tiny_config(), stream, stream[:2000], tmp_path, micro_args()).train(progress=False)
