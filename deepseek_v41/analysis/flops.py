@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from torch.utils.flop_counter import FlopCounterMode
 
-_FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|shared_experts\.w[123]|indexer\.wq_b|engram\.wkv)$")
-_FP4 = re.compile(r"(\.ffn\.experts\.\d+\.w[123]|\.indexer\.score)$")
+# An expert's matmuls are its own (Expert.forward calls F.linear on w1 / w3 / w2), so the expert module is named.
+_FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|shared_experts(\.w[123])?|indexer\.wq_b|engram\.wkv)$")
+_FP4 = re.compile(r"(\.ffn\.experts\.\d+(\.w[123])?|\.indexer\.score)$")
 WEIGHTS = {"bf16": 1.0, "fp8": 0.5, "fp4": 0.25}
 
 

@@ -14,7 +14,7 @@ import torch
 
 from deepseek_v41.cache.block_manager import BlockManager
 from deepseek_v41.cache.kv_cache import PagedKVCache
-from deepseek_v41.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
+from deepseek_v41.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8_values
 
 
 class PagedContext:
@@ -44,6 +44,8 @@ class PagedContext:
         self.ends = ends
         device = cache.device
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
+        # Reading one row's rings through a slice is a view; several rows need a gather (a copy).
+        self._rows = slice(slots[0], slots[0] + 1) if len(slots) == 1 else self.slots
         width = max(1, max(len(t) for t in tables), -(-max(ends) // cache.block_size))
         padded = [t + [BlockManager.NULL_PAGE] * (width - len(t)) for t in tables]
         self.tables = torch.tensor(padded, dtype=torch.long, device=device)
@@ -57,14 +59,13 @@ class PagedContext:
         cache = self.cache
         R = cache.window_rows
         B, T, _ = kv.shape
-        codes = cache.window_codes[self.slots, layer]
-        scales = cache.window_scales[self.slots, layer]
-        row_pos = cache.window_pos[self.slots, layer].long()
+        codes = cache.window_codes[self._rows, layer]
+        scales = cache.window_scales[self._rows, layer]
+        row_pos = cache.window_pos[self._rows, layer].long()
         prev = dequantize_fp8(codes, scales, 32, "ue8m0", dtype=kv.dtype)
         start = self.positions[:, :1]
         prev_pos = torch.where((row_pos >= 0) & (row_pos < start), row_pos, -1)
-        new_codes, new_scales = quantize_fp8(kv, 32, "ue8m0")
-        new = dequantize_fp8(new_codes, new_scales, 32, "ue8m0", dtype=kv.dtype)
+        new_codes, new_scales, new = quantize_fp8_values(kv, 32, "ue8m0")
         # Write after reading: a long chunk may wrap the ring over rows its own first queries read above.
         tail = min(T, R)
         pos = self.positions[:, T - tail:]
@@ -126,6 +127,15 @@ class PagedContext:
         codes = idx_codes[pages].reshape(B, -1, idx_codes.shape[-1])[:, :n]
         scales = idx_scales[pages].reshape(B, -1, idx_scales.shape[-1])[:, :n]
         return dequantize_fp4(codes, scales, 32, "ue8m0", dtype=self.dtype)
+
+    def num_index_keys(self, layer: int) -> int:
+        return self.num_entries(layer)
+
+    def index_keys_at(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """Index keys of entries ``ids`` [B, c, n] (valid ids) [B, c, n, di]: only these are decoded."""
+        _, _, idx_codes, idx_scales = self.cache.pools[layer]
+        page, slot = self._locate(layer, ids)
+        return dequantize_fp4(idx_codes[page, slot], idx_scales[page, slot], 32, "ue8m0", dtype=self.dtype)
 
     def gather_entries(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
         main_codes, main_scales, _, _ = self.cache.pools[layer]

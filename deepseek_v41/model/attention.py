@@ -52,6 +52,8 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
     queries run in chunks of ``chunk`` so memory is O(chunk x (window + P + k)).
     """
     B, T, H, d = q.shape
+    if T <= FEW_QUERIES and not entry_probs and shared_entries is None:
+        return _attend_few(q, q_pos, keys, key_pos, window, topk, gather, sink, scale)
     P = keys.shape[1] - T if banded else keys.shape[1]
     wide = upcast(keys)
     prev, prev_pos = wide[:, :P], key_pos[:, :P]
@@ -98,6 +100,37 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
     if entry_probs:
         return o, (torch.cat(picked, 1) if picked else q.new_zeros(B, T, H, 0))
     return o
+
+
+FEW_QUERIES = 16  # up to this many queries per row (decode, speculative verify) attention takes _attend_few
+
+
+def _attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, window: int,
+                topk: torch.Tensor | None, gather: Callable[[torch.Tensor], torch.Tensor] | None,
+                sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`sparse_attention` for a few queries per row (decode, speculative verify): every query scores all
+    window rows at once, masked by position alone (``p - window < key_pos <= p``, which is exactly the band
+    for new rows at consecutive positions), so the whole softmax is a handful of batched matmuls instead of a
+    chunk loop of einsums. Same arguments, result and fp32 arithmetic as :func:`sparse_attention`."""
+    B, T, H, d = q.shape
+    wide = upcast(keys)  # [B, L, d]
+    qc = upcast(q).to(wide.dtype)
+    scores = (qc.flatten(1, 2) @ wide.transpose(1, 2)).unflatten(1, (T, H)) * scale  # [B, T, H, L]
+    qp, kp = q_pos[:, :, None], key_pos[:, None, :]
+    seen = (kp >= 0) & (kp <= qp) & (kp > qp - window)  # [B, T, L]
+    parts = [scores.masked_fill(~seen[:, :, None, :], float("-inf"))]
+    selected = None
+    if topk is not None and topk.shape[-1] > 0:
+        selected = gather(topk).to(qc.dtype)  # [B, T, k, d]
+        s_c = (qc @ selected.transpose(-1, -2)) * scale  # [B, T, H, k]
+        parts.append(s_c.masked_fill((topk < 0)[:, :, None, :], float("-inf")))
+    parts.append(sink.to(qc.dtype).view(1, 1, H, 1).expand(B, T, H, 1))
+    probs = torch.softmax(torch.cat(parts, -1), dim=-1)
+    L = wide.shape[1]
+    o = (probs[..., :L].flatten(1, 2) @ wide).unflatten(1, (T, H))
+    if selected is not None:
+        o = o + probs[..., L:-1] @ selected
+    return o.to(q.dtype)
 
 
 def indexer_kl(entry_probs: torch.Tensor, indexer_scores: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
@@ -254,9 +287,8 @@ class Attention(nn.Module):
         training = ctx.indexer_losses is not None
         if training:  # the indexer learns from its KL loss only (module docstring of deepseek_v41.train.indexer)
             q_lat, x = q_lat.detach(), x.detach()
-        keys = ctx.index_keys(spec.kv_source)
         B, T = q_lat.shape[:2]
-        N = keys.shape[1]
+        N = ctx.num_index_keys(spec.kv_source)
         k = min(self.index_topk, N)
         if k == 0:
             return torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
@@ -265,6 +297,7 @@ class Attention(nn.Module):
         picks, pools, picked_scores, selections = [], [], [], []
         all_entries = torch.arange(N, device=x.device)
         pooled = spec.candidate_source is not None and not ctx.dense_indexer
+        keys = None  # every index key, read only when some chunk scores them all
         for i0 in range(0, T, self.query_chunk):
             i1 = min(T, i0 + self.query_chunk)
             qc, wc, vis = q[:, i0:i1], w[:, i0:i1], visible[:, i0:i1]
@@ -272,14 +305,15 @@ class Attention(nn.Module):
                 # Reindex: score only the entries of each query's candidate pool.
                 blocks = ctx.shared[("pool", spec.candidate_source)][:, i0:i1]
                 ids, valid = pool_entries(blocks, self.candidate_block_size, self.candidate_topk_blocks, N)
-                pool_keys = keys.gather(1, ids.flatten(1)[..., None].expand(-1, -1, keys.shape[-1]))
-                scores = self.indexer.score(qc, wc, pool_keys.view(*ids.shape, -1))
+                scores = self.indexer.score(qc, wc, ctx.index_keys_at(spec.kv_source, ids))
                 scores = mask_invisible(scores, ids, vis).masked_fill(~valid, float("-inf"))
                 local = topk_entries(scores, min(k, ids.shape[-1]))
                 picks.append(torch.where(local >= 0, ids.gather(-1, local.clamp(min=0)), -1))
                 if training:
                     picked_scores.append(scores.gather(-1, local.clamp(min=0)))
                 continue
+            if keys is None:
+                keys = ctx.index_keys(spec.kv_source)
             scores = mask_invisible(self.indexer.score(qc, wc, keys), all_entries, vis)
             if spec.is_candidate_source:
                 pools.append(candidate_blocks(scores, vis, self.candidate_block_size, self.candidate_topk_blocks))

@@ -10,6 +10,8 @@ the context object they pass. A context provides, for the tokens of one forward 
 - ``add_entries(layer, entries, index_keys, group)``: store compressed entries [B, G, d] (post-RoPE; FP4 with
   E4M3 scales) and index keys [B, G, di] (FP4 with UE8M0 scales) for groups ``group`` [B, G] (-1 = none);
 - ``index_keys(layer)``: all stored index keys [B, N, di] of a kv source, entry n at row n;
+  ``num_index_keys(layer)``: that N; ``index_keys_at(layer, ids)``: the keys of entries ``ids`` [B, c, n]
+  (each valid) as [B, c, n, di] (a Reindex layer's candidate pool: the engine decodes only those);
 - ``gather_entries(layer, idx)``: the entries picked by ``idx`` [B, c, k] as [B, c, k, d] (zeros where -1);
 - ``shared``: per-forward results handed between layers (top-k of index sources, candidate pools);
 - ``indexer_losses`` / ``dense_indexer``: training only (:mod:`deepseek_v41.train.trainer`): a list that
@@ -70,6 +72,13 @@ class DenseContext:
     def all_entries(self, layer: int) -> torch.Tensor:
         """Every stored entry of kv source ``layer`` [B, N, d] (training's dense warm-up)."""
         return self._entries[layer]
+
+    def num_index_keys(self, layer: int) -> int:
+        return self.index_keys(layer).shape[1]
+
+    def index_keys_at(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        keys = self.index_keys(layer)
+        return keys.gather(1, ids.flatten(1)[..., None].expand(-1, -1, keys.shape[-1])).view(*ids.shape, -1)
 
     def gather_entries(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
         entries = self._entries[layer]

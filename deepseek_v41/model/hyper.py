@@ -16,7 +16,20 @@ from deepseek_v41.model.norm import rms_normalize, upcast
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Normalise columns, then rows and columns ``iters - 1`` more times: [..., hc, hc] fp32."""
+    """Normalise columns, then rows and columns ``iters - 1`` more times: [..., hc, hc] fp32.
+
+    Without autograd on CPU the same divisions run in NumPy, in place: the matrices are 4 x 4, so each of the
+    ~120 steps is all dispatch, and NumPy's is about a third of PyTorch's (the results are identical: the same
+    IEEE sums of ``hc`` terms in the same order, the same additions and divisions).
+    """
+    if comb.device.type == "cpu" and not (comb.requires_grad and torch.is_grad_enabled()):
+        c = comb.numpy(force=True)
+        eps_ = c.dtype.type(eps)
+        c = c / (c.sum(-2, keepdims=True) + eps_)
+        for _ in range(iters - 1):
+            c /= c.sum(-1, keepdims=True) + eps_
+            c /= c.sum(-2, keepdims=True) + eps_
+        return torch.from_numpy(c)
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + eps)
@@ -24,29 +37,42 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+_PART_INDEX: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _part_index(hc: int, device: torch.device) -> torch.Tensor:
+    """Which of the three scales each of the (2 + hc) * hc mixing columns takes: [0] * hc + [1] * hc + [2] * hc^2."""
+    index = _PART_INDEX.get((hc, device))
+    if index is None:
+        with torch.inference_mode(False):  # a normal tensor, so autograd may save it after an engine step
+            index = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
+        if device.type != "meta":
+            _PART_INDEX[(hc, device)] = index
+    return index
+
+
 def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
            norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Coefficients of one site from streams [B, T, hc, D]: pre [B, T, hc], post [B, T, hc],
     comb [B, T, hc, hc] (all fp32; comb[i, j] moves stream i into stream j)."""
     flat = rms_normalize(streams.flatten(-2), norm_eps)  # [B, T, hc*D]
-    mix = flat @ fn.to(flat.dtype).t()  # [B, T, (2+hc)*hc]
-    pre, post, comb = mix.split([hc, hc, hc * hc], dim=-1)
-    base_pre, base_post, base_comb = base.to(flat.dtype).split([hc, hc, hc * hc])
-    pre = torch.sigmoid(pre * scale[0] + base_pre) + hc_eps
-    post = 2 * torch.sigmoid(post * scale[1] + base_post)
-    comb = (comb * scale[2] + base_comb).unflatten(-1, (hc, hc))
-    comb = torch.softmax(comb, dim=-1) + hc_eps
+    mix = flat @ fn.to(flat.dtype).t()  # [B, T, (2+hc)*hc]: pre | post | comb
+    mix = mix * scale.to(flat.dtype)[_part_index(hc, scale.device)] + base.to(flat.dtype)
+    gates = torch.sigmoid(mix[..., : 2 * hc])
+    pre = gates[..., :hc] + hc_eps
+    post = 2 * gates[..., hc:]
+    comb = torch.softmax(mix[..., 2 * hc:].unflatten(-1, (hc, hc)), dim=-1) + hc_eps
     return pre, post, sinkhorn(comb, iters, hc_eps)
 
 
 def collapse(streams: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``Σ_i w_i R_i``: streams [B, T, hc, D], weights [B, T, hc] -> [B, T, D] in the streams' dtype."""
     wide = upcast(streams)
-    return torch.einsum("bthd,bth->btd", wide, weights.to(wide.dtype)).to(streams.dtype)
+    return (weights.to(wide.dtype)[..., None, :] @ wide).squeeze(-2).to(streams.dtype)
 
 
 def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``R'_j = post_j y + Σ_i comb[i, j] R_i``: streams [B, T, hc, D], y [B, T, D] -> [B, T, hc, D]."""
     wide = upcast(streams)
-    mixed = torch.einsum("btij,btid->btjd", comb.to(wide.dtype), wide)
+    mixed = comb.to(wide.dtype).transpose(-1, -2) @ wide
     return (post.to(wide.dtype)[..., None] * y.to(wide.dtype)[:, :, None, :] + mixed).to(streams.dtype)

@@ -62,9 +62,13 @@ class IndexScorer(nn.Module):
     """
 
     def forward(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        equation = "bchd,bnd->bchn" if keys.dim() == 3 else "bchd,bcnd->bchn"
-        dots = torch.einsum(equation, q, keys.to(q.dtype)).relu_()
-        return torch.einsum("bchn,bch->bcn", dots, w)
+        B, c, H, _ = q.shape
+        keys = keys.to(q.dtype)
+        if keys.dim() == 3:  # one key set for every query: a single [c * H, di] x [di, N] product per row
+            dots = (q.flatten(1, 2) @ keys.transpose(1, 2)).unflatten(1, (c, H))
+        else:
+            dots = q @ keys.transpose(-1, -2)
+        return (w.to(dots.dtype)[:, :, None, :] @ dots.relu_()).squeeze(2)
 
 
 def mask_invisible(scores: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,12 @@ def yarn_inv_freq(rope_dim: int, theta: float, yarn: dict[str, float] | None) ->
     return inv.float()
 
 
+# The last (cos, sin) each RoPE table computed, keyed by the table: every layer of one forward rotates at the same
+# positions tensor (queries, window keys, the inverse on the output), so the angles are computed once per forward
+# and table instead of once per call. Keyed by the positions tensor's identity and version counter.
+_PHASES: dict[tuple, tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = {}
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE on the last ``rope_dim`` dims of a vector, at given absolute positions.
 
@@ -49,22 +55,41 @@ class RotaryEmbedding(nn.Module):
         self.rope_dim = rope_dim
         self.theta, self.yarn = theta, yarn
         self.register_buffer("inv_freq", yarn_inv_freq(rope_dim, theta, yarn), persistent=False)
+        self._table = (rope_dim, theta, tuple(sorted(yarn.items())) if yarn else None)
 
     def reset_buffers(self, device: torch.device | str) -> None:
         """Recompute the table on ``device`` (after building the model on ``meta`` and loading weights)."""
         self.inv_freq = yarn_inv_freq(self.rope_dim, self.theta, self.yarn).to(device)
 
+    def phases(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` [B, T, rope_dim] fp32 (float64 tables stay float64) of ``positions`` [B, T], each angle
+        repeated for both elements of its pair and ``sin`` negated on the first (``x' = x cos + swap(x) sin``
+        with ``swap`` exchanging the pair's elements); computed once per positions tensor and table."""
+        key = (*self._table, self.inv_freq.dtype, self.inv_freq.device)
+        # Inference tensors have no version counter (and cannot be changed in place outside inference mode).
+        version = -1 if positions.is_inference() else positions._version
+        memo = _PHASES.get(key)
+        if memo is not None and memo[0] is positions and memo[1] == version:
+            return memo[2], memo[3]
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, r/2]
+        cos, sin = torch.cos(angles), torch.sin(angles)
+        cos = torch.stack((cos, cos), -1).flatten(-2)
+        sin = torch.stack((-sin, sin), -1).flatten(-2)
+        _PHASES[key] = (positions, version, cos, sin)
+        return cos, sin
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         r = self.rope_dim
         if r == 0:
             return x
-        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, r/2]
+        cos, sin = self.phases(positions)
         if x.dim() == 4:
-            angles = angles[:, :, None, :]
-        cos, sin = torch.cos(angles), torch.sin(angles)
+            cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         if inverse:
             sin = -sin
-        tail = upcast(x[..., -r:]).unflatten(-1, (r // 2, 2))
-        a, b = tail[..., 0], tail[..., 1]
-        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+        tail = upcast(x[..., -r:])
+        # Pair (a, b) -> (a cos - b sin, b cos + a sin): the same two products and one sum per element as the
+        # textbook form, so the result is bit-identical to it.
+        swapped = tail.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)
+        rotated = tail * cos + swapped * sin
         return torch.cat((x[..., :-r], rotated.to(x.dtype)), dim=-1)

@@ -18,7 +18,7 @@ NaN / inf / -0 policy (pinned by ``tests/quant``), so that a corrupted value nev
 """
 
 from deepseek_v41.quant.fp4 import dequantize_fp4, fake_quant_fp4, quantize_fp4
-from deepseek_v41.quant.fp8 import dequantize_fp8, fake_quant_fp8, quantize_fp8
+from deepseek_v41.quant.fp8 import dequantize_fp8, fake_quant_fp8, quantize_fp8, quantize_fp8_values
 from deepseek_v41.quant.layout import (
     pack_index_entry,
     pack_main_entry,
@@ -47,6 +47,7 @@ __all__ = [
     "quantize_fp4",
     "quantize_fp4_expert_weight",
     "quantize_fp8",
+    "quantize_fp8_values",
     "quantize_fp8_weight",
     "unpack_index_entry",
     "unpack_main_entry",

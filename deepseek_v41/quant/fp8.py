@@ -39,6 +39,16 @@ def quantize_fp8(x: Tensor, block_size: int = 32, scale_format: str = "ue8m0") -
     return codes.flatten(-2), scale_bytes
 
 
+def quantize_fp8_values(x: Tensor, block_size: int = 32, scale_format: str = "ue8m0") -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`quantize_fp8` and the values its result decodes to, in one pass: ``(codes, scales, values)`` with
+    ``values`` = ``dequantize_fp8(codes, scales, block_size, scale_format, x.dtype)`` [..., n] (what the SWA
+    window keeps and attention reads). Raises ValueError as :func:`quantize_fp8`. Source: MODEL_REFERENCE.md §4.
+    """
+    codes, scale_bytes, scale = _quantize_blocks(x, block_size, scale_format)
+    values = (e4m3_decode(codes) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+    return codes.flatten(-2), scale_bytes, values
+
+
 def dequantize_fp8(
     codes: Tensor,
     scales: Tensor,

@@ -24,6 +24,10 @@ class _StraightThrough(torch.autograd.Function):
 def straight_through(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
     """``fn(x)`` in the forward pass, identity gradient (d out / d x = I) in the backward pass.
 
-    ``fn`` must return a tensor of the shape and dtype of ``x``; it runs without autograd tracking.
+    ``fn`` must return a tensor of the shape and dtype of ``x``; it runs without autograd tracking. When no
+    gradient can flow (``x`` does not require one, or grad mode is off) ``fn(x)`` is returned directly: an
+    ``autograd.Function`` call costs about 100 µs of Python, which inference pays on every decode step.
     """
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return fn(x)
     return _StraightThrough.apply(x, fn)

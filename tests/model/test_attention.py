@@ -56,3 +56,43 @@ def test_with_fewer_entries_than_topk_sparse_equals_dense():
     ref = dense_attention(captured["q"][0], captured["keys"][0], entries, lambda t: (t + 1) // 2, attn.attn_sink,
                           cfg.sliding_window, cfg.head_dim ** -0.5)
     assert torch.allclose(captured["o"][0].double(), ref, atol=1e-5, rtol=0)
+
+
+def _random_attention_inputs(T: int, P: int, banded: bool, seed: int):
+    """Queries at consecutive positions after P earlier ring rows (some empty, some out of the window, in ring
+    order), T new rows (banded) and a top-k with padding."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, d, k, window = 2, 3, 8, 5, 6
+    start = torch.tensor([[9], [20]])
+    q_pos = start + torch.arange(T)
+    q = torch.randn(B, T, H, d, generator=g, dtype=torch.float64)
+    prev_pos = torch.randint(-1, 9, (B, P), generator=g)
+    prev_pos[1] += 11
+    key_pos = torch.cat((prev_pos, q_pos), 1) if banded else torch.cat((prev_pos, q_pos[:, :1].expand(B, T)), 1)
+    keys = torch.randn(B, key_pos.shape[1], d, generator=g, dtype=torch.float64)
+    entries = torch.randn(B, 12, d, generator=g, dtype=torch.float64)
+    topk = torch.randint(-1, 12, (B, T, k), generator=g)
+
+    def gather(idx):
+        rows = idx.clamp(min=0).reshape(B, -1, 1).expand(-1, -1, d)
+        return entries.gather(1, rows).view(*idx.shape, d).masked_fill((idx < 0)[..., None], 0.0)
+
+    sink = torch.randn(H, generator=g, dtype=torch.float64)
+    return q, q_pos, keys, key_pos, window, topk, gather, sink
+
+
+def test_few_query_path_equals_the_chunked_path(monkeypatch):
+    """Decode / verify (T <= FEW_QUERIES) score every window row masked by position; the chunked path reads each
+    query's band of new rows. Both are the same softmax (float64, so only summation order may differ)."""
+    from deepseek_v41.model import attention
+
+    for T, P, banded in ((1, 7, True), (4, 9, True), (16, 3, True), (3, 8, False), (1, 0, True)):
+        args = _random_attention_inputs(T, P, banded, seed=T * 10 + P)
+        q, q_pos, keys, key_pos, window, topk, gather, sink = args
+        few = attention.sparse_attention(q, q_pos, keys, key_pos, window, topk, gather, sink, 0.3, banded=banded)
+        monkeypatch.setattr(attention, "FEW_QUERIES", 0)
+        chunked = attention.sparse_attention(q, q_pos, keys, key_pos, window, topk, gather, sink, 0.3, chunk=2,
+                                             banded=banded)
+        monkeypatch.setattr(attention, "FEW_QUERIES", 16)
+        torch.testing.assert_close(few, chunked, rtol=1e-12, atol=1e-12)
+        assert few.abs().sum() > 0

@@ -12,6 +12,7 @@ from deepseek_v41.quant.formats import (
     e4m3_decode,
     e4m3_encode,
     ue8m0_decode,
+    ue8m0_decode_bits,
     ue8m0_encode_ceil,
 )
 
@@ -64,9 +65,12 @@ def test_e4m3_decode_matches_ml_dtypes_for_all_bytes():
 def test_ue8m0_decode_matches_ml_dtypes_for_all_bytes():
     ml = mld()
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    ours = ue8m0_decode(every).numpy()
-    np.testing.assert_array_equal(ours, every.numpy().view(ml.float8_e8m0fnu).astype(np.float32))
-    assert np.isnan(ours[255]) and ours[0] == 2.0**-127 and ours[127] == 1.0 and ours[254] == 2.0**127
+    ref = every.numpy().view(ml.float8_e8m0fnu).astype(np.float32)
+    # The native float8_e8m0fnu conversion (CPU / CUDA) and the bit construction (other devices) both agree.
+    for decode in (ue8m0_decode, ue8m0_decode_bits):
+        ours = decode(every).numpy()
+        np.testing.assert_array_equal(ours, ref)
+        assert np.isnan(ours[255]) and ours[0] == 2.0**-127 and ours[127] == 1.0 and ours[254] == 2.0**127
 
 
 def _powers_of_two_and_neighbours() -> np.ndarray:
