@@ -8,10 +8,16 @@ index sources [1,3,4,6], candidate source 4, 4 heads x 64 (rope 16), q rank 128,
 Measured (median of ``--repeat`` runs after a warm-up, prefix caching off, eager):
 prefill tokens/s at 1K and 8K prompts; decode tokens/s at batch 1 and 8 with 1K context; decode ms/token at 16K
 context over the same at 1K (a ratio); peak RSS of an 8K prefill above the RSS right after imports (a child
-process per measurement, so peaks do not mix). ``--dtype`` fp32 (default) or bf16. The table prints each number
-with the issue's target.
+process per measurement, so peaks do not mix). A batch prefills in one step, so decode timings hold decode steps
+only. ``--dtype`` fp32 (default) or bf16. The table prints each number with the issue's target.
+
+``--peers mlx,transformers`` runs the same measurements with ``bench/peers.py`` (mlx-lm's ``deepseek_v41`` on the
+same weights, transformers' ``DeepseekV4`` at the closest config; optional extras, never in CI), one peer at a time
+in their own processes, and prints each peer's numbers with ``ours / peer`` (> 1 means ours is better; for
+milliseconds, the long-context ratio and RSS the quotient is inverted so that > 1 still means better).
 
     python bench/engine.py [--dtype fp32|bf16] [--repeat 3] [--threads N] [--only prefill,decode,long,rss]
+                           [--peers mlx,transformers] [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -56,13 +62,15 @@ def make_model_dir(path: Path) -> Path:
     return path
 
 
-def _llm(model_dir: Path, dtype: str, max_len: int):
+def _llm(model_dir: Path, dtype: str, max_len: int, batch: int = 1):
+    """An eager engine, prefix caching off, whose step budget holds ``batch`` whole prompts (so a batch prefills in
+    one step and then decodes together: decode timings hold decode steps only)."""
     import torch
 
     from deepseek_v41.engine import LLM
 
     return LLM(model_dir, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], max_model_len=max_len,
-               max_num_batched_tokens=max_len, enable_prefix_caching=False, max_num_seqs=8)
+               max_num_batched_tokens=batch * max_len, enable_prefix_caching=False, max_num_seqs=8)
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -92,7 +100,7 @@ def measure(model_dir: Path, what: str, dtype: str, repeat: int) -> dict[str, fl
         steps = 64
         params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
         for batch, key in ((1, "decode_b1_tok_s"), (8, "decode_b8_tok_s")):
-            llm = _llm(model_dir, dtype, 1024 + steps + 8)
+            llm = _llm(model_dir, dtype, 1024 + steps + 8, batch)
             rates = []
             for r in range(repeat + 1):
                 prompts = [{"prompt_token_ids": _ids(1024, 100 * r + b)} for b in range(batch)]
@@ -124,6 +132,17 @@ def measure(model_dir: Path, what: str, dtype: str, repeat: int) -> dict[str, fl
     return out
 
 
+def _lower_is_better(key: str) -> bool:
+    return key.startswith("decode_ms") or "over" in key or "rss" in key
+
+
+def _run_child(command: list[str]) -> dict[str, float | None]:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip() or f"{command} exited {done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -131,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads [default: torch's]")
     parser.add_argument("--only", default="prefill,decode,long,rss")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a saved bench model")
+    parser.add_argument("--peers", default="", help="also run bench/peers.py for these peers (mlx,transformers)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -141,22 +161,41 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.model_dir, args.child, args.dtype, args.repeat)))
         return 0
     model_dir = args.model_dir or make_model_dir(Path(tempfile.mkdtemp(prefix="dsv41-bench8m-")))
-    results: dict[str, float] = {}
+    common = ["--model-dir", str(model_dir), "--dtype", args.dtype, "--repeat", str(args.repeat)]
+    common += ["--threads", str(args.threads)] if args.threads else []
+    results: dict[str, float | None] = {}
     for what in args.only.split(","):
-        command = [sys.executable, __file__, "--child", what, "--model-dir", str(model_dir), "--dtype", args.dtype,
-                   "--repeat", str(args.repeat)] + (["--threads", str(args.threads)] if args.threads else [])
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            print(done.stderr, file=sys.stderr)
-            return done.returncode
-        results.update(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"bench-8m, {args.dtype}, threads={args.threads or 'default'}, median of {args.repeat}")
-    print(f"{'measure':<28}{'ours':>12}{'target':>12}")
+        try:
+            results.update(_run_child([sys.executable, __file__, "--child", what, *common]))
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+    peers: dict[str, dict[str, float | None]] = {}
+    for peer in filter(None, args.peers.split(",")):  # one peer at a time, each in its own processes
+        try:
+            peers[peer] = _run_child([sys.executable, str(Path(__file__).with_name("peers.py")), "--peer", peer,
+                                      "--only", args.only, *common])
+        except RuntimeError as exc:
+            print(f"peer {peer} failed: {exc}", file=sys.stderr)
+            peers[peer] = {}
+    print(f"bench-8m, {args.dtype}, threads={args.threads or 'default'}, median of {args.repeat}"
+          + (" (ours / peer: > 1 means ours is better)" if peers else ""))
+    header = f"{'measure':<26}{'ours':>10}" + "".join(f"{p:>14}{'ours/' + p[:5]:>12}" for p in peers)
+    print(header + f"{'target':>10}")
     for key, value in results.items():
+        line = f"{key:<26}{value:>10.2f}"
+        for peer in peers.values():
+            theirs = peer.get(key)
+            if theirs is None or value is None or not value or not theirs:
+                line += f"{'n/a':>14}{'':>12}"
+            else:
+                ratio = theirs / value if _lower_is_better(key) else value / theirs
+                line += f"{theirs:>14.2f}{ratio:>11.2f}x"
         target = TARGETS.get(key)
-        mark = "" if target is None else (" ok" if (value <= target if "over" in key or "rss" in key
-                                                   else value >= target) else " MISS")
-        print(f"{key:<28}{value:>12.2f}{'' if target is None else f'{target:>12}'}{mark}")
+        if target is not None:
+            met = value <= target if _lower_is_better(key) else value >= target
+            line += f"{target:>10}{' ok' if met else ' MISS'}"
+        print(line)
     return 0
 
 

@@ -53,6 +53,7 @@ class PagedContext:
         # rewrites them (SPEC.md §4.3).
         self.write_from = torch.tensor(write_from or [0] * len(slots), device=device)[:, None]
         self.entries_written: dict[int, int] = {}
+        self._decoded: dict[int, torch.Tensor] = {}  # every main entry of a layer, decoded (prefill chunks)
 
     # ------------------------------------------------------------------ window rings
     def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,11 +103,15 @@ class PagedContext:
         return page, g % per_page
 
     def add_entries(self, layer: int, entries: torch.Tensor, index_keys: torch.Tensor, group: torch.Tensor) -> None:
+        self._decoded.pop(layer, None)
         main_codes, main_scales, idx_codes, idx_scales = self.cache.pools[layer]
         group = torch.where(group * self.cache.ratio[layer] >= self.write_from, group, -1)
-        page, slot = self._locate(layer, group)
         if group.device.type != "meta":
-            self.entries_written[layer] = self.entries_written.get(layer, 0) + int((group >= 0).sum())
+            written = int((group >= 0).sum())
+            if written == 0:  # e.g. a ratio-2 decode step that only opens a pair: nothing to store
+                return
+            self.entries_written[layer] = self.entries_written.get(layer, 0) + written
+        page, slot = self._locate(layer, group)
         codes, scales = quantize_fp4(entries, 16, "e4m3")
         main_codes[page, slot] = codes
         main_scales[page, slot] = scales
@@ -119,14 +124,7 @@ class PagedContext:
         return max(self.ends) // self.cache.ratio[layer]
 
     def index_keys(self, layer: int) -> torch.Tensor:
-        n = self.num_entries(layer)
-        _, _, idx_codes, idx_scales = self.cache.pools[layer]
-        per_page = self.cache.block_size // self.cache.ratio[layer]
-        pages = self.tables[:, : -(-n // per_page)] if n else self.tables[:, :0]
-        B = pages.shape[0]
-        codes = idx_codes[pages].reshape(B, -1, idx_codes.shape[-1])[:, :n]
-        scales = idx_scales[pages].reshape(B, -1, idx_scales.shape[-1])[:, :n]
-        return dequantize_fp4(codes, scales, 32, "ue8m0", dtype=self.dtype)
+        return dequantize_fp4(*self._pooled(layer, 2, self.num_entries(layer)), 32, "ue8m0", dtype=self.dtype)
 
     def num_index_keys(self, layer: int) -> int:
         return self.num_entries(layer)
@@ -137,8 +135,31 @@ class PagedContext:
         page, slot = self._locate(layer, ids)
         return dequantize_fp4(idx_codes[page, slot], idx_scales[page, slot], 32, "ue8m0", dtype=self.dtype)
 
+    def _pooled(self, layer: int, pool: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and scales of ``pools[layer][pool]`` (main = 0, index = 2) for entries 0 .. n-1 of every row:
+        [B, n, ...] uint8 each, read through the block tables."""
+        codes, scales = self.cache.pools[layer][pool], self.cache.pools[layer][pool + 1]
+        per_page = self.cache.block_size // self.cache.ratio[layer]
+        pages = self.tables[:, : -(-n // per_page)] if n else self.tables[:, :0]
+        B = pages.shape[0]
+        return (codes[pages].reshape(B, -1, codes.shape[-1])[:, :n],
+                scales[pages].reshape(B, -1, scales.shape[-1])[:, :n])
+
     def gather_entries(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
-        main_codes, main_scales, _, _ = self.cache.pools[layer]
-        page, slot = self._locate(layer, idx)
-        values = dequantize_fp4(main_codes[page, slot], main_scales[page, slot], 16, "e4m3", dtype=self.dtype)
+        """Entries ``idx`` [B, c, k] (-1 = none) as [B, c, k, d] in ``dtype``. Few picks (decode) decode just
+        the picked entries; when the picks outnumber the stored entries (a prefill chunk: every query picks
+        top-k of the same few thousand entries), every entry is decoded once per forward and picked from."""
+        n = self.num_entries(layer)
+        B = idx.shape[0]
+        if 0 < n and 2 * B * n < idx.numel():
+            entries = self._decoded.get(layer)
+            if entries is None:
+                entries = dequantize_fp4(*self._pooled(layer, 0, n), 16, "e4m3", dtype=self.dtype)
+                self._decoded[layer] = entries
+            rows = idx.clamp(min=0).reshape(B, -1, 1).expand(-1, -1, entries.shape[-1])
+            values = entries.gather(1, rows).view(*idx.shape, -1)
+        else:
+            main_codes, main_scales, _, _ = self.cache.pools[layer]
+            page, slot = self._locate(layer, idx)
+            values = dequantize_fp4(main_codes[page, slot], main_scales[page, slot], 16, "e4m3", dtype=self.dtype)
         return values.masked_fill((idx < 0)[..., None], 0.0)

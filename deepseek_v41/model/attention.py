@@ -190,7 +190,9 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight.view(self.groups, self.rank, -1)
-        return torch.einsum("btgi,gri->btgr", x, weight).flatten(2)
+        B, T = x.shape[:2]
+        y = x.reshape(B * T, self.groups, -1).transpose(0, 1) @ weight.transpose(1, 2)  # [groups, B*T, rank]
+        return y.transpose(0, 1).reshape(B, T, -1)
 
 
 class Attention(nn.Module):

@@ -10,6 +10,7 @@ attention site's ``pre``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from deepseek_v41.model.norm import rms_normalize, upcast
@@ -25,10 +26,15 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     if comb.device.type == "cpu" and not (comb.requires_grad and torch.is_grad_enabled()):
         c = comb.numpy(force=True)
         eps_ = c.dtype.type(eps)
-        c = c / (c.sum(-2, keepdims=True) + eps_)
+        add = np.add.reduce  # the ufunc itself: ndarray.sum adds a Python wrapper per call
+        c = c / (add(c, axis=-2, keepdims=True) + eps_)
         for _ in range(iters - 1):
-            c /= c.sum(-1, keepdims=True) + eps_
-            c /= c.sum(-2, keepdims=True) + eps_
+            s = add(c, axis=-1, keepdims=True)
+            s += eps_
+            c /= s
+            s = add(c, axis=-2, keepdims=True)
+            s += eps_
+            c /= s
         return torch.from_numpy(c)
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):

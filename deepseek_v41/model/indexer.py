@@ -86,8 +86,24 @@ def topk_set(scores: torch.Tensor, k: int) -> torch.Tensor:
     different tensor sizes, which would make a sequence's picks depend on its batch, its chunking or the total
     length. This selection depends only on the scores.
     """
+    values, picked = torch.topk(scores, k, dim=-1)
+    if scores.device.type == "meta" or scores.numel() < 1 << 16:  # small (decode): the plain rule is cheaper
+        return _ties_to_lowest(scores, k, values[..., -1:])
+    # A row whose k-th value has no equal outside the top k has one possible set: torch.topk's, sorted. Only
+    # rows with a tie across the cut (typically fewer than k visible entries: a run of -inf) need the exact rule.
+    threshold = values[..., -1:]
+    ambiguous = (scores == threshold).sum(-1) > (values == threshold).sum(-1)
+    picked = picked.sort(dim=-1).values
+    if bool(ambiguous.any()):
+        rows = ambiguous.nonzero(as_tuple=True)
+        picked[rows] = _ties_to_lowest(scores[rows], k, threshold[rows])
+    return picked
+
+
+def _ties_to_lowest(scores: torch.Tensor, k: int, threshold: torch.Tensor) -> torch.Tensor:
+    """:func:`topk_set` by its definition: every score above the k-th value ``threshold`` [..., 1], then the
+    lowest-index scores equal to it; ascending indices [..., k]."""
     n = scores.shape[-1]
-    threshold = torch.topk(scores, k, dim=-1).values[..., -1:]
     greater = scores > threshold
     tied = scores == threshold
     chosen = greater | (tied & (tied.cumsum(-1) <= k - greater.sum(-1, keepdim=True)))

@@ -134,6 +134,15 @@ class MoE(nn.Module):
     def dispatch(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Σ_k w_k E_{idx_k}(x) for flat [N, D], indices/weights [N, k] -> [N, D] in the weights' dtype (fp32, or
         float64 for a float64 model)."""
+        if flat.shape[0] == 1 and flat.device.type != "meta":
+            # One token (batch-1 decode): its k experts in ascending id, summed in the order the sorted dispatch
+            # below adds them, without the sort / gather / scatter bookkeeping.
+            picks = sorted(zip(indices[0].tolist(), range(indices.shape[-1])))
+            out = None
+            for e, j in picks:
+                y = self.experts[e](flat).to(weights.dtype) * weights[:, j:j + 1]
+                out = y if out is None else out + y
+            return out
         k = indices.shape[-1]
         flat_idx = indices.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)

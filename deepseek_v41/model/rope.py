@@ -65,17 +65,19 @@ class RotaryEmbedding(nn.Module):
         """``(cos, sin)`` [B, T, rope_dim] fp32 (float64 tables stay float64) of ``positions`` [B, T], each angle
         repeated for both elements of its pair and ``sin`` negated on the first (``x' = x cos + swap(x) sin``
         with ``swap`` exchanging the pair's elements); computed once per positions tensor and table."""
+        compiling = torch.compiler.is_compiling()  # a compiled graph computes (and fuses) the angles itself
         key = (*self._table, self.inv_freq.dtype, self.inv_freq.device)
         # Inference tensors have no version counter (and cannot be changed in place outside inference mode).
         version = -1 if positions.is_inference() else positions._version
         memo = _PHASES.get(key)
-        if memo is not None and memo[0] is positions and memo[1] == version:
+        if not compiling and memo is not None and memo[0] is positions and memo[1] == version:
             return memo[2], memo[3]
         angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, r/2]
         cos, sin = torch.cos(angles), torch.sin(angles)
         cos = torch.stack((cos, cos), -1).flatten(-2)
         sin = torch.stack((-sin, sin), -1).flatten(-2)
-        _PHASES[key] = (positions, version, cos, sin)
+        if not compiling:
+            _PHASES[key] = (positions, version, cos, sin)
         return cos, sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:

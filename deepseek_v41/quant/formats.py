@@ -114,7 +114,7 @@ def ue8m0_decode(byte: Tensor) -> Tensor:
     """float32 value ``2**(b - 127)`` of UE8M0 bytes ``b`` (uint8, any shape); byte 255 decodes to NaN and
     byte 0 to the subnormal ``2**-127``. On CPU, CUDA and ``meta`` this is PyTorch's own ``float8_e8m0fnu``
     conversion (one op, the same values); elsewhere it is built from bits, which is exact on every device."""
-    if byte.device.type in ("cpu", "cuda", "meta"):
+    if byte.device.type in ("cpu", "cuda", "meta") and not torch.compiler.is_compiling():  # inductor lacks e8m0
         return byte.view(torch.float8_e8m0fnu).float()
     return ue8m0_decode_bits(byte)
 
