@@ -151,7 +151,7 @@ class PagedContext:
         top-k of the same few thousand entries), every entry is decoded once per forward and picked from."""
         n = self.num_entries(layer)
         B = idx.shape[0]
-        if 0 < n and 2 * B * n < idx.numel():
+        if n > 0 and 2 * B * n < idx.numel():
             entries = self._decoded.get(layer)
             if entries is None:
                 entries = dequantize_fp4(*self._pooled(layer, 0, n), 16, "e4m3", dtype=self.dtype)

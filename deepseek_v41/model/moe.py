@@ -137,7 +137,7 @@ class MoE(nn.Module):
         if flat.shape[0] == 1 and flat.device.type != "meta":
             # One token (batch-1 decode): its k experts in ascending id, summed in the order the sorted dispatch
             # below adds them, without the sort / gather / scatter bookkeeping.
-            picks = sorted(zip(indices[0].tolist(), range(indices.shape[-1])))
+            picks = sorted(zip(indices[0].tolist(), range(indices.shape[-1]), strict=True))
             out = None
             for e, j in picks:
                 y = self.experts[e](flat).to(weights.dtype) * weights[:, j:j + 1]
