@@ -8,8 +8,10 @@ index sources [1,3,4,6], candidate source 4, 4 heads x 64 (rope 16), q rank 128,
 Measured (median of ``--repeat`` runs after a warm-up, prefix caching off, eager):
 prefill tokens/s at 1K and 8K prompts; decode tokens/s at batch 1 and 8 with 1K context; decode ms/token at 16K
 context over the same at 1K (a ratio); peak RSS of an 8K prefill above the RSS right after imports (a child
-process per measurement, so peaks do not mix). A batch prefills in one step, so decode timings hold decode steps
-only. ``--dtype`` fp32 (default) or bf16. The table prints each number with the issue's target.
+process per measurement, so peaks do not mix). Prompts prefill in chunks of 2048 tokens
+(``max_num_batched_tokens``, mlx-lm's prefill step too); for decode a batch prefills in one step, so decode
+timings hold decode steps only. ``--dtype`` fp32 (default) or bf16. The table prints each number with the issue's
+target.
 
 ``--peers mlx,transformers`` runs the same measurements with ``bench/peers.py`` (mlx-lm's ``deepseek_v41`` on the
 same weights, transformers' ``DeepseekV4`` at the closest config; optional extras, never in CI), one peer at a time
@@ -62,15 +64,19 @@ def make_model_dir(path: Path) -> Path:
     return path
 
 
-def _llm(model_dir: Path, dtype: str, max_len: int, batch: int = 1):
-    """An eager engine, prefix caching off, whose step budget holds ``batch`` whole prompts (so a batch prefills in
-    one step and then decodes together: decode timings hold decode steps only)."""
+PREFILL_CHUNK = 2048  # tokens per prefill step (max_num_batched_tokens) in the prefill and rss families
+
+
+def _llm(model_dir: Path, dtype: str, max_len: int, batch: int = 1, budget: int | None = None):
+    """An eager engine, prefix caching off. Its step budget is ``budget`` tokens (chunked prefill), or else
+    ``batch`` whole prompts, so that a batch prefills in one step and decodes together (decode timings then hold
+    decode steps only)."""
     import torch
 
     from deepseek_v41.engine import LLM
 
     return LLM(model_dir, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], max_model_len=max_len,
-               max_num_batched_tokens=batch * max_len, enable_prefix_caching=False, max_num_seqs=8)
+               max_num_batched_tokens=budget or batch * max_len, enable_prefix_caching=False, max_num_seqs=8)
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -88,7 +94,7 @@ def measure(model_dir: Path, what: str, dtype: str, repeat: int) -> dict[str, fl
     out: dict[str, float] = {}
     if what == "prefill":
         for n, key in ((1024, "prefill_1k_tok_s"), (8192, "prefill_8k_tok_s")):
-            llm = _llm(model_dir, dtype, n + 8)
+            llm = _llm(model_dir, dtype, n + 8, budget=PREFILL_CHUNK)
             llm.generate({"prompt_token_ids": _ids(n, 0)}, one)  # warm-up
             times = []
             for r in range(repeat):
@@ -113,7 +119,7 @@ def measure(model_dir: Path, what: str, dtype: str, repeat: int) -> dict[str, fl
         params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
         per_token = {}
         for n in (1024, 16384):
-            llm = _llm(model_dir, dtype, n + steps + 8)
+            llm = _llm(model_dir, dtype, n + steps + 8, budget=PREFILL_CHUNK)
             times = []
             for r in range(repeat):
                 o = llm.generate({"prompt_token_ids": _ids(n, r)}, params)[0]
@@ -125,7 +131,7 @@ def measure(model_dir: Path, what: str, dtype: str, repeat: int) -> dict[str, fl
         import resource
 
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        llm = _llm(model_dir, dtype, 8192 + 8)
+        llm = _llm(model_dir, dtype, 8192 + 8, budget=PREFILL_CHUNK)
         llm.generate({"prompt_token_ids": _ids(8192, 0)}, one)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out["prefill_8k_peak_rss_gb"] = (peak - base) * 1024 / 1e9

@@ -40,7 +40,10 @@ class PagedContext:
         self.indexer_recall: list | None = None  # measurement: each index layer's recall of the dense attention
         self.drop_compressed = False  # ablation: attend the window only
         self.shared: dict[Any, torch.Tensor] = {}
-        self.dtype = dtype
+        # Attention, the indexer and the mixing compute in fp32 (float64 for a float64 model), so stored rows decode
+        # straight to that: FP8 / FP4 values times power-of-two scales are exact in bf16 too, so decoding to a bf16
+        # model's dtype first would only add two conversions.
+        self.dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self.ends = ends
         device = cache.device
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
@@ -63,7 +66,7 @@ class PagedContext:
         codes = cache.window_codes[self._rows, layer]
         scales = cache.window_scales[self._rows, layer]
         row_pos = cache.window_pos[self._rows, layer].long()
-        prev = dequantize_fp8(codes, scales, 32, "ue8m0", dtype=kv.dtype)
+        prev = dequantize_fp8(codes, scales, 32, "ue8m0", dtype=self.dtype)
         start = self.positions[:, :1]
         prev_pos = torch.where((row_pos >= 0) & (row_pos < start), row_pos, -1)
         new_codes, new_scales, new = quantize_fp8_values(kv, 32, "ue8m0")
@@ -75,7 +78,7 @@ class PagedContext:
         cache.window_codes[slot, layer, rows] = new_codes[:, T - tail:]
         cache.window_scales[slot, layer, rows] = new_scales[:, T - tail:]
         cache.window_pos[slot, layer, rows] = pos.to(torch.int32)
-        return torch.cat((prev, new), 1), torch.cat((prev_pos, self.positions), 1)
+        return torch.cat((prev, new.to(self.dtype)), 1), torch.cat((prev_pos, self.positions), 1)
 
     # ------------------------------------------------------------------ ratio-2 pending pairs
     def pending(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:

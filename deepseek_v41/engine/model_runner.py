@@ -20,7 +20,9 @@ committed length, where no query reads them and the next forward overwrites them
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +46,37 @@ class VerifyState:
     ids: torch.Tensor
     history: torch.Tensor | None
     pending_inputs: dict[int, torch.Tensor]
+
+
+@contextlib.contextmanager
+def few_token_kernels(model_dtype: torch.dtype, device: torch.device):
+    """Matmul kernels for a forward of a few tokens per sequence (decode, speculative verify).
+
+    On CPU, oneDNN's bf16 GEMM (what PyTorch uses for bf16 when it is enabled) costs about 50 µs per call whatever
+    the row count, twice a small fp32 GEMV, while ATen's own bf16 kernel reads the weights in about the fp32
+    time; for large row counts (prefill chunks) oneDNN's AMX path is several times faster. So bf16 decode and
+    verify forwards run with oneDNN off (measured in bench/README.md); everything else is unaffected.
+    """
+    if model_dtype != torch.bfloat16 or device.type != "cpu":
+        yield
+        return
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
+
+
+def _few_tokens(method):
+    """Run a ModelRunner forward under :func:`few_token_kernels`."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with few_token_kernels(self.dtype, self.device):
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class ModelRunner:
@@ -135,6 +168,7 @@ class ModelRunner:
         return logits
 
     @torch.no_grad()
+    @_few_tokens
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token of every sequence in ``seqs`` (its last token, at position ``num_computed``), all layers.
         Returns fp32 logits [B, V]."""
@@ -162,6 +196,7 @@ class ModelRunner:
         return self.model.logits(streams, pre)[:, -1]
 
     @torch.no_grad()
+    @_few_tokens
     def verify(self, seqs: list[Sequence], ids: torch.Tensor, taps: dict | None = None
                ) -> tuple[torch.Tensor, VerifyState]:
         """Speculative verify forward: row b runs ``ids[b]`` [T] (anchor + drafts) at positions

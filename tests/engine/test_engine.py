@@ -189,3 +189,24 @@ def test_one_stored_byte_changes_the_logits(model32, where):
     b = poked.runner.decode([seq2])[0]
     assert (a - b).abs().max() > 1e-6
     assert torch.equal(control.runner.decode([seq3])[0], a)
+
+
+def test_few_token_kernels_turn_onednn_off_for_bf16_cpu_only():
+    """bf16 decode / verify run ATen's GEMM (oneDNN's costs ~50 µs per small call on CPU); the flag comes back."""
+    import torch
+
+    from deepseek_v41.engine.model_runner import few_token_kernels
+
+    before = torch.backends.mkldnn.enabled
+    with few_token_kernels(torch.bfloat16, torch.device("cpu")):
+        assert torch.backends.mkldnn.enabled is False
+    assert torch.backends.mkldnn.enabled == before
+    for dtype in (torch.float32, torch.float64):
+        with few_token_kernels(dtype, torch.device("cpu")):
+            assert torch.backends.mkldnn.enabled == before
+    try:
+        with few_token_kernels(torch.bfloat16, torch.device("cpu")):
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    assert torch.backends.mkldnn.enabled == before
