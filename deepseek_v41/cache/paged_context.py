@@ -14,6 +14,7 @@ import torch
 
 from deepseek_v41.cache.block_manager import BlockManager
 from deepseek_v41.cache.kv_cache import PagedKVCache
+from deepseek_v41.model.context import pick_rows
 from deepseek_v41.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8_values
 
 
@@ -159,8 +160,7 @@ class PagedContext:
             if entries is None:
                 entries = dequantize_fp4(*self._pooled(layer, 0, n), 16, "e4m3", dtype=self.dtype)
                 self._decoded[layer] = entries
-            rows = idx.clamp(min=0).reshape(B, -1, 1).expand(-1, -1, entries.shape[-1])
-            values = entries.gather(1, rows).view(*idx.shape, -1)
+            values = pick_rows(entries, idx.clamp(min=0))
         else:
             main_codes, main_scales, _, _ = self.cache.pools[layer]
             page, slot = self._locate(layer, idx)

@@ -32,6 +32,16 @@ import torch
 from deepseek_v41.quant import fake_quant_fp4, fake_quant_fp8
 
 
+def pick_rows(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``rows[b, idx[b, ...]]``: rows [B, N, d], idx [B, ...] long in [0, N) -> [B, ..., d]. One ``index_select``
+    of whole rows (a gather with an index expanded over d reads an int64 per element: several times slower)."""
+    B, N = rows.shape[:2]
+    flat = idx.reshape(B, -1)
+    if B > 1:
+        flat = flat + torch.arange(B, device=idx.device)[:, None] * N
+    return rows.reshape(B * N, -1).index_select(0, flat.reshape(-1)).view(*idx.shape, -1)
+
+
 class DenseContext:
     """Context of one exact forward over whole sequences [B, T] starting at position 0."""
 
@@ -77,12 +87,8 @@ class DenseContext:
         return self.index_keys(layer).shape[1]
 
     def index_keys_at(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        keys = self.index_keys(layer)
-        return keys.gather(1, ids.flatten(1)[..., None].expand(-1, -1, keys.shape[-1])).view(*ids.shape, -1)
+        return pick_rows(self.index_keys(layer), ids)
 
     def gather_entries(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
-        entries = self._entries[layer]
-        B, c, k = idx.shape
-        rows = idx.clamp(min=0).reshape(B, c * k, 1).expand(-1, -1, entries.shape[-1])
-        picked = entries.gather(1, rows).view(B, c, k, -1)
+        picked = pick_rows(self._entries[layer], idx.clamp(min=0))
         return picked.masked_fill((idx < 0)[..., None], 0.0)

@@ -59,8 +59,9 @@ def _part_index(hc: int, device: torch.device) -> torch.Tensor:
 
 def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
            norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Coefficients of one site from streams [B, T, hc, D]: pre [B, T, hc], post [B, T, hc],
-    comb [B, T, hc, hc] (all fp32; comb[i, j] moves stream i into stream j)."""
+    """Coefficients of one site from streams [B, T, hc, D] (any float dtype; pass them already upcast to share
+    one conversion with :func:`collapse` / :func:`expand`): pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc]
+    (all fp32; comb[i, j] moves stream i into stream j)."""
     flat = rms_normalize(streams.flatten(-2), norm_eps)  # [B, T, hc*D]
     mix = flat @ fn.to(flat.dtype).t()  # [B, T, (2+hc)*hc]: pre | post | comb
     mix = mix * scale.to(flat.dtype)[_part_index(hc, scale.device)] + base.to(flat.dtype)
@@ -71,14 +72,17 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     return pre, post, sinkhorn(comb, iters, hc_eps)
 
 
-def collapse(streams: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``Σ_i w_i R_i``: streams [B, T, hc, D], weights [B, T, hc] -> [B, T, D] in the streams' dtype."""
-    wide = upcast(streams)
+def collapse(streams: torch.Tensor, weights: torch.Tensor, wide: torch.Tensor | None = None) -> torch.Tensor:
+    """``Σ_i w_i R_i``: streams [B, T, hc, D], weights [B, T, hc] -> [B, T, D] in the streams' dtype. ``wide``:
+    the streams already upcast (``upcast(streams)``), when the caller has them."""
+    wide = upcast(streams) if wide is None else wide
     return (weights.to(wide.dtype)[..., None, :] @ wide).squeeze(-2).to(streams.dtype)
 
 
-def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """``R'_j = post_j y + Σ_i comb[i, j] R_i``: streams [B, T, hc, D], y [B, T, D] -> [B, T, hc, D]."""
-    wide = upcast(streams)
+def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+           wide: torch.Tensor | None = None) -> torch.Tensor:
+    """``R'_j = post_j y + Σ_i comb[i, j] R_i``: streams [B, T, hc, D], y [B, T, D] -> [B, T, hc, D] (``wide``
+    as in :func:`collapse`)."""
+    wide = upcast(streams) if wide is None else wide
     mixed = comb.to(wide.dtype).transpose(-1, -2) @ wide
     return (post.to(wide.dtype)[..., None] * y.to(wide.dtype)[:, :, None, :] + mixed).to(streams.dtype)

@@ -56,18 +56,21 @@ class Block(nn.Module):
         return hc_mix(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                       getattr(self, f"hc_{site}_scale"), self.hc, self.norm_eps, self.hc_eps, self.hc_iters)
 
-    def attention_input(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    def attention_input(self, streams: torch.Tensor, pre: torch.Tensor, wide: torch.Tensor | None = None
+                        ) -> torch.Tensor:
         """The normalised attention input [B, T, D] (also what a kv source's compressor reads)."""
-        return self.attn_norm(collapse(streams, pre))
+        return self.attn_norm(collapse(streams, pre, wide))
 
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, ctx, image_mask: torch.Tensor | None = None,
                 compress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        a_pre, a_post, a_comb = self.mix("attn", streams)
-        y = self.attn(self.attention_input(streams, pre), ctx, compress=compress)
-        streams = expand(streams, y, a_post, a_comb)
-        f_pre, f_post, f_comb = self.mix("ffn", streams)
-        y = self.ffn(self.ffn_norm(collapse(streams, a_pre)), image_mask)
-        return expand(streams, y, f_post, f_comb), f_pre
+        wide = upcast(streams)  # one fp32 copy per site for bf16 streams, shared by mix / collapse / expand
+        a_pre, a_post, a_comb = self.mix("attn", wide)
+        y = self.attn(self.attention_input(streams, pre, wide), ctx, compress=compress)
+        streams = expand(streams, y, a_post, a_comb, wide)
+        wide = upcast(streams)
+        f_pre, f_post, f_comb = self.mix("ffn", wide)
+        y = self.ffn(self.ffn_norm(collapse(streams, a_pre, wide)), image_mask)
+        return expand(streams, y, f_post, f_comb, wide), f_pre
 
 
 class Transformer(nn.Module):
