@@ -263,7 +263,10 @@ def save_pretrained(model, path: str | Path, quantization: str = "none",
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append({})
                 size = 0
-            shards[-1][key] = tensor.detach().contiguous().cpu()
+            tensor = tensor.detach().contiguous().cpu()
+            if tensor.untyped_storage().nbytes() != nbytes:  # a view into a larger storage (stacked experts):
+                tensor = tensor.clone()  # safetensors stores each tensor on its own
+            shards[-1][key] = tensor
             size += nbytes
     written = []
     if len(shards) == 1:

@@ -120,6 +120,8 @@ class MoE(nn.Module):
         self.gate = Gate(dim, n_experts, topk, route_scale, norm_topk, with_bias_vl)
         self.experts = nn.ModuleList(Expert(dim, inter_dim, swiglu_limit) for _ in range(n_experts))
         self.shared_experts = Expert(dim, inter_dim * n_shared, swiglu_limit) if n_shared else None
+        self.inter_dim, self.swiglu_limit = inter_dim, swiglu_limit
+        self._stacked: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
@@ -150,6 +152,11 @@ class MoE(nn.Module):
         slot_weight = weights.reshape(-1)[order]
         sorted_x = flat[token_of]
         out = torch.zeros(flat.shape, dtype=slot_weight.dtype, device=flat.device)
+        if self._grouped_ok(flat):
+            # Every expert's rows in one grouped matmul per projection: no Python loop over experts.
+            counts = torch.bincount(flat_idx, minlength=self.n_experts)
+            y = self._grouped_experts(sorted_x, counts.cumsum(0).to(torch.int32))
+            return out.index_add_(0, token_of, y.to(out.dtype) * slot_weight[:, None])
         start = 0
         for e, count in enumerate(expert_segments(flat_idx, self.n_experts)):
             if count == 0:
@@ -159,3 +166,43 @@ class MoE(nn.Module):
             out.index_add_(0, token_of[start:end], y)
             start = end
         return out
+
+    # ------------------------------------------------------------------ grouped experts (inference)
+    def _grouped_ok(self, flat: torch.Tensor) -> bool:
+        """Inference on CPU with fp32 / bf16 weights: ``torch._grouped_mm`` runs all experts at once."""
+        return (flat.device.type == "cpu" and not torch.is_grad_enabled() and hasattr(torch, "_grouped_mm")
+                and flat.dtype in (torch.float32, torch.bfloat16) and self.experts[0].w1.weight.dtype == flat.dtype)
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13 [E, 2 * inter, D], w2 [E, D, inter])``: the experts' weights in one tensor each.
+
+        Built on first use by stacking, after which each expert's ``w1`` / ``w3`` / ``w2`` parameter *is* a view
+        of its slice (no copy is kept: the memory is the same as before); rebuilt whenever a parameter no longer
+        points there (``model.to(...)``, a replaced parameter). Loading or training in place updates both.
+        """
+        if self._stacked is not None:
+            w13, w2, pointers = self._stacked
+            if pointers == [w.data_ptr() for w in self._weights()]:
+                return w13, w2
+        inter = self.inter_dim
+        with torch.no_grad(), torch.inference_mode(False):
+            w13 = torch.stack([torch.cat((e.w1.weight, e.w3.weight)) for e in self.experts])
+            w2 = torch.stack([e.w2.weight for e in self.experts])
+            for i, e in enumerate(self.experts):
+                e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = w13[i, :inter], w13[i, inter:], w2[i]
+        self._stacked = (w13, w2, [w.data_ptr() for w in self._weights()])
+        return w13, w2
+
+    def _grouped_experts(self, sorted_x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """:class:`Expert` of every row of ``sorted_x`` [M, D] (rows grouped by expert, ``offsets`` [E] int32 the
+        cumulative row counts) -> [M, D] in x's dtype; the same arithmetic as the per-expert calls."""
+        w13, w2 = self.stacked_weights()
+        h = torch._grouped_mm(sorted_x, w13.transpose(1, 2), offs=offsets)
+        gate, up = upcast(h[:, : self.inter_dim]), upcast(h[:, self.inter_dim:])
+        if self.swiglu_limit > 0:
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        return torch._grouped_mm((F.silu(gate) * up).to(sorted_x.dtype), w2.transpose(1, 2), offs=offsets)

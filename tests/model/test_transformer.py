@@ -97,3 +97,49 @@ def test_images_enter_through_the_vision_path(tmp_path):
     assert (out[:, first:] - text_only[:, first:]).abs().max() > 1e-3
     model.save_pretrained(tmp_path)
     assert torch.equal(load_model(tmp_path)(ids, token_types=types, images=[images[0]]), out)
+
+
+def test_grouped_experts_equal_the_per_expert_loop_and_keep_one_copy_of_the_weights(tmp_path):
+    """Inference groups every expert's rows into one torch._grouped_mm per projection (MoE.stacked_weights makes
+    the expert parameters views of one tensor); the result is the per-expert loop's and nothing is duplicated."""
+    import pytest
+
+    from deepseek_v41.model.moe import MoE
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    torch.manual_seed(0)
+    moe = MoE(32, 16, 6, 2, 1, 10.0, 1.5, True, False)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 9, 32)
+    loop = moe(x)  # grad mode on: the per-expert loop
+    with torch.no_grad():
+        grouped = moe(x)
+    torch.testing.assert_close(grouped, loop, rtol=1e-6, atol=1e-6)
+    w13, _ = moe.stacked_weights()
+    assert moe.experts[3].w3.weight.data_ptr() == w13[3, 16:].data_ptr()  # a view, not a copy
+    with torch.no_grad():  # in-place updates reach the stack; model.to() re-stacks
+        moe.experts[2].w2.weight.mul_(2)
+        doubled = moe(x)
+    moe.double().float()  # new parameter tensors: the next inference call stacks them again
+    with torch.no_grad():
+        again = moe(x)
+    assert moe.experts[3].w3.weight.data_ptr() == moe.stacked_weights()[0][3, 16:].data_ptr()
+    assert not torch.allclose(doubled, grouped)
+    torch.testing.assert_close(again, doubled, rtol=1e-6, atol=1e-6)
+
+
+def test_a_model_with_stacked_experts_saves_and_loads(tmp_path):
+    from deepseek_v41.config import tiny_config
+    from deepseek_v41.model.checkpoint import load_model
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval()
+    ids = torch.randint(3, 300, (1, 12))
+    with torch.no_grad():
+        before = model(ids)  # stacks every MoE's experts
+    model.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), before, rtol=0, atol=0)
