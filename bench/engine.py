@@ -19,7 +19,7 @@ in their own processes, and prints each peer's numbers with ``ours / peer`` (> 1
 milliseconds, the long-context ratio and RSS the quotient is inverted so that > 1 still means better).
 
     python bench/engine.py [--dtype fp32|bf16] [--repeat 3] [--threads N] [--only prefill,decode,long,rss]
-                           [--peers mlx,transformers] [--model-dir DIR]
+                           [--peers mlx,transformers | --peer-json mlx=FILE ...] [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="prefill,decode,long,rss")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a saved bench model")
     parser.add_argument("--peers", default="", help="also run bench/peers.py for these peers (mlx,transformers)")
+    parser.add_argument("--peer-json", action="append", default=[], metavar="NAME=FILE",
+                        help="a saved bench/peers.py result (its last stdout line) to compare with instead")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -177,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             print(exc, file=sys.stderr)
             return 1
     peers: dict[str, dict[str, float | None]] = {}
+    for item in args.peer_json:
+        name, _, file = item.partition("=")
+        peers[name] = json.loads(Path(file).read_text().strip().splitlines()[-1])
     for peer in filter(None, args.peers.split(",")):  # one peer at a time, each in its own processes
         try:
             peers[peer] = _run_child([sys.executable, str(Path(__file__).with_name("peers.py")), "--peer", peer,
