@@ -20,6 +20,7 @@ milliseconds, the long-context ratio and RSS the quotient is inverted so that > 
 
     python bench/engine.py [--dtype fp32|bf16] [--repeat 3] [--threads N] [--only prefill,decode,long,rss]
                            [--peers mlx,transformers | --peer-json mlx=FILE ...] [--model-dir DIR]
+                           [--plot engine.png] [--save-json results.json]
 """
 
 from __future__ import annotations
@@ -149,6 +150,35 @@ def _run_child(command: list[str]) -> dict[str, float | None]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def plot(results: dict[str, float | None], peers: dict[str, dict[str, float | None]], path: Path,
+         title: str) -> None:
+    """Bar chart of ``ours / peer`` per measure (log scale; > 1 means ours is better), with ours / target for the
+    measures that have one, written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in results if results[k]]
+    series = {f"vs {name}": [(p.get(k) / results[k] if _lower_is_better(k) else results[k] / p.get(k))
+                             if p.get(k) else float("nan") for k in keys] for name, p in peers.items()}
+    series["vs target"] = [(TARGETS[k] / results[k] if _lower_is_better(k) else results[k] / TARGETS[k])
+                           if k in TARGETS else float("nan") for k in keys]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(keys))], values, width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))], keys, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("ours / other (> 1: ours better)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -159,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", default="", help="also run bench/peers.py for these peers (mlx,transformers)")
     parser.add_argument("--peer-json", action="append", default=[], metavar="NAME=FILE",
                         help="a saved bench/peers.py result (its last stdout line) to compare with instead")
+    parser.add_argument("--plot", type=Path, default=None, help="also draw ours / peer and ours / target (PNG)")
+    parser.add_argument("--save-json", type=Path, default=None, help="also write ours and the peers' numbers")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -207,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
             met = value <= target if _lower_is_better(key) else value >= target
             line += f"{target:>10}{' ok' if met else ' MISS'}"
         print(line)
+    if args.save_json:
+        args.save_json.write_text(json.dumps({"dtype": args.dtype, "ours": results, "peers": peers}, indent=1))
+    if args.plot:
+        plot(results, peers, args.plot, f"bench-8m, {args.dtype}, median of {args.repeat}")
     return 0
 
 
