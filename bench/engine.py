@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+FAMILIES = ("prefill", "decode", "long", "rss")
 TARGETS = {"prefill_1k_tok_s": 4000, "prefill_8k_tok_s": 3000, "decode_b1_tok_s": 150, "decode_b8_tok_s": 800,
            "decode_16k_over_1k": 1.15, "prefill_8k_peak_rss_gb": 0.5}
 
@@ -116,11 +117,12 @@ def measure(model_dir: Path, what: str, dtype: str, repeat: int) -> dict[str, fl
                 rates.append(batch * steps / decode)
             out[key] = statistics.median(rates[1:])
     elif what == "long":
-        steps = 32
+        steps = 64
         params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
         per_token = {}
         for n in (1024, 16384):
             llm = _llm(model_dir, dtype, n + steps + 8, budget=PREFILL_CHUNK)
+            llm.generate({"prompt_token_ids": _ids(256, 99)}, params)  # warm-up (both lengths alike)
             times = []
             for r in range(repeat):
                 o = llm.generate({"prompt_token_ids": _ids(n, r)}, params)[0]
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads [default: torch's]")
-    parser.add_argument("--only", default="prefill,decode,long,rss")
+    parser.add_argument("--only", default=",".join(FAMILIES), help="measurement families, comma-separated: "
+                        + ",".join(FAMILIES))
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a saved bench model")
     parser.add_argument("--peers", default="", help="also run bench/peers.py for these peers (mlx,transformers)")
     parser.add_argument("--peer-json", action="append", default=[], metavar="NAME=FILE",
@@ -193,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-json", type=Path, default=None, help="also write ours and the peers' numbers")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    families = args.only.split(",")
+    if unknown := [f for f in families if f not in FAMILIES]:
+        parser.error(f"unknown --only families {unknown}; choose from {','.join(FAMILIES)}")
     if args.child:
         import torch
 
@@ -200,11 +206,20 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         print(json.dumps(measure(args.model_dir, args.child, args.dtype, args.repeat)))
         return 0
-    model_dir = args.model_dir or make_model_dir(Path(tempfile.mkdtemp(prefix="dsv41-bench8m-")))
+    if args.model_dir is None:  # a temporary bench model, removed afterwards
+        with tempfile.TemporaryDirectory(prefix="dsv41-bench8m-") as tmp:
+            args.model_dir = make_model_dir(Path(tmp))
+            return _compare(args, families)
+    return _compare(args, families)
+
+
+def _compare(args: argparse.Namespace, families: list[str]) -> int:
+    """Run our families (and the peers), print the table; see :func:`main`."""
+    model_dir = args.model_dir
     common = ["--model-dir", str(model_dir), "--dtype", args.dtype, "--repeat", str(args.repeat)]
     common += ["--threads", str(args.threads)] if args.threads else []
     results: dict[str, float | None] = {}
-    for what in args.only.split(","):
+    for what in families:
         try:
             results.update(_run_child([sys.executable, __file__, "--child", what, *common]))
         except RuntimeError as exc:

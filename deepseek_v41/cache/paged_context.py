@@ -23,7 +23,8 @@ class PagedContext:
 
     ``positions`` [B, T]: absolute positions of the new tokens (each row consecutive); ``ends``: per row, the
     position after its last new token (Python ints, so shapes never depend on tensor values: the forward also
-    runs on ``meta``); ``dtype``: the dtype attention computes in; ``write_from``: per row, the first position
+    runs on ``meta``); ``dtype``: the model's dtype (stored rows decode to fp32, or float64 for a float64 model:
+    what attention, the indexer and the mixing compute in); ``write_from``: per row, the first position
     whose compressed entries this forward may write (earlier ones live in shared prefix-cache pages).
 
     The block tables are padded with the null page up to ``max(ends)``: a speculative verify forward pads short
@@ -131,6 +132,7 @@ class PagedContext:
         return dequantize_fp4(*self._pooled(layer, 2, self.num_entries(layer)), 32, "ue8m0", dtype=self.dtype)
 
     def num_index_keys(self, layer: int) -> int:
+        """Index keys of kv source ``layer`` that :meth:`index_keys` returns (the max over the batch)."""
         return self.num_entries(layer)
 
     def index_keys_at(self, layer: int, ids: torch.Tensor) -> torch.Tensor:

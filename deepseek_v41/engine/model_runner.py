@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,10 @@ class VerifyState:
     pending_inputs: dict[int, torch.Tensor]
 
 
+_ONEDNN_OFF = [0, True]  # bf16 forwards that turned oneDNN off, and the setting to restore after the last one
+_ONEDNN_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def few_token_kernels(model_dtype: torch.dtype, device: torch.device):
     """Matmul kernels for a forward of a few tokens per sequence (decode, speculative verify).
@@ -55,17 +60,25 @@ def few_token_kernels(model_dtype: torch.dtype, device: torch.device):
     On CPU, oneDNN's bf16 GEMM (what PyTorch uses for bf16 when it is enabled) costs about 50 µs per call whatever
     the row count, twice a small fp32 GEMV, while ATen's own bf16 kernel reads the weights in about the fp32
     time; for large row counts (prefill chunks) oneDNN's AMX path is several times faster. So bf16 decode and
-    verify forwards run with oneDNN off (measured in bench/README.md); everything else is unaffected.
+    verify forwards run with oneDNN off (measured in bench/README.md). ``torch.backends.mkldnn.enabled`` is
+    process-wide: while such a forward runs, other threads see oneDNN off too; overlapping forwards (two engines
+    in one process) are counted, and the last one out restores the setting found by the first one in.
     """
     if model_dtype != torch.bfloat16 or device.type != "cpu":
         yield
         return
-    before = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
+    with _ONEDNN_LOCK:
+        if _ONEDNN_OFF[0] == 0:
+            _ONEDNN_OFF[1] = torch.backends.mkldnn.enabled
+            torch.backends.mkldnn.enabled = False
+        _ONEDNN_OFF[0] += 1
     try:
         yield
     finally:
-        torch.backends.mkldnn.enabled = before
+        with _ONEDNN_LOCK:
+            _ONEDNN_OFF[0] -= 1
+            if _ONEDNN_OFF[0] == 0:
+                torch.backends.mkldnn.enabled = _ONEDNN_OFF[1]
 
 
 def _few_tokens(method):

@@ -236,8 +236,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         pos = ctx.positions
         q_lat = self.q_norm(self.wq_a(x))
-        q = self.rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), pos)
-        kv = self.rope(self.kv_norm(self.wkv(x)), pos)
+        q = self.rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), pos, cache=ctx.shared)
+        kv = self.rope(self.kv_norm(self.wkv(x)), pos, cache=ctx.shared)
         keys, key_pos = ctx.window(self.spec.layer_id, kv)
         topk = gather = shared = None
         if self.spec.role is not LayerRole.WINDOW:
@@ -267,7 +267,7 @@ class Attention(nn.Module):
                 ctx.indexer_recall.append(
                     (self.spec.layer_id, *indexer_recall(entry_probs, ctx.shared.pop(("selection", self.spec.layer_id)),
                                                          topk)))
-        o = self.rope(o, pos, inverse=True)
+        o = self.rope(o, pos, inverse=True, cache=ctx.shared)
         return self.wo_b(self.wo_a(o.reshape(B, T, self.o_groups, -1)))
 
     def compress(self, x: torch.Tensor, ctx) -> None:
@@ -294,7 +294,7 @@ class Attention(nn.Module):
         k = min(self.index_topk, N)
         if k == 0:
             return torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
-        q, w = self.indexer.queries(q_lat, x, ctx.positions, self.rope, ctx.fake_quant)
+        q, w = self.indexer.queries(q_lat, x, ctx.positions, self.rope, ctx.fake_quant, ctx.shared)
         visible = torch.div(ctx.positions + 1, spec.compress_ratio, rounding_mode="floor")
         picks, pools, picked_scores, selections = [], [], [], []
         all_entries = torch.arange(N, device=x.device)

@@ -84,9 +84,11 @@ class DenseContext:
         return self._entries[layer]
 
     def num_index_keys(self, layer: int) -> int:
+        """N of :meth:`index_keys`."""
         return self.index_keys(layer).shape[1]
 
     def index_keys_at(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """Index keys of entries ``ids`` [B, c, n] (valid ids) as [B, c, n, di]."""
         return pick_rows(self.index_keys(layer), ids)
 
     def gather_entries(self, layer: int, idx: torch.Tensor) -> torch.Tensor:

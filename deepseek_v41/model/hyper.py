@@ -23,7 +23,8 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     ~120 steps is all dispatch, and NumPy's is about a third of PyTorch's (the results are identical: the same
     IEEE sums of ``hc`` terms in the same order, the same additions and divisions).
     """
-    if comb.device.type == "cpu" and not (comb.requires_grad and torch.is_grad_enabled()):
+    if (comb.device.type == "cpu" and comb.dtype in (torch.float32, torch.float64)
+            and not (comb.requires_grad and torch.is_grad_enabled())):
         c = comb.numpy(force=True)
         eps_ = c.dtype.type(eps)
         add = np.add.reduce  # the ufunc itself: ndarray.sum adds a Python wrapper per call

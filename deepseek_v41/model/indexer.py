@@ -43,10 +43,11 @@ class Indexer(nn.Module):
         return rope(self.k_norm(self.wk(latent)), positions)
 
     def queries(self, q_lat: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: nn.Module,
-                fake_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries [B, T, Hi, di] and head weights [B, T, Hi], fp32 (float64 for a float64 model)."""
+                fake_quant: bool, rope_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [B, T, Hi, di] and head weights [B, T, Hi], fp32 (float64 for a float64 model);
+        ``rope_cache`` as in :meth:`~deepseek_v41.model.rope.RotaryEmbedding.phases`."""
         B, T, _ = q_lat.shape
-        q = rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), positions)
+        q = rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), positions, cache=rope_cache)
         if fake_quant:
             q = fake_quant_fp4(q, 32, "ue8m0")
         w = upcast(self.weights_proj(x)) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)

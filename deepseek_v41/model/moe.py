@@ -121,7 +121,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(dim, inter_dim, swiglu_limit) for _ in range(n_experts))
         self.shared_experts = Expert(dim, inter_dim * n_shared, swiglu_limit) if n_shared else None
         self.inter_dim, self.swiglu_limit = inter_dim, swiglu_limit
-        self._stacked: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
+        self._stacked: tuple[None, None, list[int]] | None = None  # addresses of the stacked parameters
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
@@ -177,23 +177,32 @@ class MoE(nn.Module):
         return [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w13 [E, 2 * inter, D], w2 [E, D, inter])``: the experts' weights in one tensor each.
+        """``(w13 [E, 2 * inter, D], w2 [E, D, inter])``: the experts' weights as one tensor each (no autograd).
 
         Built on first use by stacking, after which each expert's ``w1`` / ``w3`` / ``w2`` parameter *is* a view
-        of its slice (no copy is kept: the memory is the same as before); rebuilt whenever a parameter no longer
-        points there (``model.to(...)``, a replaced parameter). Loading or training in place updates both.
+        of its slice: the memory is the same as before. Only the parameters hold the stacked storage (this module
+        keeps its layout and their addresses), so after ``model.to(...)`` nothing of the old stack survives; the
+        next call re-stacks the new parameters. Loading or training in place updates both views.
         """
-        if self._stacked is not None:
-            w13, w2, pointers = self._stacked
-            if pointers == [w.data_ptr() for w in self._weights()]:
-                return w13, w2
-        inter = self.inter_dim
-        with torch.no_grad(), torch.inference_mode(False):
+        E, inter = len(self.experts), self.inter_dim
+        first = self.experts[0]
+        last = self.experts[-1]
+        if (self._stacked is not None and self._stacked[2] == [w.data_ptr() for w in self._weights()]
+                and first.w1.weight.untyped_storage().data_ptr() == last.w3.weight.untyped_storage().data_ptr()
+                and first.w2.weight.untyped_storage().data_ptr() == last.w2.weight.untyped_storage().data_ptr()):
+            D = first.w1.weight.shape[1]
+            w13 = first.w1.weight.detach().as_strided((E, 2 * inter, D), (2 * inter * D, D, 1),
+                                                      first.w1.weight.storage_offset())
+            w2 = first.w2.weight.detach().as_strided((E, D, inter), (D * inter, inter, 1),
+                                                     first.w2.weight.storage_offset())
+            return w13, w2
+        # inference_mode(False) first: it turns grad mode on, which no_grad then turns off again.
+        with torch.inference_mode(False), torch.no_grad():
             w13 = torch.stack([torch.cat((e.w1.weight, e.w3.weight)) for e in self.experts])
             w2 = torch.stack([e.w2.weight for e in self.experts])
             for i, e in enumerate(self.experts):
                 e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = w13[i, :inter], w13[i, inter:], w2[i]
-        self._stacked = (w13, w2, [w.data_ptr() for w in self._weights()])
+        self._stacked = (None, None, [w.data_ptr() for w in self._weights()])
         return w13, w2
 
     def _grouped_experts(self, sorted_x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -36,18 +36,12 @@ def yarn_inv_freq(rope_dim: int, theta: float, yarn: dict[str, float] | None) ->
     return inv.float()
 
 
-# The last (cos, sin) each RoPE table computed, keyed by the table: every layer of one forward rotates at the same
-# positions tensor (queries, window keys, the inverse on the output), so the angles are computed once per forward
-# and table instead of once per call. Keyed by the positions tensor's identity and version counter.
-_PHASES: dict[tuple, tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = {}
-
-
 class RotaryEmbedding(nn.Module):
     """RoPE on the last ``rope_dim`` dims of a vector, at given absolute positions.
 
-    ``forward(x, positions, inverse=False)``: x [B, T, d] or [B, T, H, d] (any float dtype); positions [B, T]
-    integer (or float) positions. The rotation is computed in fp32 and cast back to x's dtype; ``inverse``
-    rotates by the negative angle (the output-side inverse RoPE of §3.3).
+    ``forward(x, positions, inverse=False, cache=None)``: x [B, T, d] or [B, T, H, d] (any float dtype); positions
+    [B, T] integer (or float) positions. The rotation is computed in fp32 and cast back to x's dtype; ``inverse``
+    rotates by the negative angle (the output-side inverse RoPE of §3.3); ``cache`` as in :meth:`phases`.
     """
 
     def __init__(self, rope_dim: int, theta: float, yarn: dict[str, float] | None):
@@ -61,30 +55,31 @@ class RotaryEmbedding(nn.Module):
         """Recompute the table on ``device`` (after building the model on ``meta`` and loading weights)."""
         self.inv_freq = yarn_inv_freq(self.rope_dim, self.theta, self.yarn).to(device)
 
-    def phases(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def phases(self, positions: torch.Tensor, cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` [B, T, rope_dim] fp32 (float64 tables stay float64) of ``positions`` [B, T], each angle
         repeated for both elements of its pair and ``sin`` negated on the first (``x' = x cos + swap(x) sin``
-        with ``swap`` exchanging the pair's elements); computed once per positions tensor and table."""
-        compiling = torch.compiler.is_compiling()  # a compiled graph computes (and fuses) the angles itself
-        key = (*self._table, self.inv_freq.dtype, self.inv_freq.device)
-        # Inference tensors have no version counter (and cannot be changed in place outside inference mode).
-        version = -1 if positions.is_inference() else positions._version
-        memo = _PHASES.get(key)
-        if not compiling and memo is not None and memo[0] is positions and memo[1] == version:
-            return memo[2], memo[3]
+        with ``swap`` exchanging the pair's elements).
+
+        ``cache``: a dict that lives for one forward whose positions do not change (the context's ``shared``):
+        every layer with this table then reuses one computation. Keyed by the table's settings, dtype and
+        device, so tables built alike share it."""
+        key = ("rope", *self._table, self.inv_freq.dtype, self.inv_freq.device)
+        if cache is not None and key in cache:
+            return cache[key]
         angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, r/2]
         cos, sin = torch.cos(angles), torch.sin(angles)
         cos = torch.stack((cos, cos), -1).flatten(-2)
         sin = torch.stack((-sin, sin), -1).flatten(-2)
-        if not compiling:
-            _PHASES[key] = (positions, version, cos, sin)
+        if cache is not None:
+            cache[key] = (cos, sin)
         return cos, sin
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
+                cache: dict | None = None) -> torch.Tensor:
         r = self.rope_dim
         if r == 0:
             return x
-        cos, sin = self.phases(positions)
+        cos, sin = self.phases(positions, cache)
         if x.dim() == 4:
             cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         if inverse:

@@ -135,8 +135,9 @@ _BYTE_VALUES: dict[torch.device, Tensor] = {}
 def _decode_bytes(packed: Tensor) -> Tensor:
     """float32 [..., 2n] of packed E2M1 bytes [..., n]: one lookup per byte in a 256 x 2 table (low nibble
     first), the same values as :func:`_e2m1_value` on each nibble, in a fraction of the elementwise work. The
-    table's two float32 of a byte are read as one 8-byte integer (``torch.take``), half the gathers of reading
-    them one by one; the bits are copied, never computed on."""
+    table's two float32 of a byte are read as one 8-byte integer (``index_select`` with int32 indices: several
+    times faster on CPU than ``take`` or indexing with int64 ones), half the gathers of reading them one by one;
+    the bits are copied, never computed on."""
     table = _BYTE_VALUES.get(packed.device)
     if table is None:
         with torch.inference_mode(False):  # a normal tensor, usable by autograd after an engine step
@@ -146,7 +147,8 @@ def _decode_bytes(packed: Tensor) -> Tensor:
             _BYTE_VALUES[packed.device] = table
     if packed.device.type == "meta":
         return table[packed.long()].flatten(-2)
-    return torch.take(table.view(torch.int64).view(256), packed.long()).view(torch.float32)
+    pairs = table.view(torch.int64).view(256).index_select(0, packed.reshape(-1).int())
+    return pairs.view(*packed.shape[:-1], -1).view(torch.float32)
 
 
 def _pack_nibbles(codes: Tensor) -> Tensor:

@@ -210,3 +210,12 @@ def test_few_token_kernels_turn_onednn_off_for_bf16_cpu_only():
     except KeyError:
         pass
     assert torch.backends.mkldnn.enabled == before
+    # Overlapping forwards (two engines on two threads): the flag comes back when the last one leaves.
+    cpu = torch.device("cpu")
+    first, second = few_token_kernels(torch.bfloat16, cpu), few_token_kernels(torch.bfloat16, cpu)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert torch.backends.mkldnn.enabled is False
+    second.__exit__(None, None, None)
+    assert torch.backends.mkldnn.enabled == before

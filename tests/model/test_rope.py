@@ -1,5 +1,5 @@
 """RoPE (MODEL_REFERENCE.md §3.3): the engine's rotation equals the textbook pair rotation bit for bit, and the
-per-forward phase memo never serves stale angles."""
+per-forward phase cache serves only the forward it belongs to."""
 
 import torch
 
@@ -32,13 +32,16 @@ def test_rotation_is_bit_identical_to_the_textbook_form():
         torch.testing.assert_close(rope(rope(x, positions), positions, inverse=True), x, atol=1e-5, rtol=1e-5)
 
 
-def test_phase_memo_follows_the_positions_tensor():
-    rope = RotaryEmbedding(8, 10000.0, None)
+def test_phase_cache_is_per_forward_and_shared_by_tables_built_alike():
+    rope, twin = RotaryEmbedding(8, 10000.0, None), RotaryEmbedding(8, 10000.0, None)
     x = torch.randn(1, 4, 16)
     positions = torch.arange(4)[None]
-    first = rope(x, positions)
-    positions += 100  # changed in place: the memo must not serve the old angles
-    assert torch.equal(rope(x, positions), textbook(x, positions, rope.inv_freq, 8))
-    assert not torch.equal(rope(x, positions), first)
-    other = torch.arange(4)[None]  # a different tensor with the first values
-    assert torch.equal(rope(x, other), first)
+    cache: dict = {}
+    first = rope(x, positions, cache=cache)
+    assert len(cache) == 1 and torch.equal(twin(x, positions, cache=cache), first)  # one computation, reused
+    other = RotaryEmbedding(8, 500.0, None)  # another table: its own entry
+    assert torch.equal(other(x, positions, cache=cache), textbook(x, positions, other.inv_freq, 8))
+    assert len(cache) == 2
+    moved = positions + 100  # a new forward brings a new cache; without one nothing is kept
+    assert torch.equal(rope(x, moved), textbook(x, moved, rope.inv_freq, 8))
+    assert torch.equal(rope(x, moved, cache={}), textbook(x, moved, rope.inv_freq, 8))

@@ -119,10 +119,16 @@ def test_grouped_experts_equal_the_per_expert_loop_and_keep_one_copy_of_the_weig
     torch.testing.assert_close(grouped, loop, rtol=1e-6, atol=1e-6)
     w13, _ = moe.stacked_weights()
     assert moe.experts[3].w3.weight.data_ptr() == w13[3, 16:].data_ptr()  # a view, not a copy
+    assert not w13.requires_grad and w13.grad_fn is None
+    import copy
+
+    torch.testing.assert_close(copy.deepcopy(moe)(x), loop)  # still an ordinary module
     with torch.no_grad():  # in-place updates reach the stack; model.to() re-stacks
         moe.experts[2].w2.weight.mul_(2)
         doubled = moe(x)
-    moe.double().float()  # new parameter tensors: the next inference call stacks them again
+    moe.double()  # new parameter tensors; the module keeps no reference to the old stack
+    assert moe._stacked[0] is None and moe._stacked[1] is None
+    moe.float()  # the next inference call stacks them again
     with torch.no_grad():
         again = moe(x)
     assert moe.experts[3].w3.weight.data_ptr() == moe.stacked_weights()[0][3, 16:].data_ptr()
