@@ -141,6 +141,14 @@ def measure(model_dir: Path, what: str, dtype: str, repeat: int) -> dict[str, fl
     return out
 
 
+def parse_families(parser: argparse.ArgumentParser, only: str) -> list[str]:
+    """The ``--only`` families, comma-separated; a parser error names the unknown ones and the valid ones."""
+    families = only.split(",")
+    if unknown := [f for f in families if f not in FAMILIES]:
+        parser.error(f"unknown --only families {unknown}; choose from {','.join(FAMILIES)}")
+    return families
+
+
 def _lower_is_better(key: str) -> bool:
     return key.startswith("decode_ms") or "over" in key or "rss" in key
 
@@ -196,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-json", type=Path, default=None, help="also write ours and the peers' numbers")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    families = args.only.split(",")
-    if unknown := [f for f in families if f not in FAMILIES]:
-        parser.error(f"unknown --only families {unknown}; choose from {','.join(FAMILIES)}")
+    families = parse_families(parser, args.only)
     if args.child:
         import torch
 

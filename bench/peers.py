@@ -69,8 +69,9 @@ import tempfile
 import time
 from pathlib import Path
 
-FAMILIES = {"prefill": ("prefill_1k_tok_s", "prefill_8k_tok_s"), "decode": ("decode_b1_tok_s", "decode_b8_tok_s"),
-            "long": ("decode_ms_1k", "decode_ms_16k", "decode_16k_over_1k"), "rss": ("prefill_8k_peak_rss_gb",)}
+sys.path.insert(0, str(Path(__file__).parent))
+from engine import FAMILIES, make_model_dir, parse_families  # noqa: E402  (bench/engine.py: stdlib-only at import)
+
 REQUIRES = {"mlx": ("mlx", "mlx_lm"), "transformers": ("torch", "transformers")}
 CHUNK = 2048  # prefill chunk in ``long`` (mlx-lm's default prefill_step_size)
 
@@ -296,14 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads [default: the library's]")
-    parser.add_argument("--only", default="prefill,decode,long,rss")
+    parser.add_argument("--only", default=",".join(FAMILIES))
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a saved bench model (mlx)")
     parser.add_argument("--long-budget-s", type=float, default=300.0, help="time-box of one prefill in 'long'")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    families = args.only.split(",")
-    if unknown := [f for f in families if f not in FAMILIES]:
-        parser.error(f"unknown families {unknown} (choose from {','.join(FAMILIES)})")
+    families = parse_families(parser, args.only)
     if args.child:
         try:
             if args.threads and args.peer == "transformers":
@@ -319,12 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     if missing := [m for m in REQUIRES[args.peer] if importlib.util.find_spec(m) is None]:
         print(f"peers.py: {args.peer} peer needs {', '.join(missing)} (not installed)", file=sys.stderr)
         return 2
-    model_dir = args.model_dir
-    if model_dir is None and args.peer == "mlx":
-        sys.path.insert(0, str(Path(__file__).parent))
-        from engine import make_model_dir
+    if args.model_dir is None and args.peer == "mlx":  # a temporary bench model, removed afterwards
+        with tempfile.TemporaryDirectory(prefix="dsv41-bench8m-") as tmp:
+            return _run_families(args, families, make_model_dir(Path(tmp)))
+    return _run_families(args, families, args.model_dir)
 
-        model_dir = make_model_dir(Path(tempfile.mkdtemp(prefix="dsv41-bench8m-")))
+
+def _run_families(args: argparse.Namespace, families: list[str], model_dir: Path | None) -> int:
+    """Each family in its own child process; print the table and the JSON line (see :func:`main`)."""
     env = dict(os.environ)
     if args.threads:
         env.update({k: str(args.threads) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")})

@@ -17,6 +17,9 @@ from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.model.context import pick_rows
 from deepseek_v41.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8_values
 
+_MAIN, _INDEX = 0, 2  # where each FP4 kind starts in a pool tuple (codes, scales)
+_FP4_FORMATS = {_MAIN: (16, "e4m3"), _INDEX: (32, "ue8m0")}  # block size and scale format (MODEL_REFERENCE.md §4)
+
 
 class PagedContext:
     """KV context of one forward over rows ``slots`` (sequence slots) with block tables ``tables``.
@@ -109,7 +112,6 @@ class PagedContext:
 
     def add_entries(self, layer: int, entries: torch.Tensor, index_keys: torch.Tensor, group: torch.Tensor) -> None:
         self._decoded.pop(layer, None)
-        main_codes, main_scales, idx_codes, idx_scales = self.cache.pools[layer]
         group = torch.where(group * self.cache.ratio[layer] >= self.write_from, group, -1)
         if group.device.type != "meta":
             written = int((group >= 0).sum())
@@ -117,19 +119,18 @@ class PagedContext:
                 return
             self.entries_written[layer] = self.entries_written.get(layer, 0) + written
         page, slot = self._locate(layer, group)
-        codes, scales = quantize_fp4(entries, 16, "e4m3")
-        main_codes[page, slot] = codes
-        main_scales[page, slot] = scales
-        codes, scales = quantize_fp4(index_keys, 32, "ue8m0")
-        idx_codes[page, slot] = codes
-        idx_scales[page, slot] = scales
+        pools = self.cache.pools[layer]
+        for pool, values in ((_MAIN, entries), (_INDEX, index_keys)):
+            codes, scales = quantize_fp4(values, *_FP4_FORMATS[pool])
+            pools[pool][page, slot] = codes
+            pools[pool + 1][page, slot] = scales
 
     def num_entries(self, layer: int) -> int:
         """Entries of kv source ``layer`` visible at the end of this forward, over the batch (max)."""
         return max(self.ends) // self.cache.ratio[layer]
 
     def index_keys(self, layer: int) -> torch.Tensor:
-        return dequantize_fp4(*self._pooled(layer, 2, self.num_entries(layer)), 32, "ue8m0", dtype=self.dtype)
+        return self._decode_first(layer, _INDEX, self.num_entries(layer))
 
     def num_index_keys(self, layer: int) -> int:
         """Index keys of kv source ``layer`` that :meth:`index_keys` returns (the max over the batch)."""
@@ -137,19 +138,24 @@ class PagedContext:
 
     def index_keys_at(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """Index keys of entries ``ids`` [B, c, n] (valid ids) [B, c, n, di]: only these are decoded."""
-        _, _, idx_codes, idx_scales = self.cache.pools[layer]
-        page, slot = self._locate(layer, ids)
-        return dequantize_fp4(idx_codes[page, slot], idx_scales[page, slot], 32, "ue8m0", dtype=self.dtype)
+        return self._decode_at(layer, _INDEX, ids)
 
-    def _pooled(self, layer: int, pool: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes and scales of ``pools[layer][pool]`` (main = 0, index = 2) for entries 0 .. n-1 of every row:
-        [B, n, ...] uint8 each, read through the block tables."""
-        codes, scales = self.cache.pools[layer][pool], self.cache.pools[layer][pool + 1]
+    def _decode_at(self, layer: int, pool: int, idx: torch.Tensor) -> torch.Tensor:
+        """Entries ``idx`` [B, ...] (-1 reads the null page) of ``pools[layer][pool:pool + 2]`` (``_MAIN`` or
+        ``_INDEX``) decoded to ``dtype`` [B, ..., width]: only these are read."""
+        codes, scales = self.cache.pools[layer][pool: pool + 2]
+        page, slot = self._locate(layer, idx)
+        return dequantize_fp4(codes[page, slot], scales[page, slot], *_FP4_FORMATS[pool], dtype=self.dtype)
+
+    def _decode_first(self, layer: int, pool: int, n: int) -> torch.Tensor:
+        """Entries 0 .. n-1 of every row, as :meth:`_decode_at`, read page by page through the block tables."""
+        codes, scales = self.cache.pools[layer][pool: pool + 2]
         per_page = self.cache.block_size // self.cache.ratio[layer]
         pages = self.tables[:, : -(-n // per_page)] if n else self.tables[:, :0]
         B = pages.shape[0]
-        return (codes[pages].reshape(B, -1, codes.shape[-1])[:, :n],
-                scales[pages].reshape(B, -1, scales.shape[-1])[:, :n])
+        return dequantize_fp4(codes[pages].reshape(B, -1, codes.shape[-1])[:, :n],
+                              scales[pages].reshape(B, -1, scales.shape[-1])[:, :n], *_FP4_FORMATS[pool],
+                              dtype=self.dtype)
 
     def gather_entries(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
         """Entries ``idx`` [B, c, k] (-1 = none) as [B, c, k, d] in ``dtype``. Few picks (decode) decode just
@@ -160,11 +166,8 @@ class PagedContext:
         if n > 0 and 2 * B * n < idx.numel():
             entries = self._decoded.get(layer)
             if entries is None:
-                entries = dequantize_fp4(*self._pooled(layer, 0, n), 16, "e4m3", dtype=self.dtype)
-                self._decoded[layer] = entries
+                entries = self._decoded[layer] = self._decode_first(layer, _MAIN, n)
             values = pick_rows(entries, idx.clamp(min=0))
         else:
-            main_codes, main_scales, _, _ = self.cache.pools[layer]
-            page, slot = self._locate(layer, idx)
-            values = dequantize_fp4(main_codes[page, slot], main_scales[page, slot], 16, "e4m3", dtype=self.dtype)
+            values = self._decode_at(layer, _MAIN, idx)
         return values.masked_fill((idx < 0)[..., None], 0.0)

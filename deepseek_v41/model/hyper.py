@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from deepseek_v41.model.norm import rms_normalize, upcast
+from deepseek_v41.quant.formats import device_constant
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -44,18 +45,9 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-_PART_INDEX: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
 def _part_index(hc: int, device: torch.device) -> torch.Tensor:
     """Which of the three scales each of the (2 + hc) * hc mixing columns takes: [0] * hc + [1] * hc + [2] * hc^2."""
-    index = _PART_INDEX.get((hc, device))
-    if index is None:
-        with torch.inference_mode(False):  # a normal tensor, so autograd may save it after an engine step
-            index = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
-        if device.type != "meta":
-            _PART_INDEX[(hc, device)] = index
-    return index
+    return device_constant(f"mHC parts {hc}", device, lambda: torch.tensor([0] * hc + [1] * hc + [2] * hc * hc))
 
 
 def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,

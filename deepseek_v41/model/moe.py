@@ -40,12 +40,18 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.linear on the weights rather than calling the three Linear modules: a decode step runs hundreds of
         # expert calls, and a module call costs a few µs of Python on top of the matmul.
-        gate = upcast(F.linear(x, self.w1.weight))
-        up = upcast(F.linear(x, self.w3.weight))
-        if self.swiglu_limit > 0:
-            gate = gate.clamp(max=self.swiglu_limit)
-            up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
-        return F.linear((F.silu(gate) * up).to(x.dtype), self.w2.weight)
+        hidden = clamped_swiglu(F.linear(x, self.w1.weight), F.linear(x, self.w3.weight), self.swiglu_limit)
+        return F.linear(hidden.to(x.dtype), self.w2.weight)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` in fp32 (float64 stays float64); ``limit <= 0``:
+    no clamping. gate, up [..., inter] -> [..., inter]."""
+    gate, up = upcast(gate), upcast(up)
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return F.silu(gate) * up
 
 
 class Gate(nn.Module):
@@ -121,7 +127,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(dim, inter_dim, swiglu_limit) for _ in range(n_experts))
         self.shared_experts = Expert(dim, inter_dim * n_shared, swiglu_limit) if n_shared else None
         self.inter_dim, self.swiglu_limit = inter_dim, swiglu_limit
-        self._stacked: tuple[None, None, list[int]] | None = None  # addresses of the stacked parameters
+        self._stacked_at: list[int] | None = None  # addresses of the expert parameters when last stacked
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
@@ -187,7 +193,7 @@ class MoE(nn.Module):
         E, inter = len(self.experts), self.inter_dim
         first = self.experts[0]
         last = self.experts[-1]
-        if (self._stacked is not None and self._stacked[2] == [w.data_ptr() for w in self._weights()]
+        if (self._stacked_at == [w.data_ptr() for w in self._weights()]
                 and first.w1.weight.untyped_storage().data_ptr() == last.w3.weight.untyped_storage().data_ptr()
                 and first.w2.weight.untyped_storage().data_ptr() == last.w2.weight.untyped_storage().data_ptr()):
             D = first.w1.weight.shape[1]
@@ -202,7 +208,7 @@ class MoE(nn.Module):
             w2 = torch.stack([e.w2.weight for e in self.experts])
             for i, e in enumerate(self.experts):
                 e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = w13[i, :inter], w13[i, inter:], w2[i]
-        self._stacked = (None, None, [w.data_ptr() for w in self._weights()])
+        self._stacked_at = [w.data_ptr() for w in self._weights()]
         return w13, w2
 
     def _grouped_experts(self, sorted_x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -210,8 +216,5 @@ class MoE(nn.Module):
         cumulative row counts) -> [M, D] in x's dtype; the same arithmetic as the per-expert calls."""
         w13, w2 = self.stacked_weights()
         h = torch._grouped_mm(sorted_x, w13.transpose(1, 2), offs=offsets)
-        gate, up = upcast(h[:, : self.inter_dim]), upcast(h[:, self.inter_dim:])
-        if self.swiglu_limit > 0:
-            gate = gate.clamp(max=self.swiglu_limit)
-            up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
-        return torch._grouped_mm((F.silu(gate) * up).to(sorted_x.dtype), w2.transpose(1, 2), offs=offsets)
+        hidden = clamped_swiglu(h[:, : self.inter_dim], h[:, self.inter_dim:], self.swiglu_limit)
+        return torch._grouped_mm(hidden.to(sorted_x.dtype), w2.transpose(1, 2), offs=offsets)

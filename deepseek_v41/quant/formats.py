@@ -14,6 +14,7 @@ All functions are elementwise, vectorised and run on any device, ``meta`` includ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
@@ -136,7 +137,26 @@ def e4m3_encode(y: Tensor) -> Tensor:
     return torch.where((low == 0) | (low == 0x7F), 0, byte)
 
 
-_E4M3_VALUES: dict[torch.device, Tensor] = {}
+_CONSTANTS: dict[tuple, Tensor] = {}
+
+
+def device_constant(name: str, device: torch.device, build: Callable[[], Tensor]) -> Tensor:
+    """A small constant tensor (a lookup table, an index) built once per ``(name, device)`` by ``build()`` and
+    kept; built as a normal tensor even inside ``torch.inference_mode``, so autograd may use it after an engine
+    step. On ``meta`` it is built every call and not kept."""
+    key = (name, device)
+    table = _CONSTANTS.get(key)
+    if table is None:
+        with torch.inference_mode(False):
+            table = build().to(device)
+        if device.type != "meta":
+            _CONSTANTS[key] = table
+    return table
+
+
+def _e4m3_table() -> Tensor:
+    """PyTorch's float32 value of every E4M3FN byte [256]."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 def e4m3_decode(byte: Tensor) -> Tensor:
@@ -146,10 +166,6 @@ def e4m3_decode(byte: Tensor) -> Tensor:
     element-wise float8 conversion is not vectorized there and costs several times as much; the values are the
     same bits."""
     if byte.device.type == "cpu" and not torch.compiler.is_compiling():
-        table = _E4M3_VALUES.get(byte.device)
-        if table is None:
-            with torch.inference_mode(False):
-                table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-            _E4M3_VALUES[byte.device] = table
+        table = device_constant("e4m3 values", byte.device, _e4m3_table)
         return table.index_select(0, byte.reshape(-1).int()).view(byte.shape)
     return byte.view(torch.float8_e4m3fn).float()

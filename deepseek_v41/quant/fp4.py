@@ -29,6 +29,7 @@ from deepseek_v41.quant.formats import (
     check_blocks,
     check_codes,
     check_scale_format,
+    device_constant,
     e4m3_decode,
     ue8m0_decode,
     ue8m0_encode_ceil,
@@ -129,22 +130,14 @@ def _e2m1_value(code: Tensor) -> Tensor:
     return torch.where((code & 8) != 0, -magnitude, magnitude)
 
 
-_BYTE_VALUES: dict[torch.device, Tensor] = {}
-
-
 def _decode_bytes(packed: Tensor) -> Tensor:
     """float32 [..., 2n] of packed E2M1 bytes [..., n]: one lookup per byte in a 256 x 2 table (low nibble
     first), the same values as :func:`_e2m1_value` on each nibble, in a fraction of the elementwise work. The
     table's two float32 of a byte are read as one 8-byte integer (``index_select`` with int32 indices: several
     times faster on CPU than ``take`` or indexing with int64 ones), half the gathers of reading them one by one;
     the bits are copied, never computed on."""
-    table = _BYTE_VALUES.get(packed.device)
-    if table is None:
-        with torch.inference_mode(False):  # a normal tensor, usable by autograd after an engine step
-            every_byte = torch.arange(256, dtype=torch.uint8)
-            table = _e2m1_value(_unpack_nibbles(every_byte[:, None])).to(packed.device)  # [256, 2]
-        if packed.device.type != "meta":
-            _BYTE_VALUES[packed.device] = table
+    table = device_constant("e2m1 byte values", packed.device,  # [256, 2]
+                            lambda: _e2m1_value(_unpack_nibbles(torch.arange(256, dtype=torch.uint8)[:, None])))
     if packed.device.type == "meta":
         return table[packed.long()].flatten(-2)
     pairs = table.view(torch.int64).view(256).index_select(0, packed.reshape(-1).int())

@@ -76,8 +76,7 @@ def fake_quant_fp8(x: Tensor, block_size: int = 32) -> Tensor:
 
 
 def _fake_quant(x: Tensor, block_size: int) -> Tensor:
-    codes, _, scale = _quantize_blocks(x, block_size, "ue8m0")
-    return (e4m3_decode(codes) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+    return quantize_fp8_values(x, block_size)[2]
 
 
 def _quantize_blocks(x: Tensor, block_size: int, scale_format: str) -> tuple[Tensor, Tensor, Tensor]:
