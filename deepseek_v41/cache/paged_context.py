@@ -44,6 +44,8 @@ class PagedContext:
         self.dense_indexer = False  # training warm-up: every visible entry is selected
         self.indexer_recall: list | None = None  # measurement: each index layer's recall of the dense attention
         self.drop_compressed = False  # ablation: attend the window only
+        # Entries stored by earlier forwards stay in the cache: a step completing none need not call add_entries.
+        self.entries_persist = True
         self.shared: dict[Any, torch.Tensor] = {}
         # Attention, the indexer and the mixing compute in fp32 (float64 for a float64 model), so stored rows decode
         # straight to that: FP8 / FP4 values times power-of-two scales are exact in bf16 too, so decoding to a bf16

@@ -24,7 +24,7 @@ from deepseek_v41.model.indexer import (
     pool_entries,
     topk_entries,
 )
-from deepseek_v41.model.norm import RMSNorm, upcast
+from deepseek_v41.model.norm import RMSNorm, cast, upcast
 from deepseek_v41.model.rope import RotaryEmbedding
 from deepseek_v41.plan import LayerRole, LayerSpec
 
@@ -114,23 +114,23 @@ def _attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_po
     chunk loop of einsums. Same arguments, result and fp32 arithmetic as :func:`sparse_attention`."""
     B, T, H, d = q.shape
     wide = upcast(keys)  # [B, L, d]
-    qc = upcast(q).to(wide.dtype)
+    qc = cast(upcast(q), wide.dtype)
     scores = (qc.flatten(1, 2) @ wide.transpose(1, 2)).unflatten(1, (T, H)) * scale  # [B, T, H, L]
     qp, kp = q_pos[:, :, None], key_pos[:, None, :]
     seen = (kp >= 0) & (kp <= qp) & (kp > qp - window)  # [B, T, L]
     parts = [scores.masked_fill(~seen[:, :, None, :], float("-inf"))]
     selected = None
     if topk is not None and topk.shape[-1] > 0:
-        selected = gather(topk).to(qc.dtype)  # [B, T, k, d]
+        selected = cast(gather(topk), qc.dtype)  # [B, T, k, d]
         s_c = (qc @ selected.transpose(-1, -2)) * scale  # [B, T, H, k]
         parts.append(s_c.masked_fill((topk < 0)[:, :, None, :], float("-inf")))
-    parts.append(sink.to(qc.dtype).view(1, 1, H, 1).expand(B, T, H, 1))
+    parts.append(cast(sink, qc.dtype).view(1, 1, H, 1).expand(B, T, H, 1))
     probs = torch.softmax(torch.cat(parts, -1), dim=-1)
     L = wide.shape[1]
     o = (probs[..., :L].flatten(1, 2) @ wide).unflatten(1, (T, H))
     if selected is not None:
         o = o + probs[..., L:-1] @ selected
-    return o.to(q.dtype)
+    return cast(o, q.dtype)
 
 
 def indexer_kl(entry_probs: torch.Tensor, indexer_scores: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
@@ -275,6 +275,9 @@ class Attention(nn.Module):
         layer = self.spec.layer_id
         latent, group, pending = self.compressor(x, ctx.positions, ctx.pending(layer))
         ctx.set_pending(layer, pending)
+        if (getattr(ctx, "entries_persist", False) and x.shape[1] == 1 and group.device.type != "meta"
+                and not bool((group >= 0).any())):
+            return  # a decode step that only opens a ratio-2 pair: no entry, no index key to make
         entry_pos = group.clamp(min=0) * self.spec.compress_ratio
         key_input = latent.detach() if ctx.indexer_losses is not None else latent
         ctx.add_entries(layer, self.rope(latent, entry_pos), self.indexer.keys(key_input, entry_pos, self.rope), group)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deepseek_v41.model.norm import rms_normalize, upcast
+from deepseek_v41.model.norm import cast, rms_normalize, upcast
 from deepseek_v41.quant.formats import device_constant
 
 
@@ -56,8 +56,8 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     one conversion with :func:`collapse` / :func:`expand`): pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc]
     (all fp32; comb[i, j] moves stream i into stream j)."""
     flat = rms_normalize(streams.flatten(-2), norm_eps)  # [B, T, hc*D]
-    mix = flat @ fn.to(flat.dtype).t()  # [B, T, (2+hc)*hc]: pre | post | comb
-    mix = mix * scale.to(flat.dtype)[_part_index(hc, scale.device)] + base.to(flat.dtype)
+    mix = flat @ cast(fn, flat.dtype).t()  # [B, T, (2+hc)*hc]: pre | post | comb
+    mix = mix * cast(scale, flat.dtype)[_part_index(hc, scale.device)] + cast(base, flat.dtype)
     gates = torch.sigmoid(mix[..., : 2 * hc])
     pre = gates[..., :hc] + hc_eps
     post = 2 * gates[..., hc:]
@@ -69,7 +69,7 @@ def collapse(streams: torch.Tensor, weights: torch.Tensor, wide: torch.Tensor | 
     """``Σ_i w_i R_i``: streams [B, T, hc, D], weights [B, T, hc] -> [B, T, D] in the streams' dtype. ``wide``:
     the streams already upcast (``upcast(streams)``), when the caller has them."""
     wide = upcast(streams) if wide is None else wide
-    return (weights.to(wide.dtype)[..., None, :] @ wide).squeeze(-2).to(streams.dtype)
+    return cast((cast(weights, wide.dtype)[..., None, :] @ wide).squeeze(-2), streams.dtype)
 
 
 def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -77,5 +77,5 @@ def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: tor
     """``R'_j = post_j y + Σ_i comb[i, j] R_i``: streams [B, T, hc, D], y [B, T, D] -> [B, T, hc, D] (``wide``
     as in :func:`collapse`)."""
     wide = upcast(streams) if wide is None else wide
-    mixed = comb.to(wide.dtype).transpose(-1, -2) @ wide
-    return (post.to(wide.dtype)[..., None] * y.to(wide.dtype)[:, :, None, :] + mixed).to(streams.dtype)
+    mixed = cast(comb, wide.dtype).transpose(-1, -2) @ wide
+    return cast(cast(post, wide.dtype)[..., None] * cast(y, wide.dtype)[:, :, None, :] + mixed, streams.dtype)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepseek_v41.model.norm import RMSNorm, upcast
+from deepseek_v41.model.norm import RMSNorm, cast, upcast
 from deepseek_v41.quant import fake_quant_fp4
 
 QUERY_CHUNK = 256
@@ -64,12 +64,12 @@ class IndexScorer(nn.Module):
 
     def forward(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         B, c, H, _ = q.shape
-        keys = keys.to(q.dtype)
+        keys = cast(keys, q.dtype)
         if keys.dim() == 3:  # one key set for every query: a single [c * H, di] x [di, N] product per row
             dots = (q.flatten(1, 2) @ keys.transpose(1, 2)).unflatten(1, (c, H))
         else:
             dots = q @ keys.transpose(-1, -2)
-        return (w.to(dots.dtype)[:, :, None, :] @ dots.relu_()).squeeze(2)
+        return (cast(w, dots.dtype)[:, :, None, :] @ dots.relu_()).squeeze(2)
 
 
 def mask_invisible(scores: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepseek_v41.model.norm import upcast
+from deepseek_v41.model.norm import cast, upcast
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class Expert(nn.Module):
         # F.linear on the weights rather than calling the three Linear modules: a decode step runs hundreds of
         # expert calls, and a module call costs a few µs of Python on top of the matmul.
         hidden = clamped_swiglu(F.linear(x, self.w1.weight), F.linear(x, self.w3.weight), self.swiglu_limit)
-        return F.linear(hidden.to(x.dtype), self.w2.weight)
+        return F.linear(cast(hidden, x.dtype), self.w2.weight)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -81,8 +81,8 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         xf = upcast(x)
-        scores = torch.sqrt(F.softplus(xf @ self.weight.to(xf.dtype).t()))
-        bias = self.bias.to(xf.dtype)
+        scores = torch.sqrt(F.softplus(xf @ cast(self.weight, xf.dtype).t()))
+        bias = cast(self.bias, xf.dtype)
         if image_mask is not None:
             if self.bias_vl is None:
                 if not self._warned:
@@ -136,8 +136,8 @@ class MoE(nn.Module):
         indices, weights = self.gate(flat, mask)
         out = self.dispatch(flat, indices, weights)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat).to(out.dtype)
-        return out.to(x.dtype).reshape(shape)
+            out = out + cast(self.shared_experts(flat), out.dtype)
+        return cast(out, x.dtype).reshape(shape)
 
     def dispatch(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Σ_k w_k E_{idx_k}(x) for flat [N, D], indices/weights [N, k] -> [N, D] in the weights' dtype (fp32, or
@@ -148,7 +148,7 @@ class MoE(nn.Module):
             picks = sorted(zip(indices[0].tolist(), range(indices.shape[-1]), strict=True))
             out = None
             for e, j in picks:
-                y = self.experts[e](flat).to(weights.dtype) * weights[:, j:j + 1]
+                y = cast(self.experts[e](flat), weights.dtype) * weights[:, j:j + 1]
                 out = y if out is None else out + y
             return out
         k = indices.shape[-1]
@@ -180,7 +180,9 @@ class MoE(nn.Module):
                 and flat.dtype in (torch.float32, torch.bfloat16) and self.experts[0].w1.weight.dtype == flat.dtype)
 
     def _weights(self) -> list[torch.Tensor]:
-        return [w for e in self.experts for w in (e.w1.weight, e.w3.weight, e.w2.weight)]
+        # Straight through the module dicts: Module.__getattr__ would cost ~1 µs for each of the 3 E lookups.
+        return [e._modules[name]._parameters["weight"] for e in self.experts._modules.values()
+                for name in ("w1", "w3", "w2")]
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 [E, 2 * inter, D], w2 [E, D, inter])``: the experts' weights as one tensor each (no autograd).

@@ -10,7 +10,16 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     """``x`` in at least fp32: fp32 for fp32 / bf16 / fp16, unchanged for float64. The reference computes
     statistics, router scores, attention and mixing in fp32; keeping float64 wide lets a float64 model run without
     any fp32 rounding (tests use it to compare two computation orders without quantization flips)."""
-    return x if x.dtype == torch.float64 else x.float()
+    return x if x.dtype in _WIDE else x.float()
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, skipping the call when ``x`` already has it (same result: ``Tensor.to`` returns ``x``
+    itself then; a decode step makes hundreds of such calls, each a few µs of dispatch)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +36,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = upcast(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(xf.dtype)).to(x.dtype)
+        return cast(y * cast(self.weight, xf.dtype), x.dtype)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from deepseek_v41.model.norm import upcast
+from deepseek_v41.model.norm import cast, upcast
 
 
 def yarn_inv_freq(rope_dim: int, theta: float, yarn: dict[str, float] | None) -> torch.Tensor:
@@ -89,4 +89,4 @@ class RotaryEmbedding(nn.Module):
         # textbook form, so the result is bit-identical to it.
         swapped = tail.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)
         rotated = tail * cos + swapped * sin
-        return torch.cat((x[..., :-r], rotated.to(x.dtype)), dim=-1)
+        return torch.cat((x[..., :-r], cast(rotated, x.dtype)), dim=-1)
