@@ -28,13 +28,15 @@ from deepseek_v41.engine.sequence import (
     SequenceStatus,
 )
 
+DEFAULT_KV_POOL_BYTES = 1 << 30  # the default KV pool's cap, unless one sequence of max_model_len needs more
+
 
 @dataclass
 class EngineArgs:
     """Engine settings (vLLM's names where they exist).
 
     ``block_size``: tokens per KV page. ``num_kv_pages`` or ``kv_cache_memory_bytes`` size the global KV pool
-    (default: room for ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most 1 GiB).
+    (default: room for ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most 1 GiB but at least one).
     ``window_slack_rows``: extra rows per window ring (SPEC.md §4.1). ``prefill_mode``: "ced" (default when the
     layout allows) or "exact".
 
@@ -240,7 +242,8 @@ class LLMEngine:
 
         Raises ValueError when an explicitly sized pool (``num_kv_pages`` or ``kv_cache_memory_bytes``) cannot
         hold one sequence of ``max_model_len`` tokens: such a pool would cut every long output short (vLLM
-        refuses it at start too). The default pool (at most 1 GiB) is not checked.
+        refuses it at start too). The default pool holds ``max_num_seqs`` such sequences, capped at
+        ``DEFAULT_KV_POOL_BYTES`` (1 GiB) but never below one sequence.
         """
         P = args.block_size
         needed = -(-self.max_model_len // P)  # pages of one sequence of max_model_len tokens
@@ -252,7 +255,8 @@ class LLMEngine:
             pages = max(0, min(wanted, args.kv_cache_memory_bytes // page_bytes))
             given = f"kv_cache_memory_bytes={args.kv_cache_memory_bytes}: {pages} pages of {page_bytes} bytes"
         else:
-            return max(1, min(wanted, (1 << 30) // page_bytes)) + 1  # + the reserved null page
+            # At most DEFAULT_KV_POOL_BYTES, but never less than one sequence of max_model_len tokens.
+            return max(needed, min(wanted, DEFAULT_KV_POOL_BYTES // page_bytes)) + 1  # + the reserved null page
         if pages < needed:
             tokens = max(0, pages) * P
             smaller = f" or set max_model_len <= {tokens}" if tokens >= 2 else ""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deepseek_v41.engine import LLM, SamplingParams
+from deepseek_v41.engine import engine as engine_module
 
 VOCAB = 512  # tiny config's vocab_size
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -137,3 +138,14 @@ def test_an_explicit_pool_must_hold_one_sequence_of_max_model_len(model32):
     out = fits.generate({"prompt_token_ids": PROMPT[:10]}, SamplingParams(temperature=0, max_tokens=None,
                                                                          ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 54 and out.finish_reason == "length"
+
+
+def test_the_default_pool_holds_one_sequence_of_max_model_len_past_its_cap(model32, monkeypatch):
+    page_bytes = LLM(model32, max_model_len=64, num_kv_pages=4).engine.cache.global_bytes // 5
+    monkeypatch.setattr(engine_module, "DEFAULT_KV_POOL_BYTES", 3 * page_bytes)
+    assert LLM(model32, max_model_len=32, max_num_seqs=4).stats["kv_pages_total"] == 3  # the cap: 3 of 8 pages
+    llm = LLM(model32, max_model_len=128, max_num_seqs=4)  # one sequence needs 8 pages, over the cap
+    assert llm.stats["kv_pages_total"] == 8
+    out = llm.generate({"prompt_token_ids": PROMPT[:10]}, SamplingParams(temperature=0, max_tokens=None,
+                                                                        ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 118 and out.finish_reason == "length"
