@@ -199,8 +199,11 @@ class PrefixCache:
             block_hash, tensors = self._writes.get()
             try:
                 with self._store_lock:
-                    if self.page_store.put(block_hash, tensors):
-                        self.counters["disk_pages_written"] += 1
+                    # Count files written, not pages found already stored (after a restart, or by another
+                    # process): the same figure as the store's own pages_written.
+                    before = self.page_store.stats["pages_written"]
+                    self.page_store.put(block_hash, tensors)
+                    self.counters["disk_pages_written"] += self.page_store.stats["pages_written"] - before
             except Exception:  # noqa: BLE001 - a failed write is a cache miss later, never a crash of the engine
                 log.exception("writing prefix-cache page %s failed", block_hash)
             finally:

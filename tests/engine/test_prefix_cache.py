@@ -85,6 +85,11 @@ def test_disk_and_exact_replay_after_a_restart(model64, cold, tmp_path, lengths)
         hit = run(reader, tokens(n, n) + tokens(3, 7))
         assert hit.num_cached_tokens == expected_cached(n), n
         assert hit.outputs[0].token_ids == cold["ced", n], n
+        reader.engine.prefix_cache.flush()  # pages already on disk are not counted as written again
+        stats = reader.stats["prefix_cache"]
+        assert stats["disk_pages_written"] == stats["disk"]["pages_written"], n
+        total = n + 3 + len(hit.outputs[0].token_ids)  # at most the pages past the cached ones are new
+        assert stats["disk_pages_written"] <= total // P - expected_cached(n) // P, n
 
 
 @pytest.mark.parametrize("lengths", SETS)
@@ -131,3 +136,16 @@ def test_pages_are_shared_and_return_to_the_pool(model64):
     outs = llm.generate([{"prompt_token_ids": prompt}] * 3, GREEDY)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
     assert llm.stats["kv_pages_used"] == 0
+
+
+def test_disk_pages_written_counts_files_not_pages_found_stored(model64, tmp_path):
+    prompt = tokens(4 * P, 5)  # whole pages: a hit leaves the last one to compute, and it is already on disk
+    writer = engine(model64, cache_dir=str(tmp_path), swa_pool_bytes=0)
+    run(writer, prompt)
+    writer.engine.prefix_cache.flush()
+    reader = engine(model64, cache_dir=str(tmp_path), swa_pool_bytes=0)
+    hit = run(reader, prompt)
+    reader.engine.prefix_cache.flush()
+    stats = reader.stats["prefix_cache"]
+    assert hit.num_cached_tokens == 3 * P
+    assert stats["disk_pages_written"] == stats["disk"]["pages_written"] == 0
