@@ -17,6 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from deepseek_v41.model.norm import cast, upcast
 
@@ -38,10 +39,23 @@ class Expert(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.plain():  # e.g. a LoRA wrapper or a forward hook on a projection: call the modules
+            hidden = clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
+            return self.w2(cast(hidden, x.dtype))
         # F.linear on the weights rather than calling the three Linear modules: a decode step runs hundreds of
         # expert calls, and a module call costs a few µs of Python on top of the matmul.
         hidden = clamped_swiglu(F.linear(x, self.w1.weight), F.linear(x, self.w3.weight), self.swiglu_limit)
         return F.linear(cast(hidden, x.dtype), self.w2.weight)
+
+    def plain(self) -> bool:
+        """True when ``w1`` / ``w2`` / ``w3`` are bias-free ``nn.Linear`` layers that no hook watches, so that
+        ``F.linear`` on their weights is exactly calling them (what the fast paths do)."""
+        if _global_forward_hooks or _global_forward_pre_hooks:
+            return False
+        for m in self._modules.values():
+            if type(m) is not nn.Linear or m.bias is not None or m._forward_hooks or m._forward_pre_hooks:
+                return False
+        return True
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -177,7 +191,8 @@ class MoE(nn.Module):
     def _grouped_ok(self, flat: torch.Tensor) -> bool:
         """Inference on CPU with fp32 / bf16 weights: ``torch._grouped_mm`` runs all experts at once."""
         return (flat.device.type == "cpu" and not torch.is_grad_enabled() and hasattr(torch, "_grouped_mm")
-                and flat.dtype in (torch.float32, torch.bfloat16) and self.experts[0].w1.weight.dtype == flat.dtype)
+                and flat.dtype in (torch.float32, torch.bfloat16) and self.experts[0].w1.weight.dtype == flat.dtype
+                and all(e.plain() for e in self.experts._modules.values()))
 
     def _weights(self) -> list[torch.Tensor]:
         # Straight through the module dicts: Module.__getattr__ would cost ~1 µs for each of the 3 E lookups.

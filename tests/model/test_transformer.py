@@ -136,6 +136,30 @@ def test_grouped_experts_equal_the_per_expert_loop_and_keep_one_copy_of_the_weig
     torch.testing.assert_close(again, doubled, rtol=1e-6, atol=1e-6)
 
 
+def test_expert_projections_keep_their_hooks_and_wrappers():
+    """The fast expert paths call F.linear on the weights; a hooked or wrapped projection (LoRA, a probe) is called
+    as a module instead, in training, in the grouped inference path and for a single token."""
+    import copy
+
+    from deepseek_v41.model.moe import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(32, 16, 6, 2, 1, 10.0, 1.5, True, False)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    doubled = copy.deepcopy(moe)
+    with torch.no_grad():
+        for e in (*doubled.experts, doubled.shared_experts):
+            e.w3.weight.mul_(2)
+    for e in (*moe.experts, moe.shared_experts):  # the same as doubling w3: a hook doubling its output
+        e.w3.register_forward_hook(lambda module, args, out: out * 2)
+    for x in (torch.randn(2, 9, 32), torch.randn(1, 1, 32)):
+        torch.testing.assert_close(moe(x), doubled(x), rtol=1e-6, atol=1e-6)  # grad mode: the per-expert loop
+        with torch.no_grad():
+            torch.testing.assert_close(moe(x), doubled(x), rtol=1e-6, atol=1e-6)  # inference paths
+    assert not moe.experts[0].plain() and doubled.experts[0].plain()
+
+
 def test_a_model_with_stacked_experts_saves_and_loads(tmp_path):
     from deepseek_v41.config import tiny_config
     from deepseek_v41.model.checkpoint import load_model
