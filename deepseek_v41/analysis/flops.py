@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from torch.utils.flop_counter import FlopCounterMode
 
-# An expert's matmuls are its own (Expert.forward calls F.linear on w1 / w3 / w2), so the expert module is named.
+# An expert's matmuls are named by the expert (Expert.forward calls F.linear on w1 / w3 / w2) or, when hooks are
+# installed (FlopCounterMode installs global ones, so experts then call their projections), by w1 / w2 / w3.
 _FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|shared_experts(\.w[123])?|indexer\.wq_b|engram\.wkv)$")
 _FP4 = re.compile(r"(\.ffn\.experts\.\d+(\.w[123])?|\.indexer\.score)$")
 WEIGHTS = {"bf16": 1.0, "fp8": 0.5, "fp4": 0.25}

@@ -36,7 +36,8 @@ class EngineArgs:
     """Engine settings (vLLM's names where they exist).
 
     ``block_size``: tokens per KV page. ``num_kv_pages`` or ``kv_cache_memory_bytes`` size the global KV pool
-    (default: room for ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most 1 GiB but at least one).
+    (default: room for ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most 1 GiB but never less than
+    one such sequence).
     ``window_slack_rows``: extra rows per window ring (SPEC.md §4.1). ``prefill_mode``: "ced" (default when the
     layout allows) or "exact".
 

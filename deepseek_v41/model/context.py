@@ -18,6 +18,9 @@ the context object they pass. A context provides, for the tokens of one forward 
   collects each index-source layer's KL loss, and the dense warm-up in which every visible entry is selected;
 - ``banded_window``: True when the last T window rows are the new tokens at consecutive positions (each query
   then reads only its band of them); False makes attention mask every row by position alone.
+- ``entries_persist`` (optional, default False): True when entries stored by earlier forwards stay in the context
+  (the engine's paged cache), so a one-token forward that completes no compressed entry may skip ``add_entries``;
+  such a context also has ``ends``, per row the position after its last new token (Python ints).
 
 :class:`DenseContext` is the exact-forward / training context: everything stays a tensor, the KV quantization
 is the reference fake-quant (switchable off), and a forward starts at position 0.

@@ -17,11 +17,15 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+from torch.nn.modules import module as _module
 
 from deepseek_v41.model.norm import cast, upcast
 
 log = logging.getLogger(__name__)
+
+# torch's registries of global module hooks (dicts it mutates in place; see Expert.plain).
+_GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hooks, _module._global_backward_hooks,
+                 _module._global_backward_pre_hooks)
 
 
 class Expert(nn.Module):
@@ -39,7 +43,7 @@ class Expert(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.plain():  # e.g. a LoRA wrapper or a forward hook on a projection: call the modules
+        if not self.plain():  # e.g. a LoRA wrapper or a hook on a projection: call the modules
             hidden = clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
             return self.w2(cast(hidden, x.dtype))
         # F.linear on the weights rather than calling the three Linear modules: a decode step runs hundreds of
@@ -48,14 +52,21 @@ class Expert(nn.Module):
         return F.linear(cast(hidden, x.dtype), self.w2.weight)
 
     def plain(self) -> bool:
-        """True when ``w1`` / ``w2`` / ``w3`` are bias-free ``nn.Linear`` layers that no hook watches, so that
-        ``F.linear`` on their weights is exactly calling them (what the fast paths do)."""
-        if _global_forward_hooks or _global_forward_pre_hooks:
+        """True when this is an :class:`Expert` and ``w1`` / ``w2`` / ``w3`` bias-free ``nn.Linear`` layers, with
+        no forward or backward hook on any of them (nor a global module hook): then ``F.linear`` on the weights,
+        or one grouped matmul over every expert, is exactly calling the modules (what the fast paths do)."""
+        if _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3]:
+            return False
+        if type(self) is not Expert or _hooked(self):
             return False
         for m in self._modules.values():
-            if type(m) is not nn.Linear or m.bias is not None or m._forward_hooks or m._forward_pre_hooks:
+            if type(m) is not nn.Linear or m._parameters.get("bias") is not None or _hooked(m):
                 return False
         return True
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -191,8 +202,9 @@ class MoE(nn.Module):
     def _grouped_ok(self, flat: torch.Tensor) -> bool:
         """Inference on CPU with fp32 / bf16 weights: ``torch._grouped_mm`` runs all experts at once."""
         return (flat.device.type == "cpu" and not torch.is_grad_enabled() and hasattr(torch, "_grouped_mm")
-                and flat.dtype in (torch.float32, torch.bfloat16) and self.experts[0].w1.weight.dtype == flat.dtype
-                and all(e.plain() for e in self.experts._modules.values()))
+                and flat.dtype in (torch.float32, torch.bfloat16)
+                and all(e.plain() for e in self.experts._modules.values())  # before .weight: a wrapper may lack it
+                and self.experts[0].w1.weight.dtype == flat.dtype)
 
     def _weights(self) -> list[torch.Tensor]:
         # Straight through the module dicts: Module.__getattr__ would cost ~1 µs for each of the 3 E lookups.

@@ -159,6 +159,33 @@ def test_expert_projections_keep_their_hooks_and_wrappers():
             torch.testing.assert_close(moe(x), doubled(x), rtol=1e-6, atol=1e-6)  # inference paths
     assert not moe.experts[0].plain() and doubled.experts[0].plain()
 
+    class Wrapped(torch.nn.Module):  # a LoRA-style wrapper without a .weight of its own
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+
+        def forward(self, x):
+            return self.base_layer(x) * 2
+
+    wrapped, x = copy.deepcopy(doubled), torch.randn(2, 9, 32)
+    for e in (*wrapped.experts, wrapped.shared_experts):
+        e.w3.weight.data.div_(2)
+        e.w3 = Wrapped(e.w3)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), doubled(x), rtol=1e-6, atol=1e-6)
+    # Hooks on the expert itself, and backward hooks, also keep the experts off the fast paths.
+    zeroed = copy.deepcopy(doubled)
+    for e in zeroed.experts:
+        e.register_forward_hook(lambda module, args, out: out * 0)
+    with torch.no_grad():
+        torch.testing.assert_close(zeroed(x), doubled.shared_experts(x.reshape(-1, 32)).reshape(x.shape))
+    probed = copy.deepcopy(doubled)
+    seen = []
+    probed.experts[0].w1.register_full_backward_hook(lambda module, gin, gout: seen.append(1))
+    assert not probed.experts[0].plain()
+    probed(torch.randn(4, 32, 32, requires_grad=True)).sum().backward()
+    assert seen
+
 
 def test_a_model_with_stacked_experts_saves_and_loads(tmp_path):
     from deepseek_v41.config import tiny_config
