@@ -15,6 +15,7 @@ import torch
 from deepseek_v41.cache.block_manager import BlockManager
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.model.context import pick_rows
+from deepseek_v41.model.norm import cast
 from deepseek_v41.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8_values
 
 _MAIN, _INDEX = 0, 2  # where each FP4 kind starts in a pool tuple (codes, scales)
@@ -44,8 +45,6 @@ class PagedContext:
         self.dense_indexer = False  # training warm-up: every visible entry is selected
         self.indexer_recall: list | None = None  # measurement: each index layer's recall of the dense attention
         self.drop_compressed = False  # ablation: attend the window only
-        # Entries stored by earlier forwards stay in the cache: a step completing none need not call add_entries.
-        self.entries_persist = True
         self.shared: dict[Any, torch.Tensor] = {}
         # Attention, the indexer and the mixing compute in fp32 (float64 for a float64 model), so stored rows decode
         # straight to that: FP8 / FP4 values times power-of-two scales are exact in bf16 too, so decoding to a bf16
@@ -85,7 +84,7 @@ class PagedContext:
         cache.window_codes[slot, layer, rows] = new_codes[:, T - tail:]
         cache.window_scales[slot, layer, rows] = new_scales[:, T - tail:]
         cache.window_pos[slot, layer, rows] = pos.to(torch.int32)
-        return torch.cat((prev, new.to(self.dtype)), 1), torch.cat((prev_pos, self.positions), 1)
+        return torch.cat((prev, cast(new, self.dtype)), 1), torch.cat((prev_pos, self.positions), 1)
 
     # ------------------------------------------------------------------ ratio-2 pending pairs
     def pending(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -126,6 +125,13 @@ class PagedContext:
             codes, scales = quantize_fp4(values, *_FP4_FORMATS[pool])
             pools[pool][page, slot] = codes
             pools[pool + 1][page, slot] = scales
+
+    def completes_entries(self, layer: int) -> bool:
+        """Whether some row's new tokens complete a compressed entry of kv source ``layer`` (from the rows' ends,
+        Python ints: no host sync). Entries of earlier forwards stay in the cache, so a forward completing none
+        need not call :meth:`add_entries`."""
+        m, T = self.cache.ratio[layer], self.positions.shape[1]
+        return any(end // m > (end - T) // m for end in self.ends)
 
     def num_entries(self, layer: int) -> int:
         """Entries of kv source ``layer`` visible at the end of this forward, over the batch (max)."""

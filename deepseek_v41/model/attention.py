@@ -275,9 +275,8 @@ class Attention(nn.Module):
         layer = self.spec.layer_id
         latent, group, pending = self.compressor(x, ctx.positions, ctx.pending(layer))
         ctx.set_pending(layer, pending)
-        if (getattr(ctx, "entries_persist", False) and x.shape[1] == 1 and self.spec.compress_ratio == 2
-                and all(end % 2 == 1 for end in ctx.ends)):
-            return  # every row's one token (at position end - 1, even) only opens a pair: no entry to make
+        if not ctx.completes_entries(layer):
+            return  # e.g. a decode step whose token only opens a ratio-2 pair: no entry RoPE, no index keys
         entry_pos = group.clamp(min=0) * self.spec.compress_ratio
         key_input = latent.detach() if ctx.indexer_losses is not None else latent
         ctx.add_entries(layer, self.rope(latent, entry_pos), self.indexer.keys(key_input, entry_pos, self.rope), group)

@@ -18,9 +18,9 @@ the context object they pass. A context provides, for the tokens of one forward 
   collects each index-source layer's KL loss, and the dense warm-up in which every visible entry is selected;
 - ``banded_window``: True when the last T window rows are the new tokens at consecutive positions (each query
   then reads only its band of them); False makes attention mask every row by position alone.
-- ``entries_persist`` (optional, default False): True when entries stored by earlier forwards stay in the context
-  (the engine's paged cache), so a one-token forward that completes no compressed entry may skip ``add_entries``;
-  such a context also has ``ends``, per row the position after its last new token (Python ints).
+- ``completes_entries(layer)``: False when no row of this forward completes a compressed entry of kv source
+  ``layer`` and the context keeps earlier entries (the engine's paged cache): the layer then skips its entry
+  RoPE, its index keys and ``add_entries``;
 
 :class:`DenseContext` is the exact-forward / training context: everything stays a tensor, the KV quantization
 is the reference fake-quant (switchable off), and a forward starts at position 0.
@@ -85,6 +85,10 @@ class DenseContext:
     def all_entries(self, layer: int) -> torch.Tensor:
         """Every stored entry of kv source ``layer`` [B, N, d] (training's dense warm-up)."""
         return self._entries[layer]
+
+    def completes_entries(self, layer: int) -> bool:
+        """Always True: this context stores each kv source's entries once per forward, even none."""
+        return True
 
     def num_index_keys(self, layer: int) -> int:
         """N of :meth:`index_keys`."""

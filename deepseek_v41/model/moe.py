@@ -55,9 +55,7 @@ class Expert(nn.Module):
         """True when this is an :class:`Expert` and ``w1`` / ``w2`` / ``w3`` bias-free ``nn.Linear`` layers, with
         no forward or backward hook on any of them (nor a global module hook): then ``F.linear`` on the weights,
         or one grouped matmul over every expert, is exactly calling the modules (what the fast paths do)."""
-        if _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3]:
-            return False
-        if type(self) is not Expert or _hooked(self):
+        if any(_GLOBAL_HOOKS) or type(self) is not Expert or _hooked(self):
             return False
         for m in self._modules.values():
             if type(m) is not nn.Linear or m._parameters.get("bias") is not None or _hooked(m):
@@ -187,13 +185,13 @@ class MoE(nn.Module):
             # Every expert's rows in one grouped matmul per projection: no Python loop over experts.
             counts = torch.bincount(flat_idx, minlength=self.n_experts)
             y = self._grouped_experts(sorted_x, counts.cumsum(0).to(torch.int32))
-            return out.index_add_(0, token_of, y.to(out.dtype) * slot_weight[:, None])
+            return out.index_add_(0, token_of, cast(y, out.dtype) * slot_weight[:, None])
         start = 0
         for e, count in enumerate(expert_segments(flat_idx, self.n_experts)):
             if count == 0:
                 continue
             end = start + count
-            y = self.experts[e](sorted_x[start:end]).to(out.dtype) * slot_weight[start:end, None]
+            y = cast(self.experts[e](sorted_x[start:end]), out.dtype) * slot_weight[start:end, None]
             out.index_add_(0, token_of[start:end], y)
             start = end
         return out
@@ -246,4 +244,4 @@ class MoE(nn.Module):
         w13, w2 = self.stacked_weights()
         h = torch._grouped_mm(sorted_x, w13.transpose(1, 2), offs=offsets)
         hidden = clamped_swiglu(h[:, : self.inter_dim], h[:, self.inter_dim:], self.swiglu_limit)
-        return torch._grouped_mm(hidden.to(sorted_x.dtype), w2.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(cast(hidden, sorted_x.dtype), w2.transpose(1, 2), offs=offsets)

@@ -5,15 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+_WIDE = (torch.float32, torch.float64)  # dtypes upcast leaves as they are
+
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """``x`` in at least fp32: fp32 for fp32 / bf16 / fp16, unchanged for float64. The reference computes
     statistics, router scores, attention and mixing in fp32; keeping float64 wide lets a float64 model run without
     any fp32 rounding (tests use it to compare two computation orders without quantization flips)."""
     return x if x.dtype in _WIDE else x.float()
-
-
-_WIDE = (torch.float32, torch.float64)
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
