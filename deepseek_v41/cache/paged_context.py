@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from deepseek_v41 import kernels
 from deepseek_v41.cache.block_manager import BlockManager
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.model.context import pick_rows
@@ -67,6 +68,9 @@ class PagedContext:
     # ------------------------------------------------------------------ window rings
     def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.cache
+        if self._fused(kv) and kernels.usable(cache.window_codes, cache.window_scales, cache.window_pos):
+            return kernels.window_step(cache.window_codes, cache.window_scales, cache.window_pos, layer, self.slots,
+                                       self.positions, cast(kv, torch.float32).contiguous())
         R = cache.window_rows
         B, T, _ = kv.shape
         codes = cache.window_codes[self._rows, layer]
@@ -85,6 +89,13 @@ class PagedContext:
         cache.window_scales[slot, layer, rows] = new_scales[:, T - tail:]
         cache.window_pos[slot, layer, rows] = pos.to(torch.int32)
         return torch.cat((prev, cast(new, self.dtype)), 1), torch.cat((prev_pos, self.positions), 1)
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether the fused CPU kernels serve this forward's cache reads and writes of ``x`` (fp32 or bf16,
+        whose FP8 / FP4 values are exact in both; a float64 model keeps the torch code). They give the same
+        values as the torch code below, bit for bit."""
+        return (self.dtype == torch.float32 and x.dtype in (torch.float32, torch.bfloat16)
+                and self.positions.dtype == torch.int64 and kernels.usable(x, self.positions))
 
     # ------------------------------------------------------------------ ratio-2 pending pairs
     def pending(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -113,6 +124,16 @@ class PagedContext:
 
     def add_entries(self, layer: int, entries: torch.Tensor, index_keys: torch.Tensor, group: torch.Tensor) -> None:
         self._decoded.pop(layer, None)
+        pools = self.cache.pools[layer]
+        if self._fused(entries) and group.dtype == torch.int64 and kernels.usable(group, *pools):
+            written = 0
+            for pool, values in ((_MAIN, entries), (_INDEX, index_keys)):
+                written = kernels.fp4_scatter(pools[pool], pools[pool + 1], *_FP4_FORMATS[pool], self.tables,
+                                              self.cache.ratio[layer], self.cache.block_size, group, self.write_from,
+                                              cast(values, torch.float32).contiguous())
+            if written:
+                self.entries_written[layer] = self.entries_written.get(layer, 0) + written
+            return
         group = torch.where(group * self.cache.ratio[layer] >= self.write_from, group, -1)
         if group.device.type != "meta":
             written = int((group >= 0).sum())
@@ -120,7 +141,6 @@ class PagedContext:
                 return
             self.entries_written[layer] = self.entries_written.get(layer, 0) + written
         page, slot = self._locate(layer, group)
-        pools = self.cache.pools[layer]
         for pool, values in ((_MAIN, entries), (_INDEX, index_keys)):
             codes, scales = quantize_fp4(values, *_FP4_FORMATS[pool])
             pools[pool][page, slot] = codes
@@ -149,15 +169,22 @@ class PagedContext:
         return self._decode_at(layer, _INDEX, ids)
 
     def _decode_at(self, layer: int, pool: int, idx: torch.Tensor) -> torch.Tensor:
-        """Entries ``idx`` [B, ...] (-1 reads the null page) of ``pools[layer][pool:pool + 2]`` (``_MAIN`` or
-        ``_INDEX``) decoded to ``dtype`` [B, ..., width]: only these are read."""
+        """Entries ``idx`` [B, ...] of ``pools[layer][pool:pool + 2]`` (``_MAIN`` or ``_INDEX``) decoded to
+        ``dtype`` [B, ..., width]: only these are read. An index -1 reads the null page (zeros from the fused
+        kernel; callers mask those rows)."""
         codes, scales = self.cache.pools[layer][pool: pool + 2]
+        if self.dtype == torch.float32 and idx.dtype == torch.int64 and kernels.usable(codes, scales, idx):
+            return kernels.fp4_gather(codes, scales, *_FP4_FORMATS[pool], self.tables, self.cache.ratio[layer],
+                                      self.cache.block_size, idx)
         page, slot = self._locate(layer, idx)
         return dequantize_fp4(codes[page, slot], scales[page, slot], *_FP4_FORMATS[pool], dtype=self.dtype)
 
     def _decode_first(self, layer: int, pool: int, n: int) -> torch.Tensor:
         """Entries 0 .. n-1 of every row, as :meth:`_decode_at`, read page by page through the block tables."""
         codes, scales = self.cache.pools[layer][pool: pool + 2]
+        if self.dtype == torch.float32 and kernels.usable(codes, scales):
+            ids = torch.arange(n, device=codes.device).expand(self.tables.shape[0], n).contiguous()
+            return self._decode_at(layer, pool, ids)
         per_page = self.cache.block_size // self.cache.ratio[layer]
         pages = self.tables[:, : -(-n // per_page)] if n else self.tables[:, :0]
         B = pages.shape[0]

@@ -17,16 +17,11 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _module
 
+from deepseek_v41.model.hooks import hooked, unobserved
 from deepseek_v41.model.norm import cast, upcast
 
 log = logging.getLogger(__name__)
-
-# torch's registries of global module hooks (dicts it mutates in place; see Expert.plain).
-_GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hooks, _module._global_backward_hooks,
-                 _module._global_backward_pre_hooks)
-
 
 class Expert(nn.Module):
     """``w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))``: x [N, D] -> [N, D].
@@ -55,16 +50,12 @@ class Expert(nn.Module):
         """True when this is an :class:`Expert` and ``w1`` / ``w2`` / ``w3`` bias-free ``nn.Linear`` layers, with
         no forward or backward hook on any of them (nor a global module hook): then ``F.linear`` on the weights,
         or one grouped matmul over every expert, is exactly calling the modules (what the fast paths do)."""
-        if any(_GLOBAL_HOOKS) or type(self) is not Expert or _hooked(self):
+        if not unobserved(self, Expert):
             return False
         for m in self._modules.values():
-            if type(m) is not nn.Linear or m._parameters.get("bias") is not None or _hooked(m):
+            if type(m) is not nn.Linear or m._parameters.get("bias") is not None or hooked(m):
                 return False
         return True
-
-
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepseek_v41 import kernels
+
 _WIDE = (torch.float32, torch.float64)  # dtypes upcast leaves as they are
 
 
@@ -33,6 +35,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_fp32(x, self.weight):
+            return kernels.rms_norm(x, self.weight, self.eps)
         xf = upcast(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return cast(y * cast(self.weight, xf.dtype), x.dtype)
@@ -41,5 +45,16 @@ class RMSNorm(nn.Module):
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Weightless RMS normalisation in fp32 (mHC mixing, Engram gate): returns fp32 [..., dim] (float64 for
     float64 input)."""
+    if fused_fp32(x):
+        return kernels.rms_norm(x, None, eps)
     xf = upcast(x)
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def fused_fp32(*tensors: torch.Tensor) -> bool:
+    """Whether the fused CPU kernels (:mod:`deepseek_v41.kernels`) take these fp32 tensors: CPU, contiguous, and
+    under ``torch.inference_mode`` (the engine's forwards). They add in another order than ATen, so they agree
+    with the torch code to fp32 rounding, not bit for bit; outside inference mode (training, the exact forward
+    with or without ``no_grad``) the torch code runs, so those results never depend on the grad mode."""
+    return (torch.is_inference_mode_enabled() and all(t.dtype == torch.float32 for t in tensors)
+            and kernels.usable(*tensors))

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from deepseek_v41 import kernels
 from deepseek_v41.model.norm import cast, upcast
 
 
@@ -80,6 +81,9 @@ class RotaryEmbedding(nn.Module):
         if r == 0:
             return x
         cos, sin = self.phases(positions, cache)
+        if (x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == torch.float32
+                and kernels.usable(x, cos, sin)):  # the same products and sums in C: the same bits
+            return cast(kernels.rope(upcast(x), cos, sin, inverse), x.dtype)
         if x.dim() == 4:
             cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         if inverse:

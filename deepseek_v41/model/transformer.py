@@ -59,7 +59,7 @@ class Block(nn.Module):
     def attention_input(self, streams: torch.Tensor, pre: torch.Tensor, wide: torch.Tensor | None = None
                         ) -> torch.Tensor:
         """The normalised attention input [B, T, D] (also what a kv source's compressor reads)."""
-        return self.attn_norm(collapse(streams, pre, wide))
+        return collapse(streams, pre, wide, norm=self.attn_norm)
 
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, ctx, image_mask: torch.Tensor | None = None,
                 compress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +69,7 @@ class Block(nn.Module):
         streams = expand(streams, y, a_post, a_comb, wide)
         wide = upcast(streams)
         f_pre, f_post, f_comb = self.mix("ffn", wide)
-        y = self.ffn(self.ffn_norm(collapse(streams, a_pre, wide)), image_mask)
+        y = self.ffn(collapse(streams, a_pre, wide, norm=self.ffn_norm), image_mask)
         return expand(streams, y, f_post, f_comb, wide), f_pre
 
 

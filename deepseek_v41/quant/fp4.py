@@ -20,6 +20,7 @@ import functools
 import torch
 from torch import Tensor
 
+from deepseek_v41 import kernels
 from deepseek_v41.quant.formats import (
     E2M1_MAX,
     E4M3_MAX,
@@ -48,6 +49,8 @@ def quantize_fp4(x: Tensor, block_size: int, scale_format: ScaleFormat) -> tuple
     Raises ValueError when ``x`` is not floating point, ``n`` is not a multiple of ``block_size`` or of 2,
     or ``scale_format`` is unknown. Source: MODEL_REFERENCE.md §4.
     """
+    if _fast(x, block_size, scale_format):
+        return kernels.fp4_quantize(x.float(), block_size, scale_format)[:2]
     q, scale_bytes, _ = _quantize_blocks(x, block_size, scale_format)
     return _pack_nibbles(_e2m1_code(q.flatten(-2))), scale_bytes
 
@@ -67,6 +70,8 @@ def dequantize_fp4(
     """
     fmt = check_scale_format(scale_format)
     n = check_codes(codes, scales, block_size, elements_per_byte=2)
+    if block_size % 2 == 0 and kernels.usable(codes, scales):
+        return kernels.fp4_dequantize(codes, scales, block_size, fmt).to(dtype)
     values = _decode_bytes(codes).unflatten(-1, (n // block_size, block_size))
     scale = e4m3_decode(scales) if fmt == "e4m3" else ue8m0_decode(scales)
     return (values * scale.unsqueeze(-1)).flatten(-2).to(dtype)
@@ -83,6 +88,8 @@ def fake_quant_fp4(x: Tensor, block_size: int, scale_format: ScaleFormat) -> Ten
 
 
 def _fake_quant(x: Tensor, block_size: int, scale_format: ScaleFormat) -> Tensor:
+    if _fast(x, block_size, scale_format):
+        return kernels.fp4_quantize(x.float(), block_size, scale_format, codes=False, values=True)[2].to(x.dtype)
     q, _, scale = _quantize_blocks(x, block_size, scale_format)
     return (q * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
 
@@ -103,6 +110,14 @@ def _quantize_blocks(x: Tensor, block_size: int, scale_format: ScaleFormat) -> t
         scale = ue8m0_decode(scale_bytes)
     q = _round_e2m1((xb / scale.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX))
     return q, scale_bytes, scale
+
+
+def _fast(x: Tensor, block_size: int, scale_format: ScaleFormat) -> bool:
+    """Whether the fused CPU kernel quantizes ``x`` (after the torch code's checks, so errors are the same): a
+    float dtype that widens exactly to fp32 (the torch code rounds in fp32 too)."""
+    check_scale_format(scale_format)
+    check_blocks(x, block_size, pairs=True)
+    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.usable(x)
 
 
 def _round_e2m1(y: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ import functools
 import torch
 from torch import Tensor
 
+from deepseek_v41 import kernels
 from deepseek_v41.quant.formats import (
     E4M3_MAX,
     check_blocks,
@@ -35,6 +36,8 @@ def quantize_fp8(x: Tensor, block_size: int = 32, scale_format: str = "ue8m0") -
     (UE8M0 bytes). Raises ValueError when ``x`` is not floating point, ``n`` is not a multiple of
     ``block_size``, or ``scale_format`` is not ``"ue8m0"``. Source: MODEL_REFERENCE.md §4.
     """
+    if _fast(x, block_size, scale_format):
+        return kernels.fp8_quantize_values(x.float())[:2]
     codes, scale_bytes, _ = _quantize_blocks(x, block_size, scale_format)
     return codes.flatten(-2), scale_bytes
 
@@ -44,6 +47,9 @@ def quantize_fp8_values(x: Tensor, block_size: int = 32, scale_format: str = "ue
     ``values`` = ``dequantize_fp8(codes, scales, block_size, scale_format, x.dtype)`` [..., n] (what the SWA
     window keeps and attention reads). Raises ValueError as :func:`quantize_fp8`. Source: MODEL_REFERENCE.md §4.
     """
+    if _fast(x, block_size, scale_format):
+        codes, scale_bytes, values = kernels.fp8_quantize_values(x.float())
+        return codes, scale_bytes, values.to(x.dtype)
     codes, scale_bytes, scale = _quantize_blocks(x, block_size, scale_format)
     values = (e4m3_decode(codes) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
     return codes.flatten(-2), scale_bytes, values
@@ -63,6 +69,8 @@ def dequantize_fp8(
     """
     _check_ue8m0(scale_format)
     n = check_codes(codes, scales, block_size, elements_per_byte=1)
+    if block_size == 32 and kernels.usable(codes, scales):
+        return kernels.fp8_dequantize(codes, scales).to(dtype)
     values = e4m3_decode(codes).unflatten(-1, (n // block_size, block_size))
     return (values * ue8m0_decode(scales).unsqueeze(-1)).flatten(-2).to(dtype)
 
@@ -90,6 +98,17 @@ def _quantize_blocks(x: Tensor, block_size: int, scale_format: str) -> tuple[Ten
     scale = ue8m0_decode(scale_bytes)
     codes = e4m3_encode((xb / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX))
     return codes, scale_bytes, scale
+
+
+def _fast(x: Tensor, block_size: int, scale_format: str) -> bool:
+    """Whether the fused CPU kernel quantizes ``x`` (after the same checks as the torch code, so errors are the
+    same): blocks of 32, a float dtype that widens exactly to fp32 (the torch code rounds in fp32 too)."""
+    _check_ue8m0(scale_format)
+    check_blocks(x, block_size, pairs=False)
+    return block_size == 32 and x.dtype in _EXACT_IN_FP32 and kernels.usable(x)
+
+
+_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_ue8m0(scale_format: str) -> None:

@@ -2,6 +2,7 @@
 
 import torch
 
+from deepseek_v41 import kernels
 from deepseek_v41.model.hyper import collapse, expand, hc_mix, sinkhorn
 
 
@@ -28,14 +29,17 @@ def test_numpy_sinkhorn_equals_the_torch_one():
 
 
 def test_hc_mix_collapse_expand_equal_the_textbook_forms():
+    """The torch code (the fused CPU kernels are compared with it in tests/kernels)."""
     g = torch.Generator().manual_seed(1)
     B, T, hc, D = 2, 3, 4, 16
     streams = torch.randn(B, T, hc, D, generator=g)
     fn = torch.randn((2 + hc) * hc, hc * D, generator=g) * 0.1
     base = torch.randn((2 + hc) * hc, generator=g)
     scale = torch.rand(3, generator=g) + 0.5
-    with torch.no_grad():
+    with torch.no_grad(), kernels.disabled():
         pre, post, comb = hc_mix(streams, fn, base, scale, hc, 1e-6, 1e-6, 20)
+        y = torch.randn(B, T, D, generator=g)
+        collapsed, expanded = collapse(streams, pre), expand(streams, y, post, comb)
     flat = streams.flatten(-2)
     flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6)
     mix = flat @ fn.t()
@@ -45,7 +49,6 @@ def test_hc_mix_collapse_expand_equal_the_textbook_forms():
     assert torch.equal(post, 2 * torch.sigmoid(q * scale[1] + bq))
     want = textbook_sinkhorn(torch.softmax((c * scale[2] + bc).unflatten(-1, (hc, hc)), -1) + 1e-6, 20, 1e-6)
     torch.testing.assert_close(comb, want, rtol=2e-7, atol=0)
-    y = torch.randn(B, T, D, generator=g)
-    torch.testing.assert_close(collapse(streams, pre), torch.einsum("bthd,bth->btd", streams, pre))
-    torch.testing.assert_close(expand(streams, y, post, comb),
+    torch.testing.assert_close(collapsed, torch.einsum("bthd,bth->btd", streams, pre))
+    torch.testing.assert_close(expanded,
                                post[..., None] * y[:, :, None, :] + torch.einsum("btij,btid->btjd", comb, streams))

@@ -1,0 +1,300 @@
+"""Fused CPU kernels: the decode step's chains of small tensor ops as single C calls (bench/README.md).
+
+At decode size (a few tokens) nearly all of a step's time is dispatch: ~3,800 tensor ops of a few µs each.
+``cpu_kernels.c`` does the worst chains in one call each: the FP8 window ring (read, quantize, write), FP4
+entries written to and read from pages through the block tables, FP4 / FP8 quantization, RoPE, RMSNorm and the
+mHC mixing (coefficients with Sinkhorn, collapse, expand). It is plain C compiled with the system C compiler on
+first use (about a second) into a cache folder and called through :mod:`ctypes`; no torch headers, nothing to
+install.
+
+Callers use a kernel only where :func:`usable` says so (CPU, contiguous, no autograd) and keep their torch code
+as the fallback, which runs everywhere else (CUDA, ``meta``, training, float64 / bf16 where a kernel takes fp32
+only) and wherever the library cannot be built: no compiler, or ``DSV41_CPU_KERNELS=0``. The quantization
+kernels and RoPE give the torch code's bits exactly; RMSNorm and the mHC kernels add in another order, so they
+agree to rounding (``tests/kernels`` checks both).
+
+Environment: ``DSV41_CPU_KERNELS=0`` turns the kernels off; ``DSV41_KERNEL_CACHE`` is the folder for the built
+library (default: ``deepseek_v41_kernels_<user>`` in the system temp folder, as torch inductor keeps its builds;
+it must belong to the user and be writable by no one else); ``CC`` the compiler (``cc``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import getpass
+import hashlib
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c99"]
+FP4_FORMATS = {"e4m3": 0, "ue8m0": 1}
+SMALL_ROWS = 256  # up to this many rows the kernels that add in another order than ATen (mHC, RMSNorm) are used
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "dsv41_init": ([], ctypes.c_int),
+    "dsv41_fp8_quantize": ([_P, _I, _I, _P, _P, _P], None),
+    "dsv41_fp8_dequantize": ([_P, _P, _I, _I, _P], None),
+    "dsv41_fp4_quantize": ([_P, _I, _I, _I, ctypes.c_int, _P, _P, _P], None),
+    "dsv41_fp4_dequantize": ([_P, _P, _I, _I, _I, ctypes.c_int, _P], None),
+    "dsv41_fp4_gather": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _I, _I, _P], ctypes.c_int),
+    "dsv41_fp4_scatter": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P], _I),
+    "dsv41_window_step": ([_P, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P], None),
+    "dsv41_rope": ([_P, _P, _P, _I, _I, _I, _I, ctypes.c_int, _P], None),
+    "dsv41_rms_norm": ([_P, _I, _I, _P, ctypes.c_float, _P], None),
+    "dsv41_hc_mix": ([_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I, _P, _P, _P, _P], None),
+    "dsv41_hc_collapse": ([_P, _P, _I, _I, _I, _P, ctypes.c_float, _P], None),
+    "dsv41_hc_expand": ([_P, _P, _P, _P, _I, _I, _I, _P], None),
+}
+
+_state: dict[str, object] = {"lib": None, "tried": False, "off": False}
+
+
+def cache_dir() -> Path:
+    """Where the built library is kept (see the module docstring). Raises RuntimeError when the folder exists but
+    belongs to another user or others may write to it (a library there could have been planted)."""
+    if os.environ.get("DSV41_KERNEL_CACHE"):
+        folder = Path(os.environ["DSV41_KERNEL_CACHE"]).expanduser()
+    else:
+        folder = Path(tempfile.gettempdir()) / f"deepseek_v41_kernels_{_user()}"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = folder.stat()
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(f"kernel cache {folder} belongs to another user or is writable by others")
+    return folder
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container's bare uid)
+        return str(os.getuid())
+
+
+def _build() -> Path:
+    """Compile ``cpu_kernels.c`` once per source, flags, compiler and machine; returns the shared library.
+
+    Raises RuntimeError (with the compiler's message) when no compiler is found or the build fails."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler {cc!r} on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *CFLAGS, version, platform.machine(),
+                                                         platform.node()]).encode()).hexdigest()[:16]
+    folder = cache_dir()
+    target = folder / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:  # build aside, then rename: parallel builds are safe
+        built = Path(tmp) / target.name
+        done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build {SOURCE.name}:\n{done.stderr[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernel library, built and loaded on first call; None when off (``DSV41_CPU_KERNELS=0``, or inside
+    :func:`disabled`) or when it cannot be built (then a warning says why, once)."""
+    if _state["off"] or os.environ.get("DSV41_CPU_KERNELS", "1") == "0":
+        return None
+    if not _state["tried"]:
+        _state["tried"] = True
+        try:
+            lib = ctypes.CDLL(str(_build()))
+            for name, (args, result) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, result
+            if lib.dsv41_init() != 256:
+                raise RuntimeError("dsv41_init did not run")
+            _state["lib"] = lib
+        except (OSError, RuntimeError) as exc:
+            warnings.warn(f"deepseek_v41: fused CPU kernels unavailable, using the torch code ({exc})", stacklevel=2)
+    return _state["lib"]  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block every caller takes its torch code (tests compare the two paths)."""
+    before = _state["off"]
+    _state["off"] = True
+    try:
+        yield
+    finally:
+        _state["off"] = before
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels may take these tensors: the library is loaded, every tensor is on the CPU and
+    contiguous, and no gradient is wanted through them."""
+    if library() is None:
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t.device.type == "cpu" and t.is_contiguous() and not (grad and t.requires_grad) for t in tensors)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------- quantization
+def fp8_quantize_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 E4M3FN blocks of 32 with UE8M0 scales of fp32 ``x`` [..., n]: ``(codes uint8 [..., n], scales uint8
+    [..., n / 32], values fp32 [..., n])``, the bits of :func:`deepseek_v41.quant.quantize_fp8_values`."""
+    n = x.shape[-1]
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    scales = torch.empty((*x.shape[:-1], n // 32), dtype=torch.uint8)
+    values = torch.empty(x.shape, dtype=torch.float32)
+    library().dsv41_fp8_quantize(x.data_ptr(), x.numel() // max(n, 1), n, codes.data_ptr(), scales.data_ptr(),
+                                 values.data_ptr())
+    return codes, scales, values
+
+
+def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., n] of FP8 ``codes`` uint8 [..., n] and UE8M0 ``scales`` [..., n / 32]."""
+    n = codes.shape[-1]
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    library().dsv41_fp8_dequantize(codes.data_ptr(), scales.data_ptr(), codes.numel() // max(n, 1), n, out.data_ptr())
+    return out
+
+
+def fp4_quantize(x: torch.Tensor, block: int, fmt: str, codes: bool = True, values: bool = False
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """FP4 E2M1 blocks of fp32 ``x`` [..., n]: ``(codes uint8 [..., n / 2], scales uint8 [..., n / block],
+    values fp32 [..., n])``, each None unless asked for (scales come with codes); the bits of
+    :func:`deepseek_v41.quant.quantize_fp4` / ``fake_quant_fp4``."""
+    n = x.shape[-1]
+    c = torch.empty((*x.shape[:-1], n // 2), dtype=torch.uint8) if codes else None
+    s = torch.empty((*x.shape[:-1], n // block), dtype=torch.uint8) if codes else None
+    v = torch.empty(x.shape, dtype=torch.float32) if values else None
+    library().dsv41_fp4_quantize(x.data_ptr(), x.numel() // max(n, 1), n, block, FP4_FORMATS[fmt], _ptr(c),
+                                 _ptr(s), _ptr(v))
+    return c, s, v
+
+
+def fp4_dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str) -> torch.Tensor:
+    """fp32 [..., n] of packed FP4 ``codes`` uint8 [..., n / 2] and ``scales`` uint8 [..., n / block]."""
+    n = codes.shape[-1] * 2
+    out = torch.empty((*codes.shape[:-1], n), dtype=torch.float32)
+    library().dsv41_fp4_dequantize(codes.data_ptr(), scales.data_ptr(), codes.numel() // max(n // 2, 1), n, block,
+                                   FP4_FORMATS[fmt], out.data_ptr())
+    return out
+
+
+# ------------------------------------------------------------------------------------------- paged KV cache
+def fp4_gather(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str, tables: torch.Tensor, ratio: int,
+               block_size: int, idx: torch.Tensor) -> torch.Tensor:
+    """Entries ``idx`` int64 [B, ...] (-1 = none: zeros) of an FP4 pool (codes uint8 [pages, per_page, w / 2],
+    scales [pages, per_page, w / block]) through block tables int64 [B, width], decoded: fp32 [B, ..., w].
+    Raises IndexError when an entry lies past its block table."""
+    pages, per_page, half = codes.shape
+    width = 2 * half
+    out = torch.empty((*idx.shape, width), dtype=torch.float32)
+    B = idx.shape[0]
+    status = library().dsv41_fp4_gather(codes.data_ptr(), scales.data_ptr(), pages, per_page, width, block,
+                                        FP4_FORMATS[fmt], tables.data_ptr(), tables.shape[1], ratio, block_size,
+                                        idx.data_ptr(), B, idx.numel() // max(B, 1), out.data_ptr())
+    if status != 0:
+        raise IndexError("an entry index lies past its block table")
+    return out
+
+
+def fp4_scatter(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str, tables: torch.Tensor, ratio: int,
+                block_size: int, group: torch.Tensor, write_from: torch.Tensor, x: torch.Tensor) -> int:
+    """Quantize entries ``x`` fp32 [B, G, w] of groups ``group`` int64 [B, G] into an FP4 pool (as
+    :func:`fp4_gather` reads it), skipping groups below 0 or whose position ``g * ratio`` is below
+    ``write_from`` int64 [B]. Returns the number of entries written. Raises IndexError as :func:`fp4_gather`."""
+    pages, per_page, half = codes.shape
+    B, G = group.shape
+    written = library().dsv41_fp4_scatter(codes.data_ptr(), scales.data_ptr(), pages, per_page, 2 * half, block,
+                                          FP4_FORMATS[fmt], tables.data_ptr(), tables.shape[1], ratio, block_size,
+                                          group.data_ptr(), write_from.data_ptr(), B, G, x.data_ptr())
+    if written < 0:
+        raise IndexError("an entry group lies past its block table")
+    return written
+
+
+def window_step(ring_codes: torch.Tensor, ring_scales: torch.Tensor, ring_pos: torch.Tensor, layer: int,
+                slots: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's SWA window step over the FP8 rings (codes uint8 [S, L, R, d], scales [S, L, R, d / 32], pos
+    int32 [S, L, R]) for rows ``slots`` int64 [B] with new rows ``kv`` fp32 [B, T, d] at ``positions`` int64
+    [B, T]: returns ``(keys fp32 [B, R + T, d], key_pos int64 [B, R + T])`` as
+    :meth:`~deepseek_v41.cache.paged_context.PagedContext.window` does, and stores the new rows in the rings."""
+    S, L, R, d = ring_codes.shape
+    B, T, _ = kv.shape
+    keys = torch.empty((B, R + T, d), dtype=torch.float32)
+    key_pos = torch.empty((B, R + T), dtype=torch.int64)
+    new_codes = torch.empty((T, d), dtype=torch.uint8)
+    new_scales = torch.empty((T, d // 32), dtype=torch.uint8)
+    library().dsv41_window_step(ring_codes.data_ptr(), ring_scales.data_ptr(), ring_pos.data_ptr(), L, layer, R, d,
+                                slots.data_ptr(), B, positions.data_ptr(), T, kv.data_ptr(), new_codes.data_ptr(),
+                                new_scales.data_ptr(), keys.data_ptr(), key_pos.data_ptr())
+    return keys, key_pos
+
+
+# ------------------------------------------------------------------------------------------ RoPE, norms, mHC
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """RoPE on the last ``r`` dims of fp32 ``x`` [B, T, d] or [B, T, H, d] with phases ``cos`` / ``sin`` fp32
+    [B, T, r] (:meth:`~deepseek_v41.model.rope.RotaryEmbedding.phases`); the bits of the torch code."""
+    B, T = x.shape[:2]
+    H = x.shape[2] if x.dim() == 4 else 1
+    out = torch.empty_like(x)
+    library().dsv41_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), B * T, H, x.shape[-1], cos.shape[-1],
+                         -1 if inverse else 1, out.data_ptr())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) (* weight)`` over the last dim of fp32 ``x`` [..., D]; weight fp32 [D]."""
+    D = x.shape[-1]
+    out = torch.empty_like(x)
+    library().dsv41_rms_norm(x.data_ptr(), x.numel() // max(D, 1), D, _ptr(weight), eps, out.data_ptr())
+    return out
+
+
+def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
+           norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`deepseek_v41.model.hyper.hc_mix` for fp32 streams [B, T, hc, D]: pre [B, T, hc], post [B, T, hc],
+    comb [B, T, hc, hc] fp32. hc <= 16."""
+    B, T, _, D = streams.shape
+    pre = torch.empty((B, T, hc), dtype=torch.float32)
+    post = torch.empty((B, T, hc), dtype=torch.float32)
+    comb = torch.empty((B, T, hc, hc), dtype=torch.float32)
+    scratch = torch.empty(hc * D, dtype=torch.float32)
+    library().dsv41_hc_mix(streams.data_ptr(), B * T, hc, D, fn.data_ptr(), base.data_ptr(), scale.data_ptr(),
+                           norm_eps, hc_eps, iters, scratch.data_ptr(), pre.data_ptr(), post.data_ptr(),
+                           comb.data_ptr())
+    return pre, post, comb
+
+
+def hc_collapse(streams: torch.Tensor, weights: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                eps: float = 0.0) -> torch.Tensor:
+    """``Σ_i w_i R_i`` of fp32 streams [B, T, hc, D] with weights [B, T, hc], RMS-normalised with
+    ``norm_weight`` [D] when given: fp32 [B, T, D]."""
+    B, T, hc, D = streams.shape
+    out = torch.empty((B, T, D), dtype=torch.float32)
+    library().dsv41_hc_collapse(streams.data_ptr(), weights.data_ptr(), B * T, hc, D, _ptr(norm_weight), eps,
+                                out.data_ptr())
+    return out
+
+
+def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``R'_j = post_j y + Σ_i comb[i, j] R_i``: fp32 streams [B, T, hc, D], y [B, T, D], post [B, T, hc], comb
+    [B, T, hc, hc] -> fp32 [B, T, hc, D]."""
+    B, T, hc, D = streams.shape
+    out = torch.empty_like(streams)
+    library().dsv41_hc_expand(streams.data_ptr(), y.data_ptr(), post.data_ptr(), comb.data_ptr(), B * T, hc, D,
+                              out.data_ptr())
+    return out

@@ -1,0 +1,406 @@
+/* Fused CPU kernels for the decode step (bench/README.md, "Fused CPU kernels").
+ *
+ * Plain C99 over contiguous fp32 / uint8 / int64 buffers, compiled on first use by deepseek_v41/kernels and
+ * called through ctypes. Each function replaces a chain of small tensor ops whose cost at decode size is all
+ * dispatch. The quantization kernels are bit-exact with the torch codecs of deepseek_v41/quant (the same
+ * IEEE operations in the same order; built with -ffp-contract=off so no multiply-add is fused); the mHC and
+ * RMSNorm kernels sum in a different order than ATen, so they agree to rounding (tests/kernels).
+ *
+ * Formats (MODEL_REFERENCE.md §4): E4M3FN bytes, E2M1 nibbles (element 2i in the low nibble), UE8M0 bytes
+ * (2**(b - 127); 0 is 2**-127, 255 is NaN). NaN / inf / -0 follow the package policy of deepseek_v41/quant.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define E4M3_MAX 448.0f
+#define E2M1_MAX 6.0f
+#define FP8_AMAX_FLOOR 1e-4f
+#define UE8M0_NAN 255
+
+static float from_bits(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static uint32_t to_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+
+/* UE8M0 byte of the smallest power of two >= v (v >= 0, NaN or +inf -> 255); formats.ue8m0_encode_ceil. */
+static uint8_t ue8m0_encode_ceil(float v) {
+    uint32_t bits = to_bits(v);
+    int32_t exponent = (int32_t)((bits >> 23) & 0xFF), mantissa = (int32_t)(bits & 0x7FFFFF);
+    int32_t byte = exponent == 0 ? (mantissa > 0x400000) : exponent + (mantissa != 0);
+    return (uint8_t)(byte > UE8M0_NAN ? UE8M0_NAN : byte);
+}
+
+static float ue8m0_decode(uint8_t b) {
+    if (b == UE8M0_NAN) return NAN;
+    return from_bits(b == 0 ? 0x400000u : (uint32_t)b << 23);
+}
+
+/* E4M3FN byte of y (|y| <= 448 or NaN), round to nearest even; -0, values rounding to 0 and NaN give 0x00. */
+static uint8_t e4m3_encode(float y) {
+    if (isnan(y)) return 0;
+    float a = fabsf(y);
+    uint32_t magnitude;
+    if (a < 0.015625f) {               /* below 2**-6: subnormal codes, spacing 2**-9 (scaling is exact) */
+        magnitude = (uint32_t)rintf(a * 512.0f);  /* 8 is the smallest normal, code 0x08: continuous */
+    } else {
+        int e = (int)((to_bits(a) >> 23) & 0xFF) - 127;            /* a = 1.f * 2**e, e in [-6, 8] */
+        float m = rintf((a * from_bits((uint32_t)(127 - e) << 23) - 1.0f) * 8.0f);  /* exact until rintf */
+        magnitude = ((uint32_t)(e + 7) << 3) + (uint32_t)m;       /* m == 8 carries into the exponent */
+    }
+    if (magnitude == 0) return 0;
+    return (uint8_t)(magnitude | (y < 0 ? 0x80u : 0u));
+}
+
+static float E4M3_VALUES[256];
+static const float E2M1_VALUES[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* Called once by the loader. Returns the number of E4M3 table entries, so the loader can check the call ran. */
+int dsv41_init(void) {
+    for (int c = 0; c < 256; c++) {
+        int e = (c >> 3) & 15, m = c & 7;
+        float v = e == 0 ? (float)m * 0.001953125f : ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        if ((c & 0x7F) == 0x7F) v = NAN;
+        E4M3_VALUES[c] = (c & 0x80) ? -v : v;
+    }
+    return 256;
+}
+
+static float e4m3_decode(uint8_t b) { return E4M3_VALUES[b]; }
+
+/* Largest |x| of n values; NaN when any is NaN (torch's amax). */
+static float abs_max(const float *x, int64_t n) {
+    float m = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        if (isnan(x[i])) return NAN;
+        float a = fabsf(x[i]);
+        if (a > m) m = a;
+    }
+    return m;
+}
+
+/* ------------------------------------------------------------------------------------------- FP8 blocks */
+
+/* One row of n values (n % 32 == 0) -> E4M3 codes [n], UE8M0 scales [n / 32], decoded values [n]
+ * (quant/fp8.py quantize_fp8_values). */
+static void fp8_quantize_row(const float *x, int64_t n, uint8_t *codes, uint8_t *scales, float *values) {
+    for (int64_t b0 = 0; b0 < n; b0 += 32) {
+        float amax = abs_max(x + b0, 32);
+        float floor_amax = isnan(amax) ? amax : (amax < FP8_AMAX_FLOOR ? FP8_AMAX_FLOOR : amax);
+        uint8_t sb = ue8m0_encode_ceil(floor_amax / E4M3_MAX);
+        float scale = ue8m0_decode(sb);
+        scales[b0 / 32] = sb;
+        for (int64_t i = b0; i < b0 + 32; i++) {
+            float y = x[i] / scale;
+            if (!isnan(y)) y = y < -E4M3_MAX ? -E4M3_MAX : (y > E4M3_MAX ? E4M3_MAX : y);
+            uint8_t c = e4m3_encode(y);
+            codes[i] = c;
+            if (values) values[i] = e4m3_decode(c) * scale;
+        }
+    }
+}
+
+static void fp8_dequantize_row(const uint8_t *codes, const uint8_t *scales, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = e4m3_decode(codes[i]) * ue8m0_decode(scales[i / 32]);
+}
+
+void dsv41_fp8_quantize(const float *x, int64_t rows, int64_t n, uint8_t *codes, uint8_t *scales, float *values) {
+    for (int64_t r = 0; r < rows; r++)
+        fp8_quantize_row(x + r * n, n, codes + r * n, scales + r * (n / 32), values ? values + r * n : 0);
+}
+
+void dsv41_fp8_dequantize(const uint8_t *codes, const uint8_t *scales, int64_t rows, int64_t n, float *out) {
+    for (int64_t r = 0; r < rows; r++) fp8_dequantize_row(codes + r * n, scales + r * (n / 32), n, out + r * n);
+}
+
+/* ------------------------------------------------------------------------------------------- FP4 blocks */
+
+enum { FMT_E4M3 = 0, FMT_UE8M0 = 1 };
+
+static float fp4_scale_decode(uint8_t b, int fmt) { return fmt == FMT_E4M3 ? e4m3_decode(b) : ue8m0_decode(b); }
+
+/* Nearest E2M1 code of y in [-6, 6] (or NaN), ties to the even code; -0 and NaN give code 0 (fp4._round_e2m1). */
+static uint8_t e2m1_code(float y) {
+    if (isnan(y)) return 0;
+    float a = fabsf(y);
+    float step = a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f);
+    float q = rintf(y / step) * step;
+    if (q == 0.0f) return 0;
+    float qa = fabsf(q);
+    uint8_t index = (uint8_t)(qa < 2.0f ? qa * 2.0f : (qa < 4.0f ? qa + 2.0f : qa * 0.5f + 4.0f));
+    return (uint8_t)(index | (q < 0 ? 8 : 0));
+}
+
+/* One row of n values (n % block == 0, block even) -> packed codes [n / 2], scale bytes [n / block] and, when
+ * values is given, the decoded values [n] (quant/fp4.py _quantize_blocks). */
+static void fp4_quantize_row(const float *x, int64_t n, int64_t block, int fmt, uint8_t *codes, uint8_t *scales,
+                             float *values) {
+    for (int64_t b0 = 0; b0 < n; b0 += block) {
+        float amax = abs_max(x + b0, block);
+        uint8_t sb;
+        if (fmt == FMT_E4M3) {
+            float s = amax / E2M1_MAX;
+            s = s < 0.001953125f ? 0.001953125f : (s > E4M3_MAX ? E4M3_MAX : s);
+            sb = isnan(amax) ? 0x7F : e4m3_encode(s);
+        } else {
+            float floor_amax = isnan(amax) ? amax : (amax < E2M1_MAX * 0x1p-126f ? E2M1_MAX * 0x1p-126f : amax);
+            sb = ue8m0_encode_ceil(floor_amax / E2M1_MAX);
+        }
+        float scale = fp4_scale_decode(sb, fmt);
+        if (scales) scales[b0 / block] = sb;
+        for (int64_t i = b0; i < b0 + block; i += 2) {
+            float y0 = x[i] / scale, y1 = x[i + 1] / scale;
+            if (!isnan(y0)) y0 = y0 < -E2M1_MAX ? -E2M1_MAX : (y0 > E2M1_MAX ? E2M1_MAX : y0);
+            if (!isnan(y1)) y1 = y1 < -E2M1_MAX ? -E2M1_MAX : (y1 > E2M1_MAX ? E2M1_MAX : y1);
+            uint8_t c0 = e2m1_code(y0), c1 = e2m1_code(y1);
+            if (codes) codes[i / 2] = (uint8_t)(c0 | (c1 << 4));
+            if (values) {
+                values[i] = E2M1_VALUES[c0] * scale;
+                values[i + 1] = E2M1_VALUES[c1] * scale;
+            }
+        }
+    }
+}
+
+static void fp4_dequantize_row(const uint8_t *codes, const uint8_t *scales, int64_t n, int64_t block, int fmt,
+                               float *out) {
+    for (int64_t b0 = 0; b0 < n; b0 += block) {
+        float scale = fp4_scale_decode(scales[b0 / block], fmt);
+        for (int64_t i = b0; i < b0 + block; i += 2) {
+            uint8_t byte = codes[i / 2];
+            out[i] = E2M1_VALUES[byte & 15] * scale;
+            out[i + 1] = E2M1_VALUES[byte >> 4] * scale;
+        }
+    }
+}
+
+void dsv41_fp4_quantize(const float *x, int64_t rows, int64_t n, int64_t block, int fmt, uint8_t *codes,
+                        uint8_t *scales, float *values) {
+    for (int64_t r = 0; r < rows; r++)
+        fp4_quantize_row(x + r * n, n, block, fmt, codes ? codes + r * (n / 2) : 0,
+                         scales ? scales + r * (n / block) : 0, values ? values + r * n : 0);
+}
+
+void dsv41_fp4_dequantize(const uint8_t *codes, const uint8_t *scales, int64_t rows, int64_t n, int64_t block,
+                          int fmt, float *out) {
+    for (int64_t r = 0; r < rows; r++)
+        fp4_dequantize_row(codes + r * (n / 2), scales + r * (n / block), n, block, fmt, out + r * n);
+}
+
+/* -------------------------------------------------------------------------- paged compressed entries */
+
+/* Page and slot of entry g of a sequence (cache/paged_context.py _locate); -1 when the block table is too short. */
+static int64_t entry_page(const int64_t *table, int64_t table_len, int64_t g, int64_t ratio, int64_t block_size) {
+    int64_t col = (g * ratio) / block_size;
+    return col < table_len ? table[col] : -1;
+}
+
+/* Decode entries idx [B, M] (-1 = none: zeros) of one FP4 pool, codes [pages, per_page, width / 2] and scales
+ * [pages, per_page, width / block], through block tables [B, table_len], into out [B, M, width].
+ * Returns 0, or -1 when an index lies past its block table or its page is out of range. */
+int dsv41_fp4_gather(const uint8_t *codes, const uint8_t *scales, int64_t pages, int64_t per_page, int64_t width,
+                     int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
+                     int64_t block_size, const int64_t *idx, int64_t B, int64_t M, float *out) {
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t j = 0; j < M; j++) {
+            int64_t g = idx[b * M + j];
+            float *row = out + (b * M + j) * width;
+            if (g < 0) {
+                memset(row, 0, (size_t)width * sizeof(float));
+                continue;
+            }
+            int64_t page = entry_page(tables + b * table_len, table_len, g, ratio, block_size);
+            if (page < 0 || page >= pages) return -1;
+            int64_t at = page * per_page + g % per_page;
+            fp4_dequantize_row(codes + at * (width / 2), scales + at * (width / block), width, block, fmt, row);
+        }
+    }
+    return 0;
+}
+
+/* Quantize entries x [B, G, width] of groups group [B, G] into one FP4 pool (the inverse of dsv41_fp4_gather).
+ * Groups below 0 or whose first position g * ratio is below write_from[b] are skipped. Returns the number of
+ * entries written, or -1 when a group lies past its block table or its page is out of range. */
+int64_t dsv41_fp4_scatter(uint8_t *codes, uint8_t *scales, int64_t pages, int64_t per_page, int64_t width,
+                          int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
+                          int64_t block_size, const int64_t *group, const int64_t *write_from, int64_t B, int64_t G,
+                          const float *x) {
+    int64_t written = 0;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t j = 0; j < G; j++) {
+            int64_t g = group[b * G + j];
+            if (g < 0 || g * ratio < write_from[b]) continue;
+            int64_t page = entry_page(tables + b * table_len, table_len, g, ratio, block_size);
+            if (page < 0 || page >= pages) return -1;
+            int64_t at = page * per_page + g % per_page;
+            fp4_quantize_row(x + (b * G + j) * width, width, block, fmt, codes + at * (width / 2),
+                             scales + at * (width / block), 0);
+            written++;
+        }
+    }
+    return written;
+}
+
+/* ------------------------------------------------------------------------------------- SWA window ring */
+
+/* One layer's window step (cache/paged_context.py PagedContext.window) for rows slots [B]:
+ * rings codes [S, L, R, d], scales [S, L, R, d / 32], pos [S, L, R] (int32, -1 = empty); new rows kv [B, T, d]
+ * at positions [B, T]. Writes keys [B, R + T, d] (the R ring rows decoded, then the new rows' FP8 values) and
+ * key_pos [B, R + T] (ring rows at or past the row's first new position read -1), then stores the last
+ * min(T, R) new rows in the ring at position % R: after reading, as a long chunk may wrap over rows it read. */
+void dsv41_window_step(uint8_t *ring_codes, uint8_t *ring_scales, int32_t *ring_pos, int64_t L, int64_t layer,
+                       int64_t R, int64_t d, const int64_t *slots, int64_t B, const int64_t *positions, int64_t T,
+                       const float *kv, uint8_t *new_codes, uint8_t *new_scales, float *keys, int64_t *key_pos) {
+    int64_t nb = d / 32, tail = T < R ? T : R;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t ring = (slots[b] * L + layer) * R;
+        const int64_t *pos = positions + b * T;
+        float *out = keys + b * (R + T) * d;
+        int64_t *out_pos = key_pos + b * (R + T);
+        for (int64_t r = 0; r < R; r++) {
+            int64_t p = ring_pos[ring + r];
+            out_pos[r] = (p >= 0 && p < pos[0]) ? p : -1;
+            fp8_dequantize_row(ring_codes + (ring + r) * d, ring_scales + (ring + r) * nb, d, out + r * d);
+        }
+        fp8_quantize_row(kv + b * T * d, T * d, new_codes, new_scales, out + R * d);
+        for (int64_t t = 0; t < T; t++) out_pos[R + t] = pos[t];
+        for (int64_t t = T - tail; t < T; t++) {
+            int64_t row = ring + ((pos[t] % R) + R) % R;
+            memcpy(ring_codes + row * d, new_codes + t * d, (size_t)d);
+            memcpy(ring_scales + row * nb, new_scales + t * nb, (size_t)nb);
+            ring_pos[row] = (int32_t)pos[t];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------- RoPE, RMSNorm, mHC */
+
+/* Interleaved RoPE on the last r dims of x [N, H, d] with phases cos / sin [N, r] (rope.py phases: each angle
+ * twice, sin negated on the pair's first element): out = x, tail * cos + swap(tail) * sin (sign = -1 negates
+ * sin: the inverse rotation). The same two products and one sum per element as rope.py: bit-identical. */
+void dsv41_rope(const float *x, const float *cos_, const float *sin_, int64_t N, int64_t H, int64_t d, int64_t r,
+                int sign, float *out) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cos_ + n * r, *s = sin_ + n * r;
+        for (int64_t h = 0; h < H; h++) {
+            const float *xi = x + (n * H + h) * d;
+            float *o = out + (n * H + h) * d;
+            if (o != xi) memcpy(o, xi, (size_t)(d - r) * sizeof(float));
+            const float *t = xi + d - r;
+            float *ot = o + d - r;
+            for (int64_t i = 0; i < r; i += 2) {
+                float a = t[i], b = t[i + 1];
+                float s0 = sign < 0 ? -s[i] : s[i], s1 = sign < 0 ? -s[i + 1] : s[i + 1];
+                ot[i] = a * c[i] + b * s0;
+                ot[i + 1] = b * c[i + 1] + a * s1;
+            }
+        }
+    }
+}
+
+/* Sum of x[i] * y[i] over n values in 8 independent lanes (vectorizes without reassociating: each lane adds in
+ * order), lanes added pairwise at the end. */
+static float dot(const float *x, const float *y, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += x[i + l] * y[i + l];
+    for (; i < n; i++) acc[0] += x[i] * y[i];
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+/* 1 / sqrt(mean(x^2) + eps) over n values. */
+static float rms_factor(const float *x, int64_t n, float eps) {
+    return 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+}
+
+/* RMSNorm over the last dim of x [N, D]: out = x * rsqrt(mean(x^2) + eps) (* weight [D] when given). */
+void dsv41_rms_norm(const float *x, int64_t N, int64_t D, const float *weight, float eps, float *out) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *xi = x + n * D;
+        float *o = out + n * D;
+        float f = rms_factor(xi, D, eps);
+        if (weight)
+            for (int64_t i = 0; i < D; i++) o[i] = (xi[i] * f) * weight[i];
+        else
+            for (int64_t i = 0; i < D; i++) o[i] = xi[i] * f;
+    }
+}
+
+/* mHC coefficients of one site (model/hyper.py hc_mix) from streams [N, hc, D]: mixing logits
+ * rms_normalize(flat) @ fn^T [N, (2 + hc) * hc], scaled per part (pre | post | comb) and shifted by base; then
+ * pre = sigmoid + hc_eps [N, hc], post = 2 sigmoid [N, hc], comb = Sinkhorn(softmax(rows) + hc_eps) [N, hc, hc].
+ * scratch: hc * D floats. hc <= 16. */
+void dsv41_hc_mix(const float *streams, int64_t N, int64_t hc, int64_t D, const float *fn, const float *base,
+                  const float *scale, float norm_eps, float hc_eps, int64_t iters, float *scratch, float *pre,
+                  float *post, float *comb) {
+    int64_t width = hc * D, mixes = (2 + hc) * hc;
+    float mix[16 * 18];
+    for (int64_t n = 0; n < N; n++) {
+        const float *x = streams + n * width;
+        float f = rms_factor(x, width, norm_eps);
+        for (int64_t i = 0; i < width; i++) scratch[i] = x[i] * f;
+        for (int64_t k = 0; k < mixes; k++) {
+            float part = scale[k < hc ? 0 : (k < 2 * hc ? 1 : 2)];
+            mix[k] = dot(scratch, fn + k * width, width) * part + base[k];
+        }
+        for (int64_t i = 0; i < hc; i++) {
+            pre[n * hc + i] = 1.0f / (1.0f + expf(-mix[i])) + hc_eps;
+            post[n * hc + i] = 2.0f * (1.0f / (1.0f + expf(-mix[hc + i])));
+        }
+        float *c = comb + n * hc * hc;
+        for (int64_t i = 0; i < hc; i++) {
+            const float *row = mix + 2 * hc + i * hc;
+            float m = row[0], s = 0.0f;
+            for (int64_t j = 1; j < hc; j++) m = row[j] > m ? row[j] : m;
+            for (int64_t j = 0; j < hc; j++) s += (c[i * hc + j] = expf(row[j] - m));
+            for (int64_t j = 0; j < hc; j++) c[i * hc + j] = c[i * hc + j] / s + hc_eps;
+        }
+        for (int64_t it = 0; it < 2 * iters - 1; it++) {  /* columns first, then rows and columns */
+            int cols = it % 2 == 0;
+            for (int64_t i = 0; i < hc; i++) {
+                float s = 0.0f;
+                for (int64_t j = 0; j < hc; j++) s += cols ? c[j * hc + i] : c[i * hc + j];
+                s += hc_eps;
+                for (int64_t j = 0; j < hc; j++) {
+                    if (cols) c[j * hc + i] /= s;
+                    else c[i * hc + j] /= s;
+                }
+            }
+        }
+    }
+}
+
+/* Collapse sum_i w_i R_i of streams [N, hc, D] with weights [N, hc], then RMSNorm (weight [D], eps) when
+ * norm_weight is given: out [N, D] (model/hyper.py collapse + the sub-layer's input norm). */
+void dsv41_hc_collapse(const float *streams, const float *w, int64_t N, int64_t hc, int64_t D,
+                       const float *norm_weight, float eps, float *out) {
+    for (int64_t n = 0; n < N; n++) {
+        float *o = out + n * D;
+        const float *x = streams + n * hc * D;
+        for (int64_t k = 0; k < D; k++) o[k] = w[n * hc] * x[k];
+        for (int64_t i = 1; i < hc; i++) {
+            float wi = w[n * hc + i];
+            for (int64_t k = 0; k < D; k++) o[k] += wi * x[i * D + k];
+        }
+        if (norm_weight) dsv41_rms_norm(o, 1, D, norm_weight, eps, o);
+    }
+}
+
+/* Expand R'_j = post_j y + sum_i comb[i, j] R_i: streams [N, hc, D], y [N, D], post [N, hc], comb [N, hc, hc]
+ * -> out [N, hc, D] (model/hyper.py expand). */
+void dsv41_hc_expand(const float *streams, const float *y, const float *post, const float *comb, int64_t N,
+                     int64_t hc, int64_t D, float *out) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *x = streams + n * hc * D, *c = comb + n * hc * hc, *yn = y + n * D;
+        for (int64_t j = 0; j < hc; j++) {
+            float *o = out + (n * hc + j) * D;
+            for (int64_t k = 0; k < D; k++) o[k] = c[j] * x[k];
+            for (int64_t i = 1; i < hc; i++) {
+                float cij = c[i * hc + j];
+                for (int64_t k = 0; k < D; k++) o[k] += cij * x[i * D + k];
+            }
+            float p = post[n * hc + j];
+            for (int64_t k = 0; k < D; k++) o[k] = p * yn[k] + o[k];
+        }
+    }
+}

@@ -1,0 +1,22 @@
+"""When a fast path may stand in for calling a module: the module is exactly its class and nothing observes or
+wraps the call (a hook of its own, a global module hook, a subclass such as a LoRA wrapper)."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules import module as _module
+
+# torch's registries of global module hooks (dicts it mutates in place).
+_GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hooks, _module._global_backward_hooks,
+                 _module._global_backward_pre_hooks)
+
+
+def hooked(m: nn.Module) -> bool:
+    """Whether ``m`` has a forward or backward hook of its own."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def unobserved(m: nn.Module, cls: type[nn.Module]) -> bool:
+    """True when ``m`` is a ``cls`` (not a subclass) with no hook of its own and no global module hook: then
+    computing its output directly is exactly calling it."""
+    return type(m) is cls and not any(_GLOBAL_HOOKS) and not hooked(m)
