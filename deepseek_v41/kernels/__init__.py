@@ -56,6 +56,9 @@ _SIGNATURES = {
     "dsv41_hc_mix": ([_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I, _P, _P, _P, _P], None),
     "dsv41_hc_collapse": ([_P, _P, _I, _I, _I, _P, ctypes.c_float, _P], None),
     "dsv41_hc_expand": ([_P, _P, _P, _P, _I, _I, _I, _P], None),
+    "dsv41_attend_few": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P, ctypes.c_float, _P, _P], None),
+    "dsv41_gate": ([_P, _I, _I, _P, _I, _P, _I, ctypes.c_int, ctypes.c_float, _P, _P, _P], None),
+    "dsv41_swiglu": ([_P, _P, _I, _I, _I, ctypes.c_float, _P], None),
 }
 
 _state: dict[str, object] = {"lib": None, "tried": False, "off": False}
@@ -108,21 +111,25 @@ def _build() -> Path:
 def library() -> ctypes.CDLL | None:
     """The kernel library, built and loaded on first call; None when off (``DSV41_CPU_KERNELS=0``, or inside
     :func:`disabled`) or when it cannot be built (then a warning says why, once)."""
-    if _state["off"] or os.environ.get("DSV41_CPU_KERNELS", "1") == "0":
-        return None
     if not _state["tried"]:
         _state["tried"] = True
-        try:
-            lib = ctypes.CDLL(str(_build()))
-            for name, (args, result) in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = args, result
-            if lib.dsv41_init() != 256:
-                raise RuntimeError("dsv41_init did not run")
-            _state["lib"] = lib
-        except (OSError, RuntimeError) as exc:
-            warnings.warn(f"deepseek_v41: fused CPU kernels unavailable, using the torch code ({exc})", stacklevel=2)
-    return _state["lib"]  # type: ignore[return-value]
+        if os.environ.get("DSV41_CPU_KERNELS", "1") != "0":
+            _state["lib"] = _load()
+    return None if _state["off"] else _state["lib"]  # type: ignore[return-value]
+
+
+def _load() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(_build()))
+        for name, (args, result) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, result
+        if lib.dsv41_init() != 256:
+            raise RuntimeError("dsv41_init did not run")
+        return lib
+    except (OSError, RuntimeError) as exc:
+        warnings.warn(f"deepseek_v41: fused CPU kernels unavailable, using the torch code ({exc})", stacklevel=3)
+        return None
 
 
 @contextlib.contextmanager
@@ -142,7 +149,7 @@ def usable(*tensors: torch.Tensor) -> bool:
     if library() is None:
         return False
     grad = torch.is_grad_enabled()
-    return all(t.device.type == "cpu" and t.is_contiguous() and not (grad and t.requires_grad) for t in tensors)
+    return all(t.is_cpu and t.is_contiguous() and not (grad and t.requires_grad) for t in tensors)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -297,4 +304,44 @@ def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: 
     out = torch.empty_like(streams)
     library().dsv41_hc_expand(streams.data_ptr(), y.data_ptr(), post.data_ptr(), comb.data_ptr(), B * T, hc, D,
                               out.data_ptr())
+    return out
+
+
+# --------------------------------------------------------------------------- attention, MoE router, SwiGLU
+def attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, window: int,
+               selected: torch.Tensor | None, topk: torch.Tensor | None, sink: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """:func:`deepseek_v41.model.attention._attend_few` in fp32: q [B, T, H, d], q_pos int64 [B, T], keys
+    [B, L, d], key_pos int64 [B, L], selected [B, T, k, d] with topk int64 [B, T, k] (or both None), sink [H]
+    -> [B, T, H, d]."""
+    B, T, H, d = q.shape
+    L = keys.shape[1]
+    k = 0 if topk is None else topk.shape[-1]
+    out = torch.empty_like(q)
+    scratch = torch.empty(L + k, dtype=torch.float32)
+    library().dsv41_attend_few(q.data_ptr(), q_pos.data_ptr(), keys.data_ptr(), key_pos.data_ptr(), B, T, H, d, L,
+                               window, _ptr(selected), _ptr(topk), k, sink.data_ptr(), scale, scratch.data_ptr(),
+                               out.data_ptr())
+    return out
+
+
+def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, norm_topk: bool,
+         route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE router of :class:`deepseek_v41.model.moe.Gate` for text tokens x fp32 [N, D] with weight [E, D]
+    and bias [E]: ``(indices int64 [N, k], weights fp32 [N, k])``."""
+    N, D = x.shape
+    E = weight.shape[0]
+    indices = torch.empty((N, k), dtype=torch.int64)
+    weights = torch.empty((N, k), dtype=torch.float32)
+    scratch = torch.empty(E, dtype=torch.float32)
+    library().dsv41_gate(x.data_ptr(), N, D, weight.data_ptr(), E, bias.data_ptr(), k, int(norm_topk), route_scale,
+                         scratch.data_ptr(), indices.data_ptr(), weights.data_ptr())
+    return indices, weights
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """:func:`deepseek_v41.model.moe.clamped_swiglu` of contiguous fp32 gate / up [N, inter] -> fp32 [N, inter]."""
+    N, inter = gate.shape
+    out = torch.empty((N, inter), dtype=torch.float32)
+    library().dsv41_swiglu(gate.data_ptr(), up.data_ptr(), N, inter, inter, limit, out.data_ptr())
     return out

@@ -404,3 +404,97 @@ void dsv41_hc_expand(const float *streams, const float *y, const float *post, co
         }
     }
 }
+
+/* ------------------------------------------------------------------------- attention, MoE router, SwiGLU */
+
+/* One softmax with a sink per (query, head) over the window keys and the selected entries (model/attention.py
+ * _attend_few): q [B, T, H, d]; keys [B, L, d] with key_pos [B, L] (a key is seen by a query at position p when
+ * p - window < key_pos <= p); selected [B, T, k, d] with topk [B, T, k] (-1 = none); sink [H]. out [B, T, H, d]
+ * = sum_j softmax_j(s) v_j with the sink in the denominator; masked keys are skipped (their weight is 0).
+ * scratch: L + k floats. */
+void dsv41_attend_few(const float *q, const int64_t *q_pos, const float *keys, const int64_t *key_pos, int64_t B,
+                      int64_t T, int64_t H, int64_t d, int64_t L, int64_t window, const float *selected,
+                      const int64_t *topk, int64_t k, const float *sink, float scale, float *scratch, float *out) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *kb = keys + b * L * d;
+        const int64_t *kp = key_pos + b * L;
+        for (int64_t t = 0; t < T; t++) {
+            int64_t p = q_pos[b * T + t];
+            const float *sel = selected ? selected + (b * T + t) * k * d : 0;
+            const int64_t *picks = topk ? topk + (b * T + t) * k : 0;
+            for (int64_t h = 0; h < H; h++) {
+                const float *qv = q + ((b * T + t) * H + h) * d;
+                float *o = out + ((b * T + t) * H + h) * d;
+                float m = sink[h];
+                for (int64_t l = 0; l < L; l++) {
+                    int seen = kp[l] >= 0 && kp[l] <= p && kp[l] > p - window;
+                    scratch[l] = seen ? dot(qv, kb + l * d, d) * scale : -INFINITY;
+                    if (scratch[l] > m) m = scratch[l];
+                }
+                for (int64_t j = 0; j < k; j++) {
+                    scratch[L + j] = picks[j] >= 0 ? dot(qv, sel + j * d, d) * scale : -INFINITY;
+                    if (scratch[L + j] > m) m = scratch[L + j];
+                }
+                float total = expf(sink[h] - m);
+                memset(o, 0, (size_t)d * sizeof(float));
+                for (int64_t j = 0; j < L + k; j++) {
+                    if (scratch[j] == -INFINITY) continue;
+                    float e = expf(scratch[j] - m);
+                    total += e;
+                    const float *v = j < L ? kb + j * d : sel + (j - L) * d;
+                    for (int64_t i = 0; i < d; i++) o[i] += e * v[i];
+                }
+                float inv = 1.0f / total;
+                for (int64_t i = 0; i < d; i++) o[i] *= inv;
+            }
+        }
+    }
+}
+
+/* MoE router (model/moe.py Gate, text tokens): scores = sqrt(softplus(x @ W^T)) [N, E] of x [N, D], W [E, D];
+ * the k experts of largest score + bias[E] (descending, the lower id first on a tie) into indices [N, k], their
+ * scores (divided by their sum + 1e-20 when norm_topk) times route_scale into weights [N, k]. scratch: E floats. */
+void dsv41_gate(const float *x, int64_t N, int64_t D, const float *W, int64_t E, const float *bias, int64_t k,
+                int norm_topk, float route_scale, float *scratch, int64_t *indices, float *weights) {
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t e = 0; e < E; e++) {
+            float z = dot(x + n * D, W + e * D, D);
+            scratch[e] = sqrtf(z > 20.0f ? z : log1pf(expf(z)));
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= indices[n * k + i] == e;
+                if (taken) continue;
+                if (best < 0 || scratch[e] + bias[e] > scratch[best] + bias[best]) best = e;
+            }
+            indices[n * k + j] = best;
+            weights[n * k + j] = scratch[best];
+            sum += scratch[best];
+        }
+        for (int64_t j = 0; j < k; j++) {
+            float w = weights[n * k + j];
+            if (norm_topk) w = w / (sum + 1e-20f);
+            weights[n * k + j] = w * route_scale;
+        }
+    }
+}
+
+/* silu(min(gate, limit)) * clamp(up, -limit, limit) (model/moe.py clamped_swiglu; limit <= 0: no clamping) of
+ * rows gate / up [N, inter] read with row stride `stride` (a fused [N, 2 * inter] projection passes its halves)
+ * into out [N, inter]. */
+void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, int64_t stride, float limit,
+                  float *out) {
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t i = 0; i < inter; i++) {
+            float g = gate[n * stride + i], u = up[n * stride + i];
+            if (limit > 0) {
+                g = g > limit ? limit : g;
+                u = u < -limit ? -limit : (u > limit ? limit : u);
+            }
+            out[n * inter + i] = g / (1.0f + expf(-g)) * u;
+        }
+    }
+}

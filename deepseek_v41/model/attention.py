@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from deepseek_v41 import kernels
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.model.compressor import Compressor
 from deepseek_v41.model.indexer import (
@@ -24,7 +25,7 @@ from deepseek_v41.model.indexer import (
     pool_entries,
     topk_entries,
 )
-from deepseek_v41.model.norm import RMSNorm, cast, upcast
+from deepseek_v41.model.norm import RMSNorm, cast, fused_fp32, upcast
 from deepseek_v41.model.rope import RotaryEmbedding
 from deepseek_v41.plan import LayerRole, LayerSpec
 
@@ -113,6 +114,14 @@ def _attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_po
     for new rows at consecutive positions), so the whole softmax is a handful of batched matmuls instead of a
     chunk loop of einsums. Same arguments, result and fp32 arithmetic as :func:`sparse_attention`."""
     B, T, H, d = q.shape
+    if (fused_fp32(q, keys, sink) and q_pos.dtype == key_pos.dtype == torch.int64
+            and kernels.usable(q_pos, key_pos)):  # fp32 on the CPU in inference mode: one fused kernel
+        selected = None
+        if topk is not None and topk.shape[-1] > 0:
+            selected, topk = cast(gather(topk), torch.float32).contiguous(), topk.contiguous()
+        else:
+            topk = None
+        return kernels.attend_few(q, q_pos, keys, key_pos, window, selected, topk, sink, scale)
     wide = upcast(keys)  # [B, L, d]
     qc = cast(upcast(q), wide.dtype)
     scores = (qc.flatten(1, 2) @ wide.transpose(1, 2)).unflatten(1, (T, H)) * scale  # [B, T, H, L]

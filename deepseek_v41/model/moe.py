@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepseek_v41 import kernels
 from deepseek_v41.model.hooks import hooked, unobserved
-from deepseek_v41.model.norm import cast, upcast
+from deepseek_v41.model.norm import cast, fused_fp32, upcast
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class Expert(nn.Module):
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` in fp32 (float64 stays float64); ``limit <= 0``:
     no clamping. gate, up [..., inter] -> [..., inter]."""
+    if gate.dim() == 2 and gate.shape == up.shape and fused_fp32(gate, up):
+        return kernels.swiglu(gate, up, limit)
     gate, up = upcast(gate), upcast(up)
     if limit > 0:
         gate = gate.clamp(max=limit)
@@ -94,6 +97,8 @@ class Gate(nn.Module):
         self.expert_load = torch.zeros(self.bias.shape[0], device=device)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if image_mask is None and not self.training and fused_fp32(x, self.weight, self.bias):
+            return kernels.gate(x, self.weight, self.bias, self.topk, self.norm_topk, self.route_scale)
         xf = upcast(x)
         scores = torch.sqrt(F.softplus(xf @ cast(self.weight, xf.dtype).t()))
         bias = cast(self.bias, xf.dtype)
