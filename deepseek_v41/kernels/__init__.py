@@ -39,7 +39,8 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c99"]
 FP4_FORMATS = {"e4m3": 0, "ue8m0": 1}
-SMALL_ROWS = 256  # up to this many rows the kernels that add in another order than ATen (mHC, RMSNorm) are used
+SMALL_ROWS = 256  # up to this many rows the mHC mixing kernel is used (beyond, ATen's threaded matmul wins)
+FEW_ROWS = 16  # up to this many tokens the routed experts take moe_bf16 (decode, speculative verify)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
@@ -59,6 +60,7 @@ _SIGNATURES = {
     "dsv41_attend_few": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P, ctypes.c_float, _P, _P], None),
     "dsv41_gate": ([_P, _I, _I, _P, _I, _P, _I, ctypes.c_int, ctypes.c_float, _P, _P, _P], None),
     "dsv41_swiglu": ([_P, _P, _I, _I, _I, ctypes.c_float, _P], None),
+    "dsv41_moe_bf16": ([_P, _I, _I, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P, _P], None),
 }
 
 _state: dict[str, object] = {"lib": None, "tried": False, "off": False}
@@ -344,4 +346,20 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     N, inter = gate.shape
     out = torch.empty((N, inter), dtype=torch.float32)
     library().dsv41_swiglu(gate.data_ptr(), up.data_ptr(), N, inter, inter, limit, out.data_ptr())
+    return out
+
+
+def moe_bf16(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+             limit: float) -> torch.Tensor:
+    """Routed experts of fp32 tokens x [N, D] routed by ``indices`` int64 / ``weights`` fp32 [N, k] with bf16
+    weights ``w13`` [E, 2 * inter, D] and ``w2`` [E, D, inter] (:meth:`deepseek_v41.model.moe.MoE.dispatch`):
+    fp32 [N, D]."""
+    N, D = x.shape
+    E, inter = w2.shape[0], w2.shape[2]
+    out = torch.empty((N, D), dtype=torch.float32)
+    scratch = torch.empty(max(D, inter) + N * (3 * inter + 1), dtype=torch.float32)
+    tokens = torch.empty(N, dtype=torch.int64)
+    library().dsv41_moe_bf16(x.data_ptr(), N, D, indices.data_ptr(), weights.data_ptr(), indices.shape[1],
+                             w13.data_ptr(), w2.data_ptr(), E, inter, limit, scratch.data_ptr(), tokens.data_ptr(),
+                             out.data_ptr())
     return out

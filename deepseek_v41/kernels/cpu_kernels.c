@@ -100,7 +100,10 @@ static void fp8_quantize_row(const float *x, int64_t n, uint8_t *codes, uint8_t 
 }
 
 static void fp8_dequantize_row(const uint8_t *codes, const uint8_t *scales, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = e4m3_decode(codes[i]) * ue8m0_decode(scales[i / 32]);
+    for (int64_t b0 = 0; b0 < n; b0 += 32) {
+        float scale = ue8m0_decode(scales[b0 / 32]);
+        for (int64_t i = b0; i < b0 + 32; i++) out[i] = E4M3_VALUES[codes[i]] * scale;
+    }
 }
 
 void dsv41_fp8_quantize(const float *x, int64_t rows, int64_t n, uint8_t *codes, uint8_t *scales, float *values) {
@@ -495,6 +498,52 @@ void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, 
                 u = u < -limit ? -limit : (u > limit ? limit : u);
             }
             out[n * inter + i] = g / (1.0f + expf(-g)) * u;
+        }
+    }
+}
+
+/* ----------------------------------------------------------------------------- routed experts, bf16 weights */
+
+static void bf16_row(const uint16_t *w, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)w[i] << 16;
+        memcpy(out + i, &bits, 4);
+    }
+}
+
+/* The routed experts of a few tokens (model/moe.py MoE.dispatch) from bf16 copies of their weights (exact when
+ * the weights came from FP4 E2M1 with power-of-two scales: 2 significant bits): x [N, D] fp32, indices / weights
+ * [N, k] (the router's), w13 [E, 2 * inter, D] (gate rows, then up rows) and w2 [E, D, inter] as bf16 bits.
+ * out [N, D] = sum over experts in ascending id of weight * w2 (silu(min(gate, limit)) * clamp(up, +-limit)),
+ * each weight row converted once and applied to every token routed to it.
+ * scratch: D + inter + N * (3 * inter + 1) floats, plus N int64 in `tokens`. */
+void dsv41_moe_bf16(const float *x, int64_t N, int64_t D, const int64_t *indices, const float *weights, int64_t k,
+                    const uint16_t *w13, const uint16_t *w2, int64_t E, int64_t inter, float limit, float *scratch,
+                    int64_t *tokens, float *out) {
+    float *row = scratch;                                  /* one weight row in fp32: max(D, inter) */
+    float *h = row + (D > inter ? D : inter);              /* [n_e, 2 * inter] gate | up */
+    float *hidden = h + N * 2 * inter;                     /* [n_e, inter] */
+    float *gain = hidden + N * inter;                      /* [n_e] the router weight of each token */
+    memset(out, 0, (size_t)(N * D) * sizeof(float));
+    for (int64_t e = 0; e < E; e++) {
+        int64_t n_e = 0;
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t j = 0; j < k; j++)
+                if (indices[n * k + j] == e) {
+                    tokens[n_e] = n;
+                    gain[n_e++] = weights[n * k + j];
+                }
+        if (n_e == 0) continue;
+        const uint16_t *we = w13 + e * 2 * inter * D;
+        for (int64_t o = 0; o < 2 * inter; o++) {
+            bf16_row(we + o * D, D, row);
+            for (int64_t t = 0; t < n_e; t++) h[t * 2 * inter + o] = dot(x + tokens[t] * D, row, D);
+        }
+        dsv41_swiglu(h, h + inter, n_e, inter, 2 * inter, limit, hidden);
+        const uint16_t *wd = w2 + e * D * inter;
+        for (int64_t o = 0; o < D; o++) {
+            bf16_row(wd + o * inter, inter, row);
+            for (int64_t t = 0; t < n_e; t++) out[tokens[t] * D + o] += dot(hidden + t * inter, row, inter) * gain[t];
         }
     }
 }

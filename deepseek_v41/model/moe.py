@@ -147,6 +147,7 @@ class MoE(nn.Module):
         self.shared_experts = Expert(dim, inter_dim * n_shared, swiglu_limit) if n_shared else None
         self.inter_dim, self.swiglu_limit = inter_dim, swiglu_limit
         self._stacked_at: list[int] | None = None  # addresses of the expert parameters when last stacked
+        self._bf16: tuple[list, tuple[torch.Tensor, torch.Tensor] | None] | None = None  # see bf16_experts
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
@@ -161,6 +162,11 @@ class MoE(nn.Module):
     def dispatch(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Σ_k w_k E_{idx_k}(x) for flat [N, D], indices/weights [N, k] -> [N, D] in the weights' dtype (fp32, or
         float64 for a float64 model)."""
+        if (flat.shape[0] <= kernels.FEW_ROWS and indices.dtype == torch.int64 and fused_fp32(flat, weights)
+                and kernels.usable(indices)):
+            experts = self.bf16_experts()
+            if experts is not None:  # a few fp32 tokens in inference mode: one fused kernel, half the bytes read
+                return kernels.moe_bf16(flat, indices, weights, *experts, self.swiglu_limit)
         if flat.shape[0] == 1 and flat.device.type != "meta":
             # One token (batch-1 decode): its k experts in ascending id, summed in the order the sorted dispatch
             # below adds them, without the sort / gather / scatter bookkeeping.
@@ -191,6 +197,28 @@ class MoE(nn.Module):
             out.index_add_(0, token_of[start:end], y)
             start = end
         return out
+
+    def bf16_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """bf16 copies ``(w13 [E, 2 * inter, D], w2 [E, D, inter])`` of the routed experts' fp32 weights, for
+        :func:`deepseek_v41.kernels.moe_bf16`; None unless every expert is plain (:meth:`Expert.plain`) and every
+        weight is exactly representable in bf16 (true of weights dequantized from the FP4 checkpoint format:
+        E2M1 values have 2 significant bits and the scales are powers of two), so using them changes nothing.
+
+        Rebuilt when any weight changes address or is modified in place (its version counter), e.g. by training.
+        Costs 2 bytes per routed-expert weight beside the fp32 parameters."""
+        params = self._weights()
+        if params[0].dtype != torch.float32 or not all(e.plain() for e in self.experts._modules.values()):
+            return None
+        key = [(w.data_ptr(), w._version) for w in params]
+        if self._bf16 is not None and self._bf16[0] == key:
+            return self._bf16[1]
+        with torch.inference_mode(False), torch.no_grad():
+            w13 = torch.stack([torch.cat((e.w1.weight, e.w3.weight)) for e in self.experts])
+            w2 = torch.stack([e.w2.weight for e in self.experts])
+            copies = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+            exact = torch.equal(copies[0].float(), w13) and torch.equal(copies[1].float(), w2)
+        self._bf16 = (key, copies if exact else None)
+        return self._bf16[1]
 
     # ------------------------------------------------------------------ grouped experts (inference)
     def _grouped_ok(self, flat: torch.Tensor) -> bool:
