@@ -39,7 +39,8 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c99"]
 FP4_FORMATS = {"e4m3": 0, "ue8m0": 1}
-SMALL_ROWS = 256  # up to this many rows the mHC mixing kernel is used (beyond, ATen's threaded matmul wins)
+SMALL_ROWS = 256  # up to this many tokens the mHC and router kernels run (beyond, ATen's threaded matmuls win)
+MAX_HC = 16  # hc_mix keeps one token's (2 + hc) * hc mixing logits on the stack
 FEW_ROWS = 16  # up to this many tokens the routed experts take moe_bf16 (decode, speculative verify)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -276,7 +277,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
            norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`deepseek_v41.model.hyper.hc_mix` for fp32 streams [B, T, hc, D]: pre [B, T, hc], post [B, T, hc],
-    comb [B, T, hc, hc] fp32. hc <= 16."""
+    comb [B, T, hc, hc] fp32. Raises ValueError for hc > MAX_HC."""
+    if hc > MAX_HC:
+        raise ValueError(f"hc_mix kernel takes hc <= {MAX_HC}, got {hc}")
     B, T, _, D = streams.shape
     pre = torch.empty((B, T, hc), dtype=torch.float32)
     post = torch.empty((B, T, hc), dtype=torch.float32)

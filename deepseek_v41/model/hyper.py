@@ -47,6 +47,12 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+def few_rows(streams: torch.Tensor) -> bool:
+    """Whether streams [B, T, hc, D] hold few enough token rows for the single-threaded fused kernels (decode,
+    speculative verify, short chunks); longer prefill chunks keep ATen's threaded matmuls."""
+    return streams.shape[0] * streams.shape[1] <= kernels.SMALL_ROWS
+
+
 def _part_index(hc: int, device: torch.device) -> torch.Tensor:
     """Which of the three scales each of the (2 + hc) * hc mixing columns takes: [0] * hc + [1] * hc + [2] * hc^2."""
     return device_constant(f"mHC parts {hc}", device, lambda: torch.tensor([0] * hc + [1] * hc + [2] * hc * hc))
@@ -57,7 +63,7 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     """Coefficients of one site from streams [B, T, hc, D] (any float dtype; pass them already upcast to share
     one conversion with :func:`collapse` / :func:`expand`): pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc]
     (all fp32; comb[i, j] moves stream i into stream j). A few fp32 rows on the CPU take the fused kernel."""
-    if streams.numel() <= kernels.SMALL_ROWS * streams.shape[-1] * hc and fused_fp32(streams, fn, base, scale):
+    if hc <= kernels.MAX_HC and few_rows(streams) and fused_fp32(streams, fn, base, scale):
         return kernels.hc_mix(streams, fn, base, scale, hc, norm_eps, hc_eps, iters)
     flat = rms_normalize(streams.flatten(-2), norm_eps)  # [B, T, hc*D]
     mix = flat @ cast(fn, flat.dtype).t()  # [B, T, (2+hc)*hc]: pre | post | comb
@@ -74,7 +80,8 @@ def collapse(streams: torch.Tensor, weights: torch.Tensor, wide: torch.Tensor | 
     """``Σ_i w_i R_i``: streams [B, T, hc, D], weights [B, T, hc] -> [B, T, D] in the streams' dtype. ``wide``:
     the streams already upcast (``upcast(streams)``), when the caller has them. ``norm``: returns
     ``norm(collapse(...))`` (the sub-layer input), fused for fp32 on the CPU."""
-    if norm is not None and unobserved(norm, RMSNorm) and fused_fp32(streams, weights, norm.weight):
+    if (norm is not None and few_rows(streams) and unobserved(norm, RMSNorm)
+            and fused_fp32(streams, weights, norm.weight)):
         return kernels.hc_collapse(streams, weights, norm.weight, norm.eps)
     if norm is not None:
         return norm(collapse(streams, weights, wide))
@@ -86,7 +93,7 @@ def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: tor
            wide: torch.Tensor | None = None) -> torch.Tensor:
     """``R'_j = post_j y + Σ_i comb[i, j] R_i``: streams [B, T, hc, D], y [B, T, D] -> [B, T, hc, D] (``wide``
     as in :func:`collapse`)."""
-    if fused_fp32(streams, y, post, comb):
+    if few_rows(streams) and fused_fp32(streams, y, post, comb):
         return kernels.hc_expand(streams, y, post, comb)
     wide = upcast(streams) if wide is None else wide
     mixed = cast(comb, wide.dtype).transpose(-1, -2) @ wide

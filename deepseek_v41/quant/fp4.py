@@ -117,7 +117,7 @@ def _fast(x: Tensor, block_size: int, scale_format: ScaleFormat) -> bool:
     float dtype that widens exactly to fp32 (the torch code rounds in fp32 too)."""
     check_scale_format(scale_format)
     check_blocks(x, block_size, pairs=True)
-    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.usable(x)
+    return block_size % 2 == 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.usable(x)
 
 
 def _round_e2m1(y: Tensor) -> Tensor:
@@ -156,7 +156,7 @@ def _decode_bytes(packed: Tensor) -> Tensor:
     if packed.device.type == "meta":
         return table[packed.long()].flatten(-2)
     pairs = table.view(torch.int64).view(256).index_select(0, packed.reshape(-1).int())
-    return pairs.view(*packed.shape[:-1], -1).view(torch.float32)
+    return pairs.view(packed.shape).view(torch.float32)  # explicit shape: -1 is ambiguous for zero elements
 
 
 def _pack_nibbles(codes: Tensor) -> Tensor:

@@ -1,0 +1,624 @@
+"""The fused CPU kernels (deepseek_v41/kernels) against the torch code they stand in for.
+
+The FP8 / FP4 codecs, RoPE and the paged KV cache reads and writes must give the torch code's bits exactly (each
+test runs the same call with the kernels and inside ``kernels.disabled()``); E4M3 / E2M1 codes are also checked
+against ml_dtypes. RMSNorm and the mHC mixing add in another order, so they agree to fp32 rounding, and only run
+under ``torch.inference_mode``: outside it the result is the torch code's, bit for bit. The tests also check that
+the kernel was really called (a spy on the module's entry points). Without a C compiler these tests skip, except
+under CI=true, where a missing library fails. The end of the file pins inputs outside a kernel's limits (odd FP4
+blocks, hc > 16, broadcast RoPE positions): they must take the torch code, run in a child process because a
+kernel reading past a buffer could crash.
+"""
+
+import collections
+import ctypes
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from optional_deps import require
+
+from deepseek_v41 import kernels
+from deepseek_v41.cache.block_manager import BlockManager
+from deepseek_v41.cache.kv_cache import PagedKVCache
+from deepseek_v41.cache.paged_context import PagedContext
+from deepseek_v41.config import tiny_config
+from deepseek_v41.model.hyper import collapse, expand, hc_mix
+from deepseek_v41.model.norm import RMSNorm, rms_normalize
+from deepseek_v41.model.rope import RotaryEmbedding
+from deepseek_v41.quant import (
+    dequantize_fp4,
+    dequantize_fp8,
+    fake_quant_fp4,
+    fake_quant_fp8,
+    quantize_fp4,
+    quantize_fp8,
+    quantize_fp8_values,
+)
+
+F32 = np.float32
+ENTRY_POINTS = ("fp8_quantize_values", "fp8_dequantize", "fp4_quantize", "fp4_dequantize", "fp4_gather",
+                "fp4_scatter", "window_step", "rope", "rms_norm", "hc_mix", "hc_collapse", "hc_expand")
+# RMSNorm / mHC: kernel vs ATen differ by the summation order only (measured: at most ~2.5 fp32 ulps, 2.5e-7
+# absolute on values up to ~16).
+RTOL, ATOL = 2e-6, 1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library():
+    """The built kernel library: its absence skips these tests, but fails them under CI=true."""
+    lib = kernels.library()
+    if lib is None:
+        message = "the fused CPU kernels could not be built or were turned off (DSV41_CPU_KERNELS=0)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{message}; CI must build them")
+        pytest.skip(message)
+    return lib
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the calls of every kernel entry point (the callers look them up on the module at each call)."""
+    counts = collections.Counter()
+    for name in ENTRY_POINTS:
+        def spy(*args, _fn=getattr(kernels, name), _name=name, **kw):
+            counts[_name] += 1
+            return _fn(*args, **kw)
+        monkeypatch.setattr(kernels, name, spy)
+    return counts
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal dtype, shape and bits (-0 differs from +0); NaN equals NaN at the same positions, any payload."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
+    if got.is_floating_point():
+        nan = got.isnan()
+        assert torch.equal(nan, want.isnan()), "NaN at different positions"
+        ints = {4: torch.int32, 2: torch.int16, 8: torch.int64}[got.element_size()]
+        got, want = got.masked_fill(nan, 0).view(ints), want.masked_fill(nan, 0).view(ints)
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero()
+        raise AssertionError(f"{len(bad)} elements differ, first at {bad[0].tolist()}: "
+                             f"{got[tuple(bad[0])].item()} vs {want[tuple(bad[0])].item()}")
+
+
+def both_ways(fn, *args, **kwargs):
+    """``fn`` with the kernels and inside ``kernels.disabled()``."""
+    fast = fn(*args, **kwargs)
+    with kernels.disabled():
+        slow = fn(*args, **kwargs)
+    return fast, slow
+
+
+def assert_same_results(fast, slow) -> None:
+    fast, slow = (fast,) if torch.is_tensor(fast) else fast, (slow,) if torch.is_tensor(slow) else slow
+    assert len(fast) == len(slow)
+    for a, b in zip(fast, slow, strict=True):
+        assert_same_bits(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- the library
+def test_the_library_builds_and_loads(library, tmp_path, monkeypatch):
+    assert library.dsv41_init() == 256
+    assert kernels.usable(torch.zeros(4)) and not kernels.usable(torch.zeros(4, 4).t())
+    with torch.enable_grad():
+        assert not kernels.usable(torch.zeros(4, requires_grad=True))
+    # A fresh build from the source into an empty cache folder loads and runs too.
+    monkeypatch.setenv("DSV41_KERNEL_CACHE", str(tmp_path / "cache"))
+    built = kernels._build()
+    assert built.parent == tmp_path / "cache" and built.is_file()
+    assert ctypes.CDLL(str(built)).dsv41_init() == 256
+    mtime = built.stat().st_mtime_ns
+    assert kernels._build() == built and built.stat().st_mtime_ns == mtime  # cached: not rebuilt
+    # A cache folder others may write to is refused (a library there could have been planted).
+    (tmp_path / "open").mkdir()
+    os.chmod(tmp_path / "open", 0o777)
+    monkeypatch.setenv("DSV41_KERNEL_CACHE", str(tmp_path / "open"))
+    with pytest.raises(RuntimeError, match="writable by others"):
+        kernels.cache_dir()
+    assert stat.S_IMODE(os.stat(built.parent).st_mode) & (stat.S_IWGRP | stat.S_IWOTH) == 0
+
+
+def test_disabled_restores_the_previous_state_after_an_exception(library):
+    x = torch.randn(2, 64)
+    with pytest.raises(ZeroDivisionError), kernels.disabled():
+        assert kernels.library() is None and not kernels.usable(x)
+        with kernels.disabled():
+            pass
+        assert kernels.library() is None  # the inner block restored "off", not "on"
+        _ = 1 / 0
+    assert kernels.library() is library and kernels.usable(x)
+    with pytest.raises(ValueError), kernels.disabled(), kernels.disabled():
+        raise ValueError
+    assert kernels.library() is library
+
+
+# ------------------------------------------------------------------------------------------------ E4M3 codes
+def e4m3_grid() -> np.ndarray:
+    """Every finite non-negative E4M3FN value, ascending (fp32): codes 0x00 .. 0x7E."""
+    return np.arange(0x7F, dtype=np.uint8).view(require("ml_dtypes").float8_e4m3fn).astype(F32)
+
+
+def near_grid(grid: np.ndarray, rng: np.random.Generator, hi: float) -> np.ndarray:
+    """Grid points, the midpoints between neighbours (ties), the midpoints +- 1 ulp, subnormal-range and random
+    values in [0, hi], both signs."""
+    mid = ((grid[:-1].astype(np.float64) + grid[1:]) / 2).astype(F32)  # exact: one more mantissa bit
+    assert np.array_equal(mid.astype(np.float64), (grid[:-1].astype(np.float64) + grid[1:]) / 2)
+    up, down = np.nextafter(mid, F32(np.inf)), np.nextafter(mid, F32(0))
+    tiny = rng.uniform(0, grid[grid > 0].min() * 8, 300).astype(F32)  # the subnormal codes' range
+    spread = (2.0 ** rng.uniform(-12, np.log2(hi), 1500)).astype(F32)
+    uniform = rng.uniform(0, hi, 500).astype(F32)
+    values = np.concatenate([grid, mid, up, down, tiny, spread, uniform]).clip(0, F32(hi))
+    return np.concatenate([values, -values])
+
+
+def exact_blocks(values: np.ndarray, block: int, amax: float, rng: np.random.Generator
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of blocks whose largest magnitude is exactly ``amax * 2**k`` (k per block), so the block's scale is
+    exactly ``2**k`` and ``x / scale`` is the value itself; returns (x fp32 [rows, 4 * block], k [rows, 4])."""
+    others = block - 1
+    values = rng.permutation(values)
+    values = np.concatenate([values, np.zeros(-len(values) % (4 * others), F32)]).reshape(-1, others)
+    blocks = np.concatenate([np.where(rng.random((len(values), 1)) < 0.5, -amax, amax).astype(F32), values], 1)
+    blocks = np.take_along_axis(blocks, rng.permuted(np.tile(np.arange(block), (len(blocks), 1)), axis=1), 1)
+    k = rng.integers(-20, 21, len(blocks))
+    x = (blocks.astype(np.float64) * 2.0 ** k[:, None]).astype(F32)
+    assert np.array_equal(x.astype(np.float64) / 2.0 ** k[:, None], blocks.astype(np.float64))  # exact
+    return x.reshape(-1, 4 * block), k.reshape(-1, 4)
+
+
+def test_e4m3_rounding_of_every_grid_point_tie_and_neighbour(calls):
+    ml = require("ml_dtypes")
+    rng = np.random.default_rng(0)
+    x, k = exact_blocks(near_grid(e4m3_grid(), rng, 448.0), 32, 448.0, rng)
+    xt = torch.from_numpy(x)
+    assert kernels.usable(xt)
+    fast, slow = both_ways(quantize_fp8_values, xt)
+    assert calls["fp8_quantize_values"] == 1
+    assert_same_results(fast, slow)
+    codes, scales, values = fast
+    np.testing.assert_array_equal(scales.numpy(), 127 + k)
+    y = x.reshape(-1, 32) / (2.0 ** k.reshape(-1, 1)).astype(F32)  # the exact quotients
+    raw = y.astype(ml.float8_e4m3fn).view(np.uint8).reshape(x.shape)
+    want = np.where(raw == 0x80, 0, raw)  # the package stores -0 as +0
+    np.testing.assert_array_equal(codes.numpy(), want)
+    decoded = want.view(ml.float8_e4m3fn).astype(F32).reshape(-1, 32) * (2.0 ** k.reshape(-1, 1)).astype(F32)
+    np.testing.assert_array_equal(values.numpy(), decoded.reshape(x.shape))
+    assert_same_results(*both_ways(quantize_fp8, xt))
+    assert_same_results(*both_ways(dequantize_fp8, codes, scales))
+    # Ties really occur: each went to the even code, some up and some down.
+    grid = e4m3_grid().astype(np.float64)
+    ties = np.isin(np.abs(y), ((grid[:-1] + grid[1:]) / 2).astype(F32)).reshape(x.shape)
+    tie_codes = codes.numpy()[ties]
+    up = np.abs(values.numpy()[ties]) > np.abs(x[ties])
+    assert ties.sum() > 200 and (tie_codes & 1 == 0).all() and 0 < up.sum() < ties.sum()
+
+
+def test_e4m3_block_scales_of_fp4_round_like_ml_dtypes(calls):
+    """FP4 "e4m3" blocks: the scale byte is E4M3(clamp(amax / 6, 2**-9, 448)), so amaxes near 6 * every grid
+    point, tie and neighbour (and beyond the clamp) exercise the kernel's E4M3 rounding of the scale."""
+    ml = require("ml_dtypes")
+    rng = np.random.default_rng(1)
+    s = np.abs(near_grid(e4m3_grid(), rng, 470.0))
+    amax = np.concatenate([s * F32(6), (s * F32(6)).astype(np.float64).astype(F32) * F32(0.25),
+                           np.array([0, 1e-30, 6 * 2.0**-10, 3e38, np.inf], F32)]).astype(F32)
+    rest = rng.uniform(-1, 1, (len(amax), 15)).astype(F32) * amax[:, None]
+    x = np.concatenate([amax[:, None] * np.where(rng.random((len(amax), 1)) < 0.5, -1, 1).astype(F32), rest], 1)
+    xt = torch.from_numpy(x.reshape(-1, 16))
+    fast, slow = both_ways(quantize_fp4, xt, 16, "e4m3")
+    assert calls["fp4_quantize"] == 1
+    assert_same_results(fast, slow)
+    with np.errstate(invalid="ignore"):
+        want = np.clip(amax / F32(6), F32(2**-9), F32(448)).astype(ml.float8_e4m3fn).view(np.uint8)
+    np.testing.assert_array_equal(fast[1].numpy()[:, 0], want)
+    assert_same_results(*both_ways(fake_quant_fp4, xt, 16, "e4m3"))
+
+
+def test_e2m1_rounding_of_every_grid_point_tie_and_neighbour(calls):
+    ml = require("ml_dtypes")
+    rng = np.random.default_rng(2)
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], F32)
+    values = np.concatenate([near_grid(grid, rng, 6.0), rng.uniform(0, 0.26, 200).astype(F32)])
+    x, k = exact_blocks(values, 32, 6.0, rng)
+    xt = torch.from_numpy(x)
+    fast, slow = both_ways(quantize_fp4, xt, 32, "ue8m0")
+    assert calls["fp4_quantize"] == 1
+    assert_same_results(fast, slow)
+    codes, scales = fast
+    np.testing.assert_array_equal(scales.numpy(), 127 + k)
+    y = x.reshape(-1, 32) / (2.0 ** k.reshape(-1, 1)).astype(F32)
+    raw = y.astype(ml.float4_e2m1fn).view(np.uint8).reshape(x.shape) & 0x0F
+    raw = np.where(raw == 8, 0, raw)  # -0 stored as +0
+    np.testing.assert_array_equal(codes.numpy(), (raw[:, 0::2] | (raw[:, 1::2] << 4)).astype(np.uint8))
+    assert_same_results(*both_ways(fake_quant_fp4, xt, 32, "ue8m0"))
+    assert_same_results(*both_ways(dequantize_fp4, codes, scales, 32, "ue8m0"))
+
+
+# --------------------------------------------------------------------------------- codecs on random data
+SPECIALS = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -1e-45, 3e38, -1e30, 1e-30])
+SHAPES = [(32,), (5, 64), (2, 3, 96), (0, 64), (4, 0)]
+FP4_SHAPES = SHAPES  # (0, 64) pins the torch code's decode of zero elements (a view as [0, -1] used to fail)
+
+
+def special_data(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Normal values of very different magnitudes per row, with the special values mixed in (about 1 in 60)
+    and, when there are enough rows, a row of zeros and a row of specials only."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 10.0 ** (torch.rand((*shape[:-1], 1), generator=g) * 12 - 6)
+    pick = torch.randint(0, len(SPECIALS), shape, generator=g)
+    x = torch.where(torch.rand(shape, generator=g) < 1 / 60, SPECIALS[pick], x)
+    if shape[-1] and x.numel() >= 3 * shape[-1]:
+        rows = x.view(-1, shape[-1])
+        rows[0] = 0.0
+        rows[1] = SPECIALS[pick.view(-1, shape[-1])[1]]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fp8_codec_equals_the_torch_code(calls, shape, dtype):
+    x = special_data(shape, dtype, seed=len(shape) * 100 + shape[-1])
+    assert kernels.usable(x)
+    assert_same_results(*both_ways(quantize_fp8, x))
+    assert_same_results(*both_ways(quantize_fp8_values, x))
+    assert_same_results(*both_ways(fake_quant_fp8, x))
+    codes, scales = quantize_fp8(x)
+    for out in (torch.float32, torch.bfloat16):
+        assert_same_results(*both_ways(dequantize_fp8, codes, scales, dtype=out))
+    assert calls["fp8_quantize_values"] == 4 and calls["fp8_dequantize"] == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", FP4_SHAPES, ids=str)
+@pytest.mark.parametrize("block,fmt", [(16, "e4m3"), (32, "ue8m0")])
+def test_fp4_codec_equals_the_torch_code(calls, shape, dtype, block, fmt):
+    x = special_data(shape, dtype, seed=len(shape) * 100 + shape[-1] + block)
+    assert_same_results(*both_ways(quantize_fp4, x, block, fmt))
+    assert_same_results(*both_ways(fake_quant_fp4, x, block, fmt))
+    codes, scales = quantize_fp4(x, block, fmt)
+    for out in (torch.float32, torch.bfloat16):
+        assert_same_results(*both_ways(dequantize_fp4, codes, scales, block, fmt, dtype=out))
+    assert calls["fp4_quantize"] == 3 and calls["fp4_dequantize"] == 2
+
+
+def test_dequantize_every_code_and_scale_byte(calls):
+    every = torch.arange(256, dtype=torch.uint8)
+    # FP8: row r holds all 256 codes, with scale byte r on each of its blocks (255 = NaN), then shuffled codes.
+    codes = torch.cat((every.expand(256, 256), every[torch.randperm(256, generator=torch.Generator().manual_seed(3))]
+                       .expand(256, 256)), 1).contiguous()
+    scales = every[:, None].expand(256, 16).contiguous()
+    for out in (torch.float32, torch.bfloat16):
+        assert_same_results(*both_ways(dequantize_fp8, codes, scales, dtype=out))
+    # FP4: every packed byte under every scale byte, E4M3 (0x7F / 0xFF are NaN) and UE8M0.
+    for block, fmt in ((16, "e4m3"), (32, "ue8m0")):
+        fp4_scales = every[:, None].expand(256, 512 // block).contiguous()
+        assert_same_results(*both_ways(dequantize_fp4, every.expand(256, 256).contiguous(), fp4_scales, block, fmt))
+    assert calls["fp8_dequantize"] == 2 and calls["fp4_dequantize"] == 2
+    # The E4M3 NaN codes decode to NaN in the kernel too (the table is not all zeros or all finite).
+    values = dequantize_fp8(codes[127:128, :256], scales[127:128, :8])
+    assert values.isnan().sum() == 2 and values[0, 0x38].item() == 1.0
+
+
+# ------------------------------------------------------------------------------------------------------ RoPE
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("heads", [None, 4])
+@pytest.mark.parametrize("d,r,yarn", [(32, 16, True), (16, 16, False), (64, 8, True)])
+def test_rope_equals_the_torch_code(calls, dtype, inverse, heads, d, r, yarn):
+    cfg = tiny_config()
+    rope = RotaryEmbedding(r, 10000.0 if yarn else 160000.0, cfg.yarn if yarn else None)
+    g = torch.Generator().manual_seed(d + r)
+    B, T = 3, 7
+    x = (torch.randn((B, T, d) if heads is None else (B, T, heads, d), generator=g) * 4).to(dtype)
+    positions = torch.randint(0, 200_000, (B, T), generator=g)
+    assert kernels.usable(x, *rope.phases(positions))
+    fast, slow = both_ways(rope, x, positions, inverse=inverse)
+    assert calls["rope"] == 1
+    assert_same_bits(fast, slow)
+    assert not torch.equal(fast[..., -r:], x[..., -r:]) and torch.equal(fast[..., :-r], x[..., :-r])
+
+
+# ------------------------------------------------------------------------------------------- paged KV cache
+def window_call(cache: PagedKVCache, slots: list[int], layer: int, starts: list[int], kv: torch.Tensor):
+    T = kv.shape[1]
+    positions = (torch.tensor(starts)[:, None] + torch.arange(T)).contiguous()
+    ctx = PagedContext(cache, slots, [[1]] * len(slots), positions, [s + T for s in starts], torch.float32)
+    return ctx.window(layer, kv)
+
+
+def test_window_step_equals_the_torch_code(calls):
+    cfg = tiny_config()
+    fast_cache, slow_cache = (PagedKVCache(cfg, num_pages=2, block_size=8, num_slots=3) for _ in range(2))
+    R, d = fast_cache.window_rows, cfg.head_dim
+    g = torch.Generator().manual_seed(4)
+
+    def kv(B, T, dtype=torch.float32, scale=1.0):
+        return (torch.randn(B, T, d, generator=g) * scale).to(dtype)
+
+    big = kv(1, 20, torch.bfloat16, 1e5)
+    big[0, 3, 5] = float("inf")  # a NaN-scaled block
+    steps = [  # (slots, layer, first positions, new rows)
+        ([0, 2], 0, [0, 5], kv(2, R + 8)),  # longer than the ring: it wraps over rows read first
+        ([0, 2], 0, [R + 8, R + 13], kv(2, 3, torch.bfloat16)),
+        ([1], 3, [0], torch.zeros(1, 1, d)),  # one row (a view of the rings in the torch code); amax floor
+        ([1], 3, [1], big),
+        ([2, 0], 0, [R + 16, R + 11], kv(2, 1, scale=1e-6)),  # decode, rows in another order
+        ([1, 0, 2], 3, [21, 0, 100], kv(3, R + 1, torch.bfloat16)),
+        ([1, 0, 2], 3, [R + 22, R + 1, 101 + R], kv(3, 1)),
+        ([0], 0, [R + 9], kv(1, 2)),  # positions already in the ring (rejected drafts): they must read -1
+    ]
+    for step, (slots, layer, starts, new) in enumerate(steps):
+        held = fast_cache.window_pos[slots[0], layer].long()
+        keys, key_pos = window_call(fast_cache, slots, layer, starts, new)
+        assert calls["window_step"] == step + 1
+        with kernels.disabled():
+            want_keys, want_pos = window_call(slow_cache, slots, layer, starts, new)
+        assert_same_bits(keys, want_keys)
+        assert torch.equal(key_pos, want_pos), step
+        for name in ("window_codes", "window_scales", "window_pos"):
+            assert torch.equal(getattr(fast_cache, name), getattr(slow_cache, name)), (step, name)
+    # The last step: earlier rows came back, rows held at or past its first position read -1.
+    assert (held >= 0).sum() > 10 and (held >= R + 9).sum() >= 2
+    assert torch.equal(key_pos[0, :R], torch.where((held >= 0) & (held < R + 9), held, -1))
+
+
+def entries_context(cache: PagedKVCache, T: int, write_from: list[int]) -> PagedContext:
+    positions = torch.arange(T).expand(2, T).contiguous()
+    return PagedContext(cache, [0, 1], [[1, 2, 3], [4, 5, 6]], positions, [T, T], torch.float32, write_from)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_entries_equal_the_torch_code(calls, dtype):
+    cfg = tiny_config()
+    fast_cache, slow_cache = (PagedKVCache(cfg, num_pages=8, block_size=8, num_slots=2) for _ in range(2))
+    g = torch.Generator().manual_seed(5)
+    T, write_from = 20, [0, 8]
+    fast_ctx, slow_ctx = entries_context(fast_cache, T, write_from), entries_context(slow_cache, T, write_from)
+    for layer, m in ((2, 2), (4, 1)):
+        G = T // m
+        group = torch.arange(G).expand(2, G).clone()
+        group[0, -1] = group[1, 2] = -1  # an open pair / nothing to store
+        entries = (torch.randn(2, G, cfg.head_dim, generator=g) * 3).to(dtype)
+        entries[0, 1] = 0.0
+        entries[1, 5, 7] = float("nan")
+        keys = torch.randn(2, G, cfg.index_head_dim, generator=g).to(dtype)
+        fast_ctx.add_entries(layer, entries, keys, group)
+        with kernels.disabled():
+            slow_ctx.add_entries(layer, entries, keys, group)
+        # Nothing to store: no count, no bytes.
+        none = torch.full((2, 1), -1)
+        fast_ctx.add_entries(layer, entries[:, :1], keys[:, :1], none)
+        with kernels.disabled():
+            slow_ctx.add_entries(layer, entries[:, :1], keys[:, :1], none)
+        expected = int(((group >= 0) & (group * m >= torch.tensor(write_from)[:, None])).sum())
+        assert fast_ctx.entries_written[layer] == slow_ctx.entries_written[layer] == expected
+        # The torch code sends skipped entries to the null page; every other page holds the same bytes.
+        real = slice(BlockManager.NULL_PAGE + 1, None)
+        for fast_pool, slow_pool in zip(fast_cache.pools[layer], slow_cache.pools[layer], strict=True):
+            assert torch.equal(fast_pool[real], slow_pool[real]), layer
+        # write_from: row 1's first page (positions 0..7) was not written; its second page was.
+        codes = fast_cache.pools[layer][0]
+        assert (codes[4] == 0).all() and (codes[5] != 0).any() and (codes[1] != 0).any()
+    assert calls["fp4_scatter"] == 4
+
+    # Reads, from the same cache both ways.
+    for layer, m in ((2, 2), (4, 1)):
+        G = T // m
+        reader = entries_context(fast_cache, T, write_from)
+        with kernels.disabled():
+            want_keys = entries_context(fast_cache, T, write_from).index_keys(layer)
+        assert_same_bits(reader.index_keys(layer), want_keys)
+        ids = torch.randint(0, G, (2, 3, 5), generator=g)
+        assert_same_results(*both_ways(reader.index_keys_at, layer, ids))
+        few = torch.randint(-1, G, (2, 3, 4), generator=g)  # decode: only the picked entries are decoded
+        many = torch.randint(-1, G, (2, 30, 8), generator=g)  # prefill: every entry decoded once, then picked
+        for idx in (few, many):
+            fast = entries_context(fast_cache, T, write_from).gather_entries(layer, idx)
+            with kernels.disabled():
+                slow = entries_context(fast_cache, T, write_from).gather_entries(layer, idx)
+            assert_same_bits(fast, slow)
+            assert (fast[idx < 0] == 0).all() and (fast[idx >= 0] != 0).any()
+    assert calls["fp4_gather"] >= 8
+
+
+def test_entry_indices_past_the_block_table_raise_index_error():
+    cfg = tiny_config()
+    cache = PagedKVCache(cfg, num_pages=4, block_size=8, num_slots=1)
+    codes, scales = cache.pools[4][:2]  # ratio 1: 8 entries per page
+    table = torch.tensor([[1, 2]])[:, :1]  # one column, followed in memory by a valid page
+    assert table.is_contiguous() and table.shape == (1, 1)
+    ok = kernels.fp4_gather(codes, scales, 16, "e4m3", table, 1, 8, torch.tensor([[0, 7, -1]]))
+    assert ok.shape == (1, 3, cfg.head_dim)
+    with pytest.raises(IndexError):
+        kernels.fp4_gather(codes, scales, 16, "e4m3", table, 1, 8, torch.tensor([[0, 8]]))
+    with pytest.raises(IndexError):  # a page number past the pool
+        kernels.fp4_gather(codes, scales, 16, "e4m3", torch.tensor([[4]]), 1, 8, torch.tensor([[0]]))
+    x = torch.randn(1, 2, cfg.head_dim)
+    assert kernels.fp4_scatter(codes, scales, 16, "e4m3", table, 1, 8, torch.tensor([[0, 7]]), torch.zeros(1,
+                               dtype=torch.long), x) == 2
+    with pytest.raises(IndexError):
+        kernels.fp4_scatter(codes, scales, 16, "e4m3", table, 1, 8, torch.tensor([[7, 9]]),
+                            torch.zeros(1, dtype=torch.long), x)
+
+
+# ------------------------------------------------------------------------------------- RMSNorm and mHC
+def mhc_inputs(B: int, T: int, hc: int = 4, D: int = 64, seed: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    streams = torch.randn(B, T, hc, D, generator=g) * 2
+    fn = torch.randn((2 + hc) * hc, hc * D, generator=g) * 0.05
+    base = torch.randn((2 + hc) * hc, generator=g) * 0.5
+    scale = torch.rand(3, generator=g) + 0.5
+    return streams, fn, base, scale
+
+
+def close_in_inference_mode_and_exact_outside(calls, name: str, fn, *args) -> None:
+    """``fn(*args)`` with the kernel under inference mode is close to the torch code; under no_grad (and
+    outside any mode) the kernel does not run and the bits are the torch code's."""
+    with kernels.disabled(), torch.no_grad():
+        want = fn(*args)
+    want = (want,) if torch.is_tensor(want) else want
+    with torch.inference_mode():
+        got = fn(*args)
+    assert calls[name] == 1, name
+    got = (got,) if torch.is_tensor(got) else got
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    with torch.no_grad():
+        plain = fn(*args)
+    assert calls[name] == 1, f"{name} ran outside inference mode"
+    assert_same_results(plain, want)
+
+
+def test_rms_norm_is_close_in_inference_mode_only(calls):
+    g = torch.Generator().manual_seed(7)
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    x = torch.randn(2, 5, 64, generator=g) * 3
+    close_in_inference_mode_and_exact_outside(calls, "rms_norm", norm, x)
+    calls.clear()
+    close_in_inference_mode_and_exact_outside(calls, "rms_norm", rms_normalize, x * 1e-8, 1e-20)
+    calls.clear()
+    odd = torch.randn(3, 37, generator=g)  # a width that is not a multiple of the kernel's 8 lanes
+    close_in_inference_mode_and_exact_outside(calls, "rms_norm", rms_normalize, odd, 1e-6)
+    calls.clear()
+    with torch.inference_mode():  # bf16 and float64 stay on the torch code
+        norm(x.bfloat16()), rms_normalize(x.double(), 1e-6)
+    assert calls["rms_norm"] == 0
+
+
+@pytest.mark.parametrize("iters,D", [(3, 64), (20, 64), (20, 13)])  # 3: far from converged, every Sinkhorn
+def test_hc_mix_is_close_in_inference_mode_only(calls, iters, D):  # step shows; 13: hc * D not a multiple of 8
+    streams, fn, base, scale = mhc_inputs(2, 3, D=D)
+    close_in_inference_mode_and_exact_outside(calls, "hc_mix", hc_mix, streams, fn, base, scale, 4, 1e-6, 1e-6,
+                                              iters)
+    # Sinkhorn really ran: the kernel's comb is doubly stochastic (columns normalised last).
+    with torch.inference_mode():
+        comb = hc_mix(streams, fn, base, scale, 4, 1e-6, 1e-6, iters)[2]
+    torch.testing.assert_close(comb.sum(-2), torch.ones(2, 3, 4), rtol=0, atol=1e-5)
+    # More rows than kernels.SMALL_ROWS take the torch code (only its RMS normalisation is the kernel's).
+    calls.clear()
+    many = mhc_inputs(1, kernels.SMALL_ROWS + 1)
+    with torch.inference_mode():
+        got = hc_mix(*many, 4, 1e-6, 1e-6, 20)
+    with torch.no_grad(), kernels.disabled():
+        want = hc_mix(*many, 4, 1e-6, 1e-6, 20)
+    assert calls["hc_mix"] == 0 and calls["rms_norm"] == 1
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("D", [64, 13])
+def test_collapse_with_norm_and_expand_are_close_in_inference_mode_only(calls, D):
+    streams, _, _, _ = mhc_inputs(2, 3, D=D, seed=8)
+    g = torch.Generator().manual_seed(9)
+    weights = torch.rand(2, 3, 4, generator=g)
+    norm = RMSNorm(D, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+    close_in_inference_mode_and_exact_outside(calls, "hc_collapse",
+                                              lambda s, w: collapse(s, w, norm=norm), streams, weights)
+    y = torch.randn(2, 3, D, generator=g)
+    post = torch.rand(2, 3, 4, generator=g) * 2
+    comb = torch.rand(2, 3, 4, 4, generator=g)
+    close_in_inference_mode_and_exact_outside(calls, "hc_expand", expand, streams, y, post, comb)
+
+
+def test_a_hooked_norm_passed_to_collapse_is_still_called(calls):
+    streams, _, _, _ = mhc_inputs(2, 3, seed=10)
+    weights = torch.rand(2, 3, 4, generator=torch.Generator().manual_seed(11))
+    norm = RMSNorm(64, 1e-6)
+    seen = []
+    handle = norm.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        with torch.inference_mode():
+            got = collapse(streams, weights, norm=norm)
+        assert len(seen) == 1 and seen[0] is got
+        assert calls["hc_collapse"] == 0 and calls["rms_norm"] == 1  # the module ran (its own kernel inside)
+        with torch.no_grad(), kernels.disabled():
+            want = collapse(streams, weights, norm=norm)
+        assert len(seen) == 2
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    finally:
+        handle.remove()
+
+
+# --------------------------------------------------------------------------------------------- the engine
+def test_engine_generates_the_same_greedy_tokens_with_and_without_the_kernels(calls):
+    from deepseek_v41.engine import LLM, SamplingParams
+    from deepseek_v41.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_config().replace(max_position_embeddings=8192)).eval().float()
+    g = torch.Generator().manual_seed(12)
+    prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in (40, 37)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    def run():
+        outs = [o.outputs[0] for o in LLM(model, max_model_len=256).generate(prompts, params)]
+        logprobs = [[step[t].logprob for t, step in zip(o.token_ids, o.logprobs, strict=True)] for o in outs]
+        return [o.token_ids for o in outs], torch.tensor(logprobs)
+
+    tokens, logprobs = run()
+    used = dict(calls)
+    with kernels.disabled():
+        want_tokens, want_logprobs = run()
+    assert dict(calls) == used  # nothing more ran with the kernels off
+    for name in ("window_step", "fp4_scatter", "fp4_gather", "rope", "rms_norm", "hc_mix", "hc_collapse",
+                 "hc_expand", "fp4_quantize"):
+        assert used.get(name, 0) > 0, name
+    assert tokens == want_tokens and all(len(t) == 12 for t in tokens)
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-4)
+
+
+# ------------------------------------------------------------------------ inputs outside the kernels' limits
+def test_fp4_odd_block_sizes_equal_the_torch_code(calls):
+    # Six values in blocks of 3: the torch code accepts them (even n). The row is a prefix of a wider buffer so
+    # the kernel's read past its end stays inside our memory.
+    x = torch.tensor([[1.0, 2.0, 100.0, 0.5, 0.25, 3.0, 7.0, 7.0]])[:, :6]
+    assert x.is_contiguous()
+    assert_same_results(*both_ways(quantize_fp4, x, 3, "ue8m0"))
+
+
+ISOLATED = {
+    # The mHC kernel keeps the mixing logits in float[16 * 18]: more than 16 streams must take the torch code.
+    "hc_mult above 16": """
+import torch
+from deepseek_v41 import kernels
+from deepseek_v41.model.hyper import hc_mix
+hc, D = 24, 8
+g = torch.Generator().manual_seed(0)
+args = (torch.randn(1, 1, hc, D, generator=g), torch.randn((2 + hc) * hc, hc * D, generator=g) * 0.05,
+        torch.zeros((2 + hc) * hc), torch.ones(3), hc, 1e-6, 1e-6, 20)
+with torch.inference_mode():
+    fast = hc_mix(*args)
+    with kernels.disabled():
+        slow = hc_mix(*args)
+for a, b in zip(fast, slow):
+    torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
+""",
+    # The RoPE kernel reads cos / sin as [B * T, r]; phases of positions [1, T] broadcast in the torch code only.
+    "rope positions [1, T] for x [B, T]": """
+import torch
+from deepseek_v41 import kernels
+from deepseek_v41.model.rope import RotaryEmbedding
+rope = RotaryEmbedding(16, 10000.0, None)
+x, positions = torch.randn(3, 5, 4, 32), torch.arange(5)[None]
+fast = rope(x, positions)
+with kernels.disabled():
+    slow = rope(x, positions)
+assert torch.equal(fast, slow), (fast - slow).abs().max()
+""",
+}
+
+
+@pytest.mark.parametrize("case", list(ISOLATED))
+def test_inputs_outside_the_kernel_limits_take_the_torch_code(case):
+    """Run in a child process: a kernel called outside its limits would read or write past a buffer."""
+    done = subprocess.run([sys.executable, "-c", ISOLATED[case]], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1000:]}"
