@@ -16,7 +16,7 @@ from deepseek_v41 import kernels
 from deepseek_v41.cache.block_manager import BlockManager
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.model.context import pick_rows
-from deepseek_v41.model.norm import cast
+from deepseek_v41.model.norm import cast, fused_fp32
 from deepseek_v41.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8_values
 
 _MAIN, _INDEX = 0, 2  # where each FP4 kind starts in a pool tuple (codes, scales)
@@ -163,6 +163,17 @@ class PagedContext:
     def num_index_keys(self, layer: int) -> int:
         """Index keys of kv source ``layer`` that :meth:`index_keys` returns (the max over the batch)."""
         return self.num_entries(layer)
+
+    def index_scores(self, layer: int, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """Indexer scores [B, c, N] of a few fp32 queries q [B, c, Hi, di] (head weights w [B, c, Hi]) against all
+        N index keys, straight from the packed FP4 keys by the fused kernel (inference mode, the CPU); None when
+        the kernel does not apply (the caller then scores :meth:`index_keys`). Equal to that to fp32 rounding."""
+        codes, scales = self.cache.pools[layer][_INDEX: _INDEX + 2]
+        if (self.dtype != torch.float32 or q.shape[0] * q.shape[1] > kernels.FEW_ROWS
+                or not fused_fp32(q, w) or not kernels.usable(codes, scales)):
+            return None
+        return kernels.index_scores(codes, scales, *_FP4_FORMATS[_INDEX], self.tables, self.cache.ratio[layer],
+                                    self.cache.block_size, q, w, self.num_entries(layer))
 
     def index_keys_at(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """Index keys of entries ``ids`` [B, c, n] (valid ids) [B, c, n, di]: only these are decoded."""

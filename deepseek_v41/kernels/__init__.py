@@ -61,6 +61,8 @@ _SIGNATURES = {
     "dsv41_attend_few": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P, ctypes.c_float, _P, _P], None),
     "dsv41_gate": ([_P, _I, _I, _P, _I, _P, _I, ctypes.c_int, ctypes.c_float, _P, _P, _P], None),
     "dsv41_swiglu": ([_P, _P, _I, _I, _I, ctypes.c_float, _P], None),
+    "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P],
+                           ctypes.c_int),
     "dsv41_moe_bf16": ([_P, _I, _I, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P, _P], None),
 }
 
@@ -252,6 +254,23 @@ def window_step(ring_codes: torch.Tensor, ring_scales: torch.Tensor, ring_pos: t
                                 slots.data_ptr(), B, positions.data_ptr(), T, kv.data_ptr(), new_codes.data_ptr(),
                                 new_scales.data_ptr(), keys.data_ptr(), key_pos.data_ptr())
     return keys, key_pos
+
+
+def index_scores(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str, tables: torch.Tensor, ratio: int,
+                 block_size: int, q: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    """Indexer scores ``Σ_h w_h relu(q_h · k_s)`` fp32 [B, c, n] of queries q fp32 [B, c, H, di] with head weights
+    w fp32 [B, c, H] against entries 0 .. n-1 of each row's FP4 index keys (a pool as in :func:`fp4_gather`),
+    decoded on the fly. Raises IndexError when an entry lies past its block table."""
+    pages, per_page, half = codes.shape
+    B, c, H, di = q.shape
+    out = torch.empty((B, c, n), dtype=torch.float32)
+    key = torch.empty(di, dtype=torch.float32)
+    status = library().dsv41_index_scores(codes.data_ptr(), scales.data_ptr(), pages, per_page, 2 * half, block,
+                                          FP4_FORMATS[fmt], tables.data_ptr(), tables.shape[1], ratio, block_size,
+                                          q.data_ptr(), w.data_ptr(), B, c, H, n, key.data_ptr(), out.data_ptr())
+    if status != 0:
+        raise IndexError("an entry index lies past its block table")
+    return out
 
 
 # ------------------------------------------------------------------------------------------ RoPE, norms, mHC

@@ -547,3 +547,33 @@ void dsv41_moe_bf16(const float *x, int64_t N, int64_t D, const int64_t *indices
         }
     }
 }
+
+/* ------------------------------------------------------------------------------ indexer scores from FP4 */
+
+/* Index scores of entries 0 .. n-1 of each row straight from its packed FP4 keys (model/indexer.py IndexScorer
+ * over PagedContext.index_keys, without materializing the keys): q [B, c, H, di] and w [B, c, H] fp32 ->
+ * out [B, c, n] = sum_h w_h relu(q_h . k_s), each key decoded once for the row's c queries (scratch: di floats).
+ * Returns 0, or -1 when an entry lies past its block table or its page is out of range. */
+int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t pages, int64_t per_page, int64_t di,
+                       int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
+                       int64_t block_size, const float *q, const float *w, int64_t B, int64_t c, int64_t H, int64_t n,
+                       float *key, float *out) {
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t s = 0; s < n; s++) {
+            int64_t page = entry_page(tables + b * table_len, table_len, s, ratio, block_size);
+            if (page < 0 || page >= pages) return -1;
+            int64_t at = page * per_page + s % per_page;
+            fp4_dequantize_row(codes + at * (di / 2), scales + at * (di / block), di, block, fmt, key);
+            for (int64_t t = 0; t < c; t++) {
+                const float *qt = q + (b * c + t) * H * di, *wt = w + (b * c + t) * H;
+                float acc = 0.0f;
+                for (int64_t h = 0; h < H; h++) {
+                    float d = dot(qt + h * di, key, di);
+                    acc += wt[h] * (d < 0.0f ? 0.0f : d);
+                }
+                out[(b * c + t) * n + s] = acc;
+            }
+        }
+    }
+    return 0;
+}

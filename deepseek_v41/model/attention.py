@@ -325,9 +325,12 @@ class Attention(nn.Module):
                 if training:
                     picked_scores.append(scores.gather(-1, local.clamp(min=0)))
                 continue
-            if keys is None:
-                keys = ctx.index_keys(spec.kv_source)
-            scores = mask_invisible(self.indexer.score(qc, wc, keys), all_entries, vis)
+            scores = None if training or ctx.dense_indexer else ctx.index_scores(spec.kv_source, qc, wc)
+            if scores is None:
+                if keys is None:
+                    keys = ctx.index_keys(spec.kv_source)
+                scores = self.indexer.score(qc, wc, keys)
+            scores = mask_invisible(scores, all_entries, vis)
             if spec.is_candidate_source:
                 pools.append(candidate_blocks(scores, vis, self.candidate_block_size, self.candidate_topk_blocks))
             if ctx.dense_indexer:  # warm-up: every visible entry, entry n in column n
