@@ -63,7 +63,7 @@ _SIGNATURES = {
     "dsv41_swiglu": ([_P, _P, _I, _I, _I, ctypes.c_float, _P], None),
     "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P],
                            ctypes.c_int),
-    "dsv41_moe_bf16": ([_P, _I, _I, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P, _P], None),
+    "dsv41_moe_bf16": ([_P, _I, _I, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P, _P], ctypes.c_int),
 }
 
 _state: dict[str, object] = {"lib": None, "tried": False, "off": False}
@@ -375,13 +375,16 @@ def moe_bf16(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13:
              limit: float) -> torch.Tensor:
     """Routed experts of fp32 tokens x [N, D] routed by ``indices`` int64 / ``weights`` fp32 [N, k] with bf16
     weights ``w13`` [E, 2 * inter, D] and ``w2`` [E, D, inter] (:meth:`deepseek_v41.model.moe.MoE.dispatch`):
-    fp32 [N, D]."""
+    fp32 [N, D]. Raises IndexError for an expert index outside [0, E)."""
     N, D = x.shape
     E, inter = w2.shape[0], w2.shape[2]
+    k = indices.shape[1]
     out = torch.empty((N, D), dtype=torch.float32)
-    scratch = torch.empty(max(D, inter) + N * (3 * inter + 1), dtype=torch.float32)
-    tokens = torch.empty(N, dtype=torch.int64)
-    library().dsv41_moe_bf16(x.data_ptr(), N, D, indices.data_ptr(), weights.data_ptr(), indices.shape[1],
-                             w13.data_ptr(), w2.data_ptr(), E, inter, limit, scratch.data_ptr(), tokens.data_ptr(),
-                             out.data_ptr())
+    scratch = torch.empty(max(D, inter) + N * k * (3 * inter + 1), dtype=torch.float32)
+    tokens = torch.empty(N * k, dtype=torch.int64)
+    status = library().dsv41_moe_bf16(x.data_ptr(), N, D, indices.data_ptr(), weights.data_ptr(), indices.shape[1],
+                                      w13.data_ptr(), w2.data_ptr(), E, inter, limit, scratch.data_ptr(),
+                                      tokens.data_ptr(), out.data_ptr())
+    if status != 0:
+        raise IndexError(f"an expert index lies outside [0, {E})")
     return out

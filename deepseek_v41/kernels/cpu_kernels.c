@@ -471,7 +471,9 @@ void dsv41_gate(const float *x, int64_t N, int64_t D, const float *W, int64_t E,
                 int taken = 0;
                 for (int64_t i = 0; i < j; i++) taken |= indices[n * k + i] == e;
                 if (taken) continue;
-                if (best < 0 || scratch[e] + bias[e] > scratch[best] + bias[best]) best = e;
+                float v = scratch[e] + bias[e], top = best < 0 ? 0.0f : scratch[best] + bias[best];
+                /* NaN ranks above every number, as in torch.topk: a corrupted router shows, not hides */
+                if (best < 0 || (isnan(v) ? !isnan(top) : v > top)) best = e;
             }
             indices[n * k + j] = best;
             weights[n * k + j] = scratch[best];
@@ -516,14 +518,17 @@ static void bf16_row(const uint16_t *w, int64_t n, float *out) {
  * [N, k] (the router's), w13 [E, 2 * inter, D] (gate rows, then up rows) and w2 [E, D, inter] as bf16 bits.
  * out [N, D] = sum over experts in ascending id of weight * w2 (silu(min(gate, limit)) * clamp(up, +-limit)),
  * each weight row converted once and applied to every token routed to it.
- * scratch: D + inter + N * (3 * inter + 1) floats, plus N int64 in `tokens`. */
-void dsv41_moe_bf16(const float *x, int64_t N, int64_t D, const int64_t *indices, const float *weights, int64_t k,
+ * scratch: D + inter + N * k * (3 * inter + 1) floats, plus N * k int64 in `tokens` (a token may pick an expert
+ * more than once). Returns 0, or -1 (nothing computed) when an index is outside [0, E). */
+int dsv41_moe_bf16(const float *x, int64_t N, int64_t D, const int64_t *indices, const float *weights, int64_t k,
                     const uint16_t *w13, const uint16_t *w2, int64_t E, int64_t inter, float limit, float *scratch,
                     int64_t *tokens, float *out) {
     float *row = scratch;                                  /* one weight row in fp32: max(D, inter) */
     float *h = row + (D > inter ? D : inter);              /* [n_e, 2 * inter] gate | up */
-    float *hidden = h + N * 2 * inter;                     /* [n_e, inter] */
-    float *gain = hidden + N * inter;                      /* [n_e] the router weight of each token */
+    float *hidden = h + N * k * 2 * inter;                 /* [n_e, inter] */
+    float *gain = hidden + N * k * inter;                  /* [n_e] the router weight of each token */
+    for (int64_t i = 0; i < N * k; i++)
+        if (indices[i] < 0 || indices[i] >= E) return -1;
     memset(out, 0, (size_t)(N * D) * sizeof(float));
     for (int64_t e = 0; e < E; e++) {
         int64_t n_e = 0;
@@ -546,6 +551,7 @@ void dsv41_moe_bf16(const float *x, int64_t N, int64_t D, const int64_t *indices
             for (int64_t t = 0; t < n_e; t++) out[tokens[t] * D + o] += dot(hidden + t * inter, row, inter) * gain[t];
         }
     }
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------ indexer scores from FP4 */

@@ -98,7 +98,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if (image_mask is None and not self.training and x.dim() == 2 and x.shape[0] <= kernels.SMALL_ROWS
-                and fused_fp32(x, self.weight, self.bias)):
+                and self.topk <= self.weight.shape[0] and fused_fp32(x, self.weight, self.bias)):
             return kernels.gate(x, self.weight, self.bias, self.topk, self.norm_topk, self.route_scale)
         xf = upcast(x)
         scores = torch.sqrt(F.softplus(xf @ cast(self.weight, xf.dtype).t()))
@@ -148,7 +148,7 @@ class MoE(nn.Module):
         self.shared_experts = Expert(dim, inter_dim * n_shared, swiglu_limit) if n_shared else None
         self.inter_dim, self.swiglu_limit = inter_dim, swiglu_limit
         self._stacked_at: list[int] | None = None  # addresses of the expert parameters when last stacked
-        self._bf16: tuple[list, tuple[torch.Tensor, torch.Tensor] | None] | None = None  # see bf16_experts
+        self._bf16: tuple | None = None  # (key, bf16 copies or None, parameters): see bf16_experts
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
@@ -205,20 +205,24 @@ class MoE(nn.Module):
         weight is exactly representable in bf16 (true of weights dequantized from the FP4 checkpoint format:
         E2M1 values have 2 significant bits and the scales are powers of two), so using them changes nothing.
 
-        Rebuilt when any weight changes address or is modified in place (its version counter), e.g. by training.
-        Costs 2 bytes per routed-expert weight beside the fp32 parameters."""
+        Rebuilt when any weight is replaced, changes address or is modified in place (its version counter), e.g.
+        by training or ``load_state_dict``. Writes through ``.data`` bypass torch's version counters and are not
+        seen: after those, set ``moe._bf16 = None``. Costs 2 bytes per routed-expert weight beside the fp32
+        parameters."""
         params = self._weights()
         if params[0].dtype != torch.float32 or not all(e.plain() for e in self.experts._modules.values()):
             return None
-        key = [(w.data_ptr(), w._version) for w in params]
-        if self._bf16 is not None and self._bf16[0] == key:
-            return self._bf16[1]
+        key = [(id(w), w.data_ptr(), w._version) for w in params]
+        cached = self._bf16
+        # The parameters themselves are kept with the key: a replaced one is another object, even at a reused id.
+        if cached is not None and cached[0] == key and all(a is b for a, b in zip(cached[2], params, strict=True)):
+            return cached[1]
         with torch.inference_mode(False), torch.no_grad():
             w13 = torch.stack([torch.cat((e.w1.weight, e.w3.weight)) for e in self.experts])
             w2 = torch.stack([e.w2.weight for e in self.experts])
             copies = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
             exact = torch.equal(copies[0].float(), w13) and torch.equal(copies[1].float(), w2)
-        self._bf16 = (key, copies if exact else None)
+        self._bf16 = (key, copies if exact else None, params)
         return self._bf16[1]
 
     # ------------------------------------------------------------------ grouped experts (inference)

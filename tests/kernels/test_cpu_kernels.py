@@ -27,7 +27,9 @@ from deepseek_v41.cache.block_manager import BlockManager
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.config import tiny_config
+from deepseek_v41.model.attention import _attend_few, sparse_attention
 from deepseek_v41.model.hyper import collapse, expand, hc_mix
+from deepseek_v41.model.moe import Gate, MoE, clamped_swiglu
 from deepseek_v41.model.norm import RMSNorm, rms_normalize
 from deepseek_v41.model.rope import RotaryEmbedding
 from deepseek_v41.quant import (
@@ -42,7 +44,8 @@ from deepseek_v41.quant import (
 
 F32 = np.float32
 ENTRY_POINTS = ("fp8_quantize_values", "fp8_dequantize", "fp4_quantize", "fp4_dequantize", "fp4_gather",
-                "fp4_scatter", "window_step", "rope", "rms_norm", "hc_mix", "hc_collapse", "hc_expand")
+                "fp4_scatter", "window_step", "rope", "rms_norm", "hc_mix", "hc_collapse", "hc_expand", "attend_few",
+                "gate", "swiglu", "moe_bf16")
 # RMSNorm / mHC: kernel vs ATen differ by the summation order only (measured: at most ~2.5 fp32 ulps, 2.5e-7
 # absolute on values up to ~16).
 RTOL, ATOL = 2e-6, 1e-6
@@ -622,3 +625,304 @@ def test_inputs_outside_the_kernel_limits_take_the_torch_code(case):
     done = subprocess.run([sys.executable, "-c", ISOLATED[case]], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1000:]}"
+
+
+# ------------------------------------------------------------------- few-query attention, router, SwiGLU, MoE
+# These kernels run under torch.inference_mode only (fp32 CPU tensors) and agree with the torch code to fp32
+# rounding (another summation order, expf instead of ATen's exp).
+def attention_inputs(T: int, k: int | None, seed: int):
+    """Two rows of T queries (H = 4, d = 64) at positions 40 .. 40 + T - 1 (row 0) and 2 .. 2 + T - 1 (row 1)
+    over P = 12 earlier window rows and the T new rows, window 8. Row 0's earlier rows: empty (-1), older than
+    the window, inside it, and past the queries (rejected drafts). Row 1's keys are all invisible to its
+    queries: empty (position -1, which is inside their windows by position alone) or past them, so only the sink
+    (and the entries) remain. ``k``: entries per query (None: no topk), some picks -1; ``gather`` reads them from
+    a bank whose rows are not zero even where the pick is -1 (so a pick that is not masked shows)."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, d, P, window = 2, 4, 64, 12, 8
+    q_pos = torch.tensor([[40 + t for t in range(T)], [2 + t for t in range(T)]])
+    earlier = torch.tensor([[-1, 20, 31, 32, 33, 35, 36, 38, 39, -1, 41 + T, 50],
+                            [-1, -1, 2 + T, 3 + T, 30, -1, 5, 9, 55, 60, -1, 70]])
+    new = q_pos.clone()
+    new[1] = -1  # row 1: the new rows too are empty, so its queries see no key at all
+    key_pos = torch.cat((earlier, new), 1).contiguous()
+    keys = torch.randn(B, P + T, d, generator=g) * 2
+    q = torch.randn(B, T, H, d, generator=g)
+    sink = torch.randn(H, generator=g)
+    topk = gather = None
+    if k is not None:
+        bank = torch.randn(B, 20, d, generator=g) * 2
+        topk = torch.randint(0, 20, (B, T, k), generator=g)
+        if k:
+            topk[0, 0, 1] = topk[1, -1, 0] = topk[0, -1, -1] = -1
+
+        def gather(idx):
+            return bank[torch.arange(B)[:, None, None], idx.clamp(min=0)]  # [B, T, k, d]; -1 reads entry 0
+    return (q, q_pos, keys, key_pos, window, topk, gather, sink, d ** -0.5)
+
+
+def visible(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, T, L]: key l is in query t's window (``p - window < key_pos <= p``, not empty)."""
+    kp, qp = key_pos[:, None], q_pos[..., None]
+    return (kp >= 0) & (kp <= qp) & (kp > qp - window)
+
+
+def assert_close_to_scale(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    """``|got - want| <= tol * max|want|`` everywhere: a sum taken in another order is off by a few ulps of its
+    largest terms, which is far more than a few ulps of an output that cancels to near 0."""
+    assert got.dtype == want.dtype and got.shape == want.shape and want.isfinite().all()
+    err, scale = (got - want).abs().max().item(), want.abs().max().item()
+    assert err <= tol * scale, f"off by {err:.3g} on outputs up to {scale:.3g} ({err / scale:.3g} of it)"
+
+
+# Attention, kernel vs torch code: measured at most 8.5e-7 of the largest output (150 seeds of these inputs,
+# outputs up to ~8; the torch code itself is as far from the float64 result).
+ATTEND_TOL = 3e-6
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("k", [None, 0, 5])
+def test_attend_few_is_close_in_inference_mode_only(calls, T, k):
+    args = attention_inputs(T, k, seed=20 + T + (k or 0))
+    q, q_pos, keys, key_pos, window = args[:5]
+    # The inputs cover every case of the mask (row 0) and queries that see no key (row 1).
+    seen = visible(q_pos, key_pos, window)
+    assert not seen[1].any() and 0 < seen[0, 0].sum() < (key_pos[0] >= 0).sum()
+    assert (q_pos[1] - window < -1).all()  # an empty key is masked by its -1 alone
+    with kernels.disabled(), torch.no_grad():
+        want = sparse_attention(*args)
+    with torch.inference_mode():
+        got = sparse_attention(*args)
+    assert calls["attend_few"] == 1
+    assert_close_to_scale(got, want, ATTEND_TOL)
+    if not k:  # only the sink is left for row 1's queries: the output is 0 both ways
+        assert (want[1] == 0).all() and (got[1] == 0).all()
+    else:  # the entries are all they attend to
+        assert want[1].abs().min() > 0
+    with torch.no_grad():
+        plain = sparse_attention(*args)
+    assert calls["attend_few"] == 1, "attend_few ran outside inference mode"
+    assert_same_bits(plain, want)
+
+
+def test_attend_few_ignores_masked_picks_and_keys(calls):
+    """A pick of -1 and a key outside the window count for nothing: changing what they read changes no bit of the
+    kernel's result (the torch code gives them probability 0)."""
+    q, q_pos, keys, key_pos, window, topk, gather, sink, scale = attention_inputs(3, 5, seed=30)
+    with torch.inference_mode():
+        got = _attend_few(q, q_pos, keys, key_pos, window, topk, gather, sink, scale)
+        hidden = ~visible(q_pos, key_pos, window).any(1)  # [B, L]: seen by no query
+        other_keys = torch.where(hidden[..., None], keys * -7 + 3, keys)
+
+        def other_gather(idx):
+            return torch.where((idx < 0)[..., None], 5.0, gather(idx))
+
+        again = _attend_few(q, q_pos, other_keys, key_pos, window, topk, other_gather, sink, scale)
+    assert calls["attend_few"] == 2 and hidden.sum() > 6
+    assert_same_bits(again, got)
+    with kernels.disabled(), torch.no_grad():
+        want = _attend_few(q, q_pos, keys, key_pos, window, topk, gather, sink, scale)
+    assert_close_to_scale(got, want, ATTEND_TOL)
+
+
+def router(n_experts: int, topk: int, norm_topk: bool, seed: int, dim: int = 64) -> Gate:
+    g = torch.Generator().manual_seed(seed)
+    gate = Gate(dim, n_experts, topk, 2.5, norm_topk, with_bias_vl=False).eval()
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(n_experts, dim, generator=g) * 0.1)
+        gate.bias.copy_(torch.randn(n_experts, generator=g) * 0.1)
+    return gate
+
+
+@pytest.mark.parametrize("norm_topk", [True, False])
+@pytest.mark.parametrize("N", [1, 5])
+def test_gate_picks_the_same_experts_in_order_with_close_weights(calls, norm_topk, N):
+    gate = router(16, 4, norm_topk, seed=40 + N)
+    x = torch.randn(N, 64, generator=torch.Generator().manual_seed(41)) * 3
+    with kernels.disabled(), torch.no_grad():
+        want_idx, want_w = gate(x)
+    with torch.inference_mode():
+        idx, w = gate(x)
+    assert calls["gate"] == 1
+    assert idx.dtype == torch.int64 and w.dtype == torch.float32 and idx.shape == w.shape == (N, 4)
+    assert torch.equal(idx, want_idx)  # the same experts, in the same (descending) order
+    torch.testing.assert_close(w, want_w, rtol=2e-6, atol=1e-7)
+    if norm_topk:
+        torch.testing.assert_close(w.sum(-1), torch.full((N,), 2.5), rtol=2e-6, atol=0)
+    # The torch code runs (bit for bit) with an image mask, in training mode and outside inference mode.
+    mask = torch.zeros(N, dtype=torch.bool)
+    mask[0] = True
+    with kernels.disabled(), torch.no_grad():
+        masked = gate(x, mask)
+    with torch.inference_mode():
+        assert_same_results(gate(x, mask), masked)
+    with torch.no_grad():
+        assert_same_results(gate(x), (want_idx, want_w))
+    gate.train()
+    with torch.inference_mode():
+        assert_same_results(gate(x), (want_idx, want_w))
+    assert gate.expert_load.sum() == N * 4
+    assert calls["gate"] == 1
+
+
+def test_gate_of_more_than_small_rows_takes_the_torch_code(calls):
+    gate = router(8, 2, True, seed=42)
+    x = torch.randn(kernels.SMALL_ROWS + 1, 64, generator=torch.Generator().manual_seed(43))
+    with torch.inference_mode():
+        got = gate(x)
+    with kernels.disabled(), torch.no_grad():
+        want = gate(x)
+    assert calls["gate"] == 0
+    assert_same_results(got, want)
+
+
+SWIGLU_SPECIALS = [0.0, -0.0, 6.99, 7.0, 7.01, 30.0, -30.0, 100.0, -100.0, 1e30, -1e30, float("inf"), -float("inf")]
+
+
+@pytest.mark.parametrize("limit", [7.0, 0.0, -1.0])
+def test_clamped_swiglu_is_close_with_and_without_a_limit(calls, limit):
+    g = torch.Generator().manual_seed(50)
+    gate, up = torch.randn(6, 40, generator=g) * 8, torch.randn(6, 40, generator=g) * 8  # many beyond the limit
+    specials = torch.tensor(SWIGLU_SPECIALS)
+    n = len(specials)
+    gate[0, :n], up[1, :n] = specials, specials  # one special at a time, with a random partner
+    gate[2, :n], up[2, :n] = specials, specials.roll(3)
+    assert (gate.abs() > 7).float().mean() > 0.2 and (up.abs() > 7).float().mean() > 0.2
+    with kernels.disabled(), torch.no_grad():
+        want = clamped_swiglu(gate, up, limit)
+    with torch.inference_mode():
+        got = clamped_swiglu(gate, up, limit)
+    assert calls["swiglu"] == 1
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30, equal_nan=True)
+    if limit > 0:  # only silu(-inf) = -inf * 0 is not finite (the gate is clamped from above only)
+        assert torch.equal(~got.isfinite(), (gate == -float("inf")) | gate.isnan() | up.isnan())
+        assert got.nan_to_num().abs().max() <= limit * limit
+    else:  # no clamping: infinities pass through, inf * 0 is NaN
+        assert got.isinf().any() and got.isnan().any()
+    with torch.no_grad():
+        assert_same_bits(clamped_swiglu(gate, up, limit), want)
+    assert calls["swiglu"] == 1
+
+
+@pytest.mark.parametrize("limit", [7.0, 0.0])
+def test_clamped_swiglu_propagates_nan_like_the_torch_code(calls, limit):
+    g = torch.Generator().manual_seed(51)
+    gate, up = torch.randn(3, 16, generator=g) * 10, torch.randn(3, 16, generator=g) * 10
+    nan = float("nan")
+    gate[0, :4] = nan  # NaN gate (clamped from above only: NaN survives min())
+    up[1, 2:6] = nan  # NaN up (clamp on both sides)
+    gate[2, 0], up[2, 0] = nan, 100.0
+    gate[2, 1], up[2, 1] = 100.0, nan
+    gate[2, 2], up[2, 2] = -float("inf"), 1.0  # silu(-inf) = -inf * 0: NaN
+    with kernels.disabled(), torch.no_grad():
+        want = clamped_swiglu(gate, up, limit)
+    with torch.inference_mode():
+        got = clamped_swiglu(gate, up, limit)
+    assert calls["swiglu"] == 1
+    assert want.isnan().sum() >= 10
+    assert torch.equal(got.isnan(), want.isnan()), (got.isnan() != want.isnan()).nonzero().tolist()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30, equal_nan=True)
+
+
+def fp4_exact(w: torch.Tensor) -> torch.Tensor:
+    """``w`` rounded to the checkpoint's FP4 format (E2M1, blocks of 32, UE8M0 scales): exact in bf16."""
+    with kernels.disabled():
+        return dequantize_fp4(*quantize_fp4(w, 32, "ue8m0"), 32, "ue8m0")
+
+
+def small_moe(seed: int, exact: bool = True) -> MoE:
+    """The routed experts FP4-exact (``exact``) or plain random fp32; the shared expert plain random fp32."""
+    g = torch.Generator().manual_seed(seed)
+    moe = MoE(dim=64, inter_dim=32, n_experts=8, topk=2, n_shared=1, swiglu_limit=7.0, route_scale=1.5,
+              norm_topk=True, with_bias_vl=False).eval()
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if name == "gate.bias":
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            else:
+                w = torch.randn(p.shape, generator=g) * 0.25
+                p.copy_(fp4_exact(w) if exact and name.startswith("experts.") else w)
+    return moe
+
+
+def moe_both_ways(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE.forward under inference mode, and with the kernels off under no_grad."""
+    with torch.inference_mode():
+        got = moe(x)
+    with kernels.disabled(), torch.no_grad():
+        want = moe(x)
+    return got, want
+
+
+# MoE, kernel vs torch code: measured at most 3.8e-7 of the largest output (60 models x 3 token counts, outputs
+# up to ~100).
+MOE_TOL = 1.5e-6
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 2, 64), (1, kernels.FEW_ROWS, 64), (1, kernels.FEW_ROWS + 1, 64)],
+                         ids=str)
+def test_moe_of_fp4_exact_experts_takes_moe_bf16_for_few_tokens(calls, shape):
+    moe = small_moe(60)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(61)) * 3  # some w1 / w3 outputs beyond 7
+    got, want = moe_both_ways(moe, x)
+    N = shape[0] * shape[1]
+    assert calls["moe_bf16"] == (1 if N <= kernels.FEW_ROWS else 0) and calls["gate"] == 1
+    assert moe.bf16_experts() is not None
+    assert_close_to_scale(got, want, MOE_TOL)
+    if N >= kernels.FEW_ROWS:
+        with kernels.disabled(), torch.no_grad():
+            routed = moe.gate(x.reshape(N, 64))[0]
+        assert routed.unique().numel() >= 6  # many experts, several tokens each
+    with torch.no_grad():  # outside inference mode: no kernel, the torch code's bits
+        assert_same_bits(moe(x), want)
+    assert calls["moe_bf16"] == (1 if N <= kernels.FEW_ROWS else 0) and calls["gate"] == 1
+
+
+def test_moe_of_plain_fp32_experts_does_not_take_moe_bf16(calls):
+    moe = small_moe(62, exact=False)
+    assert moe.bf16_experts() is None
+    x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(63))
+    got, want = moe_both_ways(moe, x)
+    assert calls["moe_bf16"] == 0 and calls["gate"] == 1
+    assert_close_to_scale(got, want, MOE_TOL)
+
+
+def test_moe_bf16_copies_follow_an_in_place_weight_change(calls):
+    moe = small_moe(64)
+    with torch.no_grad():
+        moe.gate.bias[3] = 100.0  # every token routes to expert 3
+    x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(65))
+    before, _ = moe_both_ways(moe, x)
+    with torch.no_grad():
+        assert (moe.gate(x.reshape(4, 64))[0] == 3).any(-1).all()
+        moe.experts[3].w2.weight.mul_(2)  # still FP4-exact
+    assert moe.bf16_experts() is not None
+    got, want = moe_both_ways(moe, x)
+    assert calls["moe_bf16"] == 2
+    assert_close_to_scale(got, want, MOE_TOL)
+    assert (got - before).abs().max() > 0.1  # a stale copy would have given the old result
+    # The same for a change made inside inference mode (the engine's forwards).
+    with torch.inference_mode():
+        moe.experts[3].w1.weight.mul_(-0.5)
+    again, want = moe_both_ways(moe, x)
+    assert calls["moe_bf16"] == 3
+    assert_close_to_scale(again, want, MOE_TOL)
+    assert (again - got).abs().max() > 0.1
+
+
+def test_moe_calls_a_hooked_expert(calls):
+    moe = small_moe(66)
+    with torch.no_grad():
+        moe.gate.bias[3] = 100.0
+    x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(67))
+    seen = []
+    handle = moe.experts[3].w1.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    try:
+        got, want = moe_both_ways(moe, x)
+        assert seen == [(4, 32), (4, 32)]  # under inference mode and with the kernels off
+        assert calls["moe_bf16"] == 0
+        assert_close_to_scale(got, want, MOE_TOL)
+    finally:
+        handle.remove()
+    with torch.inference_mode():
+        assert_close_to_scale(moe(x), want, MOE_TOL)
+    assert calls["moe_bf16"] == 1 and len(seen) == 2  # the hook is gone: the kernel is back
