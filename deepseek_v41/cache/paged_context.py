@@ -126,8 +126,7 @@ class PagedContext:
         self._decoded.pop(layer, None)
         pools = self.cache.pools[layer]
         if self._fused(entries) and group.dtype == torch.int64 and kernels.usable(group, *pools):
-            written = 0
-            for pool, values in ((_MAIN, entries), (_INDEX, index_keys)):
+            for pool, values in ((_MAIN, entries), (_INDEX, index_keys)):  # both write the same entries
                 written = kernels.fp4_scatter(pools[pool], pools[pool + 1], *_FP4_FORMATS[pool], self.tables,
                                               self.cache.ratio[layer], self.cache.block_size, group, self.write_from,
                                               cast(values, torch.float32).contiguous())

@@ -39,6 +39,8 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c99"]
 FP4_FORMATS = {"e4m3": 0, "ue8m0": 1}
+# Input dtypes the codec kernels take after widening to fp32 (exact), as the torch codecs widen them too.
+WIDENS_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_ROWS = 256  # up to this many tokens the mHC and router kernels run (beyond, ATen's threaded matmuls win)
 MAX_HC = 16  # hc_mix keeps one token's (2 + hc) * hc mixing logits on the stack
 FEW_ROWS = 16  # up to this many tokens the routed experts take moe_bf16 (decode, speculative verify)

@@ -24,6 +24,7 @@ from deepseek_v41.model.norm import cast, fused_fp32, upcast
 
 log = logging.getLogger(__name__)
 
+
 class Expert(nn.Module):
     """``w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))``: x [N, D] -> [N, D].
 
@@ -212,14 +213,13 @@ class MoE(nn.Module):
         params = self._weights()
         if params[0].dtype != torch.float32 or not all(e.plain() for e in self.experts._modules.values()):
             return None
-        key = [(id(w), w.data_ptr(), w._version) for w in params]
+        key = [(w.data_ptr(), w._version) for w in params]
         cached = self._bf16
-        # The parameters themselves are kept with the key: a replaced one is another object, even at a reused id.
+        # The parameters themselves are kept with the key: a replaced one is another object, even at a reused address.
         if cached is not None and cached[0] == key and all(a is b for a, b in zip(cached[2], params, strict=True)):
             return cached[1]
         with torch.inference_mode(False), torch.no_grad():
-            w13 = torch.stack([torch.cat((e.w1.weight, e.w3.weight)) for e in self.experts])
-            w2 = torch.stack([e.w2.weight for e in self.experts])
+            w13, w2 = self._stack()
             copies = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
             exact = torch.equal(copies[0].float(), w13) and torch.equal(copies[1].float(), w2)
         self._bf16 = (key, copies if exact else None, params)
@@ -260,12 +260,16 @@ class MoE(nn.Module):
             return w13, w2
         # inference_mode(False) first: it turns grad mode on, which no_grad then turns off again.
         with torch.inference_mode(False), torch.no_grad():
-            w13 = torch.stack([torch.cat((e.w1.weight, e.w3.weight)) for e in self.experts])
-            w2 = torch.stack([e.w2.weight for e in self.experts])
+            w13, w2 = self._stack()
             for i, e in enumerate(self.experts):
                 e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = w13[i, :inter], w13[i, inter:], w2[i]
         self._stacked_at = [w.data_ptr() for w in self._weights()]
         return w13, w2
+
+    def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tensors ``(w13 [E, 2 * inter, D], w2 [E, D, inter])`` stacking the experts' current weights."""
+        w13 = torch.stack([torch.cat((e.w1.weight, e.w3.weight)) for e in self.experts])
+        return w13, torch.stack([e.w2.weight for e in self.experts])
 
     def _grouped_experts(self, sorted_x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """:class:`Expert` of every row of ``sorted_x`` [M, D] (rows grouped by expert, ``offsets`` [E] int32 the

@@ -117,7 +117,7 @@ def _fast(x: Tensor, block_size: int, scale_format: ScaleFormat) -> bool:
     float dtype that widens exactly to fp32 (the torch code rounds in fp32 too)."""
     check_scale_format(scale_format)
     check_blocks(x, block_size, pairs=True)
-    return block_size % 2 == 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.usable(x)
+    return block_size % 2 == 0 and x.dtype in kernels.WIDENS_TO_FP32 and kernels.usable(x)
 
 
 def _round_e2m1(y: Tensor) -> Tensor:

@@ -105,10 +105,7 @@ def _fast(x: Tensor, block_size: int, scale_format: str) -> bool:
     same): blocks of 32, a float dtype that widens exactly to fp32 (the torch code rounds in fp32 too)."""
     _check_ue8m0(scale_format)
     check_blocks(x, block_size, pairs=False)
-    return block_size == 32 and x.dtype in _EXACT_IN_FP32 and kernels.usable(x)
-
-
-_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+    return block_size == 32 and x.dtype in kernels.WIDENS_TO_FP32 and kernels.usable(x)
 
 
 def _check_ue8m0(scale_format: str) -> None:
