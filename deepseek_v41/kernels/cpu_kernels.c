@@ -300,15 +300,35 @@ void dsv41_rope(const float *x, const float *cos_, const float *sin_, int64_t N,
     }
 }
 
-/* Sum of x[i] * y[i] over n values in 8 independent lanes (vectorizes without reassociating: each lane adds in
- * order), lanes added pairwise at the end. */
+/* Eight fp32 lanes as one value (GCC / Clang vector extension): accumulators that stay in registers. Loads go
+ * through memcpy, so no alignment is assumed. */
+typedef float v8f __attribute__((vector_size(32)));
+
+static v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static float sum8(v8f a) {
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* Sum of x[i] * y[i] over n values: four 8-lane accumulators (each lane adds in order) added pairwise, then the
+ * remaining values one by one. */
 static float dot(const float *x, const float *y, int64_t n) {
-    float acc[8] = {0};
+    v8f a = {0}, b = {0}, c = {0}, d = {0};
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) acc[l] += x[i + l] * y[i + l];
-    for (; i < n; i++) acc[0] += x[i] * y[i];
-    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i + 32 <= n; i += 32) {
+        a += load8(x + i) * load8(y + i);
+        b += load8(x + i + 8) * load8(y + i + 8);
+        c += load8(x + i + 16) * load8(y + i + 16);
+        d += load8(x + i + 24) * load8(y + i + 24);
+    }
+    for (; i + 8 <= n; i += 8) a += load8(x + i) * load8(y + i);
+    float s = sum8((a + b) + (c + d));
+    for (; i < n; i++) s += x[i] * y[i];
+    return s;
 }
 
 /* 1 / sqrt(mean(x^2) + eps) over n values. */
@@ -582,4 +602,111 @@ int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t page
         }
     }
     return 0;
+}
+
+/* ------------------------------------------------------------------------------- dense projections (GEMV) */
+
+/* fp32 -> bf16 bits, round to nearest even; NaN -> the quiet NaN 0x7FC0 (c10::BFloat16's conversion). */
+static uint16_t bf16_round(float f) {
+    if (f != f) return 0x7FC0;
+    uint32_t b = to_bits(f);
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+/* Sixteen fp32 lanes (split into narrower registers where the machine has none this wide). */
+typedef float v16f __attribute__((vector_size(64)));
+
+static v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+typedef float v4f __attribute__((vector_size(16)));
+
+/* The 16 lanes of a added as a tree of vector halves: 16 -> 8 -> 4 -> 2 -> 1. */
+static float sum16(v16f a) {
+    v8f h = {a[0] + a[8], a[1] + a[9], a[2] + a[10], a[3] + a[11], a[4] + a[12], a[5] + a[13], a[6] + a[14],
+             a[7] + a[15]};
+    v4f q = {h[0] + h[4], h[1] + h[5], h[2] + h[6], h[3] + h[7]};
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+/* The dots of 4 tokens x0..x3 [K] (rows ldx apart) with two weight rows w0, w1 [K]: res [4][2]. One 16-lane
+ * accumulator per (token, row), each lane adding in order: each weight vector is loaded once for the 4 tokens and
+ * each token vector once for the 2 rows, and the 8 chains of additions overlap. */
+static void dot4x2(const float *x, int64_t ldx, const float *w0, const float *w1, int64_t K, float *res) {
+    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16) {
+        v16f u = load16(w0 + i), v = load16(w1 + i), t;
+        t = load16(x0 + i);
+        a0 += t * u;
+        b0 += t * v;
+        t = load16(x1 + i);
+        a1 += t * u;
+        b1 += t * v;
+        t = load16(x2 + i);
+        a2 += t * u;
+        b2 += t * v;
+        t = load16(x3 + i);
+        a3 += t * u;
+        b3 += t * v;
+    }
+    res[0] = sum16(a0), res[1] = sum16(b0), res[2] = sum16(a1), res[3] = sum16(b1);
+    res[4] = sum16(a2), res[5] = sum16(b2), res[6] = sum16(a3), res[7] = sum16(b3);
+    for (; i < K; i++)
+        for (int t = 0; t < 4; t++) {
+            res[2 * t] += x[t * ldx + i] * w0[i];
+            res[2 * t + 1] += x[t * ldx + i] * w1[i];
+        }
+}
+
+/* out [N, G * O] = x [N, G * K] @ W [G * O, K]^T by groups: out[n, g * O + o] = x[n, g * K : (g + 1) * K] . W[g * O
+ * + o] (torch.nn.functional.linear without bias when G = 1; the grouped low-rank output projection of
+ * model/attention.py GroupedLinear otherwise) for a few tokens, summed in fp32. x is fp32 or bf16 bits (x_bf16), W
+ * fp32 or bf16 bits (w_bf16), out fp32 or bf16 bits rounded to nearest even (out_bf16). Each weight row is read
+ * once for all N tokens (converted to fp32 once when bf16). scratch: N * G * K floats when x is bf16, plus 2 * K
+ * when W is. */
+void dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, const void *W, int w_bf16, int64_t O,
+                  void *out, int out_bf16, float *scratch) {
+    const float *xf = (const float *)x;
+    if (x_bf16) {
+        bf16_row((const uint16_t *)x, N * G * K, scratch);
+        xf = scratch;
+        scratch += N * G * K;
+    }
+    const int64_t ldx = G * K, ldo = G * O;
+    float res[8];
+    for (int64_t o = 0; o < G * O; o += 2) {
+        int64_t rows = (o + 1) % O == 0 ? 1 : 2;  /* a pair never straddles two groups */
+        const float *xg = xf + (o / O) * K;
+        const float *w0 = (const float *)W + o * K, *w1 = w0 + K;
+        if (w_bf16) {
+            bf16_row((const uint16_t *)W + o * K, rows * K, scratch);
+            w0 = scratch;
+            w1 = scratch + K;
+        }
+        for (int64_t n = 0; n < N; n += 4) {
+            int64_t m = N - n < 4 ? N - n : 4;
+            if (m == 4 && rows == 2) {
+                dot4x2(xg + n * ldx, ldx, w0, w1, K, res);
+            } else {
+                for (int64_t t = 0; t < m; t++) {
+                    res[2 * t] = dot(xg + (n + t) * ldx, w0, K);
+                    if (rows == 2) res[2 * t + 1] = dot(xg + (n + t) * ldx, w1, K);
+                }
+            }
+            for (int64_t t = 0; t < m; t++)
+                for (int64_t r = 0; r < rows; r++) {
+                    int64_t at = (n + t) * ldo + o + r;
+                    if (out_bf16)
+                        ((uint16_t *)out)[at] = bf16_round(res[2 * t + r]);
+                    else
+                        ((float *)out)[at] = res[2 * t + r];
+                }
+        }
+        if (rows == 1) o -= 1;  /* the next pair starts at the next row */
+    }
 }

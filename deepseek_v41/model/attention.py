@@ -25,7 +25,8 @@ from deepseek_v41.model.indexer import (
     pool_entries,
     topk_entries,
 )
-from deepseek_v41.model.norm import RMSNorm, cast, fused_fp32, upcast
+from deepseek_v41.model.linear import Linear, gemv
+from deepseek_v41.model.norm import RMSNorm, cast, fused, upcast
 from deepseek_v41.model.rope import RotaryEmbedding
 from deepseek_v41.plan import LayerRole, LayerSpec
 
@@ -114,14 +115,15 @@ def _attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_po
     for new rows at consecutive positions), so the whole softmax is a handful of batched matmuls instead of a
     chunk loop of einsums. Same arguments, result and fp32 arithmetic as :func:`sparse_attention`."""
     B, T, H, d = q.shape
-    if (fused_fp32(q, keys, sink) and q_pos.dtype == key_pos.dtype == torch.int64
+    if (fused(q, keys, sink) and q_pos.dtype == key_pos.dtype == torch.int64
             and kernels.usable(q_pos, key_pos)):  # fp32 on the CPU in inference mode: one fused kernel
         selected = None
         if topk is not None and topk.shape[-1] > 0:
             selected, topk = cast(gather(topk), torch.float32).contiguous(), topk.contiguous()
         else:
             topk = None
-        return kernels.attend_few(q, q_pos, keys, key_pos, window, selected, topk, sink, scale)
+        return cast(kernels.attend_few(upcast(q), q_pos, upcast(keys), key_pos, window, selected, topk, upcast(sink),
+                                       scale), q.dtype)
     wide = upcast(keys)  # [B, L, d]
     qc = cast(upcast(q), wide.dtype)
     scores = (qc.flatten(1, 2) @ wide.transpose(1, 2)).unflatten(1, (T, H)) * scale  # [B, T, H, L]
@@ -198,6 +200,8 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(groups * rank, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if gemv(x, self.weight):  # a few bf16 tokens: the fused kernel, all groups in one call
+            return kernels.linear(x.flatten(-2), self.weight, self.groups)
         weight = self.weight.view(self.groups, self.rank, -1)
         B, T = x.shape[:2]
         y = x.reshape(B * T, self.groups, -1).transpose(0, 1) @ weight.transpose(1, 2)  # [groups, B*T, rank]
@@ -224,15 +228,15 @@ class Attention(nn.Module):
         self.candidate_topk_blocks = cfg.candidate_topk_blocks
         eps = cfg.rms_norm_eps
         D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-        self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False)
+        self.wq_a = Linear(D, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, H * d, bias=False)
-        self.wkv = nn.Linear(D, d, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, H * d, bias=False)
+        self.wkv = Linear(D, d, bias=False)
         self.kv_norm = RMSNorm(d, eps)
         self.query_chunk = QUERY_CHUNK  # queries per attention / indexer chunk: bounds activation memory
         self.wo_a = GroupedLinear(H * d // cfg.o_groups, cfg.o_groups, cfg.o_lora_rank)
         self.core = SparseAttention()
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.rope = RotaryEmbedding(cfg.qk_rope_head_dim, spec.rope_theta, cfg.yarn if spec.yarn else None)
         self.compressor = Compressor(D, d, spec.compress_ratio, eps) if spec.is_kv_source else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.norm import RMSNorm, upcast
 
 
@@ -29,8 +30,8 @@ class Compressor(nn.Module):
         if ratio not in (1, 2):
             raise ValueError(f"compress ratio must be 1 or 2, got {ratio}")
         self.ratio = ratio
-        self.wkv = nn.Linear(dim, head_dim, bias=False)
-        self.wgate = nn.Linear(dim, head_dim, bias=False) if ratio == 2 else None
+        self.wkv = Linear(dim, head_dim, bias=False)
+        self.wgate = Linear(dim, head_dim, bias=False) if ratio == 2 else None
         self.norm = RMSNorm(head_dim, eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,

@@ -24,6 +24,7 @@ from torch import nn
 
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.model.hyper import collapse
+from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.norm import RMSNorm
 from deepseek_v41.model.transformer import Block
 from deepseek_v41.plan import LayerSpec, build_layer_plan
@@ -71,7 +72,7 @@ class DSparkBlock(Block):
         super().__init__(cfg, spec, cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok)
         D = cfg.hidden_size
         if first:
-            self.main_proj = nn.Linear(len(cfg.dspark_target_layer_ids) * D, D, bias=False)
+            self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * D, D, bias=False)
             self.main_norm = RMSNorm(D, cfg.rms_norm_eps)
         if last:
             self.norm = RMSNorm(D, cfg.rms_norm_eps)

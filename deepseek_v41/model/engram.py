@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from deepseek_v41.model.engram_hash import EngramHasher, engram_layout
+from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.norm import upcast
 from deepseek_v41.quant import dequantize_fp8
 
@@ -117,7 +118,7 @@ class Engram(nn.Module):
         head_dim = config.engram_head_dim
         self.embed = EngramTable(config.engram_num_embeddings[self.table_index], head_dim, table_format,
                                  device=device, dtype=dtype)
-        self.wkv = nn.Linear(self.n_cols * head_dim, (self.hc_mult + 1) * self.hidden_size, bias=False,
+        self.wkv = Linear(self.n_cols * head_dim, (self.hc_mult + 1) * self.hidden_size, bias=False,
                              device=device, dtype=dtype)
         self.q_weight = nn.Parameter(torch.ones(self.hc_mult, self.hidden_size, device=device, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(self.hc_mult, self.hidden_size, device=device, dtype=dtype))

@@ -15,7 +15,7 @@ import torch
 
 from deepseek_v41 import kernels
 from deepseek_v41.model.hooks import unobserved
-from deepseek_v41.model.norm import RMSNorm, cast, fused_fp32, rms_normalize, upcast
+from deepseek_v41.model.norm import RMSNorm, cast, fused, rms_normalize, upcast
 from deepseek_v41.quant.formats import device_constant
 
 
@@ -63,8 +63,8 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     """Coefficients of one site from streams [B, T, hc, D] (any float dtype; pass them already upcast to share
     one conversion with :func:`collapse` / :func:`expand`): pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc]
     (all fp32; comb[i, j] moves stream i into stream j). A few fp32 rows on the CPU take the fused kernel."""
-    if hc <= kernels.MAX_HC and few_rows(streams) and fused_fp32(streams, fn, base, scale):
-        return kernels.hc_mix(streams, fn, base, scale, hc, norm_eps, hc_eps, iters)
+    if hc <= kernels.MAX_HC and few_rows(streams) and fused(streams, fn, base, scale):
+        return kernels.hc_mix(upcast(streams), upcast(fn), upcast(base), upcast(scale), hc, norm_eps, hc_eps, iters)
     flat = rms_normalize(streams.flatten(-2), norm_eps)  # [B, T, hc*D]
     mix = flat @ cast(fn, flat.dtype).t()  # [B, T, (2+hc)*hc]: pre | post | comb
     mix = mix * cast(scale, flat.dtype)[_part_index(hc, scale.device)] + cast(base, flat.dtype)
@@ -81,8 +81,9 @@ def collapse(streams: torch.Tensor, weights: torch.Tensor, wide: torch.Tensor | 
     the streams already upcast (``upcast(streams)``), when the caller has them. ``norm``: returns
     ``norm(collapse(...))`` (the sub-layer input), fused for fp32 on the CPU."""
     if (norm is not None and few_rows(streams) and unobserved(norm, RMSNorm)
-            and fused_fp32(streams, weights, norm.weight)):
-        return kernels.hc_collapse(streams, weights, norm.weight, norm.eps)
+            and fused(streams, weights, norm.weight)):
+        wide = upcast(streams) if wide is None else wide
+        return cast(kernels.hc_collapse(wide, upcast(weights), upcast(norm.weight), norm.eps), streams.dtype)
     if norm is not None:
         return norm(collapse(streams, weights, wide))
     wide = upcast(streams) if wide is None else wide
@@ -93,8 +94,9 @@ def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: tor
            wide: torch.Tensor | None = None) -> torch.Tensor:
     """``R'_j = post_j y + Σ_i comb[i, j] R_i``: streams [B, T, hc, D], y [B, T, D] -> [B, T, hc, D] (``wide``
     as in :func:`collapse`)."""
-    if few_rows(streams) and fused_fp32(streams, y, post, comb):
-        return kernels.hc_expand(streams, y, post, comb)
+    if few_rows(streams) and fused(streams, y, post, comb):
+        wide = upcast(streams) if wide is None else wide
+        return cast(kernels.hc_expand(wide, upcast(y), upcast(post), upcast(comb)), streams.dtype)
     wide = upcast(streams) if wide is None else wide
     mixed = cast(comb, wide.dtype).transpose(-1, -2) @ wide
     return cast(cast(post, wide.dtype)[..., None] * cast(y, wide.dtype)[:, :, None, :] + mixed, streams.dtype)

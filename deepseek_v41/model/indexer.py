@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.norm import RMSNorm, cast, upcast
 from deepseek_v41.quant import fake_quant_fp4
 
@@ -30,11 +31,11 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads = n_heads
         self.head_dim = index_head_dim
-        self.wq_b = nn.Linear(q_lora_rank, n_heads * index_head_dim, bias=False)
+        self.wq_b = Linear(q_lora_rank, n_heads * index_head_dim, bias=False)
         self.score = IndexScorer()
-        self.weights_proj = nn.Linear(dim, n_heads, bias=False)
+        self.weights_proj = Linear(dim, n_heads, bias=False)
         if makes_keys:
-            self.wk = nn.Linear(head_dim, index_head_dim, bias=False)
+            self.wk = Linear(head_dim, index_head_dim, bias=False)
             self.k_norm = RMSNorm(index_head_dim, eps)
 
     def keys(self, latent: torch.Tensor, positions: torch.Tensor, rope: nn.Module) -> torch.Tensor:

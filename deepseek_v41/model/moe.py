@@ -20,7 +20,8 @@ from torch import nn
 
 from deepseek_v41 import kernels
 from deepseek_v41.model.hooks import hooked, unobserved
-from deepseek_v41.model.norm import cast, fused_fp32, upcast
+from deepseek_v41.model.linear import linear
+from deepseek_v41.model.norm import cast, fused, upcast
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,10 @@ class Expert(nn.Module):
         if not self.plain():  # e.g. a LoRA wrapper or a hook on a projection: call the modules
             hidden = clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
             return self.w2(cast(hidden, x.dtype))
-        # F.linear on the weights rather than calling the three Linear modules: a decode step runs hundreds of
+        # linear() on the weights rather than calling the three Linear modules: a decode step runs hundreds of
         # expert calls, and a module call costs a few µs of Python on top of the matmul.
-        hidden = clamped_swiglu(F.linear(x, self.w1.weight), F.linear(x, self.w3.weight), self.swiglu_limit)
-        return F.linear(cast(hidden, x.dtype), self.w2.weight)
+        hidden = clamped_swiglu(linear(x, self.w1.weight), linear(x, self.w3.weight), self.swiglu_limit)
+        return linear(cast(hidden, x.dtype), self.w2.weight)
 
     def plain(self) -> bool:
         """True when this is an :class:`Expert` and ``w1`` / ``w2`` / ``w3`` bias-free ``nn.Linear`` layers, with
@@ -63,8 +64,8 @@ class Expert(nn.Module):
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` in fp32 (float64 stays float64); ``limit <= 0``:
     no clamping. gate, up [..., inter] -> [..., inter]."""
-    if gate.dim() == 2 and gate.shape == up.shape and fused_fp32(gate, up):
-        return kernels.swiglu(gate, up, limit)
+    if gate.dim() == 2 and gate.shape == up.shape and fused(gate, up):
+        return kernels.swiglu(upcast(gate), upcast(up), limit)
     gate, up = upcast(gate), upcast(up)
     if limit > 0:
         gate = gate.clamp(max=limit)
@@ -99,8 +100,9 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if (image_mask is None and not self.training and x.dim() == 2 and x.shape[0] <= kernels.SMALL_ROWS
-                and self.topk <= self.weight.shape[0] and fused_fp32(x, self.weight, self.bias)):
-            return kernels.gate(x, self.weight, self.bias, self.topk, self.norm_topk, self.route_scale)
+                and self.topk <= self.weight.shape[0] and fused(x, self.weight, self.bias)):
+            return kernels.gate(upcast(x), upcast(self.weight), upcast(self.bias), self.topk, self.norm_topk,
+                                self.route_scale)
         xf = upcast(x)
         scores = torch.sqrt(F.softplus(xf @ cast(self.weight, xf.dtype).t()))
         bias = cast(self.bias, xf.dtype)
@@ -164,11 +166,11 @@ class MoE(nn.Module):
     def dispatch(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Σ_k w_k E_{idx_k}(x) for flat [N, D], indices/weights [N, k] -> [N, D] in the weights' dtype (fp32, or
         float64 for a float64 model)."""
-        if (flat.shape[0] <= kernels.FEW_ROWS and indices.dtype == torch.int64 and fused_fp32(flat, weights)
+        if (flat.shape[0] <= kernels.FEW_ROWS and indices.dtype == torch.int64 and fused(flat, weights)
                 and kernels.usable(indices)):
             experts = self.bf16_experts()
-            if experts is not None:  # a few fp32 tokens in inference mode: one fused kernel, half the bytes read
-                return kernels.moe_bf16(flat, indices, weights, *experts, self.swiglu_limit)
+            if experts is not None:  # a few tokens in inference mode: one fused kernel, bf16 weights
+                return kernels.moe_bf16(upcast(flat), indices, upcast(weights), *experts, self.swiglu_limit)
         if flat.shape[0] == 1 and flat.device.type != "meta":
             # One token (batch-1 decode): its k experts in ascending id, summed in the order the sorted dispatch
             # below adds them, without the sort / gather / scatter bookkeeping.
@@ -201,18 +203,22 @@ class MoE(nn.Module):
         return out
 
     def bf16_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """bf16 copies ``(w13 [E, 2 * inter, D], w2 [E, D, inter])`` of the routed experts' fp32 weights, for
-        :func:`deepseek_v41.kernels.moe_bf16`; None unless every expert is plain (:meth:`Expert.plain`) and every
-        weight is exactly representable in bf16 (true of weights dequantized from the FP4 checkpoint format:
-        E2M1 values have 2 significant bits and the scales are powers of two), so using them changes nothing.
+        """The routed experts' weights in bf16 ``(w13 [E, 2 * inter, D], w2 [E, D, inter])`` for
+        :func:`deepseek_v41.kernels.moe_bf16`; None unless every expert is plain (:meth:`Expert.plain`). bf16
+        weights are :meth:`stacked_weights` themselves. fp32 weights get bf16 copies, None unless every weight is
+        exactly representable in bf16 (true of weights dequantized from the FP4 checkpoint format: E2M1 values
+        have 2 significant bits and the scales are powers of two), so using them changes nothing.
 
         Rebuilt when any weight is replaced, changes address or is modified in place (its version counter), e.g.
         by training or ``load_state_dict``. Writes through ``.data`` bypass torch's version counters and are not
         seen: after those, set ``moe._bf16 = None``. Costs 2 bytes per routed-expert weight beside the fp32
         parameters."""
         params = self._weights()
-        if params[0].dtype != torch.float32 or not all(e.plain() for e in self.experts._modules.values()):
+        if params[0].dtype not in (torch.float32, torch.bfloat16) or not all(
+                e.plain() for e in self.experts._modules.values()):
             return None
+        if params[0].dtype == torch.bfloat16:
+            return self.stacked_weights()
         key = [(w.data_ptr(), w._version) for w in params]
         cached = self._bf16
         # The parameters themselves are kept with the key: a replaced one is another object, even at a reused address.

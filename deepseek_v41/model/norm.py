@@ -8,6 +8,7 @@ from torch import nn
 from deepseek_v41 import kernels
 
 _WIDE = (torch.float32, torch.float64)  # dtypes upcast leaves as they are
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the fused CPU kernels take (bf16 upcast first)
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -35,8 +36,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_fp32(x, self.weight):
-            return kernels.rms_norm(x, self.weight, self.eps)
+        if fused(x, self.weight):
+            return cast(kernels.rms_norm(upcast(x), upcast(self.weight), self.eps), x.dtype)
         xf = upcast(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return cast(y * cast(self.weight, xf.dtype), x.dtype)
@@ -45,16 +46,19 @@ class RMSNorm(nn.Module):
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Weightless RMS normalisation in fp32 (mHC mixing, Engram gate): returns fp32 [..., dim] (float64 for
     float64 input)."""
-    if fused_fp32(x):
-        return kernels.rms_norm(x, None, eps)
+    if fused(x):
+        return kernels.rms_norm(upcast(x), None, eps)
     xf = upcast(x)
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def fused_fp32(*tensors: torch.Tensor) -> bool:
-    """Whether the fused CPU kernels (:mod:`deepseek_v41.kernels`) take these fp32 tensors: CPU, contiguous, and
-    under ``torch.inference_mode`` (the engine's forwards). They add in another order than ATen, so they agree
-    with the torch code to fp32 rounding, not bit for bit; outside inference mode (training, the exact forward
-    with or without ``no_grad``) the torch code runs, so those results never depend on the grad mode."""
-    return (torch.is_inference_mode_enabled() and all(t.dtype == torch.float32 for t in tensors)
+def fused(*tensors: torch.Tensor) -> bool:
+    """Whether the fused CPU kernels (:mod:`deepseek_v41.kernels`) take these fp32 or bf16 tensors: CPU,
+    contiguous, and under ``torch.inference_mode`` (the engine's forwards). The kernels compute in fp32, so
+    callers pass them ``upcast`` tensors and cast the result back where the torch code does (for bf16 its
+    ``upcast`` / ``cast`` pairs). They add in another order than ATen and skip the bf16 roundings between the
+    steps they fuse, so they agree with the torch code to rounding, not bit for bit; outside inference mode
+    (training, the exact forward with or without ``no_grad``) the torch code runs, so those results never depend
+    on the grad mode."""
+    return (torch.is_inference_mode_enabled() and all(t.dtype in KERNEL_DTYPES for t in tensors)
             and kernels.usable(*tensors))

@@ -489,9 +489,17 @@ def test_rms_norm_is_close_in_inference_mode_only(calls):
     odd = torch.randn(3, 37, generator=g)  # a width that is not a multiple of the kernel's 8 lanes
     close_in_inference_mode_and_exact_outside(calls, "rms_norm", rms_normalize, odd, 1e-6)
     calls.clear()
-    with torch.inference_mode():  # bf16 and float64 stay on the torch code
-        norm(x.bfloat16()), rms_normalize(x.double(), 1e-6)
+    with torch.inference_mode():  # float64 stays on the torch code
+        rms_normalize(x.double(), 1e-6)
     assert calls["rms_norm"] == 0
+    xb = x.bfloat16()
+    with torch.inference_mode():  # bf16: the kernel on the upcast input, the result in bf16
+        got = norm(xb)
+    assert calls["rms_norm"] == 1 and got.dtype == torch.bfloat16
+    with torch.no_grad():
+        want = norm(xb)
+    assert calls["rms_norm"] == 1
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)  # one bf16 rounding apart at most
 
 
 @pytest.mark.parametrize("iters,D", [(3, 64), (20, 64), (20, 13)])  # 3: far from converged, every Sinkhorn
