@@ -21,6 +21,21 @@
 static float from_bits(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 static uint32_t to_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
 
+/* bf16 bits [n] widened to fp32 (exact). */
+static void bf16_row(const uint16_t *w, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)w[i] << 16;
+        memcpy(out + i, &bits, 4);
+    }
+}
+
+/* fp32 -> bf16 bits, round to nearest even; NaN -> the quiet NaN 0x7FC0 (c10::BFloat16's conversion). */
+static uint16_t bf16_round(float f) {
+    if (f != f) return 0x7FC0;
+    uint32_t b = to_bits(f);
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
 /* UE8M0 byte of the smallest power of two >= v (v >= 0, NaN or +inf -> 255); formats.ue8m0_encode_ceil. */
 static uint8_t ue8m0_encode_ceil(float v) {
     uint32_t bits = to_bits(v);
@@ -300,6 +315,28 @@ void dsv41_rope(const float *x, const float *cos_, const float *sin_, int64_t N,
     }
 }
 
+/* dsv41_rope for bf16 x and out (bits): the head dims copied, the tail widened to fp32, rotated as above and
+ * rounded to bf16 (what rope.py does for bf16: upcast, rotate, cast back): bit-identical too. */
+void dsv41_rope_bf16(const uint16_t *x, const float *cos_, const float *sin_, int64_t N, int64_t H, int64_t d,
+                     int64_t r, int sign, uint16_t *out) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cos_ + n * r, *s = sin_ + n * r;
+        for (int64_t h = 0; h < H; h++) {
+            const uint16_t *xi = x + (n * H + h) * d;
+            uint16_t *o = out + (n * H + h) * d;
+            if (o != xi) memcpy(o, xi, (size_t)(d - r) * sizeof(uint16_t));
+            const uint16_t *t = xi + d - r;
+            uint16_t *ot = o + d - r;
+            for (int64_t i = 0; i < r; i += 2) {
+                float a = from_bits((uint32_t)t[i] << 16), b = from_bits((uint32_t)t[i + 1] << 16);
+                float s0 = sign < 0 ? -s[i] : s[i], s1 = sign < 0 ? -s[i + 1] : s[i + 1];
+                ot[i] = bf16_round(a * c[i] + b * s0);
+                ot[i + 1] = bf16_round(b * c[i + 1] + a * s1);
+            }
+        }
+    }
+}
+
 /* Eight fp32 lanes as one value (GCC / Clang vector extension): accumulators that stay in registers. Loads go
  * through memcpy, so no alignment is assumed. */
 typedef float v8f __attribute__((vector_size(32)));
@@ -346,6 +383,21 @@ void dsv41_rms_norm(const float *x, int64_t N, int64_t D, const float *weight, f
             for (int64_t i = 0; i < D; i++) o[i] = (xi[i] * f) * weight[i];
         else
             for (int64_t i = 0; i < D; i++) o[i] = xi[i] * f;
+    }
+}
+
+/* dsv41_rms_norm for bf16 x, weight and out (bits; weight may be NULL): each row widened to fp32 in scratch [D],
+ * normalised in fp32 as above and rounded to bf16 (RMSNorm of a bf16 model: upcast, normalise, cast back). */
+void dsv41_rms_norm_bf16(const uint16_t *x, int64_t N, int64_t D, const uint16_t *weight, float eps, float *scratch,
+                         uint16_t *out) {
+    for (int64_t n = 0; n < N; n++) {
+        bf16_row(x + n * D, D, scratch);
+        float f = rms_factor(scratch, D, eps);
+        uint16_t *o = out + n * D;
+        if (weight)
+            for (int64_t i = 0; i < D; i++) o[i] = bf16_round((scratch[i] * f) * from_bits((uint32_t)weight[i] << 16));
+        else
+            for (int64_t i = 0; i < D; i++) o[i] = bf16_round(scratch[i] * f);
     }
 }
 
@@ -526,12 +578,6 @@ void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, 
 
 /* ----------------------------------------------------------------------------- routed experts, bf16 weights */
 
-static void bf16_row(const uint16_t *w, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits = (uint32_t)w[i] << 16;
-        memcpy(out + i, &bits, 4);
-    }
-}
 
 /* The routed experts of a few tokens (model/moe.py MoE.dispatch) from bf16 copies of their weights (exact when
  * the weights came from FP4 E2M1 with power-of-two scales: 2 significant bits): x [N, D] fp32, indices / weights
@@ -606,12 +652,6 @@ int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t page
 
 /* ------------------------------------------------------------------------------- dense projections (GEMV) */
 
-/* fp32 -> bf16 bits, round to nearest even; NaN -> the quiet NaN 0x7FC0 (c10::BFloat16's conversion). */
-static uint16_t bf16_round(float f) {
-    if (f != f) return 0x7FC0;
-    uint32_t b = to_bits(f);
-    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
 
 /* Sixteen fp32 lanes (split into narrower registers where the machine has none this wide). */
 typedef float v16f __attribute__((vector_size(64)));
@@ -663,6 +703,56 @@ static void dot4x2(const float *x, int64_t ldx, const float *w0, const float *w1
         }
 }
 
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+/* 16 weights starting at w: fp32 values, or bf16 bits widened to fp32 (exact: the bits shifted up). */
+static v16f load16w(const void *w, int64_t i, int bf16) {
+    if (!bf16) return load16((const float *)w + i);
+    v16u16 h;
+    memcpy(&h, (const uint16_t *)w + i, sizeof h);
+    return (v16f)(__builtin_convertvector(h, v16u32) << 16);
+}
+
+static float weight_at(const void *w, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)w)[i];
+    return from_bits((uint32_t)((const uint16_t *)w)[i] << 16);
+}
+
+/* The dots of one token x [K] with 4 weight rows (K apart from w, fp32 or bf16): res [4]. One 16-lane
+ * accumulator per row, each lane adding in order; each x vector is loaded once for the 4 rows. */
+static void dot1x4(const float *x, const void *w, int bf16, int64_t K, float *res) {
+    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16) {
+        v16f t = load16(x + i);
+        a0 += t * load16w(w, i, bf16);
+        a1 += t * load16w(w, K + i, bf16);
+        a2 += t * load16w(w, 2 * K + i, bf16);
+        a3 += t * load16w(w, 3 * K + i, bf16);
+    }
+    res[0] = sum16(a0), res[1] = sum16(a1), res[2] = sum16(a2), res[3] = sum16(a3);
+    for (; i < K; i++)
+        for (int r = 0; r < 4; r++) res[r] += x[i] * weight_at(w, r * K + i, bf16);
+}
+
+/* The dot of one token x [K] with one weight row w (fp32 or bf16). */
+static float dot1(const float *x, const void *w, int bf16, int64_t K) {
+    v16f a = {0};
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16) a += load16(x + i) * load16w(w, i, bf16);
+    float s = sum16(a);
+    for (; i < K; i++) s += x[i] * weight_at(w, i, bf16);
+    return s;
+}
+
+static void store_out(void *out, int64_t at, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)out)[at] = bf16_round(v);
+    else
+        ((float *)out)[at] = v;
+}
+
 /* out [N, G * O] = x [N, G * K] @ W [G * O, K]^T by groups: out[n, g * O + o] = x[n, g * K : (g + 1) * K] . W[g * O
  * + o] (torch.nn.functional.linear without bias when G = 1; the grouped low-rank output projection of
  * model/attention.py GroupedLinear otherwise) for a few tokens, summed in fp32. x is fp32 or bf16 bits (x_bf16), W
@@ -679,6 +769,25 @@ void dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, co
     }
     const int64_t ldx = G * K, ldo = G * O;
     float res[8];
+    if (N < 4) {  /* one or a few tokens: blocks of 4 weight rows, weights widened in registers */
+        const int64_t wsize = w_bf16 ? 2 : 4;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t o = 0; o < O; o += 4) {
+                const char *w = (const char *)W + (g * O + o) * K * wsize;
+                for (int64_t n = 0; n < N; n++) {
+                    const float *xn = xf + n * ldx + g * K;
+                    int64_t at = n * ldo + g * O + o;
+                    if (O - o >= 4) {
+                        dot1x4(xn, w, w_bf16, K, res);
+                        for (int r = 0; r < 4; r++) store_out(out, at + r, res[r], out_bf16);
+                    } else {
+                        for (int64_t r = 0; r < O - o; r++)
+                            store_out(out, at + r, dot1(xn, w + r * K * wsize, w_bf16, K), out_bf16);
+                    }
+                }
+            }
+        return;
+    }
     for (int64_t o = 0; o < G * O; o += 2) {
         int64_t rows = (o + 1) % O == 0 ? 1 : 2;  /* a pair never straddles two groups */
         const float *xg = xf + (o / O) * K;

@@ -13,6 +13,7 @@ routing is unknowable) every assignment is counted on one expert, which keeps th
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -151,7 +152,8 @@ class MoE(nn.Module):
         self.shared_experts = Expert(dim, inter_dim * n_shared, swiglu_limit) if n_shared else None
         self.inter_dim, self.swiglu_limit = inter_dim, swiglu_limit
         self._stacked_at: list[int] | None = None  # addresses of the expert parameters when last stacked
-        self._bf16: tuple | None = None  # (key, bf16 copies or None, parameters): see bf16_experts
+        self._bf16: tuple | None = None  # bf16 copies of fp32 experts, keys, exactness: see bf16_experts
+        self._stacked_bf16_at: tuple | None = None  # addresses of the last stacked_weights of bf16 experts
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
@@ -168,7 +170,7 @@ class MoE(nn.Module):
         float64 for a float64 model)."""
         if (flat.shape[0] <= kernels.FEW_ROWS and indices.dtype == torch.int64 and fused(flat, weights)
                 and kernels.usable(indices)):
-            experts = self.bf16_experts()
+            experts = self.bf16_experts(set(indices.flatten().tolist()))
             if experts is not None:  # a few tokens in inference mode: one fused kernel, bf16 weights
                 return kernels.moe_bf16(upcast(flat), indices, upcast(weights), *experts, self.swiglu_limit)
         if flat.shape[0] == 1 and flat.device.type != "meta":
@@ -202,34 +204,73 @@ class MoE(nn.Module):
             start = end
         return out
 
-    def bf16_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def bf16_experts(self, picked: Iterable[int] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The routed experts' weights in bf16 ``(w13 [E, 2 * inter, D], w2 [E, D, inter])`` for
-        :func:`deepseek_v41.kernels.moe_bf16`; None unless every expert is plain (:meth:`Expert.plain`). bf16
-        weights are :meth:`stacked_weights` themselves. fp32 weights get bf16 copies, None unless every weight is
-        exactly representable in bf16 (true of weights dequantized from the FP4 checkpoint format: E2M1 values
-        have 2 significant bits and the scales are powers of two), so using them changes nothing.
+        :func:`deepseek_v41.kernels.moe_bf16`, valid for the experts ``picked`` (ids; None: every expert); None
+        unless each of those is plain (:meth:`Expert.plain`) with fp32 or bf16 weights. bf16 weights are
+        :meth:`stacked_weights` themselves. fp32 weights get bf16 copies, and an expert whose weights are not all
+        exactly representable in bf16 gives None (weights dequantized from the FP4 checkpoint format always are:
+        E2M1 values have 2 significant bits and the scales are powers of two), so using them changes nothing.
 
-        Rebuilt when any weight is replaced, changes address or is modified in place (its version counter), e.g.
-        by training or ``load_state_dict``. Writes through ``.data`` bypass torch's version counters and are not
-        seen: after those, set ``moe._bf16 = None``. Costs 2 bytes per routed-expert weight beside the fp32
-        parameters."""
-        params = self._weights()
-        if params[0].dtype not in (torch.float32, torch.bfloat16) or not all(
-                e.plain() for e in self.experts._modules.values()):
+        Only the picked experts are checked (a step's few tokens use a few experts: checking all of them cost
+        more than the kernel). An fp32 expert's copy is rebuilt when one of its weights is replaced, changes
+        address or is modified in place (its version counter), e.g. by training or ``load_state_dict``. Writes
+        through ``.data`` bypass torch's version counters and are not seen: after those, set ``moe._bf16 =
+        None``. The copies cost 2 bytes per routed-expert weight beside the fp32 parameters."""
+        mods = list(self.experts._modules.values())
+        ids = range(len(mods)) if picked is None else picked
+        for e in ids:
+            if not mods[e].plain():
+                return None
+        dtype = mods[0]._modules["w1"]._parameters["weight"].dtype
+        if dtype == torch.bfloat16:
+            return self._stacked_bf16(mods, ids)
+        if dtype != torch.float32:
             return None
-        if params[0].dtype == torch.bfloat16:
-            return self.stacked_weights()
-        key = [(w.data_ptr(), w._version) for w in params]
-        cached = self._bf16
-        # The parameters themselves are kept with the key: a replaced one is another object, even at a reused address.
-        if cached is not None and cached[0] == key and all(a is b for a, b in zip(cached[2], params, strict=True)):
-            return cached[1]
-        with torch.inference_mode(False), torch.no_grad():
-            w13, w2 = self._stack()
-            copies = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
-            exact = torch.equal(copies[0].float(), w13) and torch.equal(copies[1].float(), w2)
-        self._bf16 = (key, copies if exact else None, params)
-        return self._bf16[1]
+        state = self._bf16
+        E, (inter, D) = len(mods), mods[0]._modules["w1"]._parameters["weight"].shape
+        if state is None or state[0].shape != (E, 2 * inter, D):
+            with torch.inference_mode(False):  # ordinary tensors: rebuilt in place later, in or out of inference
+                state = self._bf16 = (torch.empty((E, 2 * inter, D), dtype=torch.bfloat16),
+                                      torch.empty((E, D, inter), dtype=torch.bfloat16), [None] * E, [False] * E)
+        w13, w2, keys, exact = state
+        for e in ids:
+            m = mods[e]._modules
+            params = (m["w1"]._parameters["weight"], m["w3"]._parameters["weight"], m["w2"]._parameters["weight"])
+            key = keys[e]
+            # The parameters themselves are in the key: a replaced one is another object, even at a reused address.
+            if (key is None or any(p is not k for p, k in zip(params, key[0], strict=True))
+                    or key[1] != [(p.data_ptr(), p._version) for p in params]):
+                if params[0].dtype != torch.float32 or params[2].shape != w2.shape[1:]:
+                    return None
+                with torch.inference_mode(False), torch.no_grad():
+                    wide = torch.cat(params[:2]), params[2]
+                    w13[e], w2[e] = wide[0], wide[1]
+                    exact[e] = torch.equal(w13[e].float(), wide[0]) and torch.equal(w2[e].float(), wide[1])
+                keys[e] = (params, [(p.data_ptr(), p._version) for p in params])
+            if not exact[e]:
+                return None
+        return w13, w2
+
+    def _stacked_bf16(self, mods: list[nn.Module], ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`stacked_weights` of bf16 experts, skipping its whole check when each picked expert's weights
+        still sit at their places in the stack of the last call (only its addresses are kept: no storage)."""
+        at = self._stacked_bf16_at
+        w1 = mods[0]._modules["w1"]._parameters["weight"]
+        E, (inter, D) = len(mods), w1.shape
+        w2 = mods[0]._modules["w2"]._parameters["weight"]
+        if (at is not None and at[2] == (E, inter, D) and w1.dtype == torch.bfloat16
+                and (w1.data_ptr(), w2.data_ptr()) == at[:2]):  # expert 0's weights: the views start there
+            size = w1.element_size()
+            if all(mods[e]._modules["w1"]._parameters["weight"].data_ptr() == at[0] + 2 * e * inter * D * size
+                   and mods[e]._modules["w3"]._parameters["weight"].data_ptr() == at[0] + (2 * e + 1) * inter * D * size
+                   and mods[e]._modules["w2"]._parameters["weight"].data_ptr() == at[1] + e * inter * D * size
+                   for e in ids):
+                return (w1.detach().as_strided((E, 2 * inter, D), (2 * inter * D, D, 1), w1.storage_offset()),
+                        w2.detach().as_strided((E, D, inter), (D * inter, inter, 1), w2.storage_offset()))
+        w13, w2 = self.stacked_weights()
+        self._stacked_bf16_at = (w13.data_ptr(), w2.data_ptr(), (E, inter, D))
+        return w13, w2
 
     # ------------------------------------------------------------------ grouped experts (inference)
     def _grouped_ok(self, flat: torch.Tensor) -> bool:

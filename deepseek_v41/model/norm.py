@@ -37,7 +37,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused(x, self.weight):
-            return cast(kernels.rms_norm(upcast(x), upcast(self.weight), self.eps), x.dtype)
+            if x.dtype != self.weight.dtype:  # the kernel takes both fp32 or both bf16
+                return cast(kernels.rms_norm(upcast(x), upcast(self.weight), self.eps), x.dtype)
+            return kernels.rms_norm(x, self.weight, self.eps)
         xf = upcast(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return cast(y * cast(self.weight, xf.dtype), x.dtype)

@@ -84,7 +84,7 @@ class RotaryEmbedding(nn.Module):
         if (x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == torch.float32
                 and cos.shape[:2] == x.shape[:2] and kernels.usable(x, cos, sin)):
             # The same products and sums in C: the same bits (positions that broadcast take the torch code).
-            return cast(kernels.rope(upcast(x), cos, sin, inverse), x.dtype)
+            return kernels.rope(x, cos, sin, inverse)
         if x.dim() == 4:
             cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         if inverse:
