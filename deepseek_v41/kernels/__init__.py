@@ -68,7 +68,7 @@ _SIGNATURES = {
     "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P],
                            ctypes.c_int),
     "dsv41_moe_bf16": ([_P, _I, _I, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P, _P], ctypes.c_int),
-    "dsv41_linear": ([_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int, _I, _P, ctypes.c_int, _P], None),
+    "dsv41_linear": ([_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int, _I, _P], ctypes.c_int),
 }
 
 _state: dict[str, object] = {"lib": None, "tried": False, "off": False}
@@ -156,10 +156,13 @@ def disabled() -> Iterator[None]:
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels may take these tensors: the library is loaded, every tensor is on the CPU and
     contiguous, and no gradient is wanted through them."""
-    if library() is None:
+    if _state["off"] or (_state["lib"] is None and library() is None):
         return False
     grad = torch.is_grad_enabled()
-    return all(t.is_cpu and t.is_contiguous() and not (grad and t.requires_grad) for t in tensors)
+    for t in tensors:  # noqa: SIM110 (a plain loop, not all(generator): this runs ~200 times a decode step)
+        if not (t.is_cpu and t.is_contiguous()) or (grad and t.requires_grad):
+            return False
+    return True
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -415,10 +418,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tens
     a few µs for this (bench/README.md)."""
     K = x.shape[-1] // groups
     O = weight.shape[0] // groups
-    N = x.numel() // max(groups * K, 1)
+    N = x.shape[:-1].numel()  # not x.numel() // K: that is 0 for K = 0, leaving the output unwritten
     out = torch.empty((*x.shape[:-1], groups * O), dtype=x.dtype)
-    x_bf16, w_bf16 = x.dtype == torch.bfloat16, weight.dtype == torch.bfloat16
-    scratch = torch.empty(N * groups * K * x_bf16 + 2 * K * w_bf16, dtype=torch.float32)
-    library().dsv41_linear(x.data_ptr(), x_bf16, N, groups, K, weight.data_ptr(), w_bf16, O, out.data_ptr(), x_bf16,
-                           scratch.data_ptr())
+    if library().dsv41_linear(x.data_ptr(), x.dtype == torch.bfloat16, N, groups, K, weight.data_ptr(),
+                              weight.dtype == torch.bfloat16, O, out.data_ptr()) != 0:
+        raise MemoryError("linear kernel: no memory for its scratch")
     return out

@@ -11,6 +11,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define E4M3_MAX 448.0f
@@ -759,8 +760,8 @@ static void store_out(void *out, int64_t at, float v, int bf16) {
  * fp32 or bf16 bits (w_bf16), out fp32 or bf16 bits rounded to nearest even (out_bf16). Each weight row is read
  * once for all N tokens (converted to fp32 once when bf16). scratch: N * G * K floats when x is bf16, plus 2 * K
  * when W is. */
-void dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, const void *W, int w_bf16, int64_t O,
-                  void *out, int out_bf16, float *scratch) {
+static void linear_into(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, const void *W, int w_bf16,
+                        int64_t O, void *out, int out_bf16, float *scratch) {
     const float *xf = (const float *)x;
     if (x_bf16) {
         bf16_row((const uint16_t *)x, N * G * K, scratch);
@@ -818,4 +819,16 @@ void dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, co
         }
         if (rows == 1) o -= 1;  /* the next pair starts at the next row */
     }
+}
+
+/* linear_into with out in x's dtype and its scratch from the heap. Returns 0, or -1 (nothing computed) when the
+ * scratch cannot be allocated. */
+int dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, const void *W, int w_bf16, int64_t O,
+                 void *out) {
+    size_t floats = (size_t)(x_bf16 ? N * G * K : 0) + (size_t)(w_bf16 ? 2 * K : 0);
+    float *scratch = floats ? malloc(floats * sizeof(float)) : NULL;
+    if (floats && !scratch) return -1;
+    linear_into(x, x_bf16, N, G, K, W, w_bf16, O, out, x_bf16, scratch);
+    free(scratch);
+    return 0;
 }

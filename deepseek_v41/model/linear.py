@@ -18,8 +18,10 @@ from deepseek_v41 import kernels
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` takes the kernel: bf16 x [..., K] and weight [O, K] on the CPU, contiguous, in
-    inference mode, with at most ``kernels.GEMV_MACS`` multiply-adds (beyond that ATen's threaded GEMM wins)."""
-    return (x.dtype == weight.dtype == torch.bfloat16 and torch.is_inference_mode_enabled()
+    inference mode, with at most ``kernels.GEMV_MACS`` multiply-adds (beyond that ATen's threaded GEMM wins).
+    Mismatched widths take ``F.linear``, which raises (the kernel would read past the weight)."""
+    return (x.dtype == weight.dtype == torch.bfloat16 and torch.is_inference_mode_enabled() and x.dim() >= 1
+            and weight.dim() == 2 and x.shape[-1] == weight.shape[1]
             and x.numel() * weight.shape[0] <= kernels.GEMV_MACS and kernels.usable(x, weight))
 
 

@@ -62,5 +62,9 @@ def fused(*tensors: torch.Tensor) -> bool:
     steps they fuse, so they agree with the torch code to rounding, not bit for bit; outside inference mode
     (training, the exact forward with or without ``no_grad``) the torch code runs, so those results never depend
     on the grad mode."""
-    return (torch.is_inference_mode_enabled() and all(t.dtype in KERNEL_DTYPES for t in tensors)
-            and kernels.usable(*tensors))
+    if not torch.is_inference_mode_enabled():
+        return False
+    for t in tensors:  # a plain loop: this runs ~100 times a decode step
+        if t.dtype not in KERNEL_DTYPES:
+            return False
+    return kernels.usable(*tensors)
