@@ -67,7 +67,8 @@ _SIGNATURES = {
     "dsv41_swiglu": ([_P, _P, _I, _I, _I, ctypes.c_float, _P], None),
     "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P],
                            ctypes.c_int),
-    "dsv41_moe_bf16": ([_P, _I, _I, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P, _P], ctypes.c_int),
+    "dsv41_moe_bf16": ([_P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P, _P,
+                        ctypes.c_int, _I, _P, _P, _P], ctypes.c_int),
     "dsv41_linear": ([_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int, _I, _P], ctypes.c_int),
 }
 
@@ -388,19 +389,25 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def moe_bf16(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-             limit: float) -> torch.Tensor:
-    """Routed experts of fp32 tokens x [N, D] routed by ``indices`` int64 / ``weights`` fp32 [N, k] with bf16
-    weights ``w13`` [E, 2 * inter, D] and ``w2`` [E, D, inter] (:meth:`deepseek_v41.model.moe.MoE.dispatch`):
-    fp32 [N, D]. Raises IndexError for an expert index outside [0, E)."""
+             limit: float, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Routed experts of fp32 or bf16 tokens x [N, D] routed by ``indices`` int64 / ``weights`` fp32 [N, k] with
+    bf16 weights ``w13`` [E, 2 * inter, D] and ``w2`` [E, D, inter] (:meth:`deepseek_v41.model.moe.MoE.dispatch`),
+    plus the shared expert when ``shared`` = its ``(w1 [s, D], w3 [s, D], w2 [D, s])`` weights (fp32 or bf16) are
+    given: fp32 [N, D], summed in fp32. Raises IndexError for an expert index outside [0, E)."""
     N, D = x.shape
     E, inter = w2.shape[0], w2.shape[2]
     k = indices.shape[1]
+    s_inter = shared[0].shape[0] if shared is not None else 0
+    I, M = max(inter, s_inter), max(N * k, N)
     out = torch.empty((N, D), dtype=torch.float32)
-    scratch = torch.empty(max(D, inter) + N * k * (3 * inter + 1), dtype=torch.float32)
-    tokens = torch.empty(N * k, dtype=torch.int64)
-    status = library().dsv41_moe_bf16(x.data_ptr(), N, D, indices.data_ptr(), weights.data_ptr(), indices.shape[1],
-                                      w13.data_ptr(), w2.data_ptr(), E, inter, limit, scratch.data_ptr(),
-                                      tokens.data_ptr(), out.data_ptr())
+    x_bf16 = x.dtype == torch.bfloat16
+    scratch = torch.empty(N * D * x_bf16 + max(D, I) + M * (3 * I + 1), dtype=torch.float32)
+    tokens = torch.empty(M, dtype=torch.int64)
+    s1, s3, s2 = (None, None, None) if shared is None else (t.data_ptr() for t in shared)
+    s_bf16 = shared is not None and shared[0].dtype == torch.bfloat16
+    status = library().dsv41_moe_bf16(x.data_ptr(), x_bf16, N, D, indices.data_ptr(), weights.data_ptr(), k,
+                                      w13.data_ptr(), w2.data_ptr(), E, inter, limit, s1, s3, s2, s_bf16, s_inter,
+                                      scratch.data_ptr(), tokens.data_ptr(), out.data_ptr())
     if status != 0:
         raise IndexError(f"an expert index lies outside [0, {E})")
     return out

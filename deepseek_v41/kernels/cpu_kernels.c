@@ -577,25 +577,60 @@ void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, 
     }
 }
 
-/* ----------------------------------------------------------------------------- routed experts, bf16 weights */
+/* ----------------------------------------------------------------------------- routed and shared experts */
 
+/* One weight row of `n` values as fp32: the row itself for fp32 weights, widened into `buf` for bf16 bits. */
+static const float *weight_row(const void *w, int bf16, int64_t at, int64_t n, float *buf) {
+    if (!bf16) return (const float *)w + at;
+    bf16_row((const uint16_t *)w + at, n, buf);
+    return buf;
+}
 
-/* The routed experts of a few tokens (model/moe.py MoE.dispatch) from bf16 copies of their weights (exact when
- * the weights came from FP4 E2M1 with power-of-two scales: 2 significant bits): x [N, D] fp32, indices / weights
- * [N, k] (the router's), w13 [E, 2 * inter, D] (gate rows, then up rows) and w2 [E, D, inter] as bf16 bits.
- * out [N, D] = sum over experts in ascending id of weight * w2 (silu(min(gate, limit)) * clamp(up, +-limit)),
- * each weight row converted once and applied to every token routed to it.
- * scratch: D + inter + N * k * (3 * inter + 1) floats, plus N * k int64 in `tokens` (a token may pick an expert
- * more than once). Returns 0, or -1 (nothing computed) when an index is outside [0, E). */
-int dsv41_moe_bf16(const float *x, int64_t N, int64_t D, const int64_t *indices, const float *weights, int64_t k,
-                    const uint16_t *w13, const uint16_t *w2, int64_t E, int64_t inter, float limit, float *scratch,
-                    int64_t *tokens, float *out) {
-    float *row = scratch;                                  /* one weight row in fp32: max(D, inter) */
-    float *h = row + (D > inter ? D : inter);              /* [n_e, 2 * inter] gate | up */
-    float *hidden = h + N * k * 2 * inter;                 /* [n_e, inter] */
-    float *gain = hidden + N * k * inter;                  /* [n_e] the router weight of each token */
+/* out[tokens[t]] += gain[t] * w2 (silu(min(gate, limit)) * clamp(up, +-limit)) of the n_e tokens x[tokens[t]] (one
+ * expert, model/moe.py Expert): gate rows are w1 [inter, D], up rows w3 [inter, D] (fp32 or bf16 bits), w2
+ * [D, inter]. Each weight row is read once for all n_e tokens. row: max(D, inter) floats; h: n_e * 2 * inter;
+ * hidden: n_e * inter. */
+static void expert_ffn(const float *x, int64_t D, const int64_t *tokens, const float *gain, int64_t n_e,
+                       const void *w1, const void *w3, const void *w2, int bf16, int64_t inter, float limit,
+                       float *row, float *h, float *hidden, float *out) {
+    for (int64_t o = 0; o < 2 * inter; o++) {
+        const float *w = o < inter ? weight_row(w1, bf16, o * D, D, row) : weight_row(w3, bf16, (o - inter) * D, D, row);
+        for (int64_t t = 0; t < n_e; t++) h[t * 2 * inter + o] = dot(x + tokens[t] * D, w, D);
+    }
+    dsv41_swiglu(h, h + inter, n_e, inter, 2 * inter, limit, hidden);
+    for (int64_t o = 0; o < D; o++) {
+        const float *w = weight_row(w2, bf16, o * inter, inter, row);
+        for (int64_t t = 0; t < n_e; t++) out[tokens[t] * D + o] += dot(hidden + t * inter, w, inter) * gain[t];
+    }
+}
+
+/* The routed experts of a few tokens (model/moe.py MoE.dispatch) from bf16 weights (the bf16 model's own, or
+ * copies of an fp32 model's that are exact in bf16: FP4 E2M1 values with power-of-two scales have 2 significant
+ * bits), plus the shared expert when s1 is given (MoE.forward): x [N, D] fp32 or bf16 bits (x_bf16), indices /
+ * weights [N, k] (the router's), w13 [E, 2 * inter, D] (gate rows, then up rows) and w2 [E, D, inter] as bf16
+ * bits; shared s1 / s3 [s_inter, D] and s2 [D, s_inter], fp32 or bf16 bits (s_bf16).
+ * out [N, D] fp32 = sum over experts in ascending id of weight * expert(x), then + shared(x) (the order of
+ * MoE.forward), summed in fp32 throughout (no bf16 rounding between the steps).
+ * scratch: N * D (x_bf16) + max(D, I) + M * (3 * I + 1) floats with I = max(inter, s_inter), M = max(N * k, N),
+ * plus M int64 in `tokens` (a token may pick an expert more than once). Returns 0, or -1 (nothing computed) when
+ * an index is outside [0, E). */
+int dsv41_moe_bf16(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *indices, const float *weights,
+                   int64_t k, const uint16_t *w13, const uint16_t *w2, int64_t E, int64_t inter, float limit,
+                   const void *s1, const void *s3, const void *s2, int s_bf16, int64_t s_inter, float *scratch,
+                   int64_t *tokens, float *out) {
     for (int64_t i = 0; i < N * k; i++)
         if (indices[i] < 0 || indices[i] >= E) return -1;
+    const float *xf = (const float *)x;
+    if (x_bf16) {
+        bf16_row((const uint16_t *)x, N * D, scratch);
+        xf = scratch;
+        scratch += N * D;
+    }
+    int64_t I = s1 && s_inter > inter ? s_inter : inter, M = N * k > N ? N * k : N;
+    float *row = scratch;                                  /* one weight row in fp32: max(D, I) */
+    float *h = row + (D > I ? D : I);                      /* [n_e, 2 * I] gate | up */
+    float *hidden = h + M * 2 * I;                         /* [n_e, I] */
+    float *gain = hidden + M * I;                          /* [n_e] the router weight of each token */
     memset(out, 0, (size_t)(N * D) * sizeof(float));
     for (int64_t e = 0; e < E; e++) {
         int64_t n_e = 0;
@@ -607,16 +642,15 @@ int dsv41_moe_bf16(const float *x, int64_t N, int64_t D, const int64_t *indices,
                 }
         if (n_e == 0) continue;
         const uint16_t *we = w13 + e * 2 * inter * D;
-        for (int64_t o = 0; o < 2 * inter; o++) {
-            bf16_row(we + o * D, D, row);
-            for (int64_t t = 0; t < n_e; t++) h[t * 2 * inter + o] = dot(x + tokens[t] * D, row, D);
+        expert_ffn(xf, D, tokens, gain, n_e, we, we + inter * D, w2 + e * D * inter, 1, inter, limit, row, h, hidden,
+                   out);
+    }
+    if (s1) {
+        for (int64_t n = 0; n < N; n++) {
+            tokens[n] = n;
+            gain[n] = 1.0f;
         }
-        dsv41_swiglu(h, h + inter, n_e, inter, 2 * inter, limit, hidden);
-        const uint16_t *wd = w2 + e * D * inter;
-        for (int64_t o = 0; o < D; o++) {
-            bf16_row(wd + o * inter, inter, row);
-            for (int64_t t = 0; t < n_e; t++) out[tokens[t] * D + o] += dot(hidden + t * inter, row, inter) * gain[t];
-        }
+        expert_ffn(xf, D, tokens, gain, N, s1, s3, s2, s_bf16, s_inter, limit, row, h, hidden, out);
     }
     return 0;
 }

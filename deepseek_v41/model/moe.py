@@ -160,19 +160,44 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         mask = image_mask.reshape(-1) if image_mask is not None else None
         indices, weights = self.gate(flat, mask)
+        out = self._fused(flat, indices, weights, with_shared=True)
+        if out is not None:  # routed and shared experts in one kernel call
+            return cast(out, x.dtype).reshape(shape)
         out = self.dispatch(flat, indices, weights)
         if self.shared_experts is not None:
             out = out + cast(self.shared_experts(flat), out.dtype)
         return cast(out, x.dtype).reshape(shape)
 
+    def _fused(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+               with_shared: bool) -> torch.Tensor | None:
+        """The routed experts (and the shared expert, ``with_shared``) of a few fp32 / bf16 tokens flat [N, D] in
+        inference mode on the CPU by :func:`deepseek_v41.kernels.moe_bf16`: fp32 [N, D]; None when the kernel
+        does not apply (the caller runs the torch code). The shared expert joins when it is plain (no hooks or
+        wrappers) with fp32 / bf16 weights and the routed experts' SwiGLU limit; otherwise it is left out and
+        None is returned, so the caller runs it as a module."""
+        if not (flat.shape[0] <= kernels.FEW_ROWS and indices.dtype == torch.int64 and fused(flat, weights)
+                and kernels.usable(indices)):
+            return None
+        shared = None
+        if with_shared and self.shared_experts is not None:
+            se = self.shared_experts
+            if not (se.plain() and se.swiglu_limit == self.swiglu_limit):
+                return None
+            m = se._modules
+            shared = (m["w1"]._parameters["weight"], m["w3"]._parameters["weight"], m["w2"]._parameters["weight"])
+            if not fused(*shared):
+                return None
+        experts = self.bf16_experts(set(indices.flatten().tolist()))
+        if experts is None:
+            return None
+        return kernels.moe_bf16(flat, indices, weights, *experts, self.swiglu_limit, shared=shared)
+
     def dispatch(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Σ_k w_k E_{idx_k}(x) for flat [N, D], indices/weights [N, k] -> [N, D] in the weights' dtype (fp32, or
         float64 for a float64 model)."""
-        if (flat.shape[0] <= kernels.FEW_ROWS and indices.dtype == torch.int64 and fused(flat, weights)
-                and kernels.usable(indices)):
-            experts = self.bf16_experts(set(indices.flatten().tolist()))
-            if experts is not None:  # a few tokens in inference mode: one fused kernel, bf16 weights
-                return kernels.moe_bf16(upcast(flat), indices, upcast(weights), *experts, self.swiglu_limit)
+        out = self._fused(flat, indices, weights, with_shared=False)
+        if out is not None:  # a few tokens in inference mode: one fused kernel, bf16 weights
+            return out
         if flat.shape[0] == 1 and flat.device.type != "meta":
             # One token (batch-1 decode): its k experts in ascending id, summed in the order the sorted dispatch
             # below adds them, without the sort / gather / scatter bookkeeping.

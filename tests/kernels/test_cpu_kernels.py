@@ -934,6 +934,32 @@ def test_moe_bf16_copies_follow_an_in_place_weight_change(calls):
     assert (again - got).abs().max() > 0.1
 
 
+def test_moe_kernel_takes_the_shared_expert_unless_it_is_hooked(calls):
+    g = torch.Generator().manual_seed(70)
+    moe = MoE(dim=64, inter_dim=32, n_experts=8, topk=2, n_shared=2, swiglu_limit=7.0, route_scale=1.5,
+              norm_topk=True, with_bias_vl=False).eval()  # a shared expert twice as wide as the routed ones
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            w = torch.randn(p.shape, generator=g) * 0.25
+            p.copy_(fp4_exact(w) if name.startswith("experts.") else w)
+    x = torch.randn(1, 3, 64, generator=g) * 3
+    got, want = moe_both_ways(moe, x)
+    assert calls["moe_bf16"] == 1 and calls["swiglu"] == 0  # the shared expert ran inside the kernel
+    assert_close_to_scale(got, want, MOE_TOL)
+    with torch.no_grad():
+        without_shared = moe.dispatch(x.reshape(3, 64), *moe.gate(x.reshape(3, 64)))
+    assert (want.reshape(3, 64) - without_shared).abs().max() > 0.1  # the shared expert matters here
+    seen = []
+    handle = moe.shared_experts.w2.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    try:
+        with torch.inference_mode():
+            hooked = moe(x)
+        assert seen == [(3, 64)] and calls["moe_bf16"] == 2  # routed experts fused, the shared one called
+        assert_close_to_scale(hooked, want, MOE_TOL)
+    finally:
+        handle.remove()
+
+
 def test_moe_calls_a_hooked_expert(calls):
     moe = small_moe(66)
     with torch.no_grad():
@@ -1385,8 +1411,9 @@ def test_bf16_moe_takes_moe_bf16_on_its_own_weights(calls, shape):
     few = N <= kernels.FEW_ROWS
     got, want = kernel_and_torch(calls, "moe_bf16", moe, x, times=int(few))
     assert calls["gate"] == 1
-    # The shared expert's three projections (and the routed experts', where torch._grouped_mm does not take them).
-    assert calls["linear"] == 3 if few else calls["linear"] >= 3
+    # A few tokens: the shared expert runs inside moe_bf16; more: its three projections (and the routed experts',
+    # where torch._grouped_mm does not take them).
+    assert calls["linear"] == 0 if few else calls["linear"] >= 3
     assert got.dtype == torch.bfloat16 and got.shape == shape
     assert_close_to_scale(got.float(), want.float(), EXPERT_BF16_TOL)
     w13, w2 = moe.bf16_experts()  # no copies: the stacked parameters themselves
