@@ -68,7 +68,7 @@ _SIGNATURES = {
     "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P],
                            ctypes.c_int),
     "dsv41_moe_bf16": ([_P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P, _P,
-                        ctypes.c_int, _I, _P, _P, _P], ctypes.c_int),
+                        ctypes.c_int, _I, _P], ctypes.c_int),
     "dsv41_linear": ([_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int, _I, _P], ctypes.c_int),
 }
 
@@ -398,16 +398,14 @@ def moe_bf16(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13:
     E, inter = w2.shape[0], w2.shape[2]
     k = indices.shape[1]
     s_inter = shared[0].shape[0] if shared is not None else 0
-    I, M = max(inter, s_inter), max(N * k, N)
     out = torch.empty((N, D), dtype=torch.float32)
-    x_bf16 = x.dtype == torch.bfloat16
-    scratch = torch.empty(N * D * x_bf16 + max(D, I) + M * (3 * I + 1), dtype=torch.float32)
-    tokens = torch.empty(M, dtype=torch.int64)
     s1, s3, s2 = (None, None, None) if shared is None else (t.data_ptr() for t in shared)
     s_bf16 = shared is not None and shared[0].dtype == torch.bfloat16
-    status = library().dsv41_moe_bf16(x.data_ptr(), x_bf16, N, D, indices.data_ptr(), weights.data_ptr(), k,
-                                      w13.data_ptr(), w2.data_ptr(), E, inter, limit, s1, s3, s2, s_bf16, s_inter,
-                                      scratch.data_ptr(), tokens.data_ptr(), out.data_ptr())
+    status = library().dsv41_moe_bf16(x.data_ptr(), x.dtype == torch.bfloat16, N, D, indices.data_ptr(),
+                                      weights.data_ptr(), k, w13.data_ptr(), w2.data_ptr(), E, inter, limit, s1, s3,
+                                      s2, s_bf16, s_inter, out.data_ptr())
+    if status == -2:
+        raise MemoryError("moe_bf16 kernel: no memory for its scratch")
     if status != 0:
         raise IndexError(f"an expert index lies outside [0, {E})")
     return out

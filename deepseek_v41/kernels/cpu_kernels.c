@@ -604,55 +604,98 @@ static void expert_ffn(const float *x, int64_t D, const int64_t *tokens, const f
     }
 }
 
+/* The experts of one dsv41_moe_bf16 call: experts[0 .. n) in ascending id (-1: the shared expert, last), summed
+ * into out [N, D]. */
+typedef struct {
+    const float *x;
+    int64_t N, D, k, inter, s_inter;
+    const int64_t *indices;
+    const float *weights;
+    const uint16_t *w13, *w2;
+    const void *s1, *s3, *s2;
+    int s_bf16;
+    float limit;
+    const int64_t *experts;
+    int64_t n;
+    float *out;
+} moe_experts;
+
+/* Runs them: 0, or -1 when the scratch cannot be allocated. */
+static int moe_run(const moe_experts *p) {
+    int64_t N = p->N, D = p->D, k = p->k;
+    int64_t I = p->s1 && p->s_inter > p->inter ? p->s_inter : p->inter, M = N * k > N ? N * k : N;
+    float *scratch = malloc((size_t)((D > I ? D : I) + M * (3 * I + 1)) * sizeof(float));
+    int64_t *tokens = malloc((size_t)M * sizeof(int64_t));
+    if (!scratch || !tokens) {
+        free(scratch);
+        free(tokens);
+        return -1;
+    }
+    float *row = scratch;                                  /* one weight row in fp32: max(D, I) */
+    float *h = row + (D > I ? D : I);                      /* [n_e, 2 * I] gate | up */
+    float *hidden = h + M * 2 * I;                         /* [n_e, I] */
+    float *gain = hidden + M * I;                          /* [n_e] the router weight of each token */
+    memset(p->out, 0, (size_t)(N * D) * sizeof(float));
+    for (int64_t i = 0; i < p->n; i++) {
+        int64_t e = p->experts[i], n_e = 0;
+        if (e < 0) {  /* the shared expert: every token, weight 1 */
+            for (int64_t n = 0; n < N; n++) {
+                tokens[n] = n;
+                gain[n] = 1.0f;
+            }
+            expert_ffn(p->x, D, tokens, gain, N, p->s1, p->s3, p->s2, p->s_bf16, p->s_inter, p->limit, row, h, hidden,
+                       p->out);
+            continue;
+        }
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t j = 0; j < k; j++)
+                if (p->indices[n * k + j] == e) {
+                    tokens[n_e] = n;
+                    gain[n_e++] = p->weights[n * k + j];
+                }
+        const uint16_t *we = p->w13 + e * 2 * p->inter * D;
+        expert_ffn(p->x, D, tokens, gain, n_e, we, we + p->inter * D, p->w2 + e * D * p->inter, 1, p->inter, p->limit,
+                   row, h, hidden, p->out);
+    }
+    free(scratch);
+    free(tokens);
+    return 0;
+}
+
 /* The routed experts of a few tokens (model/moe.py MoE.dispatch) from bf16 weights (the bf16 model's own, or
  * copies of an fp32 model's that are exact in bf16: FP4 E2M1 values with power-of-two scales have 2 significant
  * bits), plus the shared expert when s1 is given (MoE.forward): x [N, D] fp32 or bf16 bits (x_bf16), indices /
  * weights [N, k] (the router's), w13 [E, 2 * inter, D] (gate rows, then up rows) and w2 [E, D, inter] as bf16
  * bits; shared s1 / s3 [s_inter, D] and s2 [D, s_inter], fp32 or bf16 bits (s_bf16).
- * out [N, D] fp32 = sum over experts in ascending id of weight * expert(x), then + shared(x) (the order of
- * MoE.forward), summed in fp32 throughout (no bf16 rounding between the steps).
- * scratch: N * D (x_bf16) + max(D, I) + M * (3 * I + 1) floats with I = max(inter, s_inter), M = max(N * k, N),
- * plus M int64 in `tokens` (a token may pick an expert more than once). Returns 0, or -1 (nothing computed) when
- * an index is outside [0, E). */
+ * out [N, D] fp32 = the sum over the picked experts in ascending id of weight * expert(x), then + shared(x) (the
+ * order of MoE.forward), in fp32 throughout (no bf16 rounding between the steps). Each expert's weights are read
+ * once for all its tokens. Returns 0, -1 (nothing computed) when an index is outside [0, E), -2 when memory for
+ * the scratch cannot be had. */
 int dsv41_moe_bf16(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *indices, const float *weights,
                    int64_t k, const uint16_t *w13, const uint16_t *w2, int64_t E, int64_t inter, float limit,
-                   const void *s1, const void *s3, const void *s2, int s_bf16, int64_t s_inter, float *scratch,
-                   int64_t *tokens, float *out) {
+                   const void *s1, const void *s3, const void *s2, int s_bf16, int64_t s_inter, float *out) {
     for (int64_t i = 0; i < N * k; i++)
         if (indices[i] < 0 || indices[i] >= E) return -1;
-    const float *xf = (const float *)x;
-    if (x_bf16) {
-        bf16_row((const uint16_t *)x, N * D, scratch);
-        xf = scratch;
-        scratch += N * D;
-    }
-    int64_t I = s1 && s_inter > inter ? s_inter : inter, M = N * k > N ? N * k : N;
-    float *row = scratch;                                  /* one weight row in fp32: max(D, I) */
-    float *h = row + (D > I ? D : I);                      /* [n_e, 2 * I] gate | up */
-    float *hidden = h + M * 2 * I;                         /* [n_e, I] */
-    float *gain = hidden + M * I;                          /* [n_e] the router weight of each token */
-    memset(out, 0, (size_t)(N * D) * sizeof(float));
-    for (int64_t e = 0; e < E; e++) {
-        int64_t n_e = 0;
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t j = 0; j < k; j++)
-                if (indices[n * k + j] == e) {
-                    tokens[n_e] = n;
-                    gain[n_e++] = weights[n * k + j];
+    int64_t *experts = malloc((size_t)(E + 1) * sizeof(int64_t));
+    float *xf = x_bf16 ? malloc((size_t)(N * D) * sizeof(float)) : NULL;
+    int status = -2;
+    if (experts && (xf || !x_bf16)) {
+        if (x_bf16) bf16_row((const uint16_t *)x, N * D, xf);
+        int64_t n = 0;
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t i = 0; i < N * k; i++)
+                if (indices[i] == e) {
+                    experts[n++] = e;
+                    break;
                 }
-        if (n_e == 0) continue;
-        const uint16_t *we = w13 + e * 2 * inter * D;
-        expert_ffn(xf, D, tokens, gain, n_e, we, we + inter * D, w2 + e * D * inter, 1, inter, limit, row, h, hidden,
-                   out);
+        if (s1) experts[n++] = -1;
+        moe_experts all = {x_bf16 ? xf : (const float *)x, N, D, k, inter, s_inter, indices, weights, w13, w2, s1, s3,
+                         s2, s_bf16, limit, experts, n, out};
+        status = moe_run(&all) == 0 ? 0 : -2;
     }
-    if (s1) {
-        for (int64_t n = 0; n < N; n++) {
-            tokens[n] = n;
-            gain[n] = 1.0f;
-        }
-        expert_ffn(xf, D, tokens, gain, N, s1, s3, s2, s_bf16, s_inter, limit, row, h, hidden, out);
-    }
-    return 0;
+    free(experts);
+    free(xf);
+    return status;
 }
 
 /* ------------------------------------------------------------------------------ indexer scores from FP4 */
