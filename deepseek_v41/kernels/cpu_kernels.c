@@ -577,157 +577,6 @@ void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, 
     }
 }
 
-/* ----------------------------------------------------------------------------- routed and shared experts */
-
-/* One weight row of `n` values as fp32: the row itself for fp32 weights, widened into `buf` for bf16 bits. */
-static const float *weight_row(const void *w, int bf16, int64_t at, int64_t n, float *buf) {
-    if (!bf16) return (const float *)w + at;
-    bf16_row((const uint16_t *)w + at, n, buf);
-    return buf;
-}
-
-/* out[tokens[t]] += gain[t] * w2 (silu(min(gate, limit)) * clamp(up, +-limit)) of the n_e tokens x[tokens[t]] (one
- * expert, model/moe.py Expert): gate rows are w1 [inter, D], up rows w3 [inter, D] (fp32 or bf16 bits), w2
- * [D, inter]. Each weight row is read once for all n_e tokens. row: max(D, inter) floats; h: n_e * 2 * inter;
- * hidden: n_e * inter. */
-static void expert_ffn(const float *x, int64_t D, const int64_t *tokens, const float *gain, int64_t n_e,
-                       const void *w1, const void *w3, const void *w2, int bf16, int64_t inter, float limit,
-                       float *row, float *h, float *hidden, float *out) {
-    for (int64_t o = 0; o < 2 * inter; o++) {
-        const float *w = o < inter ? weight_row(w1, bf16, o * D, D, row) : weight_row(w3, bf16, (o - inter) * D, D, row);
-        for (int64_t t = 0; t < n_e; t++) h[t * 2 * inter + o] = dot(x + tokens[t] * D, w, D);
-    }
-    dsv41_swiglu(h, h + inter, n_e, inter, 2 * inter, limit, hidden);
-    for (int64_t o = 0; o < D; o++) {
-        const float *w = weight_row(w2, bf16, o * inter, inter, row);
-        for (int64_t t = 0; t < n_e; t++) out[tokens[t] * D + o] += dot(hidden + t * inter, w, inter) * gain[t];
-    }
-}
-
-/* The experts of one dsv41_moe_bf16 call: experts[0 .. n) in ascending id (-1: the shared expert, last), summed
- * into out [N, D]. */
-typedef struct {
-    const float *x;
-    int64_t N, D, k, inter, s_inter;
-    const int64_t *indices;
-    const float *weights;
-    const uint16_t *w13, *w2;
-    const void *s1, *s3, *s2;
-    int s_bf16;
-    float limit;
-    const int64_t *experts;
-    int64_t n;
-    float *out;
-} moe_experts;
-
-/* Runs them: 0, or -1 when the scratch cannot be allocated. */
-static int moe_run(const moe_experts *p) {
-    int64_t N = p->N, D = p->D, k = p->k;
-    int64_t I = p->s1 && p->s_inter > p->inter ? p->s_inter : p->inter, M = N * k > N ? N * k : N;
-    float *scratch = malloc((size_t)((D > I ? D : I) + M * (3 * I + 1)) * sizeof(float));
-    int64_t *tokens = malloc((size_t)M * sizeof(int64_t));
-    if (!scratch || !tokens) {
-        free(scratch);
-        free(tokens);
-        return -1;
-    }
-    float *row = scratch;                                  /* one weight row in fp32: max(D, I) */
-    float *h = row + (D > I ? D : I);                      /* [n_e, 2 * I] gate | up */
-    float *hidden = h + M * 2 * I;                         /* [n_e, I] */
-    float *gain = hidden + M * I;                          /* [n_e] the router weight of each token */
-    memset(p->out, 0, (size_t)(N * D) * sizeof(float));
-    for (int64_t i = 0; i < p->n; i++) {
-        int64_t e = p->experts[i], n_e = 0;
-        if (e < 0) {  /* the shared expert: every token, weight 1 */
-            for (int64_t n = 0; n < N; n++) {
-                tokens[n] = n;
-                gain[n] = 1.0f;
-            }
-            expert_ffn(p->x, D, tokens, gain, N, p->s1, p->s3, p->s2, p->s_bf16, p->s_inter, p->limit, row, h, hidden,
-                       p->out);
-            continue;
-        }
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t j = 0; j < k; j++)
-                if (p->indices[n * k + j] == e) {
-                    tokens[n_e] = n;
-                    gain[n_e++] = p->weights[n * k + j];
-                }
-        const uint16_t *we = p->w13 + e * 2 * p->inter * D;
-        expert_ffn(p->x, D, tokens, gain, n_e, we, we + p->inter * D, p->w2 + e * D * p->inter, 1, p->inter, p->limit,
-                   row, h, hidden, p->out);
-    }
-    free(scratch);
-    free(tokens);
-    return 0;
-}
-
-/* The routed experts of a few tokens (model/moe.py MoE.dispatch) from bf16 weights (the bf16 model's own, or
- * copies of an fp32 model's that are exact in bf16: FP4 E2M1 values with power-of-two scales have 2 significant
- * bits), plus the shared expert when s1 is given (MoE.forward): x [N, D] fp32 or bf16 bits (x_bf16), indices /
- * weights [N, k] (the router's), w13 [E, 2 * inter, D] (gate rows, then up rows) and w2 [E, D, inter] as bf16
- * bits; shared s1 / s3 [s_inter, D] and s2 [D, s_inter], fp32 or bf16 bits (s_bf16).
- * out [N, D] fp32 = the sum over the picked experts in ascending id of weight * expert(x), then + shared(x) (the
- * order of MoE.forward), in fp32 throughout (no bf16 rounding between the steps). Each expert's weights are read
- * once for all its tokens. Returns 0, -1 (nothing computed) when an index is outside [0, E), -2 when memory for
- * the scratch cannot be had. */
-int dsv41_moe_bf16(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *indices, const float *weights,
-                   int64_t k, const uint16_t *w13, const uint16_t *w2, int64_t E, int64_t inter, float limit,
-                   const void *s1, const void *s3, const void *s2, int s_bf16, int64_t s_inter, float *out) {
-    for (int64_t i = 0; i < N * k; i++)
-        if (indices[i] < 0 || indices[i] >= E) return -1;
-    int64_t *experts = malloc((size_t)(E + 1) * sizeof(int64_t));
-    float *xf = x_bf16 ? malloc((size_t)(N * D) * sizeof(float)) : NULL;
-    int status = -2;
-    if (experts && (xf || !x_bf16)) {
-        if (x_bf16) bf16_row((const uint16_t *)x, N * D, xf);
-        int64_t n = 0;
-        for (int64_t e = 0; e < E; e++)
-            for (int64_t i = 0; i < N * k; i++)
-                if (indices[i] == e) {
-                    experts[n++] = e;
-                    break;
-                }
-        if (s1) experts[n++] = -1;
-        moe_experts all = {x_bf16 ? xf : (const float *)x, N, D, k, inter, s_inter, indices, weights, w13, w2, s1, s3,
-                         s2, s_bf16, limit, experts, n, out};
-        status = moe_run(&all) == 0 ? 0 : -2;
-    }
-    free(experts);
-    free(xf);
-    return status;
-}
-
-/* ------------------------------------------------------------------------------ indexer scores from FP4 */
-
-/* Index scores of entries 0 .. n-1 of each row straight from its packed FP4 keys (model/indexer.py IndexScorer
- * over PagedContext.index_keys, without materializing the keys): q [B, c, H, di] and w [B, c, H] fp32 ->
- * out [B, c, n] = sum_h w_h relu(q_h . k_s), each key decoded once for the row's c queries (scratch: di floats).
- * Returns 0, or -1 when an entry lies past its block table or its page is out of range. */
-int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t pages, int64_t per_page, int64_t di,
-                       int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
-                       int64_t block_size, const float *q, const float *w, int64_t B, int64_t c, int64_t H, int64_t n,
-                       float *key, float *out) {
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t s = 0; s < n; s++) {
-            int64_t page = entry_page(tables + b * table_len, table_len, s, ratio, block_size);
-            if (page < 0 || page >= pages) return -1;
-            int64_t at = page * per_page + s % per_page;
-            fp4_dequantize_row(codes + at * (di / 2), scales + at * (di / block), di, block, fmt, key);
-            for (int64_t t = 0; t < c; t++) {
-                const float *qt = q + (b * c + t) * H * di, *wt = w + (b * c + t) * H;
-                float acc = 0.0f;
-                for (int64_t h = 0; h < H; h++) {
-                    float d = dot(qt + h * di, key, di);
-                    acc += wt[h] * (d < 0.0f ? 0.0f : d);
-                }
-                out[(b * c + t) * n + s] = acc;
-            }
-        }
-    }
-    return 0;
-}
-
 /* ------------------------------------------------------------------------------- dense projections (GEMV) */
 
 
@@ -852,15 +701,21 @@ static void linear_into(const void *x, int x_bf16, int64_t N, int64_t G, int64_t
         for (int64_t g = 0; g < G; g++)
             for (int64_t o = 0; o < O; o += 4) {
                 const char *w = (const char *)W + (g * O + o) * K * wsize;
+                int wb = w_bf16;
+                if (w_bf16) {  /* widen the block's rows once for the N tokens */
+                    bf16_row((const uint16_t *)w, (O - o >= 4 ? 4 : O - o) * K, scratch);
+                    w = (const char *)scratch;
+                    wb = 0;
+                }
                 for (int64_t n = 0; n < N; n++) {
                     const float *xn = xf + n * ldx + g * K;
                     int64_t at = n * ldo + g * O + o;
                     if (O - o >= 4) {
-                        dot1x4(xn, w, w_bf16, K, res);
+                        dot1x4(xn, w, wb, K, res);
                         for (int r = 0; r < 4; r++) store_out(out, at + r, res[r], out_bf16);
                     } else {
                         for (int64_t r = 0; r < O - o; r++)
-                            store_out(out, at + r, dot1(xn, w + r * K * wsize, w_bf16, K), out_bf16);
+                            store_out(out, at + r, dot1(xn, w + r * K * (wb ? 2 : 4), wb, K), out_bf16);
                     }
                 }
             }
@@ -902,10 +757,154 @@ static void linear_into(const void *x, int x_bf16, int64_t N, int64_t G, int64_t
  * scratch cannot be allocated. */
 int dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, const void *W, int w_bf16, int64_t O,
                  void *out) {
-    size_t floats = (size_t)(x_bf16 ? N * G * K : 0) + (size_t)(w_bf16 ? 2 * K : 0);
+    size_t floats = (size_t)(x_bf16 ? N * G * K : 0) + (size_t)(w_bf16 ? 4 * K : 0);
     float *scratch = floats ? malloc(floats * sizeof(float)) : NULL;
     if (floats && !scratch) return -1;
     linear_into(x, x_bf16, N, G, K, W, w_bf16, O, out, x_bf16, scratch);
     free(scratch);
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------- routed and shared experts */
+
+/* out[tokens[t]] += gain[t] * w2 (silu(min(gate, limit)) * clamp(up, +-limit)) of the n_e tokens x[tokens[t]] (one
+ * expert, model/moe.py Expert): gate rows are w1 [inter, D], up rows w3 [inter, D] (fp32 or bf16 bits), w2
+ * [D, inter]; the three projections by linear_into (each weight row read once for all n_e tokens). buf: n_e * (2 *
+ * D + 3 * inter) + 2 * max(D, inter) floats. */
+static void expert_ffn(const float *x, int64_t D, const int64_t *tokens, const float *gain, int64_t n_e,
+                       const void *w1, const void *w3, const void *w2, int bf16, int64_t inter, float limit,
+                       float *buf, float *out) {
+    float *xs = buf, *gate = xs + n_e * D, *up = gate + n_e * inter, *hidden = up + n_e * inter;
+    float *y = hidden + n_e * inter, *scratch = y + n_e * D;
+    for (int64_t t = 0; t < n_e; t++) memcpy(xs + t * D, x + tokens[t] * D, (size_t)D * sizeof(float));
+    linear_into(xs, 0, n_e, 1, D, w1, bf16, inter, gate, 0, scratch);
+    linear_into(xs, 0, n_e, 1, D, w3, bf16, inter, up, 0, scratch);
+    dsv41_swiglu(gate, up, n_e, inter, inter, limit, hidden);
+    linear_into(hidden, 0, n_e, 1, inter, w2, bf16, D, y, 0, scratch);
+    for (int64_t t = 0; t < n_e; t++) {
+        float *o = out + tokens[t] * D;
+        const float *yt = y + t * D;
+        for (int64_t i = 0; i < D; i++) o[i] += yt[i] * gain[t];
+    }
+}
+
+/* The experts of one dsv41_moe_bf16 call: experts[0 .. n) in ascending id (-1: the shared expert, last), summed
+ * into out [N, D]. */
+typedef struct {
+    const float *x;
+    int64_t N, D, k, inter, s_inter;
+    const int64_t *indices;
+    const float *weights;
+    const uint16_t *w13, *w2;
+    const void *s1, *s3, *s2;
+    int s_bf16;
+    float limit;
+    const int64_t *experts;
+    int64_t n;
+    float *out;
+} moe_experts;
+
+/* Runs them: 0, or -1 when the scratch cannot be allocated. */
+static int moe_run(const moe_experts *p) {
+    int64_t N = p->N, D = p->D, k = p->k;
+    int64_t I = p->s1 && p->s_inter > p->inter ? p->s_inter : p->inter, M = N * k > N ? N * k : N;
+    float *scratch = malloc((size_t)(M * (2 * D + 3 * I + 1) + 4 * (D > I ? D : I)) * sizeof(float));
+    int64_t *tokens = malloc((size_t)M * sizeof(int64_t));
+    if (!scratch || !tokens) {
+        free(scratch);
+        free(tokens);
+        return -1;
+    }
+    float *gain = scratch;                                 /* [n_e] the router weight of each token */
+    float *buf = gain + M;                                 /* expert_ffn's */
+    memset(p->out, 0, (size_t)(N * D) * sizeof(float));
+    for (int64_t i = 0; i < p->n; i++) {
+        int64_t e = p->experts[i], n_e = 0;
+        if (e < 0) {  /* the shared expert: every token, weight 1 */
+            for (int64_t n = 0; n < N; n++) {
+                tokens[n] = n;
+                gain[n] = 1.0f;
+            }
+            expert_ffn(p->x, D, tokens, gain, N, p->s1, p->s3, p->s2, p->s_bf16, p->s_inter, p->limit, buf, p->out);
+            continue;
+        }
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t j = 0; j < k; j++)
+                if (p->indices[n * k + j] == e) {
+                    tokens[n_e] = n;
+                    gain[n_e++] = p->weights[n * k + j];
+                }
+        const uint16_t *we = p->w13 + e * 2 * p->inter * D;
+        expert_ffn(p->x, D, tokens, gain, n_e, we, we + p->inter * D, p->w2 + e * D * p->inter, 1, p->inter, p->limit,
+                   buf, p->out);
+    }
+    free(scratch);
+    free(tokens);
+    return 0;
+}
+
+/* The routed experts of a few tokens (model/moe.py MoE.dispatch) from bf16 weights (the bf16 model's own, or
+ * copies of an fp32 model's that are exact in bf16: FP4 E2M1 values with power-of-two scales have 2 significant
+ * bits), plus the shared expert when s1 is given (MoE.forward): x [N, D] fp32 or bf16 bits (x_bf16), indices /
+ * weights [N, k] (the router's), w13 [E, 2 * inter, D] (gate rows, then up rows) and w2 [E, D, inter] as bf16
+ * bits; shared s1 / s3 [s_inter, D] and s2 [D, s_inter], fp32 or bf16 bits (s_bf16).
+ * out [N, D] fp32 = the sum over the picked experts in ascending id of weight * expert(x), then + shared(x) (the
+ * order of MoE.forward), in fp32 throughout (no bf16 rounding between the steps). Each expert's weights are read
+ * once for all its tokens. Returns 0, -1 (nothing computed) when an index is outside [0, E), -2 when memory for
+ * the scratch cannot be had. */
+int dsv41_moe_bf16(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *indices, const float *weights,
+                   int64_t k, const uint16_t *w13, const uint16_t *w2, int64_t E, int64_t inter, float limit,
+                   const void *s1, const void *s3, const void *s2, int s_bf16, int64_t s_inter, float *out) {
+    for (int64_t i = 0; i < N * k; i++)
+        if (indices[i] < 0 || indices[i] >= E) return -1;
+    int64_t *experts = malloc((size_t)(E + 1) * sizeof(int64_t));
+    float *xf = x_bf16 ? malloc((size_t)(N * D) * sizeof(float)) : NULL;
+    int status = -2;
+    if (experts && (xf || !x_bf16)) {
+        if (x_bf16) bf16_row((const uint16_t *)x, N * D, xf);
+        int64_t n = 0;
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t i = 0; i < N * k; i++)
+                if (indices[i] == e) {
+                    experts[n++] = e;
+                    break;
+                }
+        if (s1) experts[n++] = -1;
+        moe_experts all = {x_bf16 ? xf : (const float *)x, N, D, k, inter, s_inter, indices, weights, w13, w2, s1, s3,
+                         s2, s_bf16, limit, experts, n, out};
+        status = moe_run(&all) == 0 ? 0 : -2;
+    }
+    free(experts);
+    free(xf);
+    return status;
+}
+
+/* ------------------------------------------------------------------------------ indexer scores from FP4 */
+
+/* Index scores of entries 0 .. n-1 of each row straight from its packed FP4 keys (model/indexer.py IndexScorer
+ * over PagedContext.index_keys, without materializing the keys): q [B, c, H, di] and w [B, c, H] fp32 ->
+ * out [B, c, n] = sum_h w_h relu(q_h . k_s), each key decoded once for the row's c queries (scratch: di floats).
+ * Returns 0, or -1 when an entry lies past its block table or its page is out of range. */
+int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t pages, int64_t per_page, int64_t di,
+                       int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
+                       int64_t block_size, const float *q, const float *w, int64_t B, int64_t c, int64_t H, int64_t n,
+                       float *key, float *out) {
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t s = 0; s < n; s++) {
+            int64_t page = entry_page(tables + b * table_len, table_len, s, ratio, block_size);
+            if (page < 0 || page >= pages) return -1;
+            int64_t at = page * per_page + s % per_page;
+            fp4_dequantize_row(codes + at * (di / 2), scales + at * (di / block), di, block, fmt, key);
+            for (int64_t t = 0; t < c; t++) {
+                const float *qt = q + (b * c + t) * H * di, *wt = w + (b * c + t) * H;
+                float acc = 0.0f;
+                for (int64_t h = 0; h < H; h++) {
+                    float d = dot(qt + h * di, key, di);
+                    acc += wt[h] * (d < 0.0f ? 0.0f : d);
+                }
+                out[(b * c + t) * n + s] = acc;
+            }
+        }
+    }
     return 0;
 }
