@@ -43,6 +43,7 @@ FP4_FORMATS = {"e4m3": 0, "ue8m0": 1}
 WIDENS_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_ROWS = 256  # up to this many tokens the mHC and router kernels run (beyond, ATen's threaded matmuls win)
 MAX_HC = 16  # hc_mix keeps one token's (2 + hc) * hc mixing logits on the stack
+INDEX_LUT_ROWS = 1024  # from this many index keys per row the indexer scores go through a lookup table
 FEW_ROWS = 16  # up to this many tokens the routed experts take moe_bf16 (decode, speculative verify)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -65,8 +66,8 @@ _SIGNATURES = {
     "dsv41_attend_few": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P, ctypes.c_float, _P, _P], None),
     "dsv41_gate": ([_P, _I, _I, _P, _I, _P, _I, ctypes.c_int, ctypes.c_float, _P, _P, _P], None),
     "dsv41_swiglu": ([_P, _P, _I, _I, _I, ctypes.c_float, _P], None),
-    "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P],
-                           ctypes.c_int),
+    "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P,
+                            _P], ctypes.c_int),
     "dsv41_moe_bf16": ([_P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P, _P,
                         ctypes.c_int, _I, _P], ctypes.c_int),
     "dsv41_linear": ([_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int, _I, _P], ctypes.c_int),
@@ -274,9 +275,14 @@ def index_scores(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str
     B, c, H, di = q.shape
     out = torch.empty((B, c, n), dtype=torch.float32)
     key = torch.empty(di, dtype=torch.float32)
+    # A lookup table per query pays for itself over long rows (its size: see cpu_kernels.c dsv41_index_scores).
+    entries = di // 2 * 256 * -(-H // 4) * 4
+    lut = n >= INDEX_LUT_ROWS and H <= 64 and entries <= 1 << 16
+    table = torch.empty(entries, dtype=torch.float32) if lut else None
     status = library().dsv41_index_scores(codes.data_ptr(), scales.data_ptr(), pages, per_page, 2 * half, block,
                                           FP4_FORMATS[fmt], tables.data_ptr(), tables.shape[1], ratio, block_size,
-                                          q.data_ptr(), w.data_ptr(), B, c, H, n, key.data_ptr(), out.data_ptr())
+                                          q.data_ptr(), w.data_ptr(), B, c, H, n, key.data_ptr(), _ptr(table),
+                                          out.data_ptr())
     if status != 0:
         raise IndexError("an entry index lies past its block table")
     return out

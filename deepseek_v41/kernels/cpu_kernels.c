@@ -71,7 +71,14 @@ static const float E2M1_VALUES[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 
                                       -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 /* Called once by the loader. Returns the number of E4M3 table entries, so the loader can check the call ran. */
+/* Both E2M1 values of each code byte (element 2i in the low nibble): one 8-byte lookup decodes a byte. */
+static float FP4_PAIRS[256][2];
+
 int dsv41_init(void) {
+    for (int c = 0; c < 256; c++) {
+        FP4_PAIRS[c][0] = E2M1_VALUES[c & 15];
+        FP4_PAIRS[c][1] = E2M1_VALUES[c >> 4];
+    }
     for (int c = 0; c < 256; c++) {
         int e = (c >> 3) & 15, m = c & 7;
         float v = e == 0 ? (float)m * 0.001953125f : ldexpf(1.0f + (float)m / 8.0f, e - 7);
@@ -881,25 +888,97 @@ int dsv41_moe_bf16(const void *x, int x_bf16, int64_t N, int64_t D, const int64_
 
 /* ------------------------------------------------------------------------------ indexer scores from FP4 */
 
+/* One row's index keys in order: entries s = 0, 1, ... of a pool through its block table, as (codes, scales)
+ * pointers. A page-aligned pool (block_size = per_page * ratio) is walked page by page, without two integer
+ * divisions per entry. */
+typedef struct {
+    const uint8_t *codes, *scales;
+    const int64_t *table;
+    int64_t pages, per_page, table_len, ratio, block_size, code_bytes, scale_bytes, page, slot;
+    int aligned;
+} key_walk;
+
+/* The next entry's codes / scales (*kc, *ks): 0, or -1 when it lies past the block table or its page is out of
+ * range. */
+static int key_next(key_walk *k, int64_t s, const uint8_t **kc, const uint8_t **ks) {
+    if (!k->aligned || s == 0 || k->slot == k->per_page) {
+        k->page = entry_page(k->table, k->table_len, s, k->ratio, k->block_size);
+        if (k->page < 0 || k->page >= k->pages) return -1;
+        k->slot = k->aligned ? 0 : s % k->per_page;
+    }
+    int64_t at = k->page * k->per_page + k->slot++;
+    *kc = k->codes + at * k->code_bytes;
+    *ks = k->scales + at * k->scale_bytes;
+    return 0;
+}
+
 /* Index scores of entries 0 .. n-1 of each row straight from its packed FP4 keys (model/indexer.py IndexScorer
  * over PagedContext.index_keys, without materializing the keys): q [B, c, H, di] and w [B, c, H] fp32 ->
- * out [B, c, n] = sum_h w_h relu(q_h . k_s), each key decoded once for the row's c queries (scratch: di floats).
- * Returns 0, or -1 when an entry lies past its block table or its page is out of range. */
+ * out [B, c, n] = sum_h w_h relu(q_h . k_s), summed in fp32, each block's dot multiplied by its scale.
+ * Long rows (n >= 1024) with a small table (di / 2 * 256 * H <= 65536 floats) go through a lookup table per
+ * query: T[i][byte][h] = q_h[2i] e(byte & 15) + q_h[2i + 1] e(byte >> 4), so a key costs one vector load and add
+ * per code byte for 4 heads at once (table scratch: di / 2 * 256 * ceil(H / 4) * 4 floats); otherwise each key's
+ * codes are widened once for the row's c queries (scratch: di floats). Returns 0, or -1 when an entry lies past
+ * its block table or its page is out of range (nothing else is guaranteed written then). */
 int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t pages, int64_t per_page, int64_t di,
                        int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
                        int64_t block_size, const float *q, const float *w, int64_t B, int64_t c, int64_t H, int64_t n,
-                       float *key, float *out) {
+                       float *key, float *table, float *out) {
+    const int64_t H4 = (H + 3) / 4, nb = di / block, half = block / 2;
+    const int lut = table != NULL;
     for (int64_t b = 0; b < B; b++) {
+        key_walk walk = {codes, scales, tables + b * table_len, pages, per_page, table_len, ratio, block_size, di / 2,
+                         nb, -1, 0, per_page * ratio == block_size};
+        if (lut) {
+            for (int64_t t = 0; t < c; t++) {
+                const float *qt = q + (b * c + t) * H * di, *wt = w + (b * c + t) * H;
+                for (int64_t i = 0; i < di / 2; i++)
+                    for (int64_t byte = 0; byte < 256; byte++) {
+                        float *e = table + (i * 256 + byte) * H4 * 4;
+                        for (int64_t h = 0; h < H4 * 4; h++)
+                            e[h] = h < H ? qt[h * di + 2 * i] * FP4_PAIRS[byte][0]
+                                               + qt[h * di + 2 * i + 1] * FP4_PAIRS[byte][1]
+                                         : 0.0f;
+                    }
+                walk.page = -1, walk.slot = 0;
+                for (int64_t s = 0; s < n; s++) {
+                    const uint8_t *kc, *ks;
+                    if (key_next(&walk, s, &kc, &ks) != 0) return -1;
+                    v4f acc[16] = {{0}};
+                    for (int64_t k0 = 0; k0 < nb; k0++) {
+                        float sc = fp4_scale_decode(ks[k0], fmt);
+                        for (int64_t h4 = 0; h4 < H4; h4++) {
+                            /* four partial sums: independent chains of additions */
+                            v4f p[4] = {{0}, {0}, {0}, {0}};
+                            for (int64_t i = k0 * half; i < (k0 + 1) * half; i++) {
+                                v4f v;
+                                memcpy(&v, table + ((i * 256 + kc[i]) * H4 + h4) * 4, sizeof v);
+                                p[i & 3] += v;
+                            }
+                            acc[h4] += ((p[0] + p[1]) + (p[2] + p[3])) * sc;
+                        }
+                    }
+                    float score = 0.0f;
+                    for (int64_t h = 0; h < H; h++) {
+                        float d = acc[h / 4][h % 4];
+                        score += wt[h] * (d < 0.0f ? 0.0f : d);
+                    }
+                    out[(b * c + t) * n + s] = score;
+                }
+            }
+            continue;
+        }
         for (int64_t s = 0; s < n; s++) {
-            int64_t page = entry_page(tables + b * table_len, table_len, s, ratio, block_size);
-            if (page < 0 || page >= pages) return -1;
-            int64_t at = page * per_page + s % per_page;
-            fp4_dequantize_row(codes + at * (di / 2), scales + at * (di / block), di, block, fmt, key);
+            const uint8_t *kc, *ks;
+            if (key_next(&walk, s, &kc, &ks) != 0) return -1;
+            for (int64_t i = 0; i < di / 2; i++) memcpy(key + 2 * i, FP4_PAIRS[kc[i]], sizeof FP4_PAIRS[0]);
             for (int64_t t = 0; t < c; t++) {
                 const float *qt = q + (b * c + t) * H * di, *wt = w + (b * c + t) * H;
                 float acc = 0.0f;
                 for (int64_t h = 0; h < H; h++) {
-                    float d = dot(qt + h * di, key, di);
+                    float d = 0.0f;
+                    for (int64_t k0 = 0; k0 < nb; k0++)
+                        d += dot(qt + h * di + k0 * block, key + k0 * block, block) * fp4_scale_decode(ks[k0], fmt);
                     acc += wt[h] * (d < 0.0f ? 0.0f : d);
                 }
                 out[(b * c + t) * n + s] = acc;

@@ -1505,3 +1505,31 @@ def test_bf16_engine_logits_are_close_with_and_without_the_kernels(calls):
         assert_close_to_scale(got, want, 0.3)
         norms.append(((got - want).norm() / want.norm()).item())
     assert sum(norms) / len(norms) <= 0.15, norms
+
+
+# ------------------------------------------------------------------------------------- indexer scores, direct
+@pytest.mark.parametrize("di,H", [(32, 4), (64, 5), (32, 8)])
+@pytest.mark.parametrize("n", [100, kernels.INDEX_LUT_ROWS + 37])  # below / above the lookup-table threshold
+@pytest.mark.parametrize("ratio", [4, 3])  # 4: page-aligned pool (walked page by page); 3: block_size 8 % 3 != 0
+def test_index_scores_equal_scoring_the_decoded_keys(di, H, n, ratio):
+    """kernels.index_scores (both its lookup-table and its widening path) against decoding every key of the pool
+    through the block tables and scoring with IndexScorer, to fp32 rounding; an entry past its table raises."""
+    g = torch.Generator().manual_seed(di + H + n + ratio)
+    block_size, B, c = 8, 2, 3
+    per_page = block_size // ratio
+    pages = n // per_page + 4
+    codes = torch.randint(0, 256, (pages, per_page, di // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(118, 132, (pages, per_page, di // 32), generator=g, dtype=torch.uint8)
+    cols = -(-n * ratio // block_size)
+    tables = torch.stack([torch.randperm(pages, generator=g)[:cols] for _ in range(B)])
+    q = torch.randn(B, c, H, di, generator=g)
+    w = torch.rand(B, c, H, generator=g)
+    got = kernels.index_scores(codes, scales, 32, "ue8m0", tables, ratio, block_size, q, w, n)
+    s = torch.arange(n)
+    page = tables[:, (s * ratio) // block_size]  # [B, n]
+    keys = dequantize_fp4(codes[page, s % per_page], scales[page, s % per_page], 32, "ue8m0")  # [B, n, di]
+    want = IndexScorer()(q, w, keys)
+    assert (want > 0).float().mean() > 0.3
+    assert_close_to_scale(got, want, 2e-6)
+    with pytest.raises(IndexError):
+        kernels.index_scores(codes, scales, 32, "ue8m0", tables[:, : cols - 1], ratio, block_size, q, w, n)
