@@ -70,6 +70,7 @@ _SIGNATURES = {
                             _P], ctypes.c_int),
     "dsv41_moe_bf16": ([_P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P, _P,
                         ctypes.c_int, _I, _P], ctypes.c_int),
+    "dsv41_topk_set": ([_P, _I, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
     "dsv41_linear": ([_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int, _I, _P], ctypes.c_int),
 }
 
@@ -435,3 +436,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tens
                               weight.dtype == torch.bfloat16, O, out.data_ptr()) != 0:
         raise MemoryError("linear kernel: no memory for its scratch")
     return out
+
+
+# ------------------------------------------------------------------------------------------------ indexer top-k
+def topk_set(scores: torch.Tensor, k: int, drop_neg_inf: bool = False) -> torch.Tensor | None:
+    """:func:`deepseek_v41.model.indexer.topk_set` of fp32 ``scores`` [..., N]: indices int64 [..., k] of the k
+    largest, ascending, ties at the k-th value to the lowest indices (exactly the torch code's result);
+    ``drop_neg_inf``: -1 where the picked score is -inf (``topk_entries``). None when a row holds a NaN or
+    k > N (the caller takes the torch code, which ranks NaN first / raises)."""
+    N = scores.shape[-1]
+    out = torch.empty((*scores.shape[:-1], k), dtype=torch.int64)
+    heap = torch.empty(max(k, 1), dtype=torch.float32)
+    status = library().dsv41_topk_set(scores.data_ptr(), scores.numel() // max(N, 1), N, k, int(drop_neg_inf),
+                                      heap.data_ptr(), out.data_ptr())
+    return out if status == 0 else None

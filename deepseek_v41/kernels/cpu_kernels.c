@@ -987,3 +987,51 @@ int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t page
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------ indexer top-k */
+
+/* Restores the min-heap h [n] below position i. */
+static void sift_down(float *h, int64_t n, int64_t i) {
+    for (;;) {
+        int64_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < n && h[l] < h[m]) m = l;
+        if (r < n && h[r] < h[m]) m = r;
+        if (m == i) return;
+        float t = h[i];
+        h[i] = h[m];
+        h[m] = t;
+        i = m;
+    }
+}
+
+/* model/indexer.py topk_set for scores [R, N] fp32: per row the indices [k] (ascending) of the k largest scores,
+ * ties at the k-th value going to the lowest indices; with drop_neg_inf, an index whose score is -inf reads -1
+ * (topk_entries). The k-th largest value comes from a min-heap of k scores (heap: k floats). Indices only, so the
+ * result is the torch code's exactly. Returns 0, or -1 (the row's output unspecified) when a row holds a NaN
+ * (torch.topk ranks NaN above everything; the caller takes the torch code), -2 when k > N. */
+int dsv41_topk_set(const float *scores, int64_t R, int64_t N, int64_t k, int drop_neg_inf, float *heap,
+                   int64_t *out) {
+    if (k > N) return -2;
+    for (int64_t r = 0; r < R; r++) {
+        const float *x = scores + r * N;
+        int64_t *o = out + r * k;
+        if (k == 0) continue;
+        for (int64_t i = 0; i < N; i++)
+            if (x[i] != x[i]) return -1;
+        for (int64_t i = 0; i < k; i++) heap[i] = x[i];
+        for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
+        for (int64_t i = k; i < N; i++)
+            if (x[i] > heap[0]) {
+                heap[0] = x[i];
+                sift_down(heap, k, 0);
+            }
+        float kth = heap[0];
+        int64_t greater = 0;
+        for (int64_t i = 0; i < N; i++) greater += x[i] > kth;
+        int64_t ties = k - greater, m = 0;
+        for (int64_t i = 0; i < N && m < k; i++)
+            if (x[i] > kth || (x[i] == kth && ties-- > 0))
+                o[m++] = drop_neg_inf && x[i] == -INFINITY ? -1 : i;
+    }
+    return 0;
+}

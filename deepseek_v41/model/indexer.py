@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepseek_v41 import kernels
 from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.norm import RMSNorm, cast, upcast
 from deepseek_v41.quant import fake_quant_fp4
@@ -88,6 +89,10 @@ def topk_set(scores: torch.Tensor, k: int) -> torch.Tensor:
     different tensor sizes, which would make a sequence's picks depend on its batch, its chunking or the total
     length. This selection depends only on the scores.
     """
+    if scores.dtype == torch.float32 and kernels.usable(scores):  # the same indices from one C call
+        picked = kernels.topk_set(scores, k)
+        if picked is not None:
+            return picked
     values, picked = torch.topk(scores, k, dim=-1)
     if scores.device.type == "meta" or scores.numel() < 1 << 16:  # small (decode): the plain rule is cheaper
         return _ties_to_lowest(scores, k, values[..., -1:])
@@ -115,6 +120,10 @@ def _ties_to_lowest(scores: torch.Tensor, k: int, threshold: torch.Tensor) -> to
 
 def topk_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The best ``k`` entries per query [B, c, k] long (ascending index); -1 where the pick is not visible."""
+    if scores.dtype == torch.float32 and kernels.usable(scores):
+        picked = kernels.topk_set(scores, k, drop_neg_inf=True)
+        if picked is not None:
+            return picked
     idx = topk_set(scores, k)
     return idx.masked_fill(scores.gather(-1, idx) == float("-inf"), -1)
 

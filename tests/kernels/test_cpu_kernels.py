@@ -37,7 +37,7 @@ from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.config import tiny_config
 from deepseek_v41.model.attention import GroupedLinear, _attend_few, sparse_attention
 from deepseek_v41.model.hyper import collapse, expand, hc_mix
-from deepseek_v41.model.indexer import IndexScorer
+from deepseek_v41.model.indexer import IndexScorer, topk_entries, topk_set
 from deepseek_v41.model.linear import Linear, linear
 from deepseek_v41.model.moe import Expert, Gate, MoE, clamped_swiglu
 from deepseek_v41.model.norm import RMSNorm, rms_normalize
@@ -55,7 +55,7 @@ from deepseek_v41.quant import (
 F32 = np.float32
 ENTRY_POINTS = ("fp8_quantize_values", "fp8_dequantize", "fp4_quantize", "fp4_dequantize", "fp4_gather",
                 "fp4_scatter", "window_step", "rope", "rms_norm", "hc_mix", "hc_collapse", "hc_expand", "attend_few",
-                "gate", "swiglu", "moe_bf16", "index_scores", "linear")
+                "gate", "swiglu", "moe_bf16", "index_scores", "linear", "topk_set")
 # RMSNorm / mHC: kernel vs ATen differ by the summation order only (measured: at most ~2.5 fp32 ulps, 2.5e-7
 # absolute on values up to ~16).
 RTOL, ATOL = 2e-6, 1e-6
@@ -1533,3 +1533,38 @@ def test_index_scores_equal_scoring_the_decoded_keys(di, H, n, ratio):
     assert_close_to_scale(got, want, 2e-6)
     with pytest.raises(IndexError):
         kernels.index_scores(codes, scales, 32, "ue8m0", tables[:, : cols - 1], ratio, block_size, q, w, n)
+
+
+# ------------------------------------------------------------------------------------------- indexer top-k
+@pytest.mark.parametrize("N,k", [(1, 1), (7, 3), (300, 64), (5000, 64), (64, 64)])
+def test_topk_set_kernel_gives_the_torch_codes_indices(calls, N, k):
+    """Indices only, so exactly the torch code's: random scores with many exact ties (FP4-like values), runs of
+    -inf (invisible entries), +inf, -0 / 0; per row the k largest, ties to the lowest indices, ascending."""
+    g = torch.Generator().manual_seed(N + k)
+    rows = torch.randint(0, 6, (2, 3, N), generator=g).float() * 0.5  # ties everywhere
+    rows[0, 0, N // 2:] = float("-inf")  # fewer visible than k in some rows
+    rows[0, 1, : N // 3] = -0.0
+    rows[1, 2, -1] = float("inf")
+    if N > 2:
+        rows[1, 1, 1:] = float("-inf")  # one visible entry
+    for drop in (False, True):
+        calls.clear()
+        got = topk_entries(rows, k) if drop else topk_set(rows, k)
+        assert calls["topk_set"] == 1
+        with kernels.disabled():
+            want = topk_entries(rows, k) if drop else topk_set(rows, k)
+        assert calls["topk_set"] == 1
+        assert torch.equal(got, want)
+    if N >= 7:
+        assert (topk_entries(rows, k) == -1).any()  # -inf picks read -1
+
+
+def test_topk_set_kernel_leaves_nan_rows_and_large_k_to_the_torch_code(calls):
+    scores = torch.tensor([[0.5, float("nan"), 1.0, 2.0]])
+    got = topk_set(scores, 2)
+    with kernels.disabled():
+        want = topk_set(scores, 2)
+    assert calls["topk_set"] == 1 and torch.equal(got, want)  # the kernel declined; torch.topk ranks NaN first
+    assert kernels.topk_set(scores, 2) is None and kernels.topk_set(scores[:, 2:], 3) is None
+    with pytest.raises(RuntimeError):
+        topk_set(scores[:, 2:], 3)  # k > N: torch.topk's error
