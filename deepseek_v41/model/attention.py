@@ -200,7 +200,7 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(groups * rank, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 4 and x.shape[2] == self.groups and gemv(x, self.weight):  # a few bf16 tokens: one call
+        if x.dim() == 4 and x.shape[2] == self.groups and gemv(x, self.weight, fp32=True):  # a few tokens: one call
             return kernels.linear(x.flatten(-2), self.weight, self.groups)
         weight = self.weight.view(self.groups, self.rank, -1)
         B, T = x.shape[:2]

@@ -16,11 +16,14 @@ from torch import nn
 from deepseek_v41 import kernels
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` takes the kernel: bf16 x [..., K] and weight [O, K] on the CPU, contiguous, in
-    inference mode, with at most ``kernels.GEMV_MACS`` multiply-adds (beyond that ATen's threaded GEMM wins).
-    Mismatched widths take ``F.linear``, which raises (the kernel would read past the weight)."""
-    return (x.dtype == weight.dtype == torch.bfloat16 and torch.is_inference_mode_enabled() and x.dim() >= 1
+def gemv(x: torch.Tensor, weight: torch.Tensor, fp32: bool = False) -> bool:
+    """Whether :func:`linear` takes the kernel: bf16 (``fp32``: or fp32) x [..., K] and weight [O, K] on the CPU,
+    contiguous, in inference mode, with at most ``kernels.GEMV_MACS`` multiply-adds (beyond that ATen's threaded
+    GEMM wins). Mismatched widths take ``F.linear``, which raises (the kernel would read past the weight). fp32 is
+    for callers whose torch code is several ops (``GroupedLinear``: reshapes and a batched matmul); a plain fp32
+    ``F.linear`` is as fast as the kernel."""
+    return (x.dtype == weight.dtype and (x.dtype == torch.bfloat16 or (fp32 and x.dtype == torch.float32))
+            and torch.is_inference_mode_enabled() and x.dim() >= 1
             and weight.dim() == 2 and x.shape[-1] == weight.shape[1]
             and x.numel() * weight.shape[0] <= kernels.GEMV_MACS and kernels.usable(x, weight))
 
