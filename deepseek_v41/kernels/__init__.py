@@ -2,16 +2,18 @@
 
 At decode size (a few tokens) nearly all of a step's time is dispatch: ~3,800 tensor ops of a few µs each.
 ``cpu_kernels.c`` does the worst chains in one call each: the FP8 window ring (read, quantize, write), FP4
-entries written to and read from pages through the block tables, FP4 / FP8 quantization, RoPE, RMSNorm and the
-mHC mixing (coefficients with Sinkhorn, collapse, expand). It is plain C compiled with the system C compiler on
-first use (about a second) into a cache folder and called through :mod:`ctypes`; no torch headers, nothing to
-install.
+entries written to and read from pages through the block tables, FP4 / FP8 quantization, RoPE, RMSNorm, the mHC
+mixing (coefficients with Sinkhorn, collapse, expand), the few-query attention, the MoE router and experts, the
+indexer's scores and top-k, and a GEMV for bf16 projections. It is plain C (with the GCC / Clang vector
+extension for its accumulators) compiled with the system C compiler on first use (about a second) into a cache
+folder and called through :mod:`ctypes`; no torch headers, nothing to install.
 
 Callers use a kernel only where :func:`usable` says so (CPU, contiguous, no autograd) and keep their torch code
-as the fallback, which runs everywhere else (CUDA, ``meta``, training, float64 / bf16 where a kernel takes fp32
-only) and wherever the library cannot be built: no compiler, or ``DSV41_CPU_KERNELS=0``. The quantization
-kernels and RoPE give the torch code's bits exactly; RMSNorm and the mHC kernels add in another order, so they
-agree to rounding (``tests/kernels`` checks both).
+as the fallback, which runs everywhere else (CUDA, ``meta``, training, float64) and wherever the library cannot
+be built: no compiler, or ``DSV41_CPU_KERNELS=0``. The quantization kernels, RoPE and the top-k give the torch
+code's results exactly; the others add in another order (and, for bf16 tensors, compute in fp32 without the
+bf16 roundings between the steps they fuse), so they agree to rounding and run only under
+``torch.inference_mode`` (``tests/kernels`` checks both).
 
 Environment: ``DSV41_CPU_KERNELS=0`` turns the kernels off; ``DSV41_KERNEL_CACHE`` is the folder for the built
 library (default: ``deepseek_v41_kernels_<user>`` in the system temp folder, as torch inductor keeps its builds;

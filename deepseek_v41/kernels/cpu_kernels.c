@@ -1,10 +1,12 @@
 /* Fused CPU kernels for the decode step (bench/README.md, "Fused CPU kernels").
  *
- * Plain C99 over contiguous fp32 / uint8 / int64 buffers, compiled on first use by deepseek_v41/kernels and
- * called through ctypes. Each function replaces a chain of small tensor ops whose cost at decode size is all
- * dispatch. The quantization kernels are bit-exact with the torch codecs of deepseek_v41/quant (the same
- * IEEE operations in the same order; built with -ffp-contract=off so no multiply-add is fused); the mHC and
- * RMSNorm kernels sum in a different order than ATen, so they agree to rounding (tests/kernels).
+ * Plain C99 (plus the GCC / Clang vector extension, for accumulators that stay in registers) over contiguous
+ * fp32 / bf16 bits / uint8 / int64 buffers, compiled on first use by deepseek_v41/kernels and called through
+ * ctypes. Each function replaces a chain of small tensor ops whose cost at decode size is all dispatch. The
+ * quantization kernels, RoPE and the top-k are bit-exact with the torch code (the same IEEE operations in the
+ * same order; built with -ffp-contract=off so no multiply-add is fused); the others (norms, mHC, attention,
+ * router, experts, indexer scores, GEMV) sum in a different order than ATen, so they agree to rounding
+ * (tests/kernels).
  *
  * Formats (MODEL_REFERENCE.md §4): E4M3FN bytes, E2M1 nibbles (element 2i in the low nibble), UE8M0 bytes
  * (2**(b - 127); 0 is 2**-127, 255 is NaN). NaN / inf / -0 follow the package policy of deepseek_v41/quant.
@@ -912,6 +914,13 @@ static int key_next(key_walk *k, int64_t s, const uint8_t **kc, const uint8_t **
     return 0;
 }
 
+/* Four heads' entries T[i][byte][4 h4 .. 4 h4 + 3] of an index-score lookup table (H4 groups of 4 heads). */
+static v4f lut4(const float *table, int64_t i, uint8_t byte, int64_t H4, int64_t h4) {
+    v4f v;
+    memcpy(&v, table + ((i * 256 + byte) * H4 + h4) * 4, sizeof v);
+    return v;
+}
+
 /* Index scores of entries 0 .. n-1 of each row straight from its packed FP4 keys (model/indexer.py IndexScorer
  * over PagedContext.index_keys, without materializing the keys): q [B, c, H, di] and w [B, c, H] fp32 ->
  * out [B, c, n] = sum_h w_h relu(q_h . k_s), summed in fp32, each block's dot multiplied by its scale.
@@ -932,14 +941,17 @@ int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t page
         if (lut) {
             for (int64_t t = 0; t < c; t++) {
                 const float *qt = q + (b * c + t) * H * di, *wt = w + (b * c + t) * H;
-                for (int64_t i = 0; i < di / 2; i++)
-                    for (int64_t byte = 0; byte < 256; byte++) {
-                        float *e = table + (i * 256 + byte) * H4 * 4;
-                        for (int64_t h = 0; h < H4 * 4; h++)
-                            e[h] = h < H ? qt[h * di + 2 * i] * FP4_PAIRS[byte][0]
-                                               + qt[h * di + 2 * i + 1] * FP4_PAIRS[byte][1]
-                                         : 0.0f;
+                for (int64_t i = 0; i < di / 2; i++) {
+                    float qe[64], qo[64];  /* the heads' pair of query values at code byte i (H <= 64) */
+                    for (int64_t h = 0; h < H4 * 4; h++) {
+                        qe[h] = h < H ? qt[h * di + 2 * i] : 0.0f;
+                        qo[h] = h < H ? qt[h * di + 2 * i + 1] : 0.0f;
                     }
+                    for (int64_t byte = 0; byte < 256; byte++) {
+                        float *e = table + (i * 256 + byte) * H4 * 4, lo = FP4_PAIRS[byte][0], hi = FP4_PAIRS[byte][1];
+                        for (int64_t h = 0; h < H4 * 4; h++) e[h] = qe[h] * lo + qo[h] * hi;
+                    }
+                }
                 walk.page = -1, walk.slot = 0;
                 for (int64_t s = 0; s < n; s++) {
                     const uint8_t *kc, *ks;
@@ -948,14 +960,17 @@ int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t page
                     for (int64_t k0 = 0; k0 < nb; k0++) {
                         float sc = fp4_scale_decode(ks[k0], fmt);
                         for (int64_t h4 = 0; h4 < H4; h4++) {
-                            /* four partial sums: independent chains of additions */
-                            v4f p[4] = {{0}, {0}, {0}, {0}};
-                            for (int64_t i = k0 * half; i < (k0 + 1) * half; i++) {
-                                v4f v;
-                                memcpy(&v, table + ((i * 256 + kc[i]) * H4 + h4) * 4, sizeof v);
-                                p[i & 3] += v;
+                            /* four partial sums: independent chains of additions, kept in registers */
+                            v4f p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+                            int64_t i = k0 * half, end = (k0 + 1) * half;
+                            for (; i + 4 <= end; i += 4) {
+                                p0 += lut4(table, i, kc[i], H4, h4);
+                                p1 += lut4(table, i + 1, kc[i + 1], H4, h4);
+                                p2 += lut4(table, i + 2, kc[i + 2], H4, h4);
+                                p3 += lut4(table, i + 3, kc[i + 3], H4, h4);
                             }
-                            acc[h4] += ((p[0] + p[1]) + (p[2] + p[3])) * sc;
+                            for (; i < end; i++) p0 += lut4(table, i, kc[i], H4, h4);
+                            acc[h4] += ((p0 + p1) + (p2 + p3)) * sc;
                         }
                     }
                     float score = 0.0f;
