@@ -62,6 +62,13 @@ class Expert(nn.Module):
         return True
 
 
+def _linear_weight(expert: nn.Module, name: str) -> torch.Tensor | None:
+    """``expert.<name>.weight`` when that projection is an ``nn.Linear`` (hooked or not); None for a wrapper (e.g.
+    LoRA-like, without a weight of its own) or another module."""
+    m = expert._modules.get(name)
+    return m._parameters.get("weight") if type(m) is nn.Linear else None
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` in fp32 (float64 stays float64); ``limit <= 0``:
     no clamping. gate, up [..., inter] -> [..., inter]."""
@@ -101,6 +108,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if (image_mask is None and not self.training and x.dim() == 2 and x.shape[0] <= kernels.SMALL_ROWS
+                and x.shape[1] == self.weight.shape[1]  # else the matmul below raises (the kernel would read past)
                 and self.topk <= self.weight.shape[0] and fused(x, self.weight, self.bias)):
             return kernels.gate(upcast(x), upcast(self.weight), upcast(self.bias), self.topk, self.norm_topk,
                                 self.route_scale)
@@ -175,9 +183,12 @@ class MoE(nn.Module):
         does not apply (the caller runs the torch code). The shared expert joins when it is plain (no hooks or
         wrappers) with fp32 / bf16 weights and the routed experts' SwiGLU limit; otherwise it is left out and
         None is returned, so the caller runs it as a module."""
-        if not (flat.shape[0] <= kernels.FEW_ROWS and indices.dtype == torch.int64 and fused(flat, weights)
-                and kernels.usable(indices)):
+        # The kernel reads the router weights as fp32 [N, k] (a hook on the gate may have cast them).
+        if not (flat.dim() == 2 and flat.shape[0] <= kernels.FEW_ROWS and indices.dtype == torch.int64
+                and weights.dtype == torch.float32 and weights.shape == indices.shape
+                and indices.shape[0] == flat.shape[0] and fused(flat, weights) and kernels.usable(indices)):
             return None
+        D = flat.shape[1]
         shared = None
         if with_shared and self.shared_experts is not None:
             se = self.shared_experts
@@ -185,10 +196,13 @@ class MoE(nn.Module):
                 return None
             m = se._modules
             shared = (m["w1"]._parameters["weight"], m["w3"]._parameters["weight"], m["w2"]._parameters["weight"])
-            if not fused(*shared):
+            # One dtype and matching widths (the kernel takes the three as one dtype; the torch code would raise).
+            s1, s3, s2 = shared
+            if not (s1.dtype == s3.dtype == s2.dtype and s1.dim() == 2 and s1.shape == s3.shape
+                    and s1.shape[1] == D and s2.shape == (D, s1.shape[0]) and fused(*shared)):
                 return None
         experts = self.bf16_experts(set(indices.flatten().tolist()))
-        if experts is None:
+        if experts is None or experts[0].shape[2] != D:
             return None
         return kernels.moe_bf16(flat, indices, weights, *experts, self.swiglu_limit, shared=shared)
 
@@ -243,17 +257,23 @@ class MoE(nn.Module):
         through ``.data`` bypass torch's version counters and are not seen: after those, set ``moe._bf16 =
         None``. The copies cost 2 bytes per routed-expert weight beside the fp32 parameters."""
         mods = list(self.experts._modules.values())
-        ids = range(len(mods)) if picked is None else picked
+        ids = range(len(mods)) if picked is None else list(picked)  # iterated more than once (not a generator)
         for e in ids:
             if not mods[e].plain():
                 return None
-        dtype = mods[0]._modules["w1"]._parameters["weight"].dtype
+        # Dtype and shape from a picked expert: an unpicked one may be wrapped (a LoRA-like module has no weight).
+        w1 = _linear_weight(mods[ids[0]] if len(ids) else mods[0], "w1")
+        if w1 is None:
+            return None
+        dtype = w1.dtype
+        if dtype != torch.float32:
+            self._bf16 = None  # e.g. model.to(torch.bfloat16) after an fp32 decode: the copies are not needed
         if dtype == torch.bfloat16:
             return self._stacked_bf16(mods, ids)
         if dtype != torch.float32:
             return None
         state = self._bf16
-        E, (inter, D) = len(mods), mods[0]._modules["w1"]._parameters["weight"].shape
+        E, (inter, D) = len(mods), w1.shape
         if state is None or state[0].shape != (E, 2 * inter, D):
             with torch.inference_mode(False):  # ordinary tensors: rebuilt in place later, in or out of inference
                 state = self._bf16 = (torch.empty((E, 2 * inter, D), dtype=torch.bfloat16),
@@ -277,13 +297,16 @@ class MoE(nn.Module):
                 return None
         return w13, w2
 
-    def _stacked_bf16(self, mods: list[nn.Module], ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stacked_bf16(self, mods: list[nn.Module], ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`stacked_weights` of bf16 experts, skipping its whole check when each picked expert's weights
-        still sit at their places in the stack of the last call (only its addresses are kept: no storage)."""
+        still sit at their places in the stack of the last call (only its addresses are kept: no storage). None
+        when an expert's projection is wrapped (no stack of every expert's weights) or, when restacking, not every
+        weight is bf16 (stacking would promote them all to another dtype, which the kernel cannot read as bf16)."""
         at = self._stacked_bf16_at
-        w1 = mods[0]._modules["w1"]._parameters["weight"]
+        w1, w2 = _linear_weight(mods[0], "w1"), _linear_weight(mods[0], "w2")  # the stack's views start there
+        if w1 is None or w2 is None:
+            return None
         E, (inter, D) = len(mods), w1.shape
-        w2 = mods[0]._modules["w2"]._parameters["weight"]
         if (at is not None and at[2] == (E, inter, D) and w1.dtype == torch.bfloat16
                 and (w1.data_ptr(), w2.data_ptr()) == at[:2]):  # expert 0's weights: the views start there
             size = w1.element_size()
@@ -293,6 +316,11 @@ class MoE(nn.Module):
                    for e in ids):
                 return (w1.detach().as_strided((E, 2 * inter, D), (2 * inter * D, D, 1), w1.storage_offset()),
                         w2.detach().as_strided((E, D, inter), (D * inter, inter, 1), w2.storage_offset()))
+        for m in mods:
+            for name in ("w1", "w3", "w2"):
+                w = _linear_weight(m, name)
+                if w is None or w.dtype != torch.bfloat16:
+                    return None
         w13, w2 = self.stacked_weights()
         self._stacked_bf16_at = (w13.data_ptr(), w2.data_ptr(), (E, inter, D))
         return w13, w2

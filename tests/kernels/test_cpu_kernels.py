@@ -641,6 +641,60 @@ with kernels.disabled():
     slow = rope(x, positions)
 assert torch.equal(fast, slow), (fast - slow).abs().max()
 """,
+    # moe_bf16 reads the router weights as fp32 [N, k], the shared expert's three weights in one dtype and every
+    # row as wide as the experts; the router kernel reads x rows as wide as its weight. Inputs that break these
+    # must take the torch code (which raises where the dtypes or widths do not match).
+    "MoE inputs the moe_bf16 and router kernels cannot read": """
+import torch
+from deepseek_v41 import kernels
+from deepseek_v41.model.moe import MoE
+
+def small_moe(dtype=torch.float32):
+    m = MoE(dim=64, inter_dim=32, n_experts=8, topk=2, n_shared=1, swiglu_limit=7.0, route_scale=1.5,
+            norm_topk=True, with_bias_vl=False).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).mul(8).round().div(32))  # exact in bf16
+        m.gate.bias[3] = 100.0
+    return m.to(dtype)
+
+def run(make, x, fast):
+    m = make()
+    try:
+        if fast:
+            with torch.inference_mode():
+                return m(x)
+        with kernels.disabled(), torch.no_grad():
+            return m(x)
+    except RuntimeError:
+        return RuntimeError
+
+def shared(name):
+    def make():
+        m = small_moe()
+        getattr(m.shared_experts, name).bfloat16()
+        return m
+    return make
+
+def hooked_gate():
+    m = small_moe()
+    m.gate.register_forward_hook(lambda module, args, out: (out[0], out[1].bfloat16()))
+    return m
+
+def fp32_expert_in_bf16():
+    m = small_moe(torch.bfloat16)
+    m.experts[3].float()
+    return m
+
+x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(1))
+for make, xs in [(shared("w1"), x), (shared("w2"), x), (small_moe, torch.randn(1, 3, 80)),
+                 (fp32_expert_in_bf16, x.bfloat16())]:
+    fast, slow = run(make, xs, True), run(make, xs, False)
+    assert fast is RuntimeError and slow is RuntimeError, (make, fast, slow)
+fast, slow = run(hooked_gate, x, True), run(hooked_gate, x, False)
+torch.testing.assert_close(fast, slow, rtol=2e-2, atol=2e-2)
+""",
 }
 
 
@@ -977,6 +1031,67 @@ def test_moe_calls_a_hooked_expert(calls):
     with torch.inference_mode():
         assert_close_to_scale(moe(x), want, MOE_TOL)
     assert calls["moe_bf16"] == 1 and len(seen) == 2  # the hook is gone: the kernel is back
+
+
+class LoRA(nn.Module):
+    """A LoRA-like wrapper: the base projection is a submodule, the wrapper has no ``weight`` of its own."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base = base
+        self.down = nn.Linear(base.in_features, 2, bias=False)
+        self.up = nn.Linear(2, base.out_features, bias=False)
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_kernel_runs_beside_a_wrapped_expert_it_does_not_pick(calls, dtype):
+    """A wrapper on an expert the step does not pick (here expert 0, whose weights once gave the dtype and shapes:
+    a KeyError) does not break the MoE: fp32 experts still take the kernel (only the picked ones need be plain);
+    bf16 ones, read from the stack of every expert's weights, take the torch code."""
+    moe = small_moe(68, exact=dtype == torch.float32).to(dtype)
+    with torch.no_grad():
+        moe.gate.bias[3] = moe.gate.bias[5] = 100.0  # every token routes to experts 3 and 5
+    moe.experts[0].w1 = LoRA(moe.experts[0].w1).to(dtype)
+    x = (torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(69)) * 3).to(dtype)
+    fused = int(dtype == torch.float32)
+    got, want = moe_both_ways(moe, x)
+    assert calls["moe_bf16"] == fused
+    assert_close_to_scale(got.float(), want.float(), MOE_TOL if dtype == torch.float32 else EXPERT_BF16_TOL)
+    with torch.no_grad():
+        moe.gate.bias[0] = 200.0  # now expert 0 is picked: the torch code calls its wrapper
+    got, want = moe_both_ways(moe, x)
+    assert calls["moe_bf16"] == fused
+    assert_close_to_scale(got.float(), want.float(), MOE_TOL if dtype == torch.float32 else EXPERT_BF16_TOL)
+
+
+def test_bf16_moe_kernel_runs_beside_a_hooked_expert_it_does_not_pick(calls):
+    """A hook on an unpicked expert's projection does not stop bf16 experts from being stacked and fused."""
+    moe = small_moe(72, exact=False).bfloat16()
+    with torch.no_grad():
+        moe.gate.bias[3] = moe.gate.bias[5] = 100.0
+    seen = []
+    moe.experts[0].w1.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    x = (torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(73)) * 3).bfloat16()
+    got, want = moe_both_ways(moe, x)
+    assert calls["moe_bf16"] == 1 and seen == []
+    assert_close_to_scale(got.float(), want.float(), EXPERT_BF16_TOL)
+
+
+def test_bf16_experts_of_picked_ids_from_any_iterable_and_freed_for_a_bf16_model():
+    moe = small_moe(71)
+    w13, w2 = moe.bf16_experts(e for e in (2, 5))  # a generator: iterated once only
+    for e in (2, 5):
+        expert = moe.experts[e]
+        assert torch.equal(w13[e].float(), torch.cat((expert.w1.weight, expert.w3.weight)))
+        assert torch.equal(w2[e].float(), expert.w2.weight)
+    assert moe._bf16 is not None
+    moe.bfloat16()  # the copies of the fp32 weights are not needed any more
+    w13, _ = moe.bf16_experts([1])
+    assert moe._bf16 is None and w13.data_ptr() == moe.experts[0].w1.weight.data_ptr()
 
 
 # ---------------------------------------------------------------------------------- dense projections (GEMV)
