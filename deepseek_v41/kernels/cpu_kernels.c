@@ -639,46 +639,30 @@ static void dot4x2(const float *x, int64_t ldx, const float *w0, const float *w1
         }
 }
 
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
-
-/* 16 weights starting at w: fp32 values, or bf16 bits widened to fp32 (exact: the bits shifted up). */
-static v16f load16w(const void *w, int64_t i, int bf16) {
-    if (!bf16) return load16((const float *)w + i);
-    v16u16 h;
-    memcpy(&h, (const uint16_t *)w + i, sizeof h);
-    return (v16f)(__builtin_convertvector(h, v16u32) << 16);
-}
-
-static float weight_at(const void *w, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)w)[i];
-    return from_bits((uint32_t)((const uint16_t *)w)[i] << 16);
-}
-
-/* The dots of one token x [K] with 4 weight rows (K apart from w, fp32 or bf16): res [4]. One 16-lane
- * accumulator per row, each lane adding in order; each x vector is loaded once for the 4 rows. */
-static void dot1x4(const float *x, const void *w, int bf16, int64_t K, float *res) {
+/* The dots of one token x [K] with 4 fp32 weight rows (K apart from w): res [4]. One 16-lane accumulator per
+ * row, each lane adding in order; each x vector is loaded once for the 4 rows. */
+static void dot1x4(const float *x, const float *w, int64_t K, float *res) {
     v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int64_t i = 0;
     for (; i + 16 <= K; i += 16) {
         v16f t = load16(x + i);
-        a0 += t * load16w(w, i, bf16);
-        a1 += t * load16w(w, K + i, bf16);
-        a2 += t * load16w(w, 2 * K + i, bf16);
-        a3 += t * load16w(w, 3 * K + i, bf16);
+        a0 += t * load16(w + i);
+        a1 += t * load16(w + K + i);
+        a2 += t * load16(w + 2 * K + i);
+        a3 += t * load16(w + 3 * K + i);
     }
     res[0] = sum16(a0), res[1] = sum16(a1), res[2] = sum16(a2), res[3] = sum16(a3);
     for (; i < K; i++)
-        for (int r = 0; r < 4; r++) res[r] += x[i] * weight_at(w, r * K + i, bf16);
+        for (int r = 0; r < 4; r++) res[r] += x[i] * w[r * K + i];
 }
 
-/* The dot of one token x [K] with one weight row w (fp32 or bf16). */
-static float dot1(const float *x, const void *w, int bf16, int64_t K) {
+/* The dot of one token x [K] with one fp32 weight row w, 16 lanes. */
+static float dot1(const float *x, const float *w, int64_t K) {
     v16f a = {0};
     int64_t i = 0;
-    for (; i + 16 <= K; i += 16) a += load16(x + i) * load16w(w, i, bf16);
+    for (; i + 16 <= K; i += 16) a += load16(x + i) * load16(w + i);
     float s = sum16(a);
-    for (; i < K; i++) s += x[i] * weight_at(w, i, bf16);
+    for (; i < K; i++) s += x[i] * w[i];
     return s;
 }
 
@@ -693,7 +677,7 @@ static void store_out(void *out, int64_t at, float v, int bf16) {
  * + o] (torch.nn.functional.linear without bias when G = 1; the grouped low-rank output projection of
  * model/attention.py GroupedLinear otherwise) for a few tokens, summed in fp32. x is fp32 or bf16 bits (x_bf16), W
  * fp32 or bf16 bits (w_bf16), out fp32 or bf16 bits rounded to nearest even (out_bf16). Each weight row is read
- * once for all N tokens (converted to fp32 once when bf16). scratch: N * G * K floats when x is bf16, plus 2 * K
+ * once for all N tokens (converted to fp32 once when bf16). scratch: N * G * K floats when x is bf16, plus 4 * K
  * when W is. */
 static void linear_into(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, const void *W, int w_bf16,
                         int64_t O, void *out, int out_bf16, float *scratch) {
@@ -705,26 +689,23 @@ static void linear_into(const void *x, int x_bf16, int64_t N, int64_t G, int64_t
     }
     const int64_t ldx = G * K, ldo = G * O;
     float res[8];
-    if (N < 4) {  /* one or a few tokens: blocks of 4 weight rows, weights widened in registers */
-        const int64_t wsize = w_bf16 ? 2 : 4;
+    if (N < 4) {  /* one or a few tokens: blocks of 4 weight rows against each token */
         for (int64_t g = 0; g < G; g++)
             for (int64_t o = 0; o < O; o += 4) {
-                const char *w = (const char *)W + (g * O + o) * K * wsize;
-                int wb = w_bf16;
-                if (w_bf16) {  /* widen the block's rows once for the N tokens */
-                    bf16_row((const uint16_t *)w, (O - o >= 4 ? 4 : O - o) * K, scratch);
-                    w = (const char *)scratch;
-                    wb = 0;
+                int64_t rows = O - o >= 4 ? 4 : O - o;
+                const float *w = (const float *)W + (g * O + o) * K;
+                if (w_bf16) {  /* widen the block's rows once for the N tokens (in registers per token: slower) */
+                    bf16_row((const uint16_t *)W + (g * O + o) * K, rows * K, scratch);
+                    w = scratch;
                 }
                 for (int64_t n = 0; n < N; n++) {
                     const float *xn = xf + n * ldx + g * K;
                     int64_t at = n * ldo + g * O + o;
-                    if (O - o >= 4) {
-                        dot1x4(xn, w, wb, K, res);
+                    if (rows == 4) {
+                        dot1x4(xn, w, K, res);
                         for (int r = 0; r < 4; r++) store_out(out, at + r, res[r], out_bf16);
                     } else {
-                        for (int64_t r = 0; r < O - o; r++)
-                            store_out(out, at + r, dot1(xn, w + r * K * (wb ? 2 : 4), wb, K), out_bf16);
+                        for (int64_t r = 0; r < rows; r++) store_out(out, at + r, dot1(xn, w + r * K, K), out_bf16);
                     }
                 }
             }
@@ -779,7 +760,7 @@ int dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, con
 /* out[tokens[t]] += gain[t] * w2 (silu(min(gate, limit)) * clamp(up, +-limit)) of the n_e tokens x[tokens[t]] (one
  * expert, model/moe.py Expert): gate rows are w1 [inter, D], up rows w3 [inter, D] (fp32 or bf16 bits), w2
  * [D, inter]; the three projections by linear_into (each weight row read once for all n_e tokens). buf: n_e * (2 *
- * D + 3 * inter) + 2 * max(D, inter) floats. */
+ * D + 3 * inter) + 4 * max(D, inter) floats. */
 static void expert_ffn(const float *x, int64_t D, const int64_t *tokens, const float *gain, int64_t n_e,
                        const void *w1, const void *w3, const void *w2, int bf16, int64_t inter, float limit,
                        float *buf, float *out) {
