@@ -69,9 +69,8 @@ class PagedContext:
     def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.cache
         if self._fused(kv) and kernels.usable(cache.window_codes, cache.window_scales, cache.window_pos):
-            keys, key_pos = kernels.window_step(cache.window_codes, cache.window_scales, cache.window_pos, layer,
-                                                self.slots, self.positions, cast(kv, torch.float32).contiguous())
-            return cast(keys, self.dtype), key_pos
+            return kernels.window_step(cache.window_codes, cache.window_scales, cache.window_pos, layer, self.slots,
+                                       self.positions, cast(kv, torch.float32).contiguous())
         R = cache.window_rows
         B, T, _ = kv.shape
         codes = cache.window_codes[self._rows, layer]
@@ -95,7 +94,7 @@ class PagedContext:
         """Whether the fused CPU kernels serve this forward's cache reads and writes of ``x`` (fp32 or bf16,
         whose FP8 / FP4 values are exact in both; a float64 model keeps the torch code). They give the same
         values as the torch code below, bit for bit."""
-        return (self.dtype in KERNEL_DTYPES and x.dtype in KERNEL_DTYPES
+        return (self.dtype == torch.float32 and x.dtype in KERNEL_DTYPES
                 and self.positions.dtype == torch.int64 and kernels.usable(x, self.positions))
 
     # ------------------------------------------------------------------ ratio-2 pending pairs
@@ -170,7 +169,7 @@ class PagedContext:
         mode, the CPU; summed in fp32); None when the kernel does not apply (the caller then scores
         :meth:`index_keys`). Equal to that to rounding."""
         codes, scales = self.cache.pools[layer][_INDEX: _INDEX + 2]
-        if (self.dtype not in KERNEL_DTYPES or q.shape[0] * q.shape[1] > kernels.FEW_ROWS
+        if (self.dtype != torch.float32 or q.shape[0] * q.shape[1] > kernels.FEW_ROWS
                 or not fused(q, w) or not kernels.usable(codes, scales)):
             return None
         scores = kernels.index_scores(codes, scales, *_FP4_FORMATS[_INDEX], self.tables, self.cache.ratio[layer],
@@ -186,17 +185,16 @@ class PagedContext:
         ``dtype`` [B, ..., width]: only these are read. An index -1 reads the null page (zeros from the fused
         kernel; callers mask those rows)."""
         codes, scales = self.cache.pools[layer][pool: pool + 2]
-        if self.dtype in KERNEL_DTYPES and idx.dtype == torch.int64 and kernels.usable(codes, scales, idx):
-            # FP4 values are exact in bf16 too, so the cast to a bf16 model's dtype rounds nothing.
-            return cast(kernels.fp4_gather(codes, scales, *_FP4_FORMATS[pool], self.tables, self.cache.ratio[layer],
-                                           self.cache.block_size, idx), self.dtype)
+        if self.dtype == torch.float32 and idx.dtype == torch.int64 and kernels.usable(codes, scales, idx):
+            return kernels.fp4_gather(codes, scales, *_FP4_FORMATS[pool], self.tables, self.cache.ratio[layer],
+                                      self.cache.block_size, idx)
         page, slot = self._locate(layer, idx)
         return dequantize_fp4(codes[page, slot], scales[page, slot], *_FP4_FORMATS[pool], dtype=self.dtype)
 
     def _decode_first(self, layer: int, pool: int, n: int) -> torch.Tensor:
         """Entries 0 .. n-1 of every row, as :meth:`_decode_at`, read page by page through the block tables."""
         codes, scales = self.cache.pools[layer][pool: pool + 2]
-        if self.dtype in KERNEL_DTYPES and kernels.usable(codes, scales):
+        if self.dtype == torch.float32 and kernels.usable(codes, scales):
             ids = torch.arange(n, device=codes.device).expand(self.tables.shape[0], n).contiguous()
             return self._decode_at(layer, pool, ids)
         per_page = self.cache.block_size // self.cache.ratio[layer]

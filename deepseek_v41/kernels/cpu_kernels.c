@@ -72,10 +72,10 @@ static float E4M3_VALUES[256];
 static const float E2M1_VALUES[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                       -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-/* Called once by the loader. Returns the number of E4M3 table entries, so the loader can check the call ran. */
 /* Both E2M1 values of each code byte (element 2i in the low nibble): one 8-byte lookup decodes a byte. */
 static float FP4_PAIRS[256][2];
 
+/* Called once by the loader. Returns the number of E4M3 table entries, so the loader can check the call ran. */
 int dsv41_init(void) {
     for (int c = 0; c < 256; c++) {
         FP4_PAIRS[c][0] = E2M1_VALUES[c & 15];
@@ -302,49 +302,52 @@ void dsv41_window_step(uint8_t *ring_codes, uint8_t *ring_scales, int32_t *ring_
 
 /* ------------------------------------------------------------------------------- RoPE, RMSNorm, mHC */
 
+/* Element i of a row of fp32 values, or of bf16 bits widened to fp32 (exact). */
+static float load_at(const void *x, int bf16, int64_t i) {
+    return bf16 ? from_bits((uint32_t)((const uint16_t *)x)[i] << 16) : ((const float *)x)[i];
+}
+
+/* Stores v as element i of a row of fp32 values, or of bf16 bits rounded to nearest even. */
+static void store_out(void *out, int64_t at, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)out)[at] = bf16_round(v);
+    else
+        ((float *)out)[at] = v;
+}
+
 /* Interleaved RoPE on the last r dims of x [N, H, d] with phases cos / sin [N, r] (rope.py phases: each angle
  * twice, sin negated on the pair's first element): out = x, tail * cos + swap(tail) * sin (sign = -1 negates
- * sin: the inverse rotation). The same two products and one sum per element as rope.py: bit-identical. */
-void dsv41_rope(const float *x, const float *cos_, const float *sin_, int64_t N, int64_t H, int64_t d, int64_t r,
-                int sign, float *out) {
+ * sin: the inverse rotation). x and out are fp32, or bf16 bits (bf16: the head dims copied, the tail widened,
+ * rotated in fp32 and rounded, as rope.py does for bf16). The same two products and one sum per element as
+ * rope.py: bit-identical. */
+static void rope_rows(const void *x, int bf16, const float *cos_, const float *sin_, int64_t N, int64_t H,
+                      int64_t d, int64_t r, int sign, void *out) {
+    const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
     for (int64_t n = 0; n < N; n++) {
         const float *c = cos_ + n * r, *s = sin_ + n * r;
         for (int64_t h = 0; h < H; h++) {
-            const float *xi = x + (n * H + h) * d;
-            float *o = out + (n * H + h) * d;
-            if (o != xi) memcpy(o, xi, (size_t)(d - r) * sizeof(float));
-            const float *t = xi + d - r;
-            float *ot = o + d - r;
-            for (int64_t i = 0; i < r; i += 2) {
-                float a = t[i], b = t[i + 1];
-                float s0 = sign < 0 ? -s[i] : s[i], s1 = sign < 0 ? -s[i + 1] : s[i + 1];
-                ot[i] = a * c[i] + b * s0;
-                ot[i + 1] = b * c[i + 1] + a * s1;
+            const char *xi = (const char *)x + (n * H + h) * d * size;
+            char *o = (char *)out + (n * H + h) * d * size;
+            if (o != xi) memcpy(o, xi, (size_t)(d - r) * size);
+            for (int64_t i = d - r; i < d; i += 2) {
+                float a = load_at(xi, bf16, i), b = load_at(xi, bf16, i + 1);
+                int64_t j = i - (d - r);
+                float s0 = sign < 0 ? -s[j] : s[j], s1 = sign < 0 ? -s[j + 1] : s[j + 1];
+                store_out(o, i, a * c[j] + b * s0, bf16);
+                store_out(o, i + 1, b * c[j + 1] + a * s1, bf16);
             }
         }
     }
 }
 
-/* dsv41_rope for bf16 x and out (bits): the head dims copied, the tail widened to fp32, rotated as above and
- * rounded to bf16 (what rope.py does for bf16: upcast, rotate, cast back): bit-identical too. */
+void dsv41_rope(const float *x, const float *cos_, const float *sin_, int64_t N, int64_t H, int64_t d, int64_t r,
+                int sign, float *out) {
+    rope_rows(x, 0, cos_, sin_, N, H, d, r, sign, out);
+}
+
 void dsv41_rope_bf16(const uint16_t *x, const float *cos_, const float *sin_, int64_t N, int64_t H, int64_t d,
                      int64_t r, int sign, uint16_t *out) {
-    for (int64_t n = 0; n < N; n++) {
-        const float *c = cos_ + n * r, *s = sin_ + n * r;
-        for (int64_t h = 0; h < H; h++) {
-            const uint16_t *xi = x + (n * H + h) * d;
-            uint16_t *o = out + (n * H + h) * d;
-            if (o != xi) memcpy(o, xi, (size_t)(d - r) * sizeof(uint16_t));
-            const uint16_t *t = xi + d - r;
-            uint16_t *ot = o + d - r;
-            for (int64_t i = 0; i < r; i += 2) {
-                float a = from_bits((uint32_t)t[i] << 16), b = from_bits((uint32_t)t[i + 1] << 16);
-                float s0 = sign < 0 ? -s[i] : s[i], s1 = sign < 0 ? -s[i + 1] : s[i + 1];
-                ot[i] = bf16_round(a * c[i] + b * s0);
-                ot[i + 1] = bf16_round(b * c[i + 1] + a * s1);
-            }
-        }
-    }
+    rope_rows(x, 1, cos_, sin_, N, H, d, r, sign, out);
 }
 
 /* Eight fp32 lanes as one value (GCC / Clang vector extension): accumulators that stay in registers. Loads go
@@ -405,7 +408,7 @@ void dsv41_rms_norm_bf16(const uint16_t *x, int64_t N, int64_t D, const uint16_t
         float f = rms_factor(scratch, D, eps);
         uint16_t *o = out + n * D;
         if (weight)
-            for (int64_t i = 0; i < D; i++) o[i] = bf16_round((scratch[i] * f) * from_bits((uint32_t)weight[i] << 16));
+            for (int64_t i = 0; i < D; i++) o[i] = bf16_round((scratch[i] * f) * load_at(weight, 1, i));
         else
             for (int64_t i = 0; i < D; i++) o[i] = bf16_round(scratch[i] * f);
     }
@@ -588,7 +591,6 @@ void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, 
 
 /* ------------------------------------------------------------------------------- dense projections (GEMV) */
 
-
 /* Sixteen fp32 lanes (split into narrower registers where the machine has none this wide). */
 typedef float v16f __attribute__((vector_size(64)));
 
@@ -666,13 +668,6 @@ static float dot1(const float *x, const float *w, int64_t K) {
     return s;
 }
 
-static void store_out(void *out, int64_t at, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)out)[at] = bf16_round(v);
-    else
-        ((float *)out)[at] = v;
-}
-
 /* out [N, G * O] = x [N, G * K] @ W [G * O, K]^T by groups: out[n, g * O + o] = x[n, g * K : (g + 1) * K] . W[g * O
  * + o] (torch.nn.functional.linear without bias when G = 1; the grouped low-rank output projection of
  * model/attention.py GroupedLinear otherwise) for a few tokens, summed in fp32. x is fp32 or bf16 bits (x_bf16), W
@@ -731,13 +726,7 @@ static void linear_into(const void *x, int x_bf16, int64_t N, int64_t G, int64_t
                 }
             }
             for (int64_t t = 0; t < m; t++)
-                for (int64_t r = 0; r < rows; r++) {
-                    int64_t at = (n + t) * ldo + o + r;
-                    if (out_bf16)
-                        ((uint16_t *)out)[at] = bf16_round(res[2 * t + r]);
-                    else
-                        ((float *)out)[at] = res[2 * t + r];
-                }
+                for (int64_t r = 0; r < rows; r++) store_out(out, (n + t) * ldo + o + r, res[2 * t + r], out_bf16);
         }
         if (rows == 1) o -= 1;  /* the next pair starts at the next row */
     }
