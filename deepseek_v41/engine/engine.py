@@ -16,7 +16,7 @@ import torch
 
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
-from deepseek_v41.engine.model_runner import ModelRunner, PrefillMode
+from deepseek_v41.engine.model_runner import ModelRunner, PrefillMode, few_token_kernels
 from deepseek_v41.engine.sampler import Sampler, SamplingState
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.scheduler import Scheduler
@@ -337,6 +337,14 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        if plan.prefills:
+            return self._run(plan)
+        # Decodes only: the whole step (sampling too) under the few-token settings, so no torch op in it wakes
+        # torch's thread pool, whose threads then spin for milliseconds beside the kernels' (model_runner.py).
+        with few_token_kernels(self.runner.dtype, self.runner.device):
+            return self._run(plan)
+
+    def _run(self, plan) -> list[RequestOutput]:
         now = time.time()
         sampled: list[tuple[Sequence, torch.Tensor]] = []
         spec = self.speculator

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepseek_v41 import kernels
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.engine.sequence import Sequence
@@ -64,7 +65,44 @@ def few_token_kernels(model_dtype: torch.dtype, device: torch.device):
     process-wide: while such a forward runs, other threads see oneDNN off too; overlapping forwards (two engines
     in one process) are counted, and the last one out restores the setting found by the first one in.
     """
-    if model_dtype != torch.bfloat16 or device.type != "cpu":
+    if device.type != "cpu":
+        yield
+        return
+    with _kernel_threads(), _onednn_off(model_dtype):
+        yield
+
+
+_THREADS = [0, 1]  # forwards that handed torch's threads to the kernels, and torch's count to restore
+_THREADS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _kernel_threads():
+    """Torch's intra-op threads go to the fused kernels' pool for the forward (:func:`kernels.set_threads`):
+    at a few tokens ATen's threaded GEMVs gain nothing here (bench/README.md), while the kernels' projections and
+    experts read their weights on every core; torch runs one thread meanwhile, so the two pools never spin on the
+    same core. Overlapping forwards are counted like oneDNN's setting below."""
+    if kernels.library() is None:
+        yield
+        return
+    with _THREADS_LOCK:
+        if _THREADS[0] == 0:
+            _THREADS[1] = torch.get_num_threads()
+            kernels.set_threads(_THREADS[1])
+            torch.set_num_threads(1)
+        _THREADS[0] += 1
+    try:
+        yield
+    finally:
+        with _THREADS_LOCK:
+            _THREADS[0] -= 1
+            if _THREADS[0] == 0:
+                torch.set_num_threads(_THREADS[1])
+
+
+@contextlib.contextmanager
+def _onednn_off(model_dtype: torch.dtype):
+    if model_dtype != torch.bfloat16:
         yield
         return
     with _ONEDNN_LOCK:

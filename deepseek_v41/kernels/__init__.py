@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c99"]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread"]
 FP4_FORMATS = {"e4m3": 0, "ue8m0": 1}
 # Input dtypes the codec kernels take after widening to fp32 (exact), as the torch codecs widen them too.
 WIDENS_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,6 +74,7 @@ _SIGNATURES = {
                         ctypes.c_int, _I, _P], ctypes.c_int),
     "dsv41_topk_set": ([_P, _I, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
     "dsv41_linear": ([_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int, _I, _P], ctypes.c_int),
+    "dsv41_set_threads": ([ctypes.c_int], ctypes.c_int),
 }
 
 _state: dict[str, object] = {"lib": None, "tried": False, "off": False}
@@ -168,6 +169,17 @@ def usable(*tensors: torch.Tensor) -> bool:
         if not (t.is_cpu and t.is_contiguous()) or (grad and t.requires_grad):
             return False
     return True
+
+
+def set_threads(threads: int) -> int:
+    """Let the kernels' memory-bound jobs (projections, experts) run on up to ``threads`` threads: the caller plus
+    ``threads - 1`` worker threads of the library's own pool, started (or stopped) here; 1 keeps every job on the
+    caller. Results do not depend on it (each output is computed the same way by whichever thread). Returns the
+    threads now used (1 when the library is off). Raises ValueError for ``threads`` < 1."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    lib = library()
+    return 1 if lib is None else lib.dsv41_set_threads(threads)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

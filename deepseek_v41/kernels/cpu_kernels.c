@@ -11,10 +11,14 @@
  * Formats (MODEL_REFERENCE.md §4): E4M3FN bytes, E2M1 nibbles (element 2i in the low nibble), UE8M0 bytes
  * (2**(b - 127); 0 is 2**-127, 255 is NaN). NaN / inf / -0 follow the package policy of deepseek_v41/quant.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define E4M3_MAX 448.0f
 #define E2M1_MAX 6.0f
@@ -589,15 +593,172 @@ void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, 
     }
 }
 
+/* ------------------------------------------------------------------------------------------ thread pool */
+
+/* Worker threads that take a job's items beside the calling thread, so the decode step's memory-bound work (the
+ * projections and experts) reads its weights on every core (bench/README.md, "Fourth round"). Python sets the
+ * thread count (dsv41_set_threads) to torch's for a few-token forward and lowers torch's to one meanwhile, so the
+ * two pools never spin on the same core. A job's items go out one at a time from a shared counter; each item
+ * writes outputs no other item writes, and each output is computed by the same operations in the same order
+ * whichever thread takes it: results are bit-identical to one thread's. One job runs at a time: a caller that
+ * finds the pool busy (a kernel called from a second Python thread: ctypes lets go of the GIL) runs its items
+ * itself. A worker spins for POOL_SPIN_NS after a job (a decode step calls the pool every ~100 µs), then sleeps. */
+#define POOL_MAX_WORKERS 63
+#define POOL_SPIN_NS 2000000
+
+typedef void (*pool_fn)(const void *job, int64_t item);
+
+static struct {
+    pthread_mutex_t busy;            /* held by the caller running a job (or changing the workers) */
+    pthread_mutex_t lock;            /* with wake: sleeping workers */
+    pthread_cond_t wake;
+    int workers;                     /* running workers; each takes part in every job */
+    int keep;                        /* workers with index >= keep leave at the next job (set_threads) */
+    int sleepers;
+    _Atomic long generation;         /* bumped per job */
+    _Atomic int done;                /* workers finished with the current job */
+    _Atomic int64_t next;            /* the next item to take */
+    int64_t items;
+    pool_fn fn;
+    const void *job;
+    pthread_t threads[POOL_MAX_WORKERS];
+    long born[POOL_MAX_WORKERS];     /* the generation each worker starts after */
+} pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void pool_take(void) {
+    int64_t i;
+    while ((i = atomic_fetch_add_explicit(&pool.next, 1, memory_order_relaxed)) < pool.items) pool.fn(pool.job, i);
+}
+
+static void *pool_worker(void *arg) {
+    int index = (int)(intptr_t)arg;
+    long seen = pool.born[index], g;
+    for (;;) {
+        int64_t since = 0;
+        for (unsigned spins = 1; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen;
+             spins++) {
+            cpu_relax();
+            if (spins % 256) continue;
+            if (!since) {
+                since = now_ns();
+            } else if (now_ns() - since > POOL_SPIN_NS) {
+                pthread_mutex_lock(&pool.lock);
+                pool.sleepers++;
+                while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen)
+                    pthread_cond_wait(&pool.wake, &pool.lock);
+                pool.sleepers--;
+                pthread_mutex_unlock(&pool.lock);
+            }
+        }
+        seen = g;
+        if (index >= pool.keep) return NULL;
+        pool_take();
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+    }
+}
+
+/* Starts a job (pool.busy held): its fields are set before the generation is bumped (release), and the workers
+ * read them after they see it (acquire). Then the caller takes items too and waits for every worker. */
+static void pool_start(pool_fn fn, const void *job, int64_t items) {
+    pool.fn = fn;
+    pool.job = job;
+    pool.items = items;
+    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    pthread_mutex_lock(&pool.lock);
+    if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+}
+
+static void pool_wait(int workers) {
+    while (atomic_load_explicit(&pool.done, memory_order_acquire) < workers) cpu_relax();
+}
+
+/* fn(job, i) for i in [0, items), on the pool when it has workers, else (or when busy) on the caller. */
+static void parallel_for(pool_fn fn, const void *job, int64_t items) {
+    if (pool.workers == 0 || items < 2 || pthread_mutex_trylock(&pool.busy) != 0) {
+        for (int64_t i = 0; i < items; i++) fn(job, i);
+        return;
+    }
+    pool_start(fn, job, items);
+    pool_take();
+    pool_wait(pool.workers);
+    pthread_mutex_unlock(&pool.busy);
+}
+
+static void pool_after_fork(void) {  /* the child has no workers (only the forking thread survives a fork) */
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.workers = pool.keep = pool.sleepers = 0;
+}
+
+/* Up to `threads` threads in all for the kernels' jobs (the caller + threads - 1 workers, at most
+ * POOL_MAX_WORKERS); 1 runs every job on the caller. Returns the threads now used (fewer when a worker could not
+ * be started). */
+int dsv41_set_threads(int threads) {
+    static int forks_handled = 0;
+    int want = threads < 1 ? 0 : threads - 1;
+    if (want > POOL_MAX_WORKERS) want = POOL_MAX_WORKERS;
+    pthread_mutex_lock(&pool.busy);
+    if (!forks_handled) forks_handled = pthread_atfork(NULL, NULL, pool_after_fork) == 0;
+    if (want < pool.workers) {  /* an empty job that the surplus workers leave at */
+        int stay = want, leaving = pool.workers;
+        pool.keep = stay;
+        pool_start(NULL, NULL, 0);
+        pool_wait(stay);
+        for (int i = stay; i < leaving; i++) pthread_join(pool.threads[i], NULL);
+        pool.workers = stay;
+    }
+    while (pool.workers < want) {
+        int i = pool.workers;
+        pool.keep = want;
+        pool.born[i] = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        if (pthread_create(&pool.threads[i], NULL, pool_worker, (void *)(intptr_t)i) != 0) break;
+        pool.workers++;
+    }
+    pool.keep = pool.workers;
+    pthread_mutex_unlock(&pool.busy);
+    return pool.workers + 1;
+}
+
 /* ------------------------------------------------------------------------------- dense projections (GEMV) */
 
 /* Sixteen fp32 lanes (split into narrower registers where the machine has none this wide). */
 typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
 
 static v16f load16(const float *p) {
     v16f v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* Weights i .. i + 15 of a row of fp32 values, or of bf16 bits widened (exactly) in registers. */
+static inline __attribute__((always_inline)) v16f weights16(const void *w, int bf16, int64_t i) {
+    if (!bf16) return load16((const float *)w + i);
+    v16h h;
+    memcpy(&h, (const uint16_t *)w + i, sizeof h);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 typedef float v4f __attribute__((vector_size(16)));
@@ -610,133 +771,128 @@ static float sum16(v16f a) {
     return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-/* The dots of 4 tokens x0..x3 [K] (rows ldx apart) with two weight rows w0, w1 [K]: res [4][2]. One 16-lane
- * accumulator per (token, row), each lane adding in order: each weight vector is loaded once for the 4 tokens and
- * each token vector once for the 2 rows, and the 8 chains of additions overlap. */
-static void dot4x2(const float *x, int64_t ldx, const float *w0, const float *w1, int64_t K, float *res) {
-    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
+/* The dots of T tokens x [T, K] (rows ldx apart) with 4 weight rows w[0..3] [K] (fp32, or bf16 bits): res [T][4].
+ * One 16-lane accumulator per (token, row), each lane adding its products in order, then summed by sum16, then
+ * the last K % 16 products one by one: every dot is the same sequence of operations whatever T is and whichever
+ * other rows or tokens share the call (a token's projection does not depend on the batch). Each 16 weights are
+ * loaded (and widened) once for the T tokens, each token's 16 values once for the 4 rows. Inlined with constant
+ * T and bf16 (dots_block), so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void dots_body(const float *x, int64_t ldx, const int T,
+                                                            const void *const *w, const int bf16, int64_t K,
+                                                            float *res) {
+    v16f acc[4][4];
+    memset(acc, 0, sizeof acc);
     int64_t i = 0;
     for (; i + 16 <= K; i += 16) {
-        v16f u = load16(w0 + i), v = load16(w1 + i), t;
-        t = load16(x0 + i);
-        a0 += t * u;
-        b0 += t * v;
-        t = load16(x1 + i);
-        a1 += t * u;
-        b1 += t * v;
-        t = load16(x2 + i);
-        a2 += t * u;
-        b2 += t * v;
-        t = load16(x3 + i);
-        a3 += t * u;
-        b3 += t * v;
-    }
-    res[0] = sum16(a0), res[1] = sum16(b0), res[2] = sum16(a1), res[3] = sum16(b1);
-    res[4] = sum16(a2), res[5] = sum16(b2), res[6] = sum16(a3), res[7] = sum16(b3);
-    for (; i < K; i++)
-        for (int t = 0; t < 4; t++) {
-            res[2 * t] += x[t * ldx + i] * w0[i];
-            res[2 * t + 1] += x[t * ldx + i] * w1[i];
+        v16f w0 = weights16(w[0], bf16, i), w1 = weights16(w[1], bf16, i), w2 = weights16(w[2], bf16, i),
+             w3 = weights16(w[3], bf16, i);
+        for (int t = 0; t < T; t++) {
+            v16f xt = load16(x + t * ldx + i);
+            acc[t][0] += xt * w0;
+            acc[t][1] += xt * w1;
+            acc[t][2] += xt * w2;
+            acc[t][3] += xt * w3;
         }
-}
-
-/* The dots of one token x [K] with 4 fp32 weight rows (K apart from w): res [4]. One 16-lane accumulator per
- * row, each lane adding in order; each x vector is loaded once for the 4 rows. */
-static void dot1x4(const float *x, const float *w, int64_t K, float *res) {
-    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    int64_t i = 0;
-    for (; i + 16 <= K; i += 16) {
-        v16f t = load16(x + i);
-        a0 += t * load16(w + i);
-        a1 += t * load16(w + K + i);
-        a2 += t * load16(w + 2 * K + i);
-        a3 += t * load16(w + 3 * K + i);
     }
-    res[0] = sum16(a0), res[1] = sum16(a1), res[2] = sum16(a2), res[3] = sum16(a3);
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < 4; r++) res[4 * t + r] = sum16(acc[t][r]);
     for (; i < K; i++)
-        for (int r = 0; r < 4; r++) res[r] += x[i] * w[r * K + i];
+        for (int t = 0; t < T; t++)
+            for (int r = 0; r < 4; r++) {
+                float wv = bf16 ? from_bits((uint32_t)((const uint16_t *)w[r])[i] << 16) : ((const float *)w[r])[i];
+                res[4 * t + r] += x[t * ldx + i] * wv;
+            }
 }
 
-/* The dot of one token x [K] with one fp32 weight row w, 16 lanes. */
-static float dot1(const float *x, const float *w, int64_t K) {
-    v16f a = {0};
-    int64_t i = 0;
-    for (; i + 16 <= K; i += 16) a += load16(x + i) * load16(w + i);
-    float s = sum16(a);
-    for (; i < K; i++) s += x[i] * w[i];
-    return s;
+#define DOTS(T, B) \
+    static void dots_##T##_##B(const float *x, int64_t ldx, const void *const *w, int64_t K, float *res) { \
+        dots_body(x, ldx, T, w, B, K, res);                                                              \
+    }
+DOTS(1, 0) DOTS(2, 0) DOTS(3, 0) DOTS(4, 0) DOTS(1, 1) DOTS(2, 1) DOTS(3, 1) DOTS(4, 1)
+#undef DOTS
+
+typedef void (*dots_fn)(const float *, int64_t, const void *const *, int64_t, float *);
+static const dots_fn DOTS_BY[2][5] = {{NULL, dots_1_0, dots_2_0, dots_3_0, dots_4_0},
+                                      {NULL, dots_1_1, dots_2_1, dots_3_1, dots_4_1}};
+
+/* res [N][rows] = the dots of N tokens x [N, K] (rows ldx apart) with `rows` weight rows from w (K apart; fp32
+ * or bf16 bits), for rows <= 4 (a short block repeats its last row, whose extra results are dropped): blocks of
+ * up to 4 tokens. res rows are ldr apart. */
+static void dots_block(const float *x, int64_t ldx, int64_t N, const void *w, int bf16, int64_t rows, int64_t K,
+                       float *res, int64_t ldr) {
+    const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const void *rp[4];
+    for (int r = 0; r < 4; r++) rp[r] = (const char *)w + (size_t)((r < rows ? r : rows - 1) * K) * size;
+    float part[16];
+    for (int64_t n = 0; n < N; n += 4) {
+        int64_t T = N - n < 4 ? N - n : 4;
+        DOTS_BY[bf16][T](x + n * ldx, ldx, rp, K, part);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t r = 0; r < rows; r++) res[(n + t) * ldr + r] = part[4 * t + r];
+    }
+}
+
+/* A GEMV job: out [N, G * O] = x [N, G * K] @ W [G * O, K]^T by groups (see linear_into), GEMV_ITEM_ROWS weight
+ * rows of one group per item. */
+#define GEMV_ITEM_ROWS 32
+#define GEMV_SPLIT_BYTES 32768  /* from this many bytes of weights a projection is split over the pool */
+
+typedef struct {
+    const float *x;
+    int64_t N, G, K, O;
+    const void *W;
+    int w_bf16, out_bf16;
+    void *out;
+} gemv_job;
+
+static void gemv_item(const void *job, int64_t item) {
+    const gemv_job *j = job;
+    int64_t per_group = (j->O + GEMV_ITEM_ROWS - 1) / GEMV_ITEM_ROWS, g = item / per_group;
+    int64_t o0 = (item % per_group) * GEMV_ITEM_ROWS, o1 = o0 + GEMV_ITEM_ROWS < j->O ? o0 + GEMV_ITEM_ROWS : j->O;
+    const size_t size = j->w_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int64_t ldx = j->G * j->K, ldo = j->G * j->O;
+    float res[16 * 4];
+    for (int64_t o = o0; o < o1; o += 4) {
+        int64_t rows = o1 - o < 4 ? o1 - o : 4;
+        const void *w = (const char *)j->W + (size_t)((g * j->O + o) * j->K) * size;
+        for (int64_t n = 0; n < j->N; n += 16) {
+            int64_t m = j->N - n < 16 ? j->N - n : 16;
+            dots_block(j->x + n * ldx + g * j->K, ldx, m, w, j->w_bf16, rows, j->K, res, 4);
+            for (int64_t t = 0; t < m; t++)
+                for (int64_t r = 0; r < rows; r++)
+                    store_out(j->out, (n + t) * ldo + g * j->O + o + r, res[4 * t + r], j->out_bf16);
+        }
+    }
 }
 
 /* out [N, G * O] = x [N, G * K] @ W [G * O, K]^T by groups: out[n, g * O + o] = x[n, g * K : (g + 1) * K] . W[g * O
  * + o] (torch.nn.functional.linear without bias when G = 1; the grouped low-rank output projection of
- * model/attention.py GroupedLinear otherwise) for a few tokens, summed in fp32. x is fp32 or bf16 bits (x_bf16), W
- * fp32 or bf16 bits (w_bf16), out fp32 or bf16 bits rounded to nearest even (out_bf16). Each weight row is read
- * once for all N tokens (converted to fp32 once when bf16). scratch: N * G * K floats when x is bf16, plus 4 * K
- * when W is. */
+ * model/attention.py GroupedLinear otherwise) for a few tokens, summed in fp32 (dots_body). x is fp32 or bf16 bits
+ * (x_bf16), W fp32 or bf16 bits (w_bf16), out fp32 or bf16 bits rounded to nearest even (out_bf16). Each block of
+ * 4 weight rows is read once for all N tokens; large weights are split over the pool. scratch: N * G * K floats
+ * when x is bf16. */
 static void linear_into(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, const void *W, int w_bf16,
                         int64_t O, void *out, int out_bf16, float *scratch) {
     const float *xf = (const float *)x;
     if (x_bf16) {
         bf16_row((const uint16_t *)x, N * G * K, scratch);
         xf = scratch;
-        scratch += N * G * K;
     }
-    const int64_t ldx = G * K, ldo = G * O;
-    float res[8];
-    if (N < 4) {  /* one or a few tokens: blocks of 4 weight rows against each token */
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t o = 0; o < O; o += 4) {
-                int64_t rows = O - o >= 4 ? 4 : O - o;
-                const float *w = (const float *)W + (g * O + o) * K;
-                if (w_bf16) {  /* widen the block's rows once for the N tokens (in registers per token: slower) */
-                    bf16_row((const uint16_t *)W + (g * O + o) * K, rows * K, scratch);
-                    w = scratch;
-                }
-                for (int64_t n = 0; n < N; n++) {
-                    const float *xn = xf + n * ldx + g * K;
-                    int64_t at = n * ldo + g * O + o;
-                    if (rows == 4) {
-                        dot1x4(xn, w, K, res);
-                        for (int r = 0; r < 4; r++) store_out(out, at + r, res[r], out_bf16);
-                    } else {
-                        for (int64_t r = 0; r < rows; r++) store_out(out, at + r, dot1(xn, w + r * K, K), out_bf16);
-                    }
-                }
-            }
-        return;
-    }
-    for (int64_t o = 0; o < G * O; o += 2) {
-        int64_t rows = (o + 1) % O == 0 ? 1 : 2;  /* a pair never straddles two groups */
-        const float *xg = xf + (o / O) * K;
-        const float *w0 = (const float *)W + o * K, *w1 = w0 + K;
-        if (w_bf16) {
-            bf16_row((const uint16_t *)W + o * K, rows * K, scratch);
-            w0 = scratch;
-            w1 = scratch + K;
-        }
-        for (int64_t n = 0; n < N; n += 4) {
-            int64_t m = N - n < 4 ? N - n : 4;
-            if (m == 4 && rows == 2) {
-                dot4x2(xg + n * ldx, ldx, w0, w1, K, res);
-            } else {
-                for (int64_t t = 0; t < m; t++) {
-                    res[2 * t] = dot(xg + (n + t) * ldx, w0, K);
-                    if (rows == 2) res[2 * t + 1] = dot(xg + (n + t) * ldx, w1, K);
-                }
-            }
-            for (int64_t t = 0; t < m; t++)
-                for (int64_t r = 0; r < rows; r++) store_out(out, (n + t) * ldo + o + r, res[2 * t + r], out_bf16);
-        }
-        if (rows == 1) o -= 1;  /* the next pair starts at the next row */
-    }
+    if (O <= 0) return;
+    gemv_job job = {xf, N, G, K, O, W, w_bf16, out_bf16, out};
+    int64_t items = G * ((O + GEMV_ITEM_ROWS - 1) / GEMV_ITEM_ROWS);
+    size_t bytes = (size_t)(G * O * K) * (w_bf16 ? 2 : 4);
+    if (bytes >= GEMV_SPLIT_BYTES)
+        parallel_for(gemv_item, &job, items);
+    else
+        for (int64_t i = 0; i < items; i++) gemv_item(&job, i);
 }
 
 /* linear_into with out in x's dtype and its scratch from the heap. Returns 0, or -1 (nothing computed) when the
  * scratch cannot be allocated. */
 int dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, const void *W, int w_bf16, int64_t O,
                  void *out) {
-    size_t floats = (size_t)(x_bf16 ? N * G * K : 0) + (size_t)(w_bf16 ? 4 * K : 0);
+    size_t floats = (size_t)(x_bf16 ? N * G * K : 0);
     float *scratch = floats ? malloc(floats * sizeof(float)) : NULL;
     if (floats && !scratch) return -1;
     linear_into(x, x_bf16, N, G, K, W, w_bf16, O, out, x_bf16, scratch);
@@ -746,80 +902,91 @@ int dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, con
 
 /* ----------------------------------------------------------------------------- routed and shared experts */
 
-/* out[tokens[t]] += gain[t] * w2 (silu(min(gate, limit)) * clamp(up, +-limit)) of the n_e tokens x[tokens[t]] (one
- * expert, model/moe.py Expert): gate rows are w1 [inter, D], up rows w3 [inter, D] (fp32 or bf16 bits), w2
- * [D, inter]; the three projections by linear_into (each weight row read once for all n_e tokens). buf: n_e * (2 *
- * D + 3 * inter) + 4 * max(D, inter) floats. */
-static void expert_ffn(const float *x, int64_t D, const int64_t *tokens, const float *gain, int64_t n_e,
-                       const void *w1, const void *w3, const void *w2, int bf16, int64_t inter, float limit,
-                       float *buf, float *out) {
-    float *xs = buf, *gate = xs + n_e * D, *up = gate + n_e * inter, *hidden = up + n_e * inter;
-    float *y = hidden + n_e * inter, *scratch = y + n_e * D;
-    for (int64_t t = 0; t < n_e; t++) memcpy(xs + t * D, x + tokens[t] * D, (size_t)D * sizeof(float));
-    linear_into(xs, 0, n_e, 1, D, w1, bf16, inter, gate, 0, scratch);
-    linear_into(xs, 0, n_e, 1, D, w3, bf16, inter, up, 0, scratch);
-    dsv41_swiglu(gate, up, n_e, inter, inter, limit, hidden);
-    linear_into(hidden, 0, n_e, 1, inter, w2, bf16, D, y, 0, scratch);
-    for (int64_t t = 0; t < n_e; t++) {
-        float *o = out + tokens[t] * D;
-        const float *yt = y + t * D;
-        for (int64_t i = 0; i < D; i++) o[i] += yt[i] * gain[t];
-    }
-}
+/* The experts of one dsv41_moe_bf16 call (model/moe.py Expert: out += gain * w2 (silu(min(gate, limit)) *
+ * clamp(up, +-limit)), gate rows w1 [inter, D], up rows w3 [inter, D], w2 [D, inter]), in two pool jobs: the
+ * hidden rows of every expert (MOE_ITEM_ROWS of one expert's gate and up rows per item), then the output
+ * (MOE_ITEM_ROWS output rows per item, every expert's w2 rows in expert order, so each output value gets its
+ * experts' terms in the same order as one thread would add them). Expert i (ascending id; the shared expert, -1,
+ * last) takes tokens[first[i] .. first[i + 1]) with router weights gain[...]; xs holds their rows [M, D] and
+ * hidden their hidden rows [M, inter_i]. */
+#define MOE_ITEM_ROWS 32
 
-/* The experts of one dsv41_moe_bf16 call: experts[0 .. n) in ascending id (-1: the shared expert, last), summed
- * into out [N, D]. */
 typedef struct {
-    const float *x;
-    int64_t N, D, k, inter, s_inter;
-    const int64_t *indices;
-    const float *weights;
+    int64_t D, inter, s_inter, ldh, n;
+    const int64_t *experts, *first, *tokens, *item_first;
+    const float *gain, *xs;
+    float *hidden, *out;
     const uint16_t *w13, *w2;
     const void *s1, *s3, *s2;
     int s_bf16;
     float limit;
-    const int64_t *experts;
-    int64_t n;
-    float *out;
-} moe_experts;
+} moe_job;
 
-/* Runs them: 0, or -1 when the scratch cannot be allocated. */
-static int moe_run(const moe_experts *p) {
-    int64_t N = p->N, D = p->D, k = p->k;
-    int64_t I = p->s1 && p->s_inter > p->inter ? p->s_inter : p->inter, M = N * k > N ? N * k : N;
-    float *scratch = malloc((size_t)(M * (2 * D + 3 * I + 1) + 4 * (D > I ? D : I)) * sizeof(float));
-    int64_t *tokens = malloc((size_t)M * sizeof(int64_t));
-    if (!scratch || !tokens) {
-        free(scratch);
-        free(tokens);
-        return -1;
+static int64_t moe_inter(const moe_job *j, int64_t i) { return j->experts[i] < 0 ? j->s_inter : j->inter; }
+
+static void moe_weights(const moe_job *j, int64_t i, const void **w1, const void **w3, const void **w2, int *bf16) {
+    int64_t e = j->experts[i];
+    if (e < 0) {
+        *w1 = j->s1, *w3 = j->s3, *w2 = j->s2, *bf16 = j->s_bf16;
+        return;
     }
-    float *gain = scratch;                                 /* [n_e] the router weight of each token */
-    float *buf = gain + M;                                 /* expert_ffn's */
-    memset(p->out, 0, (size_t)(N * D) * sizeof(float));
-    for (int64_t i = 0; i < p->n; i++) {
-        int64_t e = p->experts[i], n_e = 0;
-        if (e < 0) {  /* the shared expert: every token, weight 1 */
-            for (int64_t n = 0; n < N; n++) {
-                tokens[n] = n;
-                gain[n] = 1.0f;
-            }
-            expert_ffn(p->x, D, tokens, gain, N, p->s1, p->s3, p->s2, p->s_bf16, p->s_inter, p->limit, buf, p->out);
-            continue;
+    *w1 = j->w13 + e * 2 * j->inter * j->D;
+    *w3 = j->w13 + (e * 2 + 1) * j->inter * j->D;
+    *w2 = j->w2 + e * j->D * j->inter;
+    *bf16 = 1;
+}
+
+static void moe_hidden_item(const void *job, int64_t item) {
+    const moe_job *j = job;
+    int64_t i = 0;
+    while (j->item_first[i + 1] <= item) i++;
+    int64_t inter = moe_inter(j, i), r0 = (item - j->item_first[i]) * MOE_ITEM_ROWS;
+    int64_t r1 = r0 + MOE_ITEM_ROWS < inter ? r0 + MOE_ITEM_ROWS : inter, t0 = j->first[i], n_e = j->first[i + 1] - t0;
+    const void *w1, *w3, *w2;
+    int bf16;
+    moe_weights(j, i, &w1, &w3, &w2, &bf16);
+    const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const float *xs = j->xs + t0 * j->D;
+    const int64_t ldh = j->ldh;
+    float *hidden = j->hidden + t0 * ldh;
+    float gate[16 * 4], up[16 * 4];
+    for (int64_t r = r0; r < r1; r += 4) {
+        int64_t rows = r1 - r < 4 ? r1 - r : 4;
+        for (int64_t n = 0; n < n_e; n += 16) {
+            int64_t m = n_e - n < 16 ? n_e - n : 16;
+            dots_block(xs + n * j->D, j->D, m, (const char *)w1 + (size_t)(r * j->D) * size, bf16, rows, j->D, gate,
+                       4);
+            dots_block(xs + n * j->D, j->D, m, (const char *)w3 + (size_t)(r * j->D) * size, bf16, rows, j->D, up, 4);
+            for (int64_t t = 0; t < m; t++)
+                dsv41_swiglu(gate + 4 * t, up + 4 * t, 1, rows, 4, j->limit, hidden + (n + t) * ldh + r);
         }
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t j = 0; j < k; j++)
-                if (p->indices[n * k + j] == e) {
-                    tokens[n_e] = n;
-                    gain[n_e++] = p->weights[n * k + j];
-                }
-        const uint16_t *we = p->w13 + e * 2 * p->inter * D;
-        expert_ffn(p->x, D, tokens, gain, n_e, we, we + p->inter * D, p->w2 + e * D * p->inter, 1, p->inter, p->limit,
-                   buf, p->out);
     }
-    free(scratch);
-    free(tokens);
-    return 0;
+}
+
+static void moe_out_item(const void *job, int64_t item) {
+    const moe_job *j = job;
+    int64_t d0 = item * MOE_ITEM_ROWS, d1 = d0 + MOE_ITEM_ROWS < j->D ? d0 + MOE_ITEM_ROWS : j->D;
+    const int64_t ldh = j->ldh;
+    float y[16 * 4];
+    for (int64_t i = 0; i < j->n; i++) {
+        int64_t inter = moe_inter(j, i), t0 = j->first[i], n_e = j->first[i + 1] - t0;
+        const void *w1, *w3, *w2;
+        int bf16;
+        moe_weights(j, i, &w1, &w3, &w2, &bf16);
+        const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
+        for (int64_t d = d0; d < d1; d += 4) {
+            int64_t rows = d1 - d < 4 ? d1 - d : 4;
+            for (int64_t n = 0; n < n_e; n += 16) {
+                int64_t m = n_e - n < 16 ? n_e - n : 16;
+                dots_block(j->hidden + (t0 + n) * ldh, ldh, m, (const char *)w2 + (size_t)(d * inter) * size, bf16,
+                           rows, inter, y, 4);
+                for (int64_t t = 0; t < m; t++) {
+                    float *o = j->out + j->tokens[t0 + n + t] * j->D + d;
+                    for (int64_t r = 0; r < rows; r++) o[r] += y[4 * t + r] * j->gain[t0 + n + t];
+                }
+            }
+        }
+    }
 }
 
 /* The routed experts of a few tokens (model/moe.py MoE.dispatch) from bf16 weights (the bf16 model's own, or
@@ -829,33 +996,59 @@ static int moe_run(const moe_experts *p) {
  * bits; shared s1 / s3 [s_inter, D] and s2 [D, s_inter], fp32 or bf16 bits (s_bf16).
  * out [N, D] fp32 = the sum over the picked experts in ascending id of weight * expert(x), then + shared(x) (the
  * order of MoE.forward), in fp32 throughout (no bf16 rounding between the steps). Each expert's weights are read
- * once for all its tokens. Returns 0, -1 (nothing computed) when an index is outside [0, E), -2 when memory for
- * the scratch cannot be had. */
+ * once for all its tokens, split over the pool (moe_job). Returns 0, -1 (nothing computed) when an index is
+ * outside [0, E), -2 when memory for the scratch cannot be had. */
 int dsv41_moe_bf16(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *indices, const float *weights,
                    int64_t k, const uint16_t *w13, const uint16_t *w2, int64_t E, int64_t inter, float limit,
                    const void *s1, const void *s3, const void *s2, int s_bf16, int64_t s_inter, float *out) {
     for (int64_t i = 0; i < N * k; i++)
         if (indices[i] < 0 || indices[i] >= E) return -1;
-    int64_t *experts = malloc((size_t)(E + 1) * sizeof(int64_t));
-    float *xf = x_bf16 ? malloc((size_t)(N * D) * sizeof(float)) : NULL;
-    int status = -2;
-    if (experts && (xf || !x_bf16)) {
-        if (x_bf16) bf16_row((const uint16_t *)x, N * D, xf);
-        int64_t n = 0;
-        for (int64_t e = 0; e < E; e++)
-            for (int64_t i = 0; i < N * k; i++)
-                if (indices[i] == e) {
-                    experts[n++] = e;
-                    break;
-                }
-        if (s1) experts[n++] = -1;
-        moe_experts all = {x_bf16 ? xf : (const float *)x, N, D, k, inter, s_inter, indices, weights, w13, w2, s1, s3,
-                         s2, s_bf16, limit, experts, n, out};
-        status = moe_run(&all) == 0 ? 0 : -2;
+    int64_t M = N * k + (s1 ? N : 0), I = s1 && s_inter > inter ? s_inter : inter;
+    int64_t *ints = malloc((size_t)(3 * (E + 2) + M) * sizeof(int64_t));
+    float *floats = malloc((size_t)(M * (1 + D + I) + (x_bf16 ? N * D : 0)) * sizeof(float));
+    if (!ints || !floats) {
+        free(ints);
+        free(floats);
+        return -2;
     }
-    free(experts);
-    free(xf);
-    return status;
+    int64_t *experts = ints, *first = experts + E + 2, *item_first = first + E + 2, *tokens = item_first + E + 2;
+    float *gain = floats, *xs = gain + M, *hidden = xs + M * D, *xf = hidden + M * I;
+    if (x_bf16) bf16_row((const uint16_t *)x, N * D, xf);
+    const float *xr = x_bf16 ? xf : (const float *)x;
+    int64_t n = 0, m = 0;
+    first[0] = item_first[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t at = m;
+        for (int64_t t = 0; t < N; t++)
+            for (int64_t j = 0; j < k; j++)
+                if (indices[t * k + j] == e) {
+                    tokens[m] = t;
+                    gain[m++] = weights[t * k + j];
+                }
+        if (m > at) {
+            experts[n] = e;
+            first[++n] = m;
+        }
+    }
+    if (s1) {
+        for (int64_t t = 0; t < N; t++) {
+            tokens[m] = t;
+            gain[m++] = 1.0f;
+        }
+        experts[n] = -1;
+        first[++n] = m;
+    }
+    for (int64_t i = 0; i < m; i++) memcpy(xs + i * D, xr + tokens[i] * D, (size_t)D * sizeof(float));
+    moe_job job = {D, inter, s1 ? s_inter : 0, I, n, experts, first, tokens, item_first, gain, xs, hidden, out, w13, w2,
+                   s1, s3, s2, s_bf16, limit};
+    for (int64_t i = 0; i < n; i++)
+        item_first[i + 1] = item_first[i] + (moe_inter(&job, i) + MOE_ITEM_ROWS - 1) / MOE_ITEM_ROWS;
+    memset(out, 0, (size_t)(N * D) * sizeof(float));
+    parallel_for(moe_hidden_item, &job, item_first[n]);
+    parallel_for(moe_out_item, &job, (D + MOE_ITEM_ROWS - 1) / MOE_ITEM_ROWS);
+    free(ints);
+    free(floats);
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------ indexer scores from FP4 */
