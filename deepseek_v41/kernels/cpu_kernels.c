@@ -600,11 +600,15 @@ void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, 
  * thread count (dsv41_set_threads) to torch's for a few-token forward and lowers torch's to one meanwhile, so the
  * two pools never spin on the same core. A job's items go out one at a time from a shared counter; each item
  * writes outputs no other item writes, and each output is computed by the same operations in the same order
- * whichever thread takes it: results are bit-identical to one thread's. One job runs at a time: a caller that
- * finds the pool busy (a kernel called from a second Python thread: ctypes lets go of the GIL) runs its items
- * itself. A worker spins for POOL_SPIN_NS after a job (a decode step calls the pool every ~100 µs), then sleeps. */
+ * whichever thread takes it: results are bit-identical to one thread's. A worker joins a job only while it is
+ * open: the caller closes it once no item is left and waits only for the workers that joined, so a worker the OS
+ * has not scheduled (another process, or another thread pool, spinning on its core) costs nothing. One job runs
+ * at a time: a caller that finds the pool busy (a kernel called from a second Python thread: ctypes lets go of
+ * the GIL) runs its items itself. A worker spins for POOL_SPIN_NS after a job (a decode step calls the pool every
+ * ~100 µs), then sleeps. */
 #define POOL_MAX_WORKERS 63
 #define POOL_SPIN_NS 2000000
+#define POOL_OPEN ((uint64_t)1 << 63)
 
 typedef void (*pool_fn)(const void *job, int64_t item);
 
@@ -612,11 +616,12 @@ static struct {
     pthread_mutex_t busy;            /* held by the caller running a job (or changing the workers) */
     pthread_mutex_t lock;            /* with wake: sleeping workers */
     pthread_cond_t wake;
-    int workers;                     /* running workers; each takes part in every job */
-    int keep;                        /* workers with index >= keep leave at the next job (set_threads) */
+    int workers;                     /* running workers */
+    int keep;                        /* workers with index >= keep leave (set_threads) */
     int sleepers;
     _Atomic long generation;         /* bumped per job */
-    _Atomic int done;                /* workers finished with the current job */
+    _Atomic uint64_t joined;         /* POOL_OPEN while the job takes workers, plus the number that joined it */
+    _Atomic int done;                /* workers that joined and finished */
     _Atomic int64_t next;            /* the next item to take */
     int64_t items;
     pool_fn fn;
@@ -665,39 +670,44 @@ static void *pool_worker(void *arg) {
             }
         }
         seen = g;
-        if (index >= pool.keep) return NULL;
-        pool_take();
-        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        if (index >= pool.keep) return NULL;  /* set_threads bumps the generation (no job) to say so */
+        uint64_t state = atomic_load_explicit(&pool.joined, memory_order_relaxed);
+        while (state & POOL_OPEN)  /* join while the job is open; its fields were set before it opened */
+            if (atomic_compare_exchange_weak_explicit(&pool.joined, &state, state + 1, memory_order_acquire,
+                                                      memory_order_relaxed)) {
+                pool_take();
+                atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+                break;
+            }
     }
 }
 
-/* Starts a job (pool.busy held): its fields are set before the generation is bumped (release), and the workers
- * read them after they see it (acquire). Then the caller takes items too and waits for every worker. */
-static void pool_start(pool_fn fn, const void *job, int64_t items) {
-    pool.fn = fn;
-    pool.job = job;
-    pool.items = items;
-    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
-    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+/* Wakes the workers for the next generation (pool.busy held). */
+static void pool_bump(void) {
     atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
     pthread_mutex_lock(&pool.lock);
     if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
 }
 
-static void pool_wait(int workers) {
-    while (atomic_load_explicit(&pool.done, memory_order_acquire) < workers) cpu_relax();
-}
-
-/* fn(job, i) for i in [0, items), on the pool when it has workers, else (or when busy) on the caller. */
+/* fn(job, i) for i in [0, items), on the pool when it has workers, else (or when busy) on the caller. The job's
+ * fields are set before it opens (release); a worker reads them after it joins (acquire). The caller takes items
+ * too, closes the job when none is left, and waits for the workers that joined. */
 static void parallel_for(pool_fn fn, const void *job, int64_t items) {
     if (pool.workers == 0 || items < 2 || pthread_mutex_trylock(&pool.busy) != 0) {
         for (int64_t i = 0; i < items; i++) fn(job, i);
         return;
     }
-    pool_start(fn, job, items);
+    pool.fn = fn;
+    pool.job = job;
+    pool.items = items;
+    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.joined, POOL_OPEN, memory_order_release);
+    pool_bump();
     pool_take();
-    pool_wait(pool.workers);
+    int joined = (int)(atomic_fetch_and_explicit(&pool.joined, ~POOL_OPEN, memory_order_acq_rel) & ~POOL_OPEN);
+    while (atomic_load_explicit(&pool.done, memory_order_acquire) < joined) cpu_relax();
     pthread_mutex_unlock(&pool.busy);
 }
 
@@ -717,13 +727,11 @@ int dsv41_set_threads(int threads) {
     if (want > POOL_MAX_WORKERS) want = POOL_MAX_WORKERS;
     pthread_mutex_lock(&pool.busy);
     if (!forks_handled) forks_handled = pthread_atfork(NULL, NULL, pool_after_fork) == 0;
-    if (want < pool.workers) {  /* an empty job that the surplus workers leave at */
-        int stay = want, leaving = pool.workers;
-        pool.keep = stay;
-        pool_start(NULL, NULL, 0);
-        pool_wait(stay);
-        for (int i = stay; i < leaving; i++) pthread_join(pool.threads[i], NULL);
-        pool.workers = stay;
+    if (want < pool.workers) {  /* the surplus workers see a new generation with no job open, and leave */
+        pool.keep = want;
+        pool_bump();
+        for (int i = want; i < pool.workers; i++) pthread_join(pool.threads[i], NULL);
+        pool.workers = want;
     }
     while (pool.workers < want) {
         int i = pool.workers;
