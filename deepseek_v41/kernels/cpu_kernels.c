@@ -787,13 +787,14 @@ static float sum16(v16f a) {
  * T and bf16 (dots_block), so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void dots_body(const float *x, int64_t ldx, const int T,
                                                             const void *const *w, const int bf16, int64_t K,
-                                                            float *res) {
+                                                            int64_t ahead, float *res) {
     v16f acc[4][4];
     memset(acc, 0, sizeof acc);
     int64_t i = 0;
     for (; i + 16 <= K; i += 16) {
         v16f w0 = weights16(w[0], bf16, i), w1 = weights16(w[1], bf16, i), w2 = weights16(w[2], bf16, i),
              w3 = weights16(w[3], bf16, i);
+        for (int r = 0; r < 4; r++) __builtin_prefetch((const char *)w[r] + ahead + i * (bf16 ? 2 : 4));
         for (int t = 0; t < T; t++) {
             v16f xt = load16(x + t * ldx + i);
             acc[t][0] += xt * w0;
@@ -813,13 +814,14 @@ static inline __attribute__((always_inline)) void dots_body(const float *x, int6
 }
 
 #define DOTS(T, B) \
-    static void dots_##T##_##B(const float *x, int64_t ldx, const void *const *w, int64_t K, float *res) { \
-        dots_body(x, ldx, T, w, B, K, res);                                                              \
+    static void dots_##T##_##B(const float *x, int64_t ldx, const void *const *w, int64_t K, int64_t ahead, \
+                               float *res) {                                                             \
+        dots_body(x, ldx, T, w, B, K, ahead, res);                                                       \
     }
 DOTS(1, 0) DOTS(2, 0) DOTS(3, 0) DOTS(4, 0) DOTS(1, 1) DOTS(2, 1) DOTS(3, 1) DOTS(4, 1)
 #undef DOTS
 
-typedef void (*dots_fn)(const float *, int64_t, const void *const *, int64_t, float *);
+typedef void (*dots_fn)(const float *, int64_t, const void *const *, int64_t, int64_t, float *);
 static const dots_fn DOTS_BY[2][5] = {{NULL, dots_1_0, dots_2_0, dots_3_0, dots_4_0},
                                       {NULL, dots_1_1, dots_2_1, dots_3_1, dots_4_1}};
 
@@ -834,7 +836,7 @@ static void dots_block(const float *x, int64_t ldx, int64_t N, const void *w, in
     float part[16];
     for (int64_t n = 0; n < N; n += 4) {
         int64_t T = N - n < 4 ? N - n : 4;
-        DOTS_BY[bf16][T](x + n * ldx, ldx, rp, K, part);
+        DOTS_BY[bf16][T](x + n * ldx, ldx, rp, K, n ? 0 : (int64_t)(4 * K * size), part);
         for (int64_t t = 0; t < T; t++)
             for (int64_t r = 0; r < rows; r++) res[(n + t) * ldr + r] = part[4 * t + r];
     }
