@@ -77,7 +77,7 @@ _SIGNATURES = {
     "dsv41_set_threads": ([ctypes.c_int], ctypes.c_int),
 }
 
-_state: dict[str, object] = {"lib": None, "tried": False, "off": False}
+_state: dict[str, object] = {"lib": None, "tried": False, "off": False, "threads": 1}
 
 
 def cache_dir() -> Path:
@@ -179,7 +179,13 @@ def set_threads(threads: int) -> int:
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     lib = library()
-    return 1 if lib is None else lib.dsv41_set_threads(threads)
+    _state["threads"] = 1 if lib is None else lib.dsv41_set_threads(threads)
+    return _state["threads"]
+
+
+def threads() -> int:
+    """The threads the kernels' jobs run on (:func:`set_threads`; 1 until it is called)."""
+    return _state["threads"]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

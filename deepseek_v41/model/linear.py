@@ -15,17 +15,42 @@ from torch import nn
 
 from deepseek_v41 import kernels
 
+FP32_GEMV_WEIGHTS = 1 << 16  # fp32 weights from this size take the kernel in a few-token step (see gemv)
+
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, fp32: bool = False) -> bool:
-    """Whether :func:`linear` takes the kernel: bf16 (``fp32``: or fp32) x [..., K] and weight [O, K] on the CPU,
-    contiguous, in inference mode, with at most ``kernels.GEMV_MACS`` multiply-adds (beyond that ATen's threaded
-    GEMM wins). Mismatched widths take ``F.linear``, which raises (the kernel would read past the weight). fp32 is
-    for callers whose torch code is several ops (``GroupedLinear``: reshapes and a batched matmul); a plain fp32
-    ``F.linear`` is as fast as the kernel."""
-    return (x.dtype == weight.dtype and (x.dtype == torch.bfloat16 or (fp32 and x.dtype == torch.float32))
-            and torch.is_inference_mode_enabled() and x.dim() >= 1
-            and weight.dim() == 2 and x.shape[-1] == weight.shape[1]
-            and x.numel() * weight.shape[0] <= kernels.GEMV_MACS and kernels.usable(x, weight))
+    """Whether :func:`linear` takes the kernel for x [..., K] and weight [O, K] of one dtype, on the CPU,
+    contiguous, in inference mode (mismatched widths take ``F.linear``, which raises: the kernel would read past
+    the weight):
+
+    - bf16: up to ``kernels.FEW_ROWS`` tokens, or up to ``kernels.GEMV_MACS`` multiply-adds (ATen's bf16 GEMV costs
+      ~20 µs a call at any small size; beyond, its threaded GEMM wins);
+    - fp32: with ``fp32`` (callers whose torch code is several ops: ``GroupedLinear``) up to ``GEMV_MACS``
+      multiply-adds; else up to ``FEW_ROWS`` tokens of a weight of at least ``FP32_GEMV_WEIGHTS`` values while the
+      kernels have at least torch's threads (:func:`few_token_gemv`)."""
+    if not (x.dtype == weight.dtype and torch.is_inference_mode_enabled() and x.dim() >= 1 and weight.dim() == 2
+            and x.shape[-1] == weight.shape[1]):
+        return False
+    if x.dtype == torch.bfloat16:
+        take = x.shape[:-1].numel() <= kernels.FEW_ROWS or x.numel() * weight.shape[0] <= kernels.GEMV_MACS
+    elif x.dtype == torch.float32:
+        take = ((fp32 and x.numel() * weight.shape[0] <= kernels.GEMV_MACS)
+                or (weight.numel() >= FP32_GEMV_WEIGHTS and few_token_gemv(x, weight)))
+    else:
+        return False
+    return take and kernels.usable(x, weight)
+
+
+def few_token_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether fp32 x [..., K] (at most ``kernels.FEW_ROWS`` tokens, inference mode) times an fp32 or bf16 weight
+    [O, K] is faster in the kernel than in ATen: when the kernels' pool has at least torch's threads (a few-token
+    engine step hands torch's threads to it: engine/model_runner.py), the kernel reads the weight on as many cores
+    and ATen's fp32 GEMV is no faster per core (bench/README.md); a bf16 weight also skips ATen's copy to fp32."""
+    return (x.dtype == torch.float32 and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.is_inference_mode_enabled() and x.dim() >= 1 and weight.dim() == 2
+            and x.shape[-1] == weight.shape[1] and x.shape[:-1].numel() <= kernels.FEW_ROWS
+            and (weight.dtype == torch.bfloat16 or kernels.threads() >= torch.get_num_threads())
+            and kernels.usable(x, weight))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

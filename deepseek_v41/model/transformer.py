@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepseek_v41 import kernels
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.model.attention import Attention
 from deepseek_v41.model.context import DenseContext
 from deepseek_v41.model.hyper import collapse, expand, hc_mix
+from deepseek_v41.model.linear import few_token_gemv
 from deepseek_v41.model.moe import MoE
 from deepseek_v41.model.norm import RMSNorm, upcast
 from deepseek_v41.plan import LayerSpec, build_layer_plan
@@ -174,8 +176,9 @@ class Transformer(nn.Module):
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Final collapse, norm and LM head: [B, T, hc, D] -> logits [B, T, vocab], fp32 (float64 for float64)."""
-        x = self.norm(collapse(streams, pre))
-        x = upcast(x)
+        x = upcast(self.norm(collapse(streams, pre)))
+        if few_token_gemv(x, self.head.weight):
+            return kernels.linear(x, self.head.weight)
         return x @ self.head.weight.to(x.dtype).t()
 
     def forward(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None,

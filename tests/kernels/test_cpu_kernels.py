@@ -1336,19 +1336,27 @@ def test_linear_module_takes_the_kernel_for_few_bf16_tokens_in_inference_mode_on
     assert calls["linear"] == 2
 
 
-def test_linear_of_more_than_gemv_macs_takes_f_linear(calls):
-    K = 512
-    O = kernels.GEMV_MACS // K
+def test_linear_of_many_tokens_and_more_than_gemv_macs_takes_f_linear(calls):
+    """bf16: up to FEW_ROWS tokens take the kernel whatever the weight, more tokens only up to GEMV_MACS
+    multiply-adds."""
+    K, O = 64, 1024
     layer = bf16_linear(K, O, seed=77)
-    x = torch.randn(2, K, generator=torch.Generator().manual_seed(78)).bfloat16()
+    few = kernels.FEW_ROWS
+    x = torch.randn(few + 1, K, generator=torch.Generator().manual_seed(78)).bfloat16()
+    assert few * K * O > kernels.GEMV_MACS
     with torch.inference_mode():
-        one = layer(x[:1])  # exactly GEMV_MACS multiply-adds: the kernel
+        one = layer(x[:few])  # FEW_ROWS tokens, more than GEMV_MACS: the kernel
         assert calls["linear"] == 1
-        two = layer(x)  # twice that: ATen
-    assert calls["linear"] == 1
+        two = layer(x)  # one more token: ATen
+        assert calls["linear"] == 1
+        small = bf16_linear(K, 8, seed=79)
+        assert (few + 1) * K * 8 <= kernels.GEMV_MACS
+        three = small(x)  # many tokens, few multiply-adds: the kernel
+    assert calls["linear"] == 2
     weight = layer.weight.detach()
     assert_same_bits(two, F.linear(x, weight))
-    assert_bf16_close(one, F.linear(x[:1], weight), magnitudes(x[:1], weight), share=0.95)
+    assert_bf16_close(one, F.linear(x[:few], weight), magnitudes(x[:few], weight), share=0.95)
+    assert_bf16_close(three, F.linear(x, small.weight.detach()), magnitudes(x, small.weight.detach()), share=0.95)
 
 
 def test_linear_of_mismatched_or_empty_widths(calls):
