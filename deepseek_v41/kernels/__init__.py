@@ -68,8 +68,8 @@ _SIGNATURES = {
     "dsv41_attend_few": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P, ctypes.c_float, _P, _P], None),
     "dsv41_gate": ([_P, _I, _I, _P, _I, _P, _I, ctypes.c_int, ctypes.c_float, _P, _P, _P], None),
     "dsv41_swiglu": ([_P, _P, _I, _I, _I, ctypes.c_float, _P], None),
-    "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P,
-                            _P], ctypes.c_int),
+    "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I,
+                            ctypes.c_int, _P], ctypes.c_int),
     "dsv41_moe_bf16": ([_P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P, _P,
                         ctypes.c_int, _I, _P], ctypes.c_int),
     "dsv41_topk_set": ([_P, _I, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
@@ -184,8 +184,15 @@ def set_threads(threads: int) -> int:
 
 
 def threads() -> int:
-    """The threads the kernels' jobs run on (:func:`set_threads`; 1 until it is called)."""
+    """The threads the kernels' jobs run on (:func:`set_threads`; 1 until it is called, and in a forked child)."""
     return _state["threads"]
+
+
+def _forked_child() -> None:
+    _state["threads"] = 1  # the library's pool has no workers in a forked child (only the forking thread survives)
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -279,8 +286,8 @@ def window_step(ring_codes: torch.Tensor, ring_scales: torch.Tensor, ring_pos: t
     B, T, _ = kv.shape
     keys = torch.empty((B, R + T, d), dtype=torch.float32)
     key_pos = torch.empty((B, R + T), dtype=torch.int64)
-    new_codes = torch.empty((T, d), dtype=torch.uint8)
-    new_scales = torch.empty((T, d // 32), dtype=torch.uint8)
+    new_codes = torch.empty((B, T, d), dtype=torch.uint8)
+    new_scales = torch.empty((B, T, d // 32), dtype=torch.uint8)
     library().dsv41_window_step(ring_codes.data_ptr(), ring_scales.data_ptr(), ring_pos.data_ptr(), L, layer, R, d,
                                 slots.data_ptr(), B, positions.data_ptr(), T, kv.data_ptr(), new_codes.data_ptr(),
                                 new_scales.data_ptr(), keys.data_ptr(), key_pos.data_ptr())
@@ -295,15 +302,13 @@ def index_scores(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str
     pages, per_page, half = codes.shape
     B, c, H, di = q.shape
     out = torch.empty((B, c, n), dtype=torch.float32)
-    key = torch.empty(di, dtype=torch.float32)
     # A lookup table per query pays for itself over long rows (its size: see cpu_kernels.c dsv41_index_scores).
-    entries = di // 2 * 256 * -(-H // 4) * 4
-    lut = n >= INDEX_LUT_ROWS and H <= 64 and entries <= 1 << 16
-    table = torch.empty(entries, dtype=torch.float32) if lut else None
+    lut = n >= INDEX_LUT_ROWS and H <= 64 and di // 2 * 256 * -(-H // 4) * 4 <= 1 << 16
     status = library().dsv41_index_scores(codes.data_ptr(), scales.data_ptr(), pages, per_page, 2 * half, block,
                                           FP4_FORMATS[fmt], tables.data_ptr(), tables.shape[1], ratio, block_size,
-                                          q.data_ptr(), w.data_ptr(), B, c, H, n, key.data_ptr(), _ptr(table),
-                                          out.data_ptr())
+                                          q.data_ptr(), w.data_ptr(), B, c, H, n, int(lut), out.data_ptr())
+    if status == -2:
+        raise MemoryError("index_scores kernel: no memory for its scratch")
     if status != 0:
         raise IndexError("an entry index lies past its block table")
     return out
@@ -347,7 +352,7 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     pre = torch.empty((B, T, hc), dtype=torch.float32)
     post = torch.empty((B, T, hc), dtype=torch.float32)
     comb = torch.empty((B, T, hc, hc), dtype=torch.float32)
-    scratch = torch.empty(hc * D, dtype=torch.float32)
+    scratch = torch.empty((B * T, hc * D), dtype=torch.float32)
     library().dsv41_hc_mix(streams.data_ptr(), B * T, hc, D, fn.data_ptr(), base.data_ptr(), scale.data_ptr(),
                            norm_eps, hc_eps, iters, scratch.data_ptr(), pre.data_ptr(), post.data_ptr(),
                            comb.data_ptr())
@@ -386,7 +391,7 @@ def attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos
     L = keys.shape[1]
     k = 0 if topk is None else topk.shape[-1]
     out = torch.empty_like(q)
-    scratch = torch.empty(L + k, dtype=torch.float32)
+    scratch = torch.empty((B * T, L + k), dtype=torch.float32)
     library().dsv41_attend_few(q.data_ptr(), q_pos.data_ptr(), keys.data_ptr(), key_pos.data_ptr(), B, T, H, d, L,
                                window, _ptr(selected), _ptr(topk), k, sink.data_ptr(), scale, scratch.data_ptr(),
                                out.data_ptr())
@@ -466,7 +471,8 @@ def topk_set(scores: torch.Tensor, k: int, drop_neg_inf: bool = False) -> torch.
     k > N (the caller takes the torch code, which ranks NaN first / raises)."""
     N = scores.shape[-1]
     out = torch.empty((*scores.shape[:-1], k), dtype=torch.int64)
-    heap = torch.empty(max(k, 1), dtype=torch.float32)
-    status = library().dsv41_topk_set(scores.data_ptr(), scores.numel() // max(N, 1), N, k, int(drop_neg_inf),
+    rows = scores.numel() // max(N, 1)
+    heap = torch.empty((rows, max(k, 1)), dtype=torch.float32)
+    status = library().dsv41_topk_set(scores.data_ptr(), rows, N, k, int(drop_neg_inf),
                                       heap.data_ptr(), out.data_ptr())
     return out if status == 0 else None

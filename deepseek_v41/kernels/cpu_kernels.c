@@ -110,492 +110,6 @@ static float abs_max(const float *x, int64_t n) {
     return m;
 }
 
-/* ------------------------------------------------------------------------------------------- FP8 blocks */
-
-/* One row of n values (n % 32 == 0) -> E4M3 codes [n], UE8M0 scales [n / 32], decoded values [n]
- * (quant/fp8.py quantize_fp8_values). */
-static void fp8_quantize_row(const float *x, int64_t n, uint8_t *codes, uint8_t *scales, float *values) {
-    for (int64_t b0 = 0; b0 < n; b0 += 32) {
-        float amax = abs_max(x + b0, 32);
-        float floor_amax = isnan(amax) ? amax : (amax < FP8_AMAX_FLOOR ? FP8_AMAX_FLOOR : amax);
-        uint8_t sb = ue8m0_encode_ceil(floor_amax / E4M3_MAX);
-        float scale = ue8m0_decode(sb);
-        scales[b0 / 32] = sb;
-        for (int64_t i = b0; i < b0 + 32; i++) {
-            float y = x[i] / scale;
-            if (!isnan(y)) y = y < -E4M3_MAX ? -E4M3_MAX : (y > E4M3_MAX ? E4M3_MAX : y);
-            uint8_t c = e4m3_encode(y);
-            codes[i] = c;
-            if (values) values[i] = e4m3_decode(c) * scale;
-        }
-    }
-}
-
-static void fp8_dequantize_row(const uint8_t *codes, const uint8_t *scales, int64_t n, float *out) {
-    for (int64_t b0 = 0; b0 < n; b0 += 32) {
-        float scale = ue8m0_decode(scales[b0 / 32]);
-        for (int64_t i = b0; i < b0 + 32; i++) out[i] = E4M3_VALUES[codes[i]] * scale;
-    }
-}
-
-void dsv41_fp8_quantize(const float *x, int64_t rows, int64_t n, uint8_t *codes, uint8_t *scales, float *values) {
-    for (int64_t r = 0; r < rows; r++)
-        fp8_quantize_row(x + r * n, n, codes + r * n, scales + r * (n / 32), values ? values + r * n : 0);
-}
-
-void dsv41_fp8_dequantize(const uint8_t *codes, const uint8_t *scales, int64_t rows, int64_t n, float *out) {
-    for (int64_t r = 0; r < rows; r++) fp8_dequantize_row(codes + r * n, scales + r * (n / 32), n, out + r * n);
-}
-
-/* ------------------------------------------------------------------------------------------- FP4 blocks */
-
-enum { FMT_E4M3 = 0, FMT_UE8M0 = 1 };
-
-static float fp4_scale_decode(uint8_t b, int fmt) { return fmt == FMT_E4M3 ? e4m3_decode(b) : ue8m0_decode(b); }
-
-/* Nearest E2M1 code of y in [-6, 6] (or NaN), ties to the even code; -0 and NaN give code 0 (fp4._round_e2m1). */
-static uint8_t e2m1_code(float y) {
-    if (isnan(y)) return 0;
-    float a = fabsf(y);
-    float step = a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f);
-    float q = rintf(y / step) * step;
-    if (q == 0.0f) return 0;
-    float qa = fabsf(q);
-    uint8_t index = (uint8_t)(qa < 2.0f ? qa * 2.0f : (qa < 4.0f ? qa + 2.0f : qa * 0.5f + 4.0f));
-    return (uint8_t)(index | (q < 0 ? 8 : 0));
-}
-
-/* One row of n values (n % block == 0, block even) -> packed codes [n / 2], scale bytes [n / block] and, when
- * values is given, the decoded values [n] (quant/fp4.py _quantize_blocks). */
-static void fp4_quantize_row(const float *x, int64_t n, int64_t block, int fmt, uint8_t *codes, uint8_t *scales,
-                             float *values) {
-    for (int64_t b0 = 0; b0 < n; b0 += block) {
-        float amax = abs_max(x + b0, block);
-        uint8_t sb;
-        if (fmt == FMT_E4M3) {
-            float s = amax / E2M1_MAX;
-            s = s < 0.001953125f ? 0.001953125f : (s > E4M3_MAX ? E4M3_MAX : s);
-            sb = isnan(amax) ? 0x7F : e4m3_encode(s);
-        } else {
-            float floor_amax = isnan(amax) ? amax : (amax < E2M1_MAX * 0x1p-126f ? E2M1_MAX * 0x1p-126f : amax);
-            sb = ue8m0_encode_ceil(floor_amax / E2M1_MAX);
-        }
-        float scale = fp4_scale_decode(sb, fmt);
-        if (scales) scales[b0 / block] = sb;
-        for (int64_t i = b0; i < b0 + block; i += 2) {
-            float y0 = x[i] / scale, y1 = x[i + 1] / scale;
-            if (!isnan(y0)) y0 = y0 < -E2M1_MAX ? -E2M1_MAX : (y0 > E2M1_MAX ? E2M1_MAX : y0);
-            if (!isnan(y1)) y1 = y1 < -E2M1_MAX ? -E2M1_MAX : (y1 > E2M1_MAX ? E2M1_MAX : y1);
-            uint8_t c0 = e2m1_code(y0), c1 = e2m1_code(y1);
-            if (codes) codes[i / 2] = (uint8_t)(c0 | (c1 << 4));
-            if (values) {
-                values[i] = E2M1_VALUES[c0] * scale;
-                values[i + 1] = E2M1_VALUES[c1] * scale;
-            }
-        }
-    }
-}
-
-static void fp4_dequantize_row(const uint8_t *codes, const uint8_t *scales, int64_t n, int64_t block, int fmt,
-                               float *out) {
-    for (int64_t b0 = 0; b0 < n; b0 += block) {
-        float scale = fp4_scale_decode(scales[b0 / block], fmt);
-        for (int64_t i = b0; i < b0 + block; i += 2) {
-            uint8_t byte = codes[i / 2];
-            out[i] = E2M1_VALUES[byte & 15] * scale;
-            out[i + 1] = E2M1_VALUES[byte >> 4] * scale;
-        }
-    }
-}
-
-void dsv41_fp4_quantize(const float *x, int64_t rows, int64_t n, int64_t block, int fmt, uint8_t *codes,
-                        uint8_t *scales, float *values) {
-    for (int64_t r = 0; r < rows; r++)
-        fp4_quantize_row(x + r * n, n, block, fmt, codes ? codes + r * (n / 2) : 0,
-                         scales ? scales + r * (n / block) : 0, values ? values + r * n : 0);
-}
-
-void dsv41_fp4_dequantize(const uint8_t *codes, const uint8_t *scales, int64_t rows, int64_t n, int64_t block,
-                          int fmt, float *out) {
-    for (int64_t r = 0; r < rows; r++)
-        fp4_dequantize_row(codes + r * (n / 2), scales + r * (n / block), n, block, fmt, out + r * n);
-}
-
-/* -------------------------------------------------------------------------- paged compressed entries */
-
-/* Page and slot of entry g of a sequence (cache/paged_context.py _locate); -1 when the block table is too short. */
-static int64_t entry_page(const int64_t *table, int64_t table_len, int64_t g, int64_t ratio, int64_t block_size) {
-    int64_t col = (g * ratio) / block_size;
-    return col < table_len ? table[col] : -1;
-}
-
-/* Decode entries idx [B, M] (-1 = none: zeros) of one FP4 pool, codes [pages, per_page, width / 2] and scales
- * [pages, per_page, width / block], through block tables [B, table_len], into out [B, M, width].
- * Returns 0, or -1 when an index lies past its block table or its page is out of range. */
-int dsv41_fp4_gather(const uint8_t *codes, const uint8_t *scales, int64_t pages, int64_t per_page, int64_t width,
-                     int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
-                     int64_t block_size, const int64_t *idx, int64_t B, int64_t M, float *out) {
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t j = 0; j < M; j++) {
-            int64_t g = idx[b * M + j];
-            float *row = out + (b * M + j) * width;
-            if (g < 0) {
-                memset(row, 0, (size_t)width * sizeof(float));
-                continue;
-            }
-            int64_t page = entry_page(tables + b * table_len, table_len, g, ratio, block_size);
-            if (page < 0 || page >= pages) return -1;
-            int64_t at = page * per_page + g % per_page;
-            fp4_dequantize_row(codes + at * (width / 2), scales + at * (width / block), width, block, fmt, row);
-        }
-    }
-    return 0;
-}
-
-/* Quantize entries x [B, G, width] of groups group [B, G] into one FP4 pool (the inverse of dsv41_fp4_gather).
- * Groups below 0 or whose first position g * ratio is below write_from[b] are skipped. Returns the number of
- * entries written, or -1 when a group lies past its block table or its page is out of range. */
-int64_t dsv41_fp4_scatter(uint8_t *codes, uint8_t *scales, int64_t pages, int64_t per_page, int64_t width,
-                          int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
-                          int64_t block_size, const int64_t *group, const int64_t *write_from, int64_t B, int64_t G,
-                          const float *x) {
-    int64_t written = 0;
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t j = 0; j < G; j++) {
-            int64_t g = group[b * G + j];
-            if (g < 0 || g * ratio < write_from[b]) continue;
-            int64_t page = entry_page(tables + b * table_len, table_len, g, ratio, block_size);
-            if (page < 0 || page >= pages) return -1;
-            int64_t at = page * per_page + g % per_page;
-            fp4_quantize_row(x + (b * G + j) * width, width, block, fmt, codes + at * (width / 2),
-                             scales + at * (width / block), 0);
-            written++;
-        }
-    }
-    return written;
-}
-
-/* ------------------------------------------------------------------------------------- SWA window ring */
-
-/* One layer's window step (cache/paged_context.py PagedContext.window) for rows slots [B]:
- * rings codes [S, L, R, d], scales [S, L, R, d / 32], pos [S, L, R] (int32, -1 = empty); new rows kv [B, T, d]
- * at positions [B, T]. Writes keys [B, R + T, d] (the R ring rows decoded, then the new rows' FP8 values) and
- * key_pos [B, R + T] (ring rows at or past the row's first new position read -1), then stores the last
- * min(T, R) new rows in the ring at position % R: after reading, as a long chunk may wrap over rows it read. */
-void dsv41_window_step(uint8_t *ring_codes, uint8_t *ring_scales, int32_t *ring_pos, int64_t L, int64_t layer,
-                       int64_t R, int64_t d, const int64_t *slots, int64_t B, const int64_t *positions, int64_t T,
-                       const float *kv, uint8_t *new_codes, uint8_t *new_scales, float *keys, int64_t *key_pos) {
-    int64_t nb = d / 32, tail = T < R ? T : R;
-    for (int64_t b = 0; b < B; b++) {
-        int64_t ring = (slots[b] * L + layer) * R;
-        const int64_t *pos = positions + b * T;
-        float *out = keys + b * (R + T) * d;
-        int64_t *out_pos = key_pos + b * (R + T);
-        for (int64_t r = 0; r < R; r++) {
-            int64_t p = ring_pos[ring + r];
-            out_pos[r] = (p >= 0 && p < pos[0]) ? p : -1;
-            fp8_dequantize_row(ring_codes + (ring + r) * d, ring_scales + (ring + r) * nb, d, out + r * d);
-        }
-        fp8_quantize_row(kv + b * T * d, T * d, new_codes, new_scales, out + R * d);
-        for (int64_t t = 0; t < T; t++) out_pos[R + t] = pos[t];
-        for (int64_t t = T - tail; t < T; t++) {
-            int64_t row = ring + ((pos[t] % R) + R) % R;
-            memcpy(ring_codes + row * d, new_codes + t * d, (size_t)d);
-            memcpy(ring_scales + row * nb, new_scales + t * nb, (size_t)nb);
-            ring_pos[row] = (int32_t)pos[t];
-        }
-    }
-}
-
-/* ------------------------------------------------------------------------------- RoPE, RMSNorm, mHC */
-
-/* Element i of a row of fp32 values, or of bf16 bits widened to fp32 (exact). */
-static float load_at(const void *x, int bf16, int64_t i) {
-    return bf16 ? from_bits((uint32_t)((const uint16_t *)x)[i] << 16) : ((const float *)x)[i];
-}
-
-/* Stores v as element i of a row of fp32 values, or of bf16 bits rounded to nearest even. */
-static void store_out(void *out, int64_t at, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)out)[at] = bf16_round(v);
-    else
-        ((float *)out)[at] = v;
-}
-
-/* Interleaved RoPE on the last r dims of x [N, H, d] with phases cos / sin [N, r] (rope.py phases: each angle
- * twice, sin negated on the pair's first element): out = x, tail * cos + swap(tail) * sin (sign = -1 negates
- * sin: the inverse rotation). x and out are fp32, or bf16 bits (bf16: the head dims copied, the tail widened,
- * rotated in fp32 and rounded, as rope.py does for bf16). The same two products and one sum per element as
- * rope.py: bit-identical. */
-static void rope_rows(const void *x, int bf16, const float *cos_, const float *sin_, int64_t N, int64_t H,
-                      int64_t d, int64_t r, int sign, void *out) {
-    const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
-    for (int64_t n = 0; n < N; n++) {
-        const float *c = cos_ + n * r, *s = sin_ + n * r;
-        for (int64_t h = 0; h < H; h++) {
-            const char *xi = (const char *)x + (n * H + h) * d * size;
-            char *o = (char *)out + (n * H + h) * d * size;
-            if (o != xi) memcpy(o, xi, (size_t)(d - r) * size);
-            for (int64_t i = d - r; i < d; i += 2) {
-                float a = load_at(xi, bf16, i), b = load_at(xi, bf16, i + 1);
-                int64_t j = i - (d - r);
-                float s0 = sign < 0 ? -s[j] : s[j], s1 = sign < 0 ? -s[j + 1] : s[j + 1];
-                store_out(o, i, a * c[j] + b * s0, bf16);
-                store_out(o, i + 1, b * c[j + 1] + a * s1, bf16);
-            }
-        }
-    }
-}
-
-void dsv41_rope(const float *x, const float *cos_, const float *sin_, int64_t N, int64_t H, int64_t d, int64_t r,
-                int sign, float *out) {
-    rope_rows(x, 0, cos_, sin_, N, H, d, r, sign, out);
-}
-
-void dsv41_rope_bf16(const uint16_t *x, const float *cos_, const float *sin_, int64_t N, int64_t H, int64_t d,
-                     int64_t r, int sign, uint16_t *out) {
-    rope_rows(x, 1, cos_, sin_, N, H, d, r, sign, out);
-}
-
-/* Eight fp32 lanes as one value (GCC / Clang vector extension): accumulators that stay in registers. Loads go
- * through memcpy, so no alignment is assumed. */
-typedef float v8f __attribute__((vector_size(32)));
-
-static v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static float sum8(v8f a) {
-    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-}
-
-/* Sum of x[i] * y[i] over n values: four 8-lane accumulators (each lane adds in order) added pairwise, then the
- * remaining values one by one. */
-static float dot(const float *x, const float *y, int64_t n) {
-    v8f a = {0}, b = {0}, c = {0}, d = {0};
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        a += load8(x + i) * load8(y + i);
-        b += load8(x + i + 8) * load8(y + i + 8);
-        c += load8(x + i + 16) * load8(y + i + 16);
-        d += load8(x + i + 24) * load8(y + i + 24);
-    }
-    for (; i + 8 <= n; i += 8) a += load8(x + i) * load8(y + i);
-    float s = sum8((a + b) + (c + d));
-    for (; i < n; i++) s += x[i] * y[i];
-    return s;
-}
-
-/* 1 / sqrt(mean(x^2) + eps) over n values. */
-static float rms_factor(const float *x, int64_t n, float eps) {
-    return 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
-}
-
-/* RMSNorm over the last dim of x [N, D]: out = x * rsqrt(mean(x^2) + eps) (* weight [D] when given). */
-void dsv41_rms_norm(const float *x, int64_t N, int64_t D, const float *weight, float eps, float *out) {
-    for (int64_t n = 0; n < N; n++) {
-        const float *xi = x + n * D;
-        float *o = out + n * D;
-        float f = rms_factor(xi, D, eps);
-        if (weight)
-            for (int64_t i = 0; i < D; i++) o[i] = (xi[i] * f) * weight[i];
-        else
-            for (int64_t i = 0; i < D; i++) o[i] = xi[i] * f;
-    }
-}
-
-/* dsv41_rms_norm for bf16 x, weight and out (bits; weight may be NULL): each row widened to fp32 in scratch [D],
- * normalised in fp32 as above and rounded to bf16 (RMSNorm of a bf16 model: upcast, normalise, cast back). */
-void dsv41_rms_norm_bf16(const uint16_t *x, int64_t N, int64_t D, const uint16_t *weight, float eps, float *scratch,
-                         uint16_t *out) {
-    for (int64_t n = 0; n < N; n++) {
-        bf16_row(x + n * D, D, scratch);
-        float f = rms_factor(scratch, D, eps);
-        uint16_t *o = out + n * D;
-        if (weight)
-            for (int64_t i = 0; i < D; i++) o[i] = bf16_round((scratch[i] * f) * load_at(weight, 1, i));
-        else
-            for (int64_t i = 0; i < D; i++) o[i] = bf16_round(scratch[i] * f);
-    }
-}
-
-/* mHC coefficients of one site (model/hyper.py hc_mix) from streams [N, hc, D]: mixing logits
- * rms_normalize(flat) @ fn^T [N, (2 + hc) * hc], scaled per part (pre | post | comb) and shifted by base; then
- * pre = sigmoid + hc_eps [N, hc], post = 2 sigmoid [N, hc], comb = Sinkhorn(softmax(rows) + hc_eps) [N, hc, hc].
- * scratch: hc * D floats. hc <= 16. */
-void dsv41_hc_mix(const float *streams, int64_t N, int64_t hc, int64_t D, const float *fn, const float *base,
-                  const float *scale, float norm_eps, float hc_eps, int64_t iters, float *scratch, float *pre,
-                  float *post, float *comb) {
-    int64_t width = hc * D, mixes = (2 + hc) * hc;
-    float mix[16 * 18];
-    for (int64_t n = 0; n < N; n++) {
-        const float *x = streams + n * width;
-        float f = rms_factor(x, width, norm_eps);
-        for (int64_t i = 0; i < width; i++) scratch[i] = x[i] * f;
-        for (int64_t k = 0; k < mixes; k++) {
-            float part = scale[k < hc ? 0 : (k < 2 * hc ? 1 : 2)];
-            mix[k] = dot(scratch, fn + k * width, width) * part + base[k];
-        }
-        for (int64_t i = 0; i < hc; i++) {
-            pre[n * hc + i] = 1.0f / (1.0f + expf(-mix[i])) + hc_eps;
-            post[n * hc + i] = 2.0f * (1.0f / (1.0f + expf(-mix[hc + i])));
-        }
-        float *c = comb + n * hc * hc;
-        for (int64_t i = 0; i < hc; i++) {
-            const float *row = mix + 2 * hc + i * hc;
-            float m = row[0], s = 0.0f;
-            for (int64_t j = 1; j < hc; j++) m = row[j] > m ? row[j] : m;
-            for (int64_t j = 0; j < hc; j++) s += (c[i * hc + j] = expf(row[j] - m));
-            for (int64_t j = 0; j < hc; j++) c[i * hc + j] = c[i * hc + j] / s + hc_eps;
-        }
-        for (int64_t it = 0; it < 2 * iters - 1; it++) {  /* columns first, then rows and columns */
-            int cols = it % 2 == 0;
-            for (int64_t i = 0; i < hc; i++) {
-                float s = 0.0f;
-                for (int64_t j = 0; j < hc; j++) s += cols ? c[j * hc + i] : c[i * hc + j];
-                s += hc_eps;
-                for (int64_t j = 0; j < hc; j++) {
-                    if (cols) c[j * hc + i] /= s;
-                    else c[i * hc + j] /= s;
-                }
-            }
-        }
-    }
-}
-
-/* Collapse sum_i w_i R_i of streams [N, hc, D] with weights [N, hc], then RMSNorm (weight [D], eps) when
- * norm_weight is given: out [N, D] (model/hyper.py collapse + the sub-layer's input norm). */
-void dsv41_hc_collapse(const float *streams, const float *w, int64_t N, int64_t hc, int64_t D,
-                       const float *norm_weight, float eps, float *out) {
-    for (int64_t n = 0; n < N; n++) {
-        float *o = out + n * D;
-        const float *x = streams + n * hc * D;
-        for (int64_t k = 0; k < D; k++) o[k] = w[n * hc] * x[k];
-        for (int64_t i = 1; i < hc; i++) {
-            float wi = w[n * hc + i];
-            for (int64_t k = 0; k < D; k++) o[k] += wi * x[i * D + k];
-        }
-        if (norm_weight) dsv41_rms_norm(o, 1, D, norm_weight, eps, o);
-    }
-}
-
-/* Expand R'_j = post_j y + sum_i comb[i, j] R_i: streams [N, hc, D], y [N, D], post [N, hc], comb [N, hc, hc]
- * -> out [N, hc, D] (model/hyper.py expand). */
-void dsv41_hc_expand(const float *streams, const float *y, const float *post, const float *comb, int64_t N,
-                     int64_t hc, int64_t D, float *out) {
-    for (int64_t n = 0; n < N; n++) {
-        const float *x = streams + n * hc * D, *c = comb + n * hc * hc, *yn = y + n * D;
-        for (int64_t j = 0; j < hc; j++) {
-            float *o = out + (n * hc + j) * D;
-            for (int64_t k = 0; k < D; k++) o[k] = c[j] * x[k];
-            for (int64_t i = 1; i < hc; i++) {
-                float cij = c[i * hc + j];
-                for (int64_t k = 0; k < D; k++) o[k] += cij * x[i * D + k];
-            }
-            float p = post[n * hc + j];
-            for (int64_t k = 0; k < D; k++) o[k] = p * yn[k] + o[k];
-        }
-    }
-}
-
-/* ------------------------------------------------------------------------- attention, MoE router, SwiGLU */
-
-/* One softmax with a sink per (query, head) over the window keys and the selected entries (model/attention.py
- * _attend_few): q [B, T, H, d]; keys [B, L, d] with key_pos [B, L] (a key is seen by a query at position p when
- * p - window < key_pos <= p); selected [B, T, k, d] with topk [B, T, k] (-1 = none); sink [H]. out [B, T, H, d]
- * = sum_j softmax_j(s) v_j with the sink in the denominator; masked keys are skipped (their weight is 0).
- * scratch: L + k floats. */
-void dsv41_attend_few(const float *q, const int64_t *q_pos, const float *keys, const int64_t *key_pos, int64_t B,
-                      int64_t T, int64_t H, int64_t d, int64_t L, int64_t window, const float *selected,
-                      const int64_t *topk, int64_t k, const float *sink, float scale, float *scratch, float *out) {
-    for (int64_t b = 0; b < B; b++) {
-        const float *kb = keys + b * L * d;
-        const int64_t *kp = key_pos + b * L;
-        for (int64_t t = 0; t < T; t++) {
-            int64_t p = q_pos[b * T + t];
-            const float *sel = selected ? selected + (b * T + t) * k * d : 0;
-            const int64_t *picks = topk ? topk + (b * T + t) * k : 0;
-            for (int64_t h = 0; h < H; h++) {
-                const float *qv = q + ((b * T + t) * H + h) * d;
-                float *o = out + ((b * T + t) * H + h) * d;
-                float m = sink[h];
-                for (int64_t l = 0; l < L; l++) {
-                    int seen = kp[l] >= 0 && kp[l] <= p && kp[l] > p - window;
-                    scratch[l] = seen ? dot(qv, kb + l * d, d) * scale : -INFINITY;
-                    if (scratch[l] > m) m = scratch[l];
-                }
-                for (int64_t j = 0; j < k; j++) {
-                    scratch[L + j] = picks[j] >= 0 ? dot(qv, sel + j * d, d) * scale : -INFINITY;
-                    if (scratch[L + j] > m) m = scratch[L + j];
-                }
-                float total = expf(sink[h] - m);
-                memset(o, 0, (size_t)d * sizeof(float));
-                for (int64_t j = 0; j < L + k; j++) {
-                    if (scratch[j] == -INFINITY) continue;
-                    float e = expf(scratch[j] - m);
-                    total += e;
-                    const float *v = j < L ? kb + j * d : sel + (j - L) * d;
-                    for (int64_t i = 0; i < d; i++) o[i] += e * v[i];
-                }
-                float inv = 1.0f / total;
-                for (int64_t i = 0; i < d; i++) o[i] *= inv;
-            }
-        }
-    }
-}
-
-/* MoE router (model/moe.py Gate, text tokens): scores = sqrt(softplus(x @ W^T)) [N, E] of x [N, D], W [E, D];
- * the k experts of largest score + bias[E] (descending, the lower id first on a tie) into indices [N, k], their
- * scores (divided by their sum + 1e-20 when norm_topk) times route_scale into weights [N, k]. scratch: E floats. */
-void dsv41_gate(const float *x, int64_t N, int64_t D, const float *W, int64_t E, const float *bias, int64_t k,
-                int norm_topk, float route_scale, float *scratch, int64_t *indices, float *weights) {
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t e = 0; e < E; e++) {
-            float z = dot(x + n * D, W + e * D, D);
-            scratch[e] = sqrtf(z > 20.0f ? z : log1pf(expf(z)));
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < k; j++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++) {
-                int taken = 0;
-                for (int64_t i = 0; i < j; i++) taken |= indices[n * k + i] == e;
-                if (taken) continue;
-                float v = scratch[e] + bias[e], top = best < 0 ? 0.0f : scratch[best] + bias[best];
-                /* NaN ranks above every number, as in torch.topk: a corrupted router shows, not hides */
-                if (best < 0 || (isnan(v) ? !isnan(top) : v > top)) best = e;
-            }
-            indices[n * k + j] = best;
-            weights[n * k + j] = scratch[best];
-            sum += scratch[best];
-        }
-        for (int64_t j = 0; j < k; j++) {
-            float w = weights[n * k + j];
-            if (norm_topk) w = w / (sum + 1e-20f);
-            weights[n * k + j] = w * route_scale;
-        }
-    }
-}
-
-/* silu(min(gate, limit)) * clamp(up, -limit, limit) (model/moe.py clamped_swiglu; limit <= 0: no clamping) of
- * rows gate / up [N, inter] read with row stride `stride` (a fused [N, 2 * inter] projection passes its halves)
- * into out [N, inter]. */
-void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, int64_t stride, float limit,
-                  float *out) {
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t i = 0; i < inter; i++) {
-            float g = gate[n * stride + i], u = up[n * stride + i];
-            if (limit > 0) {
-                g = g > limit ? limit : g;
-                u = u < -limit ? -limit : (u > limit ? limit : u);
-            }
-            out[n * inter + i] = g / (1.0f + expf(-g)) * u;
-        }
-    }
-}
-
 /* ------------------------------------------------------------------------------------------ thread pool */
 
 /* Worker threads that take a job's items beside the calling thread, so the decode step's memory-bound work (the
@@ -746,6 +260,560 @@ int dsv41_set_threads(int threads) {
     pool.keep = pool.workers;
     pthread_mutex_unlock(&pool.busy);
     return pool.workers + 1;
+}
+
+/* ------------------------------------------------------------------------------------------- FP8 blocks */
+
+/* One row of n values (n % 32 == 0) -> E4M3 codes [n], UE8M0 scales [n / 32], decoded values [n]
+ * (quant/fp8.py quantize_fp8_values). */
+static void fp8_quantize_row(const float *x, int64_t n, uint8_t *codes, uint8_t *scales, float *values) {
+    for (int64_t b0 = 0; b0 < n; b0 += 32) {
+        float amax = abs_max(x + b0, 32);
+        float floor_amax = isnan(amax) ? amax : (amax < FP8_AMAX_FLOOR ? FP8_AMAX_FLOOR : amax);
+        uint8_t sb = ue8m0_encode_ceil(floor_amax / E4M3_MAX);
+        float scale = ue8m0_decode(sb);
+        scales[b0 / 32] = sb;
+        for (int64_t i = b0; i < b0 + 32; i++) {
+            float y = x[i] / scale;
+            if (!isnan(y)) y = y < -E4M3_MAX ? -E4M3_MAX : (y > E4M3_MAX ? E4M3_MAX : y);
+            uint8_t c = e4m3_encode(y);
+            codes[i] = c;
+            if (values) values[i] = e4m3_decode(c) * scale;
+        }
+    }
+}
+
+static void fp8_dequantize_row(const uint8_t *codes, const uint8_t *scales, int64_t n, float *out) {
+    for (int64_t b0 = 0; b0 < n; b0 += 32) {
+        float scale = ue8m0_decode(scales[b0 / 32]);
+        for (int64_t i = b0; i < b0 + 32; i++) out[i] = E4M3_VALUES[codes[i]] * scale;
+    }
+}
+
+void dsv41_fp8_quantize(const float *x, int64_t rows, int64_t n, uint8_t *codes, uint8_t *scales, float *values) {
+    for (int64_t r = 0; r < rows; r++)
+        fp8_quantize_row(x + r * n, n, codes + r * n, scales + r * (n / 32), values ? values + r * n : 0);
+}
+
+void dsv41_fp8_dequantize(const uint8_t *codes, const uint8_t *scales, int64_t rows, int64_t n, float *out) {
+    for (int64_t r = 0; r < rows; r++) fp8_dequantize_row(codes + r * n, scales + r * (n / 32), n, out + r * n);
+}
+
+/* ------------------------------------------------------------------------------------------- FP4 blocks */
+
+enum { FMT_E4M3 = 0, FMT_UE8M0 = 1 };
+
+static float fp4_scale_decode(uint8_t b, int fmt) { return fmt == FMT_E4M3 ? e4m3_decode(b) : ue8m0_decode(b); }
+
+/* Nearest E2M1 code of y in [-6, 6] (or NaN), ties to the even code; -0 and NaN give code 0 (fp4._round_e2m1). */
+static uint8_t e2m1_code(float y) {
+    if (isnan(y)) return 0;
+    float a = fabsf(y);
+    float step = a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f);
+    float q = rintf(y / step) * step;
+    if (q == 0.0f) return 0;
+    float qa = fabsf(q);
+    uint8_t index = (uint8_t)(qa < 2.0f ? qa * 2.0f : (qa < 4.0f ? qa + 2.0f : qa * 0.5f + 4.0f));
+    return (uint8_t)(index | (q < 0 ? 8 : 0));
+}
+
+/* One row of n values (n % block == 0, block even) -> packed codes [n / 2], scale bytes [n / block] and, when
+ * values is given, the decoded values [n] (quant/fp4.py _quantize_blocks). */
+static void fp4_quantize_row(const float *x, int64_t n, int64_t block, int fmt, uint8_t *codes, uint8_t *scales,
+                             float *values) {
+    for (int64_t b0 = 0; b0 < n; b0 += block) {
+        float amax = abs_max(x + b0, block);
+        uint8_t sb;
+        if (fmt == FMT_E4M3) {
+            float s = amax / E2M1_MAX;
+            s = s < 0.001953125f ? 0.001953125f : (s > E4M3_MAX ? E4M3_MAX : s);
+            sb = isnan(amax) ? 0x7F : e4m3_encode(s);
+        } else {
+            float floor_amax = isnan(amax) ? amax : (amax < E2M1_MAX * 0x1p-126f ? E2M1_MAX * 0x1p-126f : amax);
+            sb = ue8m0_encode_ceil(floor_amax / E2M1_MAX);
+        }
+        float scale = fp4_scale_decode(sb, fmt);
+        if (scales) scales[b0 / block] = sb;
+        for (int64_t i = b0; i < b0 + block; i += 2) {
+            float y0 = x[i] / scale, y1 = x[i + 1] / scale;
+            if (!isnan(y0)) y0 = y0 < -E2M1_MAX ? -E2M1_MAX : (y0 > E2M1_MAX ? E2M1_MAX : y0);
+            if (!isnan(y1)) y1 = y1 < -E2M1_MAX ? -E2M1_MAX : (y1 > E2M1_MAX ? E2M1_MAX : y1);
+            uint8_t c0 = e2m1_code(y0), c1 = e2m1_code(y1);
+            if (codes) codes[i / 2] = (uint8_t)(c0 | (c1 << 4));
+            if (values) {
+                values[i] = E2M1_VALUES[c0] * scale;
+                values[i + 1] = E2M1_VALUES[c1] * scale;
+            }
+        }
+    }
+}
+
+static void fp4_dequantize_row(const uint8_t *codes, const uint8_t *scales, int64_t n, int64_t block, int fmt,
+                               float *out) {
+    for (int64_t b0 = 0; b0 < n; b0 += block) {
+        float scale = fp4_scale_decode(scales[b0 / block], fmt);
+        for (int64_t i = b0; i < b0 + block; i += 2) {
+            uint8_t byte = codes[i / 2];
+            out[i] = E2M1_VALUES[byte & 15] * scale;
+            out[i + 1] = E2M1_VALUES[byte >> 4] * scale;
+        }
+    }
+}
+
+void dsv41_fp4_quantize(const float *x, int64_t rows, int64_t n, int64_t block, int fmt, uint8_t *codes,
+                        uint8_t *scales, float *values) {
+    for (int64_t r = 0; r < rows; r++)
+        fp4_quantize_row(x + r * n, n, block, fmt, codes ? codes + r * (n / 2) : 0,
+                         scales ? scales + r * (n / block) : 0, values ? values + r * n : 0);
+}
+
+void dsv41_fp4_dequantize(const uint8_t *codes, const uint8_t *scales, int64_t rows, int64_t n, int64_t block,
+                          int fmt, float *out) {
+    for (int64_t r = 0; r < rows; r++)
+        fp4_dequantize_row(codes + r * (n / 2), scales + r * (n / block), n, block, fmt, out + r * n);
+}
+
+/* -------------------------------------------------------------------------- paged compressed entries */
+
+/* Page and slot of entry g of a sequence (cache/paged_context.py _locate); -1 when the block table is too short. */
+static int64_t entry_page(const int64_t *table, int64_t table_len, int64_t g, int64_t ratio, int64_t block_size) {
+    int64_t col = (g * ratio) / block_size;
+    return col < table_len ? table[col] : -1;
+}
+
+/* Decode entries idx [B, M] (-1 = none: zeros) of one FP4 pool, codes [pages, per_page, width / 2] and scales
+ * [pages, per_page, width / block], through block tables [B, table_len], into out [B, M, width].
+ * Returns 0, or -1 when an index lies past its block table or its page is out of range. */
+typedef struct {
+    const uint8_t *codes, *scales;
+    int64_t pages, per_page, width, block, table_len, ratio, block_size, M;
+    int fmt;
+    const int64_t *tables, *idx;
+    float *out;
+    _Atomic int status;
+} gather_job;
+
+static void gather_item(const void *job, int64_t b) {
+    const gather_job *j = job;
+    for (int64_t e = 0; e < j->M; e++) {
+        int64_t g = j->idx[b * j->M + e];
+        float *row = j->out + (b * j->M + e) * j->width;
+        if (g < 0) {
+            memset(row, 0, (size_t)j->width * sizeof(float));
+            continue;
+        }
+        int64_t page = entry_page(j->tables + b * j->table_len, j->table_len, g, j->ratio, j->block_size);
+        if (page < 0 || page >= j->pages) {
+            atomic_store(&((gather_job *)j)->status, -1);
+            return;
+        }
+        int64_t at = page * j->per_page + g % j->per_page;
+        fp4_dequantize_row(j->codes + at * (j->width / 2), j->scales + at * (j->width / j->block), j->width,
+                           j->block, j->fmt, row);
+    }
+}
+
+int dsv41_fp4_gather(const uint8_t *codes, const uint8_t *scales, int64_t pages, int64_t per_page, int64_t width,
+                     int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
+                     int64_t block_size, const int64_t *idx, int64_t B, int64_t M, float *out) {
+    gather_job job = {codes, scales, pages, per_page, width, block, table_len, ratio, block_size, M, fmt, tables,
+                      idx, out, 0};
+    parallel_for(gather_item, &job, B);  /* one row's entries per item */
+    return atomic_load(&job.status);
+}
+
+/* Quantize entries x [B, G, width] of groups group [B, G] into one FP4 pool (the inverse of dsv41_fp4_gather).
+ * Groups below 0 or whose first position g * ratio is below write_from[b] are skipped. Returns the number of
+ * entries written, or -1 when a group lies past its block table or its page is out of range. */
+int64_t dsv41_fp4_scatter(uint8_t *codes, uint8_t *scales, int64_t pages, int64_t per_page, int64_t width,
+                          int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
+                          int64_t block_size, const int64_t *group, const int64_t *write_from, int64_t B, int64_t G,
+                          const float *x) {
+    int64_t written = 0;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t j = 0; j < G; j++) {
+            int64_t g = group[b * G + j];
+            if (g < 0 || g * ratio < write_from[b]) continue;
+            int64_t page = entry_page(tables + b * table_len, table_len, g, ratio, block_size);
+            if (page < 0 || page >= pages) return -1;
+            int64_t at = page * per_page + g % per_page;
+            fp4_quantize_row(x + (b * G + j) * width, width, block, fmt, codes + at * (width / 2),
+                             scales + at * (width / block), 0);
+            written++;
+        }
+    }
+    return written;
+}
+
+/* ------------------------------------------------------------------------------------- SWA window ring */
+
+/* One layer's window step (cache/paged_context.py PagedContext.window) for rows slots [B]:
+ * rings codes [S, L, R, d], scales [S, L, R, d / 32], pos [S, L, R] (int32, -1 = empty); new rows kv [B, T, d]
+ * at positions [B, T]. Writes keys [B, R + T, d] (the R ring rows decoded, then the new rows' FP8 values) and
+ * key_pos [B, R + T] (ring rows at or past the row's first new position read -1), then stores the last
+ * min(T, R) new rows in the ring at position % R: after reading, as a long chunk may wrap over rows it read. */
+typedef struct {
+    uint8_t *ring_codes, *ring_scales;
+    int32_t *ring_pos;
+    int64_t L, layer, R, d, T;
+    const int64_t *slots, *positions;
+    const float *kv;
+    uint8_t *new_codes, *new_scales;
+    float *keys;
+    int64_t *key_pos;
+} window_job;
+
+static void window_item(const void *job, int64_t b) {
+    const window_job *j = job;
+    int64_t R = j->R, d = j->d, T = j->T, nb = d / 32, tail = T < R ? T : R;
+    int64_t ring = (j->slots[b] * j->L + j->layer) * R;
+    const int64_t *pos = j->positions + b * T;
+    float *out = j->keys + b * (R + T) * d;
+    int64_t *out_pos = j->key_pos + b * (R + T);
+    uint8_t *new_codes = j->new_codes + b * T * d, *new_scales = j->new_scales + b * T * nb;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t p = j->ring_pos[ring + r];
+        out_pos[r] = (p >= 0 && p < pos[0]) ? p : -1;
+        fp8_dequantize_row(j->ring_codes + (ring + r) * d, j->ring_scales + (ring + r) * nb, d, out + r * d);
+    }
+    fp8_quantize_row(j->kv + b * T * d, T * d, new_codes, new_scales, out + R * d);
+    for (int64_t t = 0; t < T; t++) out_pos[R + t] = pos[t];
+    for (int64_t t = T - tail; t < T; t++) {
+        int64_t row = ring + ((pos[t] % R) + R) % R;
+        memcpy(j->ring_codes + row * d, new_codes + t * d, (size_t)d);
+        memcpy(j->ring_scales + row * nb, new_scales + t * nb, (size_t)nb);
+        j->ring_pos[row] = (int32_t)pos[t];
+    }
+}
+
+/* new_codes [B, T, d] / new_scales [B, T, d / 32]: scratch. Rows of distinct slots go over the pool (one row per
+ * item); a slot given twice reads what the earlier row wrote, so then the rows run in order on the caller. */
+void dsv41_window_step(uint8_t *ring_codes, uint8_t *ring_scales, int32_t *ring_pos, int64_t L, int64_t layer,
+                       int64_t R, int64_t d, const int64_t *slots, int64_t B, const int64_t *positions, int64_t T,
+                       const float *kv, uint8_t *new_codes, uint8_t *new_scales, float *keys, int64_t *key_pos) {
+    window_job job = {ring_codes, ring_scales, ring_pos, L, layer, R, d, T, slots, positions, kv, new_codes,
+                      new_scales, keys, key_pos};
+    int distinct = 1;
+    for (int64_t a = 0; a < B && distinct; a++)
+        for (int64_t b = a + 1; b < B; b++) distinct &= slots[a] != slots[b];
+    if (distinct) {
+        parallel_for(window_item, &job, B);
+        return;
+    }
+    for (int64_t b = 0; b < B; b++) window_item(&job, b);
+}
+
+/* ------------------------------------------------------------------------------- RoPE, RMSNorm, mHC */
+
+/* Element i of a row of fp32 values, or of bf16 bits widened to fp32 (exact). */
+static float load_at(const void *x, int bf16, int64_t i) {
+    return bf16 ? from_bits((uint32_t)((const uint16_t *)x)[i] << 16) : ((const float *)x)[i];
+}
+
+/* Stores v as element i of a row of fp32 values, or of bf16 bits rounded to nearest even. */
+static void store_out(void *out, int64_t at, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)out)[at] = bf16_round(v);
+    else
+        ((float *)out)[at] = v;
+}
+
+/* Interleaved RoPE on the last r dims of x [N, H, d] with phases cos / sin [N, r] (rope.py phases: each angle
+ * twice, sin negated on the pair's first element): out = x, tail * cos + swap(tail) * sin (sign = -1 negates
+ * sin: the inverse rotation). x and out are fp32, or bf16 bits (bf16: the head dims copied, the tail widened,
+ * rotated in fp32 and rounded, as rope.py does for bf16). The same two products and one sum per element as
+ * rope.py: bit-identical. */
+static void rope_rows(const void *x, int bf16, const float *cos_, const float *sin_, int64_t N, int64_t H,
+                      int64_t d, int64_t r, int sign, void *out) {
+    const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cos_ + n * r, *s = sin_ + n * r;
+        for (int64_t h = 0; h < H; h++) {
+            const char *xi = (const char *)x + (n * H + h) * d * size;
+            char *o = (char *)out + (n * H + h) * d * size;
+            if (o != xi) memcpy(o, xi, (size_t)(d - r) * size);
+            for (int64_t i = d - r; i < d; i += 2) {
+                float a = load_at(xi, bf16, i), b = load_at(xi, bf16, i + 1);
+                int64_t j = i - (d - r);
+                float s0 = sign < 0 ? -s[j] : s[j], s1 = sign < 0 ? -s[j + 1] : s[j + 1];
+                store_out(o, i, a * c[j] + b * s0, bf16);
+                store_out(o, i + 1, b * c[j + 1] + a * s1, bf16);
+            }
+        }
+    }
+}
+
+void dsv41_rope(const float *x, const float *cos_, const float *sin_, int64_t N, int64_t H, int64_t d, int64_t r,
+                int sign, float *out) {
+    rope_rows(x, 0, cos_, sin_, N, H, d, r, sign, out);
+}
+
+void dsv41_rope_bf16(const uint16_t *x, const float *cos_, const float *sin_, int64_t N, int64_t H, int64_t d,
+                     int64_t r, int sign, uint16_t *out) {
+    rope_rows(x, 1, cos_, sin_, N, H, d, r, sign, out);
+}
+
+/* Eight fp32 lanes as one value (GCC / Clang vector extension): accumulators that stay in registers. Loads go
+ * through memcpy, so no alignment is assumed. */
+typedef float v8f __attribute__((vector_size(32)));
+
+static v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static float sum8(v8f a) {
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* Sum of x[i] * y[i] over n values: four 8-lane accumulators (each lane adds in order) added pairwise, then the
+ * remaining values one by one. */
+static float dot(const float *x, const float *y, int64_t n) {
+    v8f a = {0}, b = {0}, c = {0}, d = {0};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a += load8(x + i) * load8(y + i);
+        b += load8(x + i + 8) * load8(y + i + 8);
+        c += load8(x + i + 16) * load8(y + i + 16);
+        d += load8(x + i + 24) * load8(y + i + 24);
+    }
+    for (; i + 8 <= n; i += 8) a += load8(x + i) * load8(y + i);
+    float s = sum8((a + b) + (c + d));
+    for (; i < n; i++) s += x[i] * y[i];
+    return s;
+}
+
+/* 1 / sqrt(mean(x^2) + eps) over n values. */
+static float rms_factor(const float *x, int64_t n, float eps) {
+    return 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+}
+
+/* RMSNorm over the last dim of x [N, D]: out = x * rsqrt(mean(x^2) + eps) (* weight [D] when given). */
+void dsv41_rms_norm(const float *x, int64_t N, int64_t D, const float *weight, float eps, float *out) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *xi = x + n * D;
+        float *o = out + n * D;
+        float f = rms_factor(xi, D, eps);
+        if (weight)
+            for (int64_t i = 0; i < D; i++) o[i] = (xi[i] * f) * weight[i];
+        else
+            for (int64_t i = 0; i < D; i++) o[i] = xi[i] * f;
+    }
+}
+
+/* dsv41_rms_norm for bf16 x, weight and out (bits; weight may be NULL): each row widened to fp32 in scratch [D],
+ * normalised in fp32 as above and rounded to bf16 (RMSNorm of a bf16 model: upcast, normalise, cast back). */
+void dsv41_rms_norm_bf16(const uint16_t *x, int64_t N, int64_t D, const uint16_t *weight, float eps, float *scratch,
+                         uint16_t *out) {
+    for (int64_t n = 0; n < N; n++) {
+        bf16_row(x + n * D, D, scratch);
+        float f = rms_factor(scratch, D, eps);
+        uint16_t *o = out + n * D;
+        if (weight)
+            for (int64_t i = 0; i < D; i++) o[i] = bf16_round((scratch[i] * f) * load_at(weight, 1, i));
+        else
+            for (int64_t i = 0; i < D; i++) o[i] = bf16_round(scratch[i] * f);
+    }
+}
+
+/* mHC coefficients of one site (model/hyper.py hc_mix) from streams [N, hc, D]: mixing logits
+ * rms_normalize(flat) @ fn^T [N, (2 + hc) * hc], scaled per part (pre | post | comb) and shifted by base; then
+ * pre = sigmoid + hc_eps [N, hc], post = 2 sigmoid [N, hc], comb = Sinkhorn(softmax(rows) + hc_eps) [N, hc, hc].
+ * scratch: hc * D floats. hc <= 16. */
+typedef struct {
+    const float *streams, *fn, *base, *scale;
+    int64_t hc, D, iters;
+    float norm_eps, hc_eps;
+    float *scratch, *pre, *post, *comb;
+} hc_mix_job;
+
+static void hc_mix_item(const void *job, int64_t n) {
+    const hc_mix_job *p = job;
+    const int64_t hc = p->hc, width = hc * p->D, mixes = (2 + hc) * hc, iters = p->iters;
+    const float *fn = p->fn, *base = p->base, *scale = p->scale, *x = p->streams + n * width;
+    const float hc_eps = p->hc_eps, f = rms_factor(x, width, p->norm_eps);
+    float *scratch = p->scratch + n * width, *pre = p->pre, *post = p->post, *comb = p->comb;
+    float mix[16 * 18];
+    for (int64_t i = 0; i < width; i++) scratch[i] = x[i] * f;
+    for (int64_t k = 0; k < mixes; k++) {
+        float part = scale[k < hc ? 0 : (k < 2 * hc ? 1 : 2)];
+        mix[k] = dot(scratch, fn + k * width, width) * part + base[k];
+    }
+    for (int64_t i = 0; i < hc; i++) {
+        pre[n * hc + i] = 1.0f / (1.0f + expf(-mix[i])) + hc_eps;
+        post[n * hc + i] = 2.0f * (1.0f / (1.0f + expf(-mix[hc + i])));
+    }
+    float *c = comb + n * hc * hc;
+    for (int64_t i = 0; i < hc; i++) {
+        const float *row = mix + 2 * hc + i * hc;
+        float m = row[0], s = 0.0f;
+        for (int64_t j = 1; j < hc; j++) m = row[j] > m ? row[j] : m;
+        for (int64_t j = 0; j < hc; j++) s += (c[i * hc + j] = expf(row[j] - m));
+        for (int64_t j = 0; j < hc; j++) c[i * hc + j] = c[i * hc + j] / s + hc_eps;
+    }
+    for (int64_t it = 0; it < 2 * iters - 1; it++) {  /* columns first, then rows and columns */
+        int cols = it % 2 == 0;
+        for (int64_t i = 0; i < hc; i++) {
+            float s = 0.0f;
+            for (int64_t j = 0; j < hc; j++) s += cols ? c[j * hc + i] : c[i * hc + j];
+            s += hc_eps;
+            for (int64_t j = 0; j < hc; j++) {
+                if (cols) c[j * hc + i] /= s;
+                else c[i * hc + j] /= s;
+            }
+        }
+    }
+}
+
+/* scratch [N, hc * D]: one row per token, the tokens over the pool. */
+void dsv41_hc_mix(const float *streams, int64_t N, int64_t hc, int64_t D, const float *fn, const float *base,
+                  const float *scale, float norm_eps, float hc_eps, int64_t iters, float *scratch, float *pre,
+                  float *post, float *comb) {
+    hc_mix_job job = {streams, fn, base, scale, hc, D, iters, norm_eps, hc_eps, scratch, pre, post, comb};
+    parallel_for(hc_mix_item, &job, N);
+}
+
+/* Collapse sum_i w_i R_i of streams [N, hc, D] with weights [N, hc], then RMSNorm (weight [D], eps) when
+ * norm_weight is given: out [N, D] (model/hyper.py collapse + the sub-layer's input norm). */
+void dsv41_hc_collapse(const float *streams, const float *w, int64_t N, int64_t hc, int64_t D,
+                       const float *norm_weight, float eps, float *out) {
+    for (int64_t n = 0; n < N; n++) {
+        float *o = out + n * D;
+        const float *x = streams + n * hc * D;
+        for (int64_t k = 0; k < D; k++) o[k] = w[n * hc] * x[k];
+        for (int64_t i = 1; i < hc; i++) {
+            float wi = w[n * hc + i];
+            for (int64_t k = 0; k < D; k++) o[k] += wi * x[i * D + k];
+        }
+        if (norm_weight) dsv41_rms_norm(o, 1, D, norm_weight, eps, o);
+    }
+}
+
+/* Expand R'_j = post_j y + sum_i comb[i, j] R_i: streams [N, hc, D], y [N, D], post [N, hc], comb [N, hc, hc]
+ * -> out [N, hc, D] (model/hyper.py expand). */
+void dsv41_hc_expand(const float *streams, const float *y, const float *post, const float *comb, int64_t N,
+                     int64_t hc, int64_t D, float *out) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *x = streams + n * hc * D, *c = comb + n * hc * hc, *yn = y + n * D;
+        for (int64_t j = 0; j < hc; j++) {
+            float *o = out + (n * hc + j) * D;
+            for (int64_t k = 0; k < D; k++) o[k] = c[j] * x[k];
+            for (int64_t i = 1; i < hc; i++) {
+                float cij = c[i * hc + j];
+                for (int64_t k = 0; k < D; k++) o[k] += cij * x[i * D + k];
+            }
+            float p = post[n * hc + j];
+            for (int64_t k = 0; k < D; k++) o[k] = p * yn[k] + o[k];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------- attention, MoE router, SwiGLU */
+
+typedef struct {
+    const float *q, *keys, *selected, *sink;
+    const int64_t *q_pos, *key_pos, *topk;
+    int64_t T, H, d, L, window, k;
+    float scale;
+    float *scratch, *out;
+} attend_job;
+
+static void attend_item(const void *job, int64_t bt) {
+    const attend_job *a = job;
+    const int64_t b = bt / a->T, H = a->H, d = a->d, L = a->L, k = a->k, window = a->window;
+    const float *kb = a->keys + b * L * d, *sink = a->sink, scale = a->scale;
+    const int64_t *kp = a->key_pos + b * L, p = a->q_pos[bt];
+    const float *sel = a->selected ? a->selected + bt * k * d : 0;
+    const int64_t *picks = a->topk ? a->topk + bt * k : 0;
+    float *scratch = a->scratch + bt * (L + k);
+    for (int64_t h = 0; h < H; h++) {
+        const float *qv = a->q + (bt * H + h) * d;
+        float *o = a->out + (bt * H + h) * d;
+        float m = sink[h];
+        for (int64_t l = 0; l < L; l++) {
+            int seen = kp[l] >= 0 && kp[l] <= p && kp[l] > p - window;
+            scratch[l] = seen ? dot(qv, kb + l * d, d) * scale : -INFINITY;
+            if (scratch[l] > m) m = scratch[l];
+        }
+        for (int64_t j = 0; j < k; j++) {
+            scratch[L + j] = picks[j] >= 0 ? dot(qv, sel + j * d, d) * scale : -INFINITY;
+            if (scratch[L + j] > m) m = scratch[L + j];
+        }
+        float total = expf(sink[h] - m);
+        memset(o, 0, (size_t)d * sizeof(float));
+        for (int64_t j = 0; j < L + k; j++) {
+            if (scratch[j] == -INFINITY) continue;
+            float e = expf(scratch[j] - m);
+            total += e;
+            const float *v = j < L ? kb + j * d : sel + (j - L) * d;
+            for (int64_t i = 0; i < d; i++) o[i] += e * v[i];
+        }
+        float inv = 1.0f / total;
+        for (int64_t i = 0; i < d; i++) o[i] *= inv;
+    }
+}
+
+/* One softmax with a sink per (query, head) over the window keys and the selected entries (model/attention.py
+ * _attend_few): q [B, T, H, d]; keys [B, L, d] with key_pos [B, L] (a key is seen by a query at position p when
+ * p - window < key_pos <= p); selected [B, T, k, d] with topk [B, T, k] (-1 = none); sink [H]. out [B, T, H, d]
+ * = sum_j softmax_j(s) v_j with the sink in the denominator; masked keys are skipped (their weight is 0).
+ * scratch: L + k floats. */
+void dsv41_attend_few(const float *q, const int64_t *q_pos, const float *keys, const int64_t *key_pos, int64_t B,
+                      int64_t T, int64_t H, int64_t d, int64_t L, int64_t window, const float *selected,
+                      const int64_t *topk, int64_t k, const float *sink, float scale, float *scratch, float *out) {
+    attend_job job = {q, keys, selected, sink, q_pos, key_pos, topk, T, H, d, L, window, k, scale, scratch, out};
+    parallel_for(attend_item, &job, B * T);  /* one query token (all its heads) per item; scratch [B * T, L + k] */
+}
+
+/* MoE router (model/moe.py Gate, text tokens): scores = sqrt(softplus(x @ W^T)) [N, E] of x [N, D], W [E, D];
+ * the k experts of largest score + bias[E] (descending, the lower id first on a tie) into indices [N, k], their
+ * scores (divided by their sum + 1e-20 when norm_topk) times route_scale into weights [N, k]. scratch: E floats. */
+void dsv41_gate(const float *x, int64_t N, int64_t D, const float *W, int64_t E, const float *bias, int64_t k,
+                int norm_topk, float route_scale, float *scratch, int64_t *indices, float *weights) {
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t e = 0; e < E; e++) {
+            float z = dot(x + n * D, W + e * D, D);
+            scratch[e] = sqrtf(z > 20.0f ? z : log1pf(expf(z)));
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= indices[n * k + i] == e;
+                if (taken) continue;
+                float v = scratch[e] + bias[e], top = best < 0 ? 0.0f : scratch[best] + bias[best];
+                /* NaN ranks above every number, as in torch.topk: a corrupted router shows, not hides */
+                if (best < 0 || (isnan(v) ? !isnan(top) : v > top)) best = e;
+            }
+            indices[n * k + j] = best;
+            weights[n * k + j] = scratch[best];
+            sum += scratch[best];
+        }
+        for (int64_t j = 0; j < k; j++) {
+            float w = weights[n * k + j];
+            if (norm_topk) w = w / (sum + 1e-20f);
+            weights[n * k + j] = w * route_scale;
+        }
+    }
+}
+
+/* silu(min(gate, limit)) * clamp(up, -limit, limit) (model/moe.py clamped_swiglu; limit <= 0: no clamping) of
+ * rows gate / up [N, inter] read with row stride `stride` (a fused [N, 2 * inter] projection passes its halves)
+ * into out [N, inter]. */
+void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, int64_t stride, float limit,
+                  float *out) {
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t i = 0; i < inter; i++) {
+            float g = gate[n * stride + i], u = up[n * stride + i];
+            if (limit > 0) {
+                g = g > limit ? limit : g;
+                u = u < -limit ? -limit : (u > limit ? limit : u);
+            }
+            out[n * inter + i] = g / (1.0f + expf(-g)) * u;
+        }
+    }
 }
 
 /* ------------------------------------------------------------------------------- dense projections (GEMV) */
@@ -1085,10 +1153,10 @@ typedef struct {
 /* The next entry's codes / scales (*kc, *ks): 0, or -1 when it lies past the block table or its page is out of
  * range. */
 static int key_next(key_walk *k, int64_t s, const uint8_t **kc, const uint8_t **ks) {
-    if (!k->aligned || s == 0 || k->slot == k->per_page) {
+    if (!k->aligned || k->page < 0 || k->slot == k->per_page) {  /* page -1: a walk that starts at any s */
         k->page = entry_page(k->table, k->table_len, s, k->ratio, k->block_size);
         if (k->page < 0 || k->page >= k->pages) return -1;
-        k->slot = k->aligned ? 0 : s % k->per_page;
+        k->slot = s % k->per_page;
     }
     int64_t at = k->page * k->per_page + k->slot++;
     *kc = k->codes + at * k->code_bytes;
@@ -1109,80 +1177,112 @@ static v4f lut4(const float *table, int64_t i, uint8_t byte, int64_t H4, int64_t
  * Long rows (n >= 1024) with a small table (di / 2 * 256 * H <= 65536 floats) go through a lookup table per
  * query: T[i][byte][h] = q_h[2i] e(byte & 15) + q_h[2i + 1] e(byte >> 4), so a key costs one vector load and add
  * per code byte for 4 heads at once (table scratch: di / 2 * 256 * ceil(H / 4) * 4 floats); otherwise each key's
- * codes are widened once for the row's c queries (scratch: di floats). Returns 0, or -1 when an entry lies past
- * its block table or its page is out of range (nothing else is guaranteed written then). */
+ * codes are widened once for the row's c queries (scratch: di floats). Items of the pool: a row's keys in chunks of
+ * INDEX_CHUNK (INDEX_LUT_CHUNK with a table, built per item). Returns 0, -1 when an entry lies past its block
+ * table or its page is out of range (nothing else is guaranteed written then), -2 when the scratch cannot be had. */
+#define INDEX_CHUNK 256
+#define INDEX_LUT_CHUNK 2048
+
+typedef struct {
+    const uint8_t *codes, *scales;
+    int64_t pages, per_page, di, block, table_len, ratio, block_size, c, H, n, chunk, chunks;
+    int fmt, lut;
+    const int64_t *tables;
+    const float *q, *w;
+    float *out;
+    _Atomic int status;
+} index_job;
+
+static void index_item(const void *job, int64_t item) {
+    const index_job *j = job;
+    const int64_t b = item / j->chunks, s0 = item % j->chunks * j->chunk, s1 = s0 + j->chunk < j->n ? s0 + j->chunk : j->n;
+    const int64_t di = j->di, block = j->block, c = j->c, H = j->H, n = j->n, fmt = j->fmt;
+    const int64_t H4 = (H + 3) / 4, nb = di / block, half = block / 2;
+    float *key = malloc((size_t)(j->lut ? di / 2 * 256 * H4 * 4 : di) * sizeof(float)), *table = key;
+    if (!key) {
+        atomic_store(&((index_job *)j)->status, -2);
+        return;
+    }
+    key_walk walk = {j->codes, j->scales, j->tables + b * j->table_len, j->pages, j->per_page, j->table_len,
+                     j->ratio, j->block_size, di / 2, nb, -1, 0, j->per_page * j->ratio == j->block_size};
+    if (j->lut) {
+        for (int64_t t = 0; t < c; t++) {
+            const float *qt = j->q + (b * c + t) * H * di, *wt = j->w + (b * c + t) * H;
+            for (int64_t i = 0; i < di / 2; i++) {
+                float qe[64], qo[64];  /* the heads' pair of query values at code byte i (H <= 64) */
+                for (int64_t h = 0; h < H4 * 4; h++) {
+                    qe[h] = h < H ? qt[h * di + 2 * i] : 0.0f;
+                    qo[h] = h < H ? qt[h * di + 2 * i + 1] : 0.0f;
+                }
+                for (int64_t byte = 0; byte < 256; byte++) {
+                    float *e = table + (i * 256 + byte) * H4 * 4, lo = FP4_PAIRS[byte][0], hi = FP4_PAIRS[byte][1];
+                    for (int64_t h = 0; h < H4 * 4; h++) e[h] = qe[h] * lo + qo[h] * hi;
+                }
+            }
+            walk.page = -1;
+            for (int64_t s = s0; s < s1; s++) {
+                const uint8_t *kc, *ks;
+                if (key_next(&walk, s, &kc, &ks) != 0) goto past_table;
+                v4f acc[16] = {{0}};
+                for (int64_t k0 = 0; k0 < nb; k0++) {
+                    float sc = fp4_scale_decode(ks[k0], fmt);
+                    for (int64_t h4 = 0; h4 < H4; h4++) {
+                        /* four partial sums: independent chains of additions, kept in registers */
+                        v4f p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+                        int64_t i = k0 * half, end = (k0 + 1) * half;
+                        for (; i + 4 <= end; i += 4) {
+                            p0 += lut4(table, i, kc[i], H4, h4);
+                            p1 += lut4(table, i + 1, kc[i + 1], H4, h4);
+                            p2 += lut4(table, i + 2, kc[i + 2], H4, h4);
+                            p3 += lut4(table, i + 3, kc[i + 3], H4, h4);
+                        }
+                        for (; i < end; i++) p0 += lut4(table, i, kc[i], H4, h4);
+                        acc[h4] += ((p0 + p1) + (p2 + p3)) * sc;
+                    }
+                }
+                float score = 0.0f;
+                for (int64_t h = 0; h < H; h++) {
+                    float d = acc[h / 4][h % 4];
+                    score += wt[h] * (d < 0.0f ? 0.0f : d);
+                }
+                j->out[(b * c + t) * n + s] = score;
+            }
+        }
+        free(key);
+        return;
+    }
+    for (int64_t s = s0; s < s1; s++) {
+        const uint8_t *kc, *ks;
+        if (key_next(&walk, s, &kc, &ks) != 0) goto past_table;
+        for (int64_t i = 0; i < di / 2; i++) memcpy(key + 2 * i, FP4_PAIRS[kc[i]], sizeof FP4_PAIRS[0]);
+        for (int64_t t = 0; t < c; t++) {
+            const float *qt = j->q + (b * c + t) * H * di, *wt = j->w + (b * c + t) * H;
+            float acc = 0.0f;
+            for (int64_t h = 0; h < H; h++) {
+                float d = 0.0f;
+                for (int64_t k0 = 0; k0 < nb; k0++)
+                    d += dot(qt + h * di + k0 * block, key + k0 * block, block) * fp4_scale_decode(ks[k0], fmt);
+                acc += wt[h] * (d < 0.0f ? 0.0f : d);
+            }
+            j->out[(b * c + t) * n + s] = acc;
+        }
+    }
+    free(key);
+    return;
+past_table:
+    atomic_store(&((index_job *)j)->status, -1);
+    free(key);
+}
+
 int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t pages, int64_t per_page, int64_t di,
                        int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
                        int64_t block_size, const float *q, const float *w, int64_t B, int64_t c, int64_t H, int64_t n,
-                       float *key, float *table, float *out) {
-    const int64_t H4 = (H + 3) / 4, nb = di / block, half = block / 2;
-    const int lut = table != NULL;
-    for (int64_t b = 0; b < B; b++) {
-        key_walk walk = {codes, scales, tables + b * table_len, pages, per_page, table_len, ratio, block_size, di / 2,
-                         nb, -1, 0, per_page * ratio == block_size};
-        if (lut) {
-            for (int64_t t = 0; t < c; t++) {
-                const float *qt = q + (b * c + t) * H * di, *wt = w + (b * c + t) * H;
-                for (int64_t i = 0; i < di / 2; i++) {
-                    float qe[64], qo[64];  /* the heads' pair of query values at code byte i (H <= 64) */
-                    for (int64_t h = 0; h < H4 * 4; h++) {
-                        qe[h] = h < H ? qt[h * di + 2 * i] : 0.0f;
-                        qo[h] = h < H ? qt[h * di + 2 * i + 1] : 0.0f;
-                    }
-                    for (int64_t byte = 0; byte < 256; byte++) {
-                        float *e = table + (i * 256 + byte) * H4 * 4, lo = FP4_PAIRS[byte][0], hi = FP4_PAIRS[byte][1];
-                        for (int64_t h = 0; h < H4 * 4; h++) e[h] = qe[h] * lo + qo[h] * hi;
-                    }
-                }
-                walk.page = -1, walk.slot = 0;
-                for (int64_t s = 0; s < n; s++) {
-                    const uint8_t *kc, *ks;
-                    if (key_next(&walk, s, &kc, &ks) != 0) return -1;
-                    v4f acc[16] = {{0}};
-                    for (int64_t k0 = 0; k0 < nb; k0++) {
-                        float sc = fp4_scale_decode(ks[k0], fmt);
-                        for (int64_t h4 = 0; h4 < H4; h4++) {
-                            /* four partial sums: independent chains of additions, kept in registers */
-                            v4f p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
-                            int64_t i = k0 * half, end = (k0 + 1) * half;
-                            for (; i + 4 <= end; i += 4) {
-                                p0 += lut4(table, i, kc[i], H4, h4);
-                                p1 += lut4(table, i + 1, kc[i + 1], H4, h4);
-                                p2 += lut4(table, i + 2, kc[i + 2], H4, h4);
-                                p3 += lut4(table, i + 3, kc[i + 3], H4, h4);
-                            }
-                            for (; i < end; i++) p0 += lut4(table, i, kc[i], H4, h4);
-                            acc[h4] += ((p0 + p1) + (p2 + p3)) * sc;
-                        }
-                    }
-                    float score = 0.0f;
-                    for (int64_t h = 0; h < H; h++) {
-                        float d = acc[h / 4][h % 4];
-                        score += wt[h] * (d < 0.0f ? 0.0f : d);
-                    }
-                    out[(b * c + t) * n + s] = score;
-                }
-            }
-            continue;
-        }
-        for (int64_t s = 0; s < n; s++) {
-            const uint8_t *kc, *ks;
-            if (key_next(&walk, s, &kc, &ks) != 0) return -1;
-            for (int64_t i = 0; i < di / 2; i++) memcpy(key + 2 * i, FP4_PAIRS[kc[i]], sizeof FP4_PAIRS[0]);
-            for (int64_t t = 0; t < c; t++) {
-                const float *qt = q + (b * c + t) * H * di, *wt = w + (b * c + t) * H;
-                float acc = 0.0f;
-                for (int64_t h = 0; h < H; h++) {
-                    float d = 0.0f;
-                    for (int64_t k0 = 0; k0 < nb; k0++)
-                        d += dot(qt + h * di + k0 * block, key + k0 * block, block) * fp4_scale_decode(ks[k0], fmt);
-                    acc += wt[h] * (d < 0.0f ? 0.0f : d);
-                }
-                out[(b * c + t) * n + s] = acc;
-            }
-        }
-    }
-    return 0;
+                       int lut, float *out) {
+    int64_t chunk = lut ? INDEX_LUT_CHUNK : INDEX_CHUNK, chunks = n > 0 ? (n + chunk - 1) / chunk : 0;
+    index_job job = {codes, scales, pages, per_page, di, block, table_len, ratio, block_size, c, H, n, chunk, chunks,
+                     fmt, lut, tables, q, w, out, 0};
+    parallel_for(index_item, &job, B * chunks);
+    return atomic_load(&job.status);
 }
 
 /* ------------------------------------------------------------------------------------------ indexer top-k */
@@ -1206,29 +1306,46 @@ static void sift_down(float *h, int64_t n, int64_t i) {
  * (topk_entries). The k-th largest value comes from a min-heap of k scores (heap: k floats). Indices only, so the
  * result is the torch code's exactly. Returns 0, or -1 (the row's output unspecified) when a row holds a NaN
  * (torch.topk ranks NaN above everything; the caller takes the torch code), -2 when k > N. */
+typedef struct {
+    const float *scores;
+    int64_t N, k;
+    int drop_neg_inf;
+    float *heap;
+    int64_t *out;
+    _Atomic int status;
+} topk_job;
+
+static void topk_item(const void *job, int64_t r) {
+    const topk_job *j = job;
+    const int64_t N = j->N, k = j->k;
+    const float *x = j->scores + r * N;
+    int64_t *o = j->out + r * k;
+    float *heap = j->heap + r * k;
+    if (k == 0) return;
+    for (int64_t i = 0; i < N; i++)
+        if (x[i] != x[i]) {
+            atomic_store(&((topk_job *)j)->status, -1);
+            return;
+        }
+    for (int64_t i = 0; i < k; i++) heap[i] = x[i];
+    for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
+    for (int64_t i = k; i < N; i++)
+        if (x[i] > heap[0]) {
+            heap[0] = x[i];
+            sift_down(heap, k, 0);
+        }
+    float kth = heap[0];
+    int64_t greater = 0;
+    for (int64_t i = 0; i < N; i++) greater += x[i] > kth;
+    int64_t ties = k - greater, m = 0;
+    for (int64_t i = 0; i < N && m < k; i++)
+        if (x[i] > kth || (x[i] == kth && ties-- > 0)) o[m++] = j->drop_neg_inf && x[i] == -INFINITY ? -1 : i;
+}
+
 int dsv41_topk_set(const float *scores, int64_t R, int64_t N, int64_t k, int drop_neg_inf, float *heap,
                    int64_t *out) {
     if (k > N) return -2;
-    for (int64_t r = 0; r < R; r++) {
-        const float *x = scores + r * N;
-        int64_t *o = out + r * k;
-        if (k == 0) continue;
-        for (int64_t i = 0; i < N; i++)
-            if (x[i] != x[i]) return -1;
-        for (int64_t i = 0; i < k; i++) heap[i] = x[i];
-        for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
-        for (int64_t i = k; i < N; i++)
-            if (x[i] > heap[0]) {
-                heap[0] = x[i];
-                sift_down(heap, k, 0);
-            }
-        float kth = heap[0];
-        int64_t greater = 0;
-        for (int64_t i = 0; i < N; i++) greater += x[i] > kth;
-        int64_t ties = k - greater, m = 0;
-        for (int64_t i = 0; i < N && m < k; i++)
-            if (x[i] > kth || (x[i] == kth && ties-- > 0))
-                o[m++] = drop_neg_inf && x[i] == -INFINITY ? -1 : i;
-    }
-    return 0;
+    topk_job job = {scores, N, k, drop_neg_inf, heap, out, 0};
+    parallel_for(topk_item, &job, R);  /* one row per item; heap [R, k] */
+    return atomic_load(&job.status);
 }
