@@ -219,3 +219,88 @@ def test_few_token_kernels_turn_onednn_off_for_bf16_cpu_only():
     assert torch.backends.mkldnn.enabled is False
     second.__exit__(None, None, None)
     assert torch.backends.mkldnn.enabled == before
+
+
+@pytest.fixture
+def two_torch_threads():
+    """Torch at two intra-op threads (any machine takes that) with the fused kernels built; afterwards torch's
+    count and the kernels' one thread come back. Without the kernels the test skips, but fails under CI=true."""
+    import os
+
+    from deepseek_v41 import kernels
+
+    if kernels.library() is None:
+        message = "the fused CPU kernels could not be built or were turned off (DSV41_CPU_KERNELS=0)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{message}; CI must build them")
+        pytest.skip(message)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield 2
+    torch.set_num_threads(before)
+    kernels.set_threads(1)
+
+
+def test_few_token_kernels_hand_torchs_threads_to_the_kernels_on_cpu_only(two_torch_threads):
+    """Inside, torch runs one thread and the kernels' pool the count torch had; the last one out restores torch's
+    count (nested or overlapping forwards, an exception); another device changes nothing."""
+    from deepseek_v41 import kernels
+    from deepseek_v41.engine.model_runner import few_token_kernels
+
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        assert kernels.set_threads(1) == 1
+        with few_token_kernels(dtype, cpu):
+            assert torch.get_num_threads() == 1 and kernels.threads() == two_torch_threads
+        assert torch.get_num_threads() == two_torch_threads
+    torch.set_num_threads(3)
+    with few_token_kernels(torch.float32, cpu):
+        assert torch.get_num_threads() == 1 and kernels.threads() == 3
+        with few_token_kernels(torch.bfloat16, cpu):  # nested: torch's 1 is not taken for its count
+            assert torch.get_num_threads() == 1 and kernels.threads() == 3
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 3
+    first, second = few_token_kernels(torch.float32, cpu), few_token_kernels(torch.float32, cpu)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # overlapping, not nested (two engines on two threads)
+    assert torch.get_num_threads() == 1
+    second.__exit__(None, None, None)
+    assert torch.get_num_threads() == 3
+    with pytest.raises(KeyError), few_token_kernels(torch.float32, cpu):
+        raise KeyError("boom")
+    assert torch.get_num_threads() == 3
+    assert kernels.set_threads(1) == 1
+    onednn = torch.backends.mkldnn.enabled
+    with few_token_kernels(torch.bfloat16, torch.device("meta")):
+        assert torch.get_num_threads() == 3 and kernels.threads() == 1 and torch.backends.mkldnn.enabled == onednn
+    assert torch.get_num_threads() == 3 and kernels.threads() == 1
+
+
+def test_a_decode_only_step_runs_on_the_kernels_threads_and_gives_torchs_back(model32, two_torch_threads):
+    """An engine step without prefills runs under few_token_kernels as a whole (torch at one thread before the
+    runner's decode is entered); a step with a prefill leaves torch's threads alone; after every step torch has
+    its count again."""
+    from deepseek_v41 import kernels
+
+    engine = LLM(model32, max_model_len=256).engine
+    seen = []
+
+    def spy(name, fn):
+        def run(*args, **kwargs):
+            seen.append((name, torch.get_num_threads(), kernels.threads()))
+            return fn(*args, **kwargs)
+        return run
+
+    engine.runner.prefill = spy("prefill", engine.runner.prefill)
+    engine.runner.decode = spy("decode", engine.runner.decode)
+    engine.add_request("a", prompt_of(5, seed=9), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert kernels.set_threads(1) == 1
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        assert torch.get_num_threads() == two_torch_threads
+    assert steps == 3 and len(engine.request_output("a").outputs[0].token_ids) == 3
+    assert seen[0] == ("prefill", two_torch_threads, 1)
+    assert seen[1:] == [("decode", 1, two_torch_threads)] * 2
