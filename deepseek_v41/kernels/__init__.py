@@ -70,8 +70,8 @@ _SIGNATURES = {
     "dsv41_swiglu": ([_P, _P, _I, _I, _I, ctypes.c_float, _P], None),
     "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I,
                             ctypes.c_int, _P], ctypes.c_int),
-    "dsv41_moe_bf16": ([_P, ctypes.c_int, _I, _I, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P, _P,
-                        ctypes.c_int, _I, _P], ctypes.c_int),
+    "dsv41_moe": ([_P, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _I, _I, ctypes.c_float, _P,
+                   _P, _P, ctypes.c_int, _I, _P], ctypes.c_int),
     "dsv41_topk_set": ([_P, _I, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
     "dsv41_linear": ([_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int, _I, _P], ctypes.c_int),
     "dsv41_set_threads": ([ctypes.c_int], ctypes.c_int),
@@ -426,18 +426,34 @@ def moe_bf16(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13:
     bf16 weights ``w13`` [E, 2 * inter, D] and ``w2`` [E, D, inter] (:meth:`deepseek_v41.model.moe.MoE.dispatch`),
     plus the shared expert when ``shared`` = its ``(w1 [s, D], w3 [s, D], w2 [D, s])`` weights (fp32 or bf16) are
     given: fp32 [N, D], summed in fp32. Raises IndexError for an expert index outside [0, E)."""
+    return _moe(x, indices, weights, 1, (w13, None, w2, None), w2.shape[0], w2.shape[2], limit, shared)
+
+
+def moe_fp4(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, codes13: torch.Tensor,
+            scales13: torch.Tensor, codes2: torch.Tensor, scales2: torch.Tensor, limit: float,
+            shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """:func:`moe_bf16` with the routed experts in the checkpoint's FP4 format (MODEL_REFERENCE.md §4): E2M1 codes
+    uint8 ``codes13`` [E, 2 * inter, D / 2] / ``codes2`` [E, D, inter / 2] with UE8M0 scales per 32 weights
+    ``scales13`` [E, 2 * inter, D / 32] / ``scales2`` [E, D, inter / 32] (D and inter multiples of 32): a quarter of
+    the bytes bf16 weights take, and the same result when they hold the same values."""
+    return _moe(x, indices, weights, 2, (codes13, scales13, codes2, scales2), codes2.shape[0], 2 * codes2.shape[2],
+                limit, shared)
+
+
+def _moe(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, kind: int, routed: tuple, E: int,
+         inter: int, limit: float, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     N, D = x.shape
-    E, inter = w2.shape[0], w2.shape[2]
     k = indices.shape[1]
     s_inter = shared[0].shape[0] if shared is not None else 0
     out = torch.empty((N, D), dtype=torch.float32)
     s1, s3, s2 = (None, None, None) if shared is None else (t.data_ptr() for t in shared)
     s_bf16 = shared is not None and shared[0].dtype == torch.bfloat16
-    status = library().dsv41_moe_bf16(x.data_ptr(), x.dtype == torch.bfloat16, N, D, indices.data_ptr(),
-                                      weights.data_ptr(), k, w13.data_ptr(), w2.data_ptr(), E, inter, limit, s1, s3,
-                                      s2, s_bf16, s_inter, out.data_ptr())
+    w13, sc13, w2, sc2 = (_ptr(t) for t in routed)
+    status = library().dsv41_moe(x.data_ptr(), x.dtype == torch.bfloat16, N, D, indices.data_ptr(),
+                                 weights.data_ptr(), k, kind, w13, sc13, w2, sc2, E, inter, limit, s1, s3, s2, s_bf16,
+                                 s_inter, out.data_ptr())
     if status == -2:
-        raise MemoryError("moe_bf16 kernel: no memory for its scratch")
+        raise MemoryError("moe kernel: no memory for its scratch")
     if status != 0:
         raise IndexError(f"an expert index lies outside [0, {E})")
     return out

@@ -81,9 +81,11 @@ static const float E2M1_VALUES[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 
 
 /* Both E2M1 values of each code byte (element 2i in the low nibble): one 8-byte lookup decodes a byte. */
 static float FP4_PAIRS[256][2];
+static float UE8M0_VALUES[256]; /* ue8m0_decode of every byte */
 
 /* Called once by the loader. Returns the number of E4M3 table entries, so the loader can check the call ran. */
 int dsv41_init(void) {
+    for (int c = 0; c < 256; c++) UE8M0_VALUES[c] = ue8m0_decode((uint8_t)c);
     for (int c = 0; c < 256; c++) {
         FP4_PAIRS[c][0] = E2M1_VALUES[c & 15];
         FP4_PAIRS[c][1] = E2M1_VALUES[c >> 4];
@@ -829,9 +831,28 @@ static v16f load16(const float *p) {
     return v;
 }
 
+/* A matrix of weight rows, each K long: fp32 values, bf16 bits, or FP4 E2M1 codes (two per byte, element 2i in
+ * the low nibble) with one UE8M0 scale byte per 32 weights (MODEL_REFERENCE.md §4, the routed experts' format). */
+enum { W_FP32, W_BF16, W_FP4 };
+#define FP4_ROW_BLOCK 32
+
+typedef struct {
+    const void *w;
+    const uint8_t *scales;  /* W_FP4 only: [rows, K / 32] */
+    int kind;
+    int64_t K;
+} wrows;
+
+static const void *wrow(const wrows *m, int64_t r) {
+    return (const char *)m->w + (m->kind == W_FP4 ? r * m->K / 2 : r * m->K * (m->kind == W_BF16 ? 2 : 4));
+}
+
+static const uint8_t *srow(const wrows *m, int64_t r) { return m->kind == W_FP4 ? m->scales + r * (m->K / 32) : 0; }
+
+
 /* Weights i .. i + 15 of a row of fp32 values, or of bf16 bits widened (exactly) in registers. */
-static inline __attribute__((always_inline)) v16f weights16(const void *w, int bf16, int64_t i) {
-    if (!bf16) return load16((const float *)w + i);
+static inline __attribute__((always_inline)) v16f weights16(const void *w, int kind, int64_t i) {
+    if (kind == W_FP32) return load16((const float *)w + i);
 #if defined(__AVX512F__)  /* one zero-extending load and a shift (the generic code below takes five steps) */
     __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))), 16);
     v16f g;
@@ -846,6 +867,35 @@ static inline __attribute__((always_inline)) v16f weights16(const void *w, int b
     return f;
 }
 
+/* The E2M1 values of 16 FP4 codes from 8 code bytes c (element 2j in the low nibble of c[j]), looked up in `table`
+ * (E2M1_VALUES); times the block's scale they are the fp32 products quant/fp4.py's decoding computes. */
+static inline __attribute__((always_inline)) v16f fp4_weights16(const uint8_t *c, const float *table) {
+#if defined(__AVX512F__)  /* each byte twice, shifted by 0 / 4 per lane; vpermps reads the low 4 bits of each */
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)c);
+    __m512i lanes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));
+    __m512i nibbles = _mm512_srlv_epi32(lanes, _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0));
+    __m512 e = _mm512_permutexvar_ps(nibbles, _mm512_loadu_ps(table));
+    v16f f;
+    memcpy(&f, &e, sizeof f);
+    return f;
+#else
+    float f[16];
+    for (int j = 0; j < 8; j++) {
+        f[2 * j] = table[c[j] & 15];
+        f[2 * j + 1] = table[c[j] >> 4];
+    }
+    return load16(f);
+#endif
+}
+
+/* Weight i of a row, one at a time (the last K % 16). */
+static float weight1(const void *w, const uint8_t *s, int kind, int64_t i) {
+    if (kind == W_FP32) return ((const float *)w)[i];
+    if (kind == W_BF16) return from_bits((uint32_t)((const uint16_t *)w)[i] << 16);
+    uint8_t byte = ((const uint8_t *)w)[i / 2];
+    return E2M1_VALUES[i % 2 ? byte >> 4 : byte & 15] * UE8M0_VALUES[s[i / FP4_ROW_BLOCK]];
+}
+
 typedef float v4f __attribute__((vector_size(16)));
 
 /* The 16 lanes of a added as a tree of vector halves: 16 -> 8 -> 4 -> 2 -> 1. */
@@ -856,64 +906,82 @@ static float sum16(v16f a) {
     return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-/* The dots of T tokens x [T, K] (rows ldx apart) with 4 weight rows w[0..3] [K] (fp32, or bf16 bits): res [T][4].
- * One 16-lane accumulator per (token, row), each lane adding its products in order, then summed by sum16, then
- * the last K % 16 products one by one: every dot is the same sequence of operations whatever T is and whichever
- * other rows or tokens share the call (a token's projection does not depend on the batch). Each 16 weights are
- * loaded (and widened) once for the T tokens, each token's 16 values once for the 4 rows. Inlined with constant
- * T and bf16 (dots_block), so the accumulators live in registers. */
+/* The dots of T tokens x [T, K] (rows ldx apart) with 4 weight rows w[0..3] [K] (scales s[0..3] for FP4) of one
+ * kind: res [T][4]. One 16-lane accumulator per (token, row), each lane adding its products in order, then summed
+ * by sum16, then the last K % 16 products one by one: every dot is the same sequence of operations whatever T is
+ * and whichever other rows or tokens share the call (a token's projection does not depend on the batch), and
+ * whichever kind holds the same weight values. Each 16 weights are loaded (and widened or decoded) once for the T
+ * tokens, each token's 16 values once for the 4 rows; the rows `ahead` bytes on are prefetched. Inlined with
+ * constant T and kind (dots_block), so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void dots_body(const float *x, int64_t ldx, const int T,
-                                                            const void *const *w, const int bf16, int64_t K,
-                                                            int64_t ahead, float *res) {
+                                                            const void *const *w, const uint8_t *const *s,
+                                                            const int kind, int64_t K, int64_t ahead, float *res) {
     v16f acc[4][4];
     memset(acc, 0, sizeof acc);
     int64_t i = 0;
-    for (; i + 16 <= K; i += 16) {
-        v16f w0 = weights16(w[0], bf16, i), w1 = weights16(w[1], bf16, i), w2 = weights16(w[2], bf16, i),
-             w3 = weights16(w[3], bf16, i);
-        for (int r = 0; r < 4; r++) __builtin_prefetch((const char *)w[r] + ahead + i * (bf16 ? 2 : 4));
-        for (int t = 0; t < T; t++) {
-            v16f xt = load16(x + t * ldx + i);
-            acc[t][0] += xt * w0;
-            acc[t][1] += xt * w1;
-            acc[t][2] += xt * w2;
-            acc[t][3] += xt * w3;
+#define DOTS_ADD(w0, w1, w2, w3)                        \
+    for (int t = 0; t < T; t++) {                       \
+        v16f xt = load16(x + t * ldx + i);              \
+        acc[t][0] += xt * (w0);                         \
+        acc[t][1] += xt * (w1);                         \
+        acc[t][2] += xt * (w2);                         \
+        acc[t][3] += xt * (w3);                         \
+    }
+    if (kind == W_FP4) {  /* K: a multiple of FP4_ROW_BLOCK */
+        for (; i + 16 <= K; i += 16) {
+            v16f v[4];
+            for (int r = 0; r < 4; r++) {
+                v[r] = fp4_weights16((const uint8_t *)w[r] + i / 2, E2M1_VALUES) * UE8M0_VALUES[s[r][i / FP4_ROW_BLOCK]];
+                __builtin_prefetch((const char *)w[r] + ahead + i / 2);
+            }
+            DOTS_ADD(v[0], v[1], v[2], v[3])
         }
     }
+    for (; kind != W_FP4 && i + 16 <= K; i += 16) {
+        v16f w0 = weights16(w[0], kind, i), w1 = weights16(w[1], kind, i), w2 = weights16(w[2], kind, i),
+             w3 = weights16(w[3], kind, i);
+        for (int r = 0; r < 4; r++) __builtin_prefetch((const char *)w[r] + ahead + i * (kind == W_BF16 ? 2 : 4));
+        DOTS_ADD(w0, w1, w2, w3)
+    }
+#undef DOTS_ADD
     for (int t = 0; t < T; t++)
         for (int r = 0; r < 4; r++) res[4 * t + r] = sum16(acc[t][r]);
     for (; i < K; i++)
         for (int t = 0; t < T; t++)
-            for (int r = 0; r < 4; r++) {
-                float wv = bf16 ? from_bits((uint32_t)((const uint16_t *)w[r])[i] << 16) : ((const float *)w[r])[i];
-                res[4 * t + r] += x[t * ldx + i] * wv;
-            }
+            for (int r = 0; r < 4; r++) res[4 * t + r] += x[t * ldx + i] * weight1(w[r], s[r], kind, i);
 }
 
-#define DOTS(T, B) \
-    static void dots_##T##_##B(const float *x, int64_t ldx, const void *const *w, int64_t K, int64_t ahead, \
-                               float *res) {                                                             \
-        dots_body(x, ldx, T, w, B, K, ahead, res);                                                       \
+#define DOTS(T, KIND) \
+    static void dots_##T##_##KIND(const float *x, int64_t ldx, const void *const *w, const uint8_t *const *s, \
+                                  int64_t K, int64_t ahead, float *res) {                                  \
+        dots_body(x, ldx, T, w, s, KIND, K, ahead, res);                                                   \
     }
 DOTS(1, 0) DOTS(2, 0) DOTS(3, 0) DOTS(4, 0) DOTS(1, 1) DOTS(2, 1) DOTS(3, 1) DOTS(4, 1)
+DOTS(1, 2) DOTS(2, 2) DOTS(3, 2) DOTS(4, 2)
 #undef DOTS
 
-typedef void (*dots_fn)(const float *, int64_t, const void *const *, int64_t, int64_t, float *);
-static const dots_fn DOTS_BY[2][5] = {{NULL, dots_1_0, dots_2_0, dots_3_0, dots_4_0},
-                                      {NULL, dots_1_1, dots_2_1, dots_3_1, dots_4_1}};
+typedef void (*dots_fn)(const float *, int64_t, const void *const *, const uint8_t *const *, int64_t, int64_t,
+                        float *);
+static const dots_fn DOTS_BY[3][5] = {{NULL, dots_1_0, dots_2_0, dots_3_0, dots_4_0},
+                                      {NULL, dots_1_1, dots_2_1, dots_3_1, dots_4_1},
+                                      {NULL, dots_1_2, dots_2_2, dots_3_2, dots_4_2}};
 
-/* res [N][rows] = the dots of N tokens x [N, K] (rows ldx apart) with `rows` weight rows from w (K apart; fp32
- * or bf16 bits), for rows <= 4 (a short block repeats its last row, whose extra results are dropped): blocks of
- * up to 4 tokens. res rows are ldr apart. */
-static void dots_block(const float *x, int64_t ldx, int64_t N, const void *w, int bf16, int64_t rows, int64_t K,
+/* res [N][rows] = the dots of N tokens x [N, K] (rows ldx apart) with rows row .. row + rows - 1 of m, for rows
+ * <= 4 (a short block repeats its last row, whose extra results are dropped): blocks of up to 4 tokens. res rows
+ * are ldr apart. The next block of rows is prefetched. */
+static void dots_block(const float *x, int64_t ldx, int64_t N, const wrows *m, int64_t row, int64_t rows,
                        float *res, int64_t ldr) {
-    const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
     const void *rp[4];
-    for (int r = 0; r < 4; r++) rp[r] = (const char *)w + (size_t)((r < rows ? r : rows - 1) * K) * size;
+    const uint8_t *sp[4];
+    for (int r = 0; r < 4; r++) {
+        rp[r] = wrow(m, row + (r < rows ? r : rows - 1));
+        sp[r] = srow(m, row + (r < rows ? r : rows - 1));
+    }
+    const int64_t block_bytes = (const char *)wrow(m, row + 4) - (const char *)wrow(m, row);
     float part[16];
     for (int64_t n = 0; n < N; n += 4) {
         int64_t T = N - n < 4 ? N - n : 4;
-        DOTS_BY[bf16][T](x + n * ldx, ldx, rp, K, n ? 0 : (int64_t)(4 * K * size), part);
+        DOTS_BY[m->kind][T](x + n * ldx, ldx, rp, sp, m->K, n ? 0 : block_bytes, part);
         for (int64_t t = 0; t < T; t++)
             for (int64_t r = 0; r < rows; r++) res[(n + t) * ldr + r] = part[4 * t + r];
     }
@@ -936,16 +1004,15 @@ static void gemv_item(const void *job, int64_t item) {
     const gemv_job *j = job;
     int64_t per_group = (j->O + GEMV_ITEM_ROWS - 1) / GEMV_ITEM_ROWS, g = item / per_group;
     int64_t o0 = (item % per_group) * GEMV_ITEM_ROWS, o1 = o0 + GEMV_ITEM_ROWS < j->O ? o0 + GEMV_ITEM_ROWS : j->O;
-    const size_t size = j->w_bf16 ? sizeof(uint16_t) : sizeof(float);
     const int64_t ldx = j->G * j->K, ldo = j->G * j->O;
+    const wrows m = {j->W, 0, j->w_bf16 ? W_BF16 : W_FP32, j->K};
     float res[16 * 4];
     for (int64_t o = o0; o < o1; o += 4) {
         int64_t rows = o1 - o < 4 ? o1 - o : 4;
-        const void *w = (const char *)j->W + (size_t)((g * j->O + o) * j->K) * size;
         for (int64_t n = 0; n < j->N; n += 16) {
-            int64_t m = j->N - n < 16 ? j->N - n : 16;
-            dots_block(j->x + n * ldx + g * j->K, ldx, m, w, j->w_bf16, rows, j->K, res, 4);
-            for (int64_t t = 0; t < m; t++)
+            int64_t t_n = j->N - n < 16 ? j->N - n : 16;
+            dots_block(j->x + n * ldx + g * j->K, ldx, t_n, &m, g * j->O + o, rows, res, 4);
+            for (int64_t t = 0; t < t_n; t++)
                 for (int64_t r = 0; r < rows; r++)
                     store_out(j->out, (n + t) * ldo + g * j->O + o + r, res[4 * t + r], j->out_bf16);
         }
@@ -1003,24 +1070,23 @@ typedef struct {
     const int64_t *experts, *first, *tokens, *item_first;
     const float *gain, *xs;
     float *hidden, *out;
-    const uint16_t *w13, *w2;
-    const void *s1, *s3, *s2;
-    int s_bf16;
+    wrows w13, w2;      /* the routed experts' [E * 2 * inter, D] (gate, then up rows per expert), [E * D, inter] */
+    wrows s1, s3, s2;   /* the shared expert's [s_inter, D], [s_inter, D], [D, s_inter] */
     float limit;
 } moe_job;
 
 static int64_t moe_inter(const moe_job *j, int64_t i) { return j->experts[i] < 0 ? j->s_inter : j->inter; }
 
-static void moe_weights(const moe_job *j, int64_t i, const void **w1, const void **w3, const void **w2, int *bf16) {
+/* Expert i's gate / up / down matrices and the rows where its own start. */
+static void moe_weights(const moe_job *j, int64_t i, const wrows **gate, int64_t *g0, const wrows **up, int64_t *u0,
+                        const wrows **down, int64_t *d0) {
     int64_t e = j->experts[i];
     if (e < 0) {
-        *w1 = j->s1, *w3 = j->s3, *w2 = j->s2, *bf16 = j->s_bf16;
+        *gate = &j->s1, *up = &j->s3, *down = &j->s2, *g0 = *u0 = *d0 = 0;
         return;
     }
-    *w1 = j->w13 + e * 2 * j->inter * j->D;
-    *w3 = j->w13 + (e * 2 + 1) * j->inter * j->D;
-    *w2 = j->w2 + e * j->D * j->inter;
-    *bf16 = 1;
+    *gate = *up = &j->w13, *down = &j->w2;
+    *g0 = e * 2 * j->inter, *u0 = *g0 + j->inter, *d0 = e * j->D;
 }
 
 static void moe_hidden_item(const void *job, int64_t item) {
@@ -1029,10 +1095,9 @@ static void moe_hidden_item(const void *job, int64_t item) {
     while (j->item_first[i + 1] <= item) i++;
     int64_t inter = moe_inter(j, i), r0 = (item - j->item_first[i]) * MOE_ITEM_ROWS;
     int64_t r1 = r0 + MOE_ITEM_ROWS < inter ? r0 + MOE_ITEM_ROWS : inter, t0 = j->first[i], n_e = j->first[i + 1] - t0;
-    const void *w1, *w3, *w2;
-    int bf16;
-    moe_weights(j, i, &w1, &w3, &w2, &bf16);
-    const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const wrows *gate_w, *up_w, *down_w;
+    int64_t g0, u0, d0;
+    moe_weights(j, i, &gate_w, &g0, &up_w, &u0, &down_w, &d0);
     const float *xs = j->xs + t0 * j->D;
     const int64_t ldh = j->ldh;
     float *hidden = j->hidden + t0 * ldh;
@@ -1041,9 +1106,8 @@ static void moe_hidden_item(const void *job, int64_t item) {
         int64_t rows = r1 - r < 4 ? r1 - r : 4;
         for (int64_t n = 0; n < n_e; n += 16) {
             int64_t m = n_e - n < 16 ? n_e - n : 16;
-            dots_block(xs + n * j->D, j->D, m, (const char *)w1 + (size_t)(r * j->D) * size, bf16, rows, j->D, gate,
-                       4);
-            dots_block(xs + n * j->D, j->D, m, (const char *)w3 + (size_t)(r * j->D) * size, bf16, rows, j->D, up, 4);
+            dots_block(xs + n * j->D, j->D, m, gate_w, g0 + r, rows, gate, 4);
+            dots_block(xs + n * j->D, j->D, m, up_w, u0 + r, rows, up, 4);
             for (int64_t t = 0; t < m; t++)
                 dsv41_swiglu(gate + 4 * t, up + 4 * t, 1, rows, 4, j->limit, hidden + (n + t) * ldh + r);
         }
@@ -1056,17 +1120,15 @@ static void moe_out_item(const void *job, int64_t item) {
     const int64_t ldh = j->ldh;
     float y[16 * 4];
     for (int64_t i = 0; i < j->n; i++) {
-        int64_t inter = moe_inter(j, i), t0 = j->first[i], n_e = j->first[i + 1] - t0;
-        const void *w1, *w3, *w2;
-        int bf16;
-        moe_weights(j, i, &w1, &w3, &w2, &bf16);
-        const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
+        int64_t t0 = j->first[i], n_e = j->first[i + 1] - t0;
+        const wrows *gate_w, *up_w, *down_w;
+        int64_t g0, u0, row0;
+        moe_weights(j, i, &gate_w, &g0, &up_w, &u0, &down_w, &row0);
         for (int64_t d = d0; d < d1; d += 4) {
             int64_t rows = d1 - d < 4 ? d1 - d : 4;
             for (int64_t n = 0; n < n_e; n += 16) {
                 int64_t m = n_e - n < 16 ? n_e - n : 16;
-                dots_block(j->hidden + (t0 + n) * ldh, ldh, m, (const char *)w2 + (size_t)(d * inter) * size, bf16,
-                           rows, inter, y, 4);
+                dots_block(j->hidden + (t0 + n) * ldh, ldh, m, down_w, row0 + d, rows, y, 4);
                 for (int64_t t = 0; t < m; t++) {
                     float *o = j->out + j->tokens[t0 + n + t] * j->D + d;
                     for (int64_t r = 0; r < rows; r++) o[r] += y[4 * t + r] * j->gain[t0 + n + t];
@@ -1076,18 +1138,22 @@ static void moe_out_item(const void *job, int64_t item) {
     }
 }
 
-/* The routed experts of a few tokens (model/moe.py MoE.dispatch) from bf16 weights (the bf16 model's own, or
- * copies of an fp32 model's that are exact in bf16: FP4 E2M1 values with power-of-two scales have 2 significant
- * bits), plus the shared expert when s1 is given (MoE.forward): x [N, D] fp32 or bf16 bits (x_bf16), indices /
- * weights [N, k] (the router's), w13 [E, 2 * inter, D] (gate rows, then up rows) and w2 [E, D, inter] as bf16
- * bits; shared s1 / s3 [s_inter, D] and s2 [D, s_inter], fp32 or bf16 bits (s_bf16).
+/* The routed experts of a few tokens (model/moe.py MoE.dispatch), plus the shared expert when s1 is given
+ * (MoE.forward): x [N, D] fp32 or bf16 bits (x_bf16), indices / weights [N, k] (the router's); the routed experts'
+ * w13 [E, 2 * inter, D] (gate rows, then up rows) and w2 [E, D, inter] as bf16 bits (kind W_BF16: the bf16
+ * model's own, or copies of an fp32 model's that are exact in bf16) or as FP4 codes [.., D / 2] / [.., inter / 2]
+ * with UE8M0 scales sc13 [E, 2 * inter, D / 32] / sc2 [E, D, inter / 32] (kind W_FP4: the checkpoint's format, a
+ * quarter of bf16's bytes; D and inter multiples of 32); shared s1 / s3 [s_inter, D] and s2 [D, s_inter], fp32 or
+ * bf16 bits (s_bf16).
  * out [N, D] fp32 = the sum over the picked experts in ascending id of weight * expert(x), then + shared(x) (the
- * order of MoE.forward), in fp32 throughout (no bf16 rounding between the steps). Each expert's weights are read
- * once for all its tokens, split over the pool (moe_job). Returns 0, -1 (nothing computed) when an index is
- * outside [0, E), -2 when memory for the scratch cannot be had. */
-int dsv41_moe_bf16(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *indices, const float *weights,
-                   int64_t k, const uint16_t *w13, const uint16_t *w2, int64_t E, int64_t inter, float limit,
-                   const void *s1, const void *s3, const void *s2, int s_bf16, int64_t s_inter, float *out) {
+ * order of MoE.forward), in fp32 throughout (no bf16 rounding between the steps; the same values from either kind
+ * when they hold the same weights). Each expert's weights are read once for all its tokens, split over the pool
+ * (moe_job). Returns 0, -1 (nothing computed) when an index is outside [0, E), -2 when memory for the scratch
+ * cannot be had. */
+int dsv41_moe(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *indices, const float *weights,
+              int64_t k, int kind, const void *w13, const uint8_t *sc13, const void *w2, const uint8_t *sc2, int64_t E,
+              int64_t inter, float limit, const void *s1, const void *s3, const void *s2, int s_bf16, int64_t s_inter,
+              float *out) {
     for (int64_t i = 0; i < N * k; i++)
         if (indices[i] < 0 || indices[i] >= E) return -1;
     int64_t M = N * k + (s1 ? N : 0), I = s1 && s_inter > inter ? s_inter : inter;
@@ -1126,8 +1192,10 @@ int dsv41_moe_bf16(const void *x, int x_bf16, int64_t N, int64_t D, const int64_
         first[++n] = m;
     }
     for (int64_t i = 0; i < m; i++) memcpy(xs + i * D, xr + tokens[i] * D, (size_t)D * sizeof(float));
-    moe_job job = {D, inter, s1 ? s_inter : 0, I, n, experts, first, tokens, item_first, gain, xs, hidden, out, w13, w2,
-                   s1, s3, s2, s_bf16, limit};
+    const int s_kind = s_bf16 ? W_BF16 : W_FP32;
+    moe_job job = {D, inter, s1 ? s_inter : 0, I, n, experts, first, tokens, item_first, gain, xs, hidden, out,
+                   {w13, sc13, kind, D}, {w2, sc2, kind, inter}, {s1, 0, s_kind, D}, {s3, 0, s_kind, D},
+                   {s2, 0, s_kind, s_inter}, limit};
     for (int64_t i = 0; i < n; i++)
         item_first[i + 1] = item_first[i] + (moe_inter(&job, i) + MOE_ITEM_ROWS - 1) / MOE_ITEM_ROWS;
     memset(out, 0, (size_t)(N * D) * sizeof(float));

@@ -23,6 +23,7 @@ from deepseek_v41 import kernels
 from deepseek_v41.model.hooks import hooked, unobserved
 from deepseek_v41.model.linear import linear
 from deepseek_v41.model.norm import cast, fused, upcast
+from deepseek_v41.quant.weights import FP4_EXPERT_BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ class MoE(nn.Module):
         self.inter_dim, self.swiglu_limit = inter_dim, swiglu_limit
         self._stacked_at: list[int] | None = None  # addresses of the expert parameters when last stacked
         self._bf16: tuple | None = None  # bf16 copies of fp32 experts, keys, exactness: see bf16_experts
+        self._fp4: tuple | None = None  # FP4 copies of the experts, keys, exactness: see fp4_experts
         self._stacked_bf16_at: tuple | None = None  # addresses of the last stacked_weights of bf16 experts
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,7 +181,9 @@ class MoE(nn.Module):
     def _fused(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                with_shared: bool) -> torch.Tensor | None:
         """The routed experts (and the shared expert, ``with_shared``) of a few fp32 / bf16 tokens flat [N, D] in
-        inference mode on the CPU by :func:`deepseek_v41.kernels.moe_bf16`: fp32 [N, D]; None when the kernel
+        inference mode on the CPU by :func:`deepseek_v41.kernels.moe_fp4` (the routed experts as FP4 copies, when
+        their weights are FP4 values: :meth:`fp4_experts`) or :func:`~deepseek_v41.kernels.moe_bf16` (as bf16:
+        :meth:`bf16_experts`): fp32 [N, D]; None when the kernel
         does not apply (the caller runs the torch code). The shared expert joins when it is plain (no hooks or
         wrappers) with fp32 / bf16 weights and the routed experts' SwiGLU limit; otherwise it is left out and
         None is returned, so the caller runs it as a module."""
@@ -201,7 +205,11 @@ class MoE(nn.Module):
             if not (s1.dtype == s3.dtype == s2.dtype and s1.dim() == 2 and s1.shape == s3.shape
                     and s1.shape[1] == D and s2.shape == (D, s1.shape[0]) and fused(*shared)):
                 return None
-        experts = self.bf16_experts(set(indices.flatten().tolist()))
+        picked = set(indices.flatten().tolist())
+        fp4 = self.fp4_experts(picked)
+        if fp4 is not None and fp4[0].shape[2] * 2 == D:
+            return kernels.moe_fp4(flat, indices, weights, *fp4, self.swiglu_limit, shared=shared)
+        experts = self.bf16_experts(picked)
         if experts is None or experts[0].shape[2] != D:
             return None
         return kernels.moe_bf16(flat, indices, weights, *experts, self.swiglu_limit, shared=shared)
@@ -272,13 +280,77 @@ class MoE(nn.Module):
             return self._stacked_bf16(mods, ids)
         if dtype != torch.float32:
             return None
-        state = self._bf16
         E, (inter, D) = len(mods), w1.shape
-        if state is None or state[0].shape != (E, 2 * inter, D):
+
+        def alloc():
+            bf16 = torch.bfloat16
+            return torch.empty((E, 2 * inter, D), dtype=bf16), torch.empty((E, D, inter), dtype=bf16)
+
+        def fill(e, params, copies):
+            w13, w2 = copies
+            if params[0].dtype != torch.float32 or params[2].shape != w2.shape[1:]:
+                return None
+            wide = torch.cat(params[:2]), params[2]
+            w13[e], w2[e] = wide[0], wide[1]
+            return torch.equal(w13[e].float(), wide[0]) and torch.equal(w2[e].float(), wide[1])
+
+        return self._expert_copies("_bf16", mods, ids, (E, 2 * inter, D), alloc, fill)
+
+    def fp4_experts(self, picked: Iterable[int] | None = None) -> tuple[torch.Tensor, ...] | None:
+        """The routed experts' weights as FP4 copies ``(codes13 [E, 2 * inter, D / 2], scales13 [E, 2 * inter,
+        D / 32], codes2 [E, D, inter / 2], scales2 [E, D, inter / 32])`` (E2M1 codes, UE8M0 scales per 32: the
+        checkpoint's format, MODEL_REFERENCE.md §4) for :func:`deepseek_v41.kernels.moe_fp4`, valid for the experts
+        ``picked`` (ids; None: every expert); None unless each of those is plain with fp32 or bf16 weights that
+        are exactly FP4 values (as weights decoded from the FP4 checkpoint are; re-encoding them gives them back),
+        and D, inter are multiples of 32. A quarter of bf16's bytes, so a decode step reads the experts ~4x
+        faster; the kernel gives what the bf16 copies give. Kept up to date as :meth:`bf16_experts` keeps its
+        copies (the same caveat on ``.data`` writes: set ``moe._fp4 = None``)."""
+        mods = list(self.experts._modules.values())
+        ids = range(len(mods)) if picked is None else list(picked)
+        for e in ids:
+            if not mods[e].plain():
+                return None
+        w1 = _linear_weight(mods[ids[0]] if len(ids) else mods[0], "w1")
+        if w1 is None or w1.dtype not in (torch.float32, torch.bfloat16) or kernels.library() is None:
+            return None
+        E, (inter, D) = len(mods), w1.shape
+        if D % FP4_EXPERT_BLOCK or inter % FP4_EXPERT_BLOCK or w1.device.type != "cpu":
+            return None
+
+        def alloc():
+            u8 = torch.uint8
+            return (torch.empty((E, 2 * inter, D // 2), dtype=u8), torch.empty((E, 2 * inter, D // 32), dtype=u8),
+                    torch.empty((E, D, inter // 2), dtype=u8), torch.empty((E, D, inter // 32), dtype=u8))
+
+        def fill(e, params, copies):
+            if (any(p.dtype not in (torch.float32, torch.bfloat16) or not p.is_contiguous() for p in params)
+                    or params[0].shape != (inter, D) or params[1].shape != (inter, D) or params[2].shape != (D, inter)):
+                return None
+            exact = True
+            for (codes, scales), at, w in ((copies[:2], slice(0, inter), params[0]),
+                                           (copies[:2], slice(inter, 2 * inter), params[1]),
+                                           (copies[2:], slice(None), params[2])):
+                wide = w.float()
+                c, sc, values = kernels.fp4_quantize(wide, FP4_EXPERT_BLOCK, "ue8m0", values=True)
+                codes[e, at], scales[e, at] = c, sc
+                exact = exact and torch.equal(values, wide)
+            return exact
+
+        return self._expert_copies("_fp4", mods, ids, (E, 2 * inter, D // 2), alloc, fill)
+
+    def _expert_copies(self, attr: str, mods: list[nn.Module], ids: list[int] | range, shape: tuple, alloc, fill
+                       ) -> tuple[torch.Tensor, ...] | None:
+        """Copies of the picked experts' weights kept in ``self.<attr>`` = (copies, keys, exact) with copies =
+        ``alloc()`` (first tensor of ``shape``): expert e's are (re)made by ``fill(e, (w1, w3, w2), copies)``
+        (True: they hold the weights exactly; False: not; None: the kernel cannot take them) when a weight was
+        replaced, moved or modified in place since. Returns the copies, or None when a picked expert's are not
+        exact."""
+        state = getattr(self, attr)
+        if state is None or state[0][0].shape != shape:
             with torch.inference_mode(False):  # ordinary tensors: rebuilt in place later, in or out of inference
-                state = self._bf16 = (torch.empty((E, 2 * inter, D), dtype=torch.bfloat16),
-                                      torch.empty((E, D, inter), dtype=torch.bfloat16), [None] * E, [False] * E)
-        w13, w2, keys, exact = state
+                state = (alloc(), [None] * len(mods), [False] * len(mods))
+            setattr(self, attr, state)
+        copies, keys, exact = state
         for e in ids:
             m = mods[e]._modules
             params = (m["w1"]._parameters["weight"], m["w3"]._parameters["weight"], m["w2"]._parameters["weight"])
@@ -286,16 +358,15 @@ class MoE(nn.Module):
             # The parameters themselves are in the key: a replaced one is another object, even at a reused address.
             if (key is None or any(p is not k for p, k in zip(params, key[0], strict=True))
                     or key[1] != [(p.data_ptr(), p._version) for p in params]):
-                if params[0].dtype != torch.float32 or params[2].shape != w2.shape[1:]:
-                    return None
                 with torch.inference_mode(False), torch.no_grad():
-                    wide = torch.cat(params[:2]), params[2]
-                    w13[e], w2[e] = wide[0], wide[1]
-                    exact[e] = torch.equal(w13[e].float(), wide[0]) and torch.equal(w2[e].float(), wide[1])
+                    made = fill(e, params, copies)
+                if made is None:
+                    return None
+                exact[e] = made
                 keys[e] = (params, [(p.data_ptr(), p._version) for p in params])
             if not exact[e]:
                 return None
-        return w13, w2
+        return copies
 
     def _stacked_bf16(self, mods: list[nn.Module], ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`stacked_weights` of bf16 experts, skipping its whole check when each picked expert's weights

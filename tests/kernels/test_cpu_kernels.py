@@ -55,7 +55,7 @@ from deepseek_v41.quant import (
 F32 = np.float32
 ENTRY_POINTS = ("fp8_quantize_values", "fp8_dequantize", "fp4_quantize", "fp4_dequantize", "fp4_gather",
                 "fp4_scatter", "window_step", "rope", "rms_norm", "hc_mix", "hc_collapse", "hc_expand", "attend_few",
-                "gate", "swiglu", "moe_bf16", "index_scores", "linear", "topk_set")
+                "gate", "swiglu", "moe_bf16", "moe_fp4", "index_scores", "linear", "topk_set")
 # RMSNorm / mHC: kernel vs ATen differ by the summation order only (measured: at most ~2.5 fp32 ulps, 2.5e-7
 # absolute on values up to ~16).
 RTOL, ATOL = 2e-6, 1e-6
@@ -923,6 +923,11 @@ def small_moe(seed: int, exact: bool = True) -> MoE:
     return moe
 
 
+def moe_calls(calls) -> int:
+    """Calls of the MoE kernel, whichever format it read the routed experts in (FP4 or bf16 copies)."""
+    return calls["moe_bf16"] + calls["moe_fp4"]
+
+
 def moe_both_ways(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MoE.forward under inference mode, and with the kernels off under no_grad."""
     with torch.inference_mode():
@@ -944,7 +949,7 @@ def test_moe_of_fp4_exact_experts_takes_moe_bf16_for_few_tokens(calls, shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(61)) * 3  # some w1 / w3 outputs beyond 7
     got, want = moe_both_ways(moe, x)
     N = shape[0] * shape[1]
-    assert calls["moe_bf16"] == (1 if N <= kernels.FEW_ROWS else 0) and calls["gate"] == 1
+    assert moe_calls(calls) == (1 if N <= kernels.FEW_ROWS else 0) and calls["gate"] == 1
     assert moe.bf16_experts() is not None
     assert_close_to_scale(got, want, MOE_TOL)
     if N >= kernels.FEW_ROWS:
@@ -953,7 +958,7 @@ def test_moe_of_fp4_exact_experts_takes_moe_bf16_for_few_tokens(calls, shape):
         assert routed.unique().numel() >= 6  # many experts, several tokens each
     with torch.no_grad():  # outside inference mode: no kernel, the torch code's bits
         assert_same_bits(moe(x), want)
-    assert calls["moe_bf16"] == (1 if N <= kernels.FEW_ROWS else 0) and calls["gate"] == 1
+    assert moe_calls(calls) == (1 if N <= kernels.FEW_ROWS else 0) and calls["gate"] == 1
 
 
 def test_moe_of_plain_fp32_experts_does_not_take_moe_bf16(calls):
@@ -961,7 +966,7 @@ def test_moe_of_plain_fp32_experts_does_not_take_moe_bf16(calls):
     assert moe.bf16_experts() is None
     x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(63))
     got, want = moe_both_ways(moe, x)
-    assert calls["moe_bf16"] == 0 and calls["gate"] == 1
+    assert moe_calls(calls) == 0 and calls["gate"] == 1
     assert_close_to_scale(got, want, MOE_TOL)
 
 
@@ -976,14 +981,14 @@ def test_moe_bf16_copies_follow_an_in_place_weight_change(calls):
         moe.experts[3].w2.weight.mul_(2)  # still FP4-exact
     assert moe.bf16_experts() is not None
     got, want = moe_both_ways(moe, x)
-    assert calls["moe_bf16"] == 2
+    assert moe_calls(calls) == 2
     assert_close_to_scale(got, want, MOE_TOL)
     assert (got - before).abs().max() > 0.1  # a stale copy would have given the old result
     # The same for a change made inside inference mode (the engine's forwards).
     with torch.inference_mode():
         moe.experts[3].w1.weight.mul_(-0.5)
     again, want = moe_both_ways(moe, x)
-    assert calls["moe_bf16"] == 3
+    assert moe_calls(calls) == 3
     assert_close_to_scale(again, want, MOE_TOL)
     assert (again - got).abs().max() > 0.1
 
@@ -998,7 +1003,7 @@ def test_moe_kernel_takes_the_shared_expert_unless_it_is_hooked(calls):
             p.copy_(fp4_exact(w) if name.startswith("experts.") else w)
     x = torch.randn(1, 3, 64, generator=g) * 3
     got, want = moe_both_ways(moe, x)
-    assert calls["moe_bf16"] == 1 and calls["swiglu"] == 0  # the shared expert ran inside the kernel
+    assert moe_calls(calls) == 1 and calls["swiglu"] == 0  # the shared expert ran inside the kernel
     assert_close_to_scale(got, want, MOE_TOL)
     with torch.no_grad():
         without_shared = moe.dispatch(x.reshape(3, 64), *moe.gate(x.reshape(3, 64)))
@@ -1008,7 +1013,7 @@ def test_moe_kernel_takes_the_shared_expert_unless_it_is_hooked(calls):
     try:
         with torch.inference_mode():
             hooked = moe(x)
-        assert seen == [(3, 64)] and calls["moe_bf16"] == 2  # routed experts fused, the shared one called
+        assert seen == [(3, 64)] and moe_calls(calls) == 2  # routed experts fused, the shared one called
         assert_close_to_scale(hooked, want, MOE_TOL)
     finally:
         handle.remove()
@@ -1024,13 +1029,13 @@ def test_moe_calls_a_hooked_expert(calls):
     try:
         got, want = moe_both_ways(moe, x)
         assert seen == [(4, 32), (4, 32)]  # under inference mode and with the kernels off
-        assert calls["moe_bf16"] == 0
+        assert moe_calls(calls) == 0
         assert_close_to_scale(got, want, MOE_TOL)
     finally:
         handle.remove()
     with torch.inference_mode():
         assert_close_to_scale(moe(x), want, MOE_TOL)
-    assert calls["moe_bf16"] == 1 and len(seen) == 2  # the hook is gone: the kernel is back
+    assert moe_calls(calls) == 1 and len(seen) == 2  # the hook is gone: the kernel is back
 
 
 class LoRA(nn.Module):
@@ -1059,12 +1064,12 @@ def test_moe_kernel_runs_beside_a_wrapped_expert_it_does_not_pick(calls, dtype):
     x = (torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(69)) * 3).to(dtype)
     fused = int(dtype == torch.float32)
     got, want = moe_both_ways(moe, x)
-    assert calls["moe_bf16"] == fused
+    assert moe_calls(calls) == fused
     assert_close_to_scale(got.float(), want.float(), MOE_TOL if dtype == torch.float32 else EXPERT_BF16_TOL)
     with torch.no_grad():
         moe.gate.bias[0] = 200.0  # now expert 0 is picked: the torch code calls its wrapper
     got, want = moe_both_ways(moe, x)
-    assert calls["moe_bf16"] == fused
+    assert moe_calls(calls) == fused
     assert_close_to_scale(got.float(), want.float(), MOE_TOL if dtype == torch.float32 else EXPERT_BF16_TOL)
 
 
@@ -1077,7 +1082,7 @@ def test_bf16_moe_kernel_runs_beside_a_hooked_expert_it_does_not_pick(calls):
     moe.experts[0].w1.register_forward_hook(lambda module, args, out: seen.append(out.shape))
     x = (torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(73)) * 3).bfloat16()
     got, want = moe_both_ways(moe, x)
-    assert calls["moe_bf16"] == 1 and seen == []
+    assert moe_calls(calls) == 1 and seen == []
     assert_close_to_scale(got.float(), want.float(), EXPERT_BF16_TOL)
 
 
