@@ -3,10 +3,17 @@
 At decode size (a few tokens) nearly all of a step's time is dispatch: ~3,800 tensor ops of a few µs each.
 ``cpu_kernels.c`` does the worst chains in one call each: the FP8 window ring (read, quantize, write), FP4
 entries written to and read from pages through the block tables, FP4 / FP8 quantization, RoPE, RMSNorm, the mHC
-mixing (coefficients with Sinkhorn, collapse, expand), the few-query attention, the MoE router and experts, the
-indexer's scores and top-k, and a GEMV for bf16 projections. It is plain C (with the GCC / Clang vector
+mixing (coefficients with Sinkhorn, collapse, expand), the few-query attention, the MoE router and experts (routed
+experts read in the checkpoint's FP4 format, or bf16), the indexer's scores and top-k, and a GEMV for the
+projections of a few tokens. It is plain C (with the GCC / Clang vector
 extension for its accumulators) compiled with the system C compiler on first use (about a second) into a cache
 folder and called through :mod:`ctypes`; no torch headers, nothing to install.
+
+The memory-bound kernels (projections, the MoE, the window step, gathers, mHC mixing, attention, index scores,
+top-k) split their work over the library's own thread pool (:func:`set_threads`; one thread until it is called):
+items of rows or tokens, each computed by the same operations whichever thread takes it, so results do not depend
+on the thread count. A few-token engine step hands torch's threads to the pool and runs torch on one thread
+meanwhile (engine/model_runner.py): two pools spinning on the same cores would stall each other.
 
 Callers use a kernel only where :func:`usable` says so (CPU, contiguous, no autograd) and keep their torch code
 as the fallback, which runs everywhere else (CUDA, ``meta``, training, float64) and wherever the library cannot

@@ -1,10 +1,11 @@
-"""Dense projections: ``nn.Linear`` with the fused GEMV kernel for a few bf16 tokens (bench/README.md).
+"""Dense projections: ``nn.Linear`` with the fused GEMV kernel for a few tokens (bench/README.md).
 
 ATen's bf16 GEMM costs ~20 µs per call at decode size on a CPU whatever the matrix (against ~4 µs for fp32), so a
 bf16 model's decode step spent most of its time in ~100 such calls. :func:`linear` sends a few bf16 tokens to
 :func:`deepseek_v41.kernels.linear` instead (fp32 sums, the output rounded to bf16 as ATen rounds its fp32 sums:
-the same to rounding) under ``torch.inference_mode`` on the CPU; everything else, and fp32 (ATen's fp32 GEMV is as
-fast), is ``torch.nn.functional.linear``.
+the same to rounding) under ``torch.inference_mode`` on the CPU. fp32 projections of a few tokens take it for
+large weights while the kernels' thread pool holds torch's threads (an engine decode step), where it reads the
+weight on every core; everything else is ``torch.nn.functional.linear`` (:func:`gemv` says which).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fp32: bool = False) -> bool:
 def few_token_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether fp32 x [..., K] (at most ``kernels.FEW_ROWS`` tokens, inference mode) times an fp32 or bf16 weight
     [O, K] is faster in the kernel than in ATen: when the kernels' pool has at least torch's threads (a few-token
-    engine step hands torch's threads to it: engine/model_runner.py), the kernel reads the weight on as many cores
-    and ATen's fp32 GEMV is no faster per core (bench/README.md); a bf16 weight also skips ATen's copy to fp32."""
+    engine step hands torch's threads to it, engine/model_runner.py, and the pool keeps them after), the kernel
+    reads the weight on as many cores and ATen's fp32 GEMV is no faster per core (bench/README.md); a bf16 weight
+    also skips ATen's copy to fp32."""
     return (x.dtype == torch.float32 and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.is_inference_mode_enabled() and x.dim() >= 1 and weight.dim() == 2
             and x.shape[-1] == weight.shape[1] and x.shape[:-1].numel() <= kernels.FEW_ROWS
