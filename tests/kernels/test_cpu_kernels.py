@@ -13,12 +13,16 @@ bf16 takes the same kernels through ``upcast`` / ``cast`` at the boundary (the t
 torch code computes in fp32 from the same upcast values and rounds once, the two are at most one bf16 ulp apart
 (most elements identical); where the torch code rounds to bf16 between steps the kernel skips, a few ulps of the
 output's scale. The GEMV kernel (``kernels.linear``, ``model.linear.Linear``, ``GroupedLinear``) is checked
-against ``F.linear``, and its bf16 rounding bit for bit against ``Tensor.to(torch.bfloat16)``.
+against ``F.linear``, and its bf16 rounding bit for bit against ``Tensor.to(torch.bfloat16)``. The MoE kernel
+reading the routed experts in FP4 (``kernels.moe_fp4``) must give its bf16 path's bits on the same weight values
+(also when built without AVX-512), and agree with float64 arithmetic on weights decoded by ml_dtypes.
 """
 
 import collections
 import ctypes
 import os
+import platform
+import shutil
 import stat
 import subprocess
 import sys
@@ -1098,6 +1102,281 @@ def test_bf16_experts_of_picked_ids_from_any_iterable_and_freed_for_a_bf16_model
     w13, _ = moe.bf16_experts([1])
     assert moe._bf16 is None and w13.data_ptr() == moe.experts[0].w1.weight.data_ptr()
 
+
+# ------------------------------------------------------------------------------------------ routed experts in FP4
+@pytest.fixture
+def pool_of_one_after():
+    """The kernels' pool back at one thread after the test, whatever it set or raised."""
+    yield
+    assert kernels.set_threads(1) == 1
+
+
+def fp4_oracle_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 [..., n] of FP4 ``codes`` uint8 [..., n / 2] (element 2i in the low nibble) with UE8M0 ``scales``
+    uint8 [..., n / 32], decoded by ml_dtypes (the oracle)."""
+    ml = require("ml_dtypes")
+    c = codes.numpy()
+    nibbles = np.stack((c & 15, c >> 4), -1).reshape(*c.shape[:-1], -1)
+    scale = np.repeat(scales.numpy().view(ml.float8_e8m0fnu).astype(np.float64), 32, -1)
+    return torch.from_numpy(nibbles.view(ml.float4_e2m1fn).astype(np.float64) * scale)
+
+
+def fp4_moe_inputs(N: int, D: int, inter: int, x_dtype: torch.dtype, shared_dtype: torch.dtype | None, seed: int):
+    """``kernels.moe_fp4`` inputs for N tokens ``(x, indices, weights, (codes13, scales13, codes2, scales2), limit,
+    shared)``, and ``(w13, w2)``: the same weights in bf16 (decoded by ``kernels.fp4_dequantize``, checked exact).
+    6 routed experts, k = 3 (token 0 picks expert 4 twice); random codes (every nibble) with UE8M0 scales from
+    2^-27 to 2^13 (bytes 100 .. 140) laid out so that every block counts: a w1 / w3 block's scale follows the block
+    of x it meets (x's block is divided by about that scale) and a w2 block's its output row (as do the shared
+    expert's, when ``shared_dtype``): the terms of each dot are of one size, whatever their scale."""
+    g = torch.Generator().manual_seed(seed)
+    E, k, s_inter, limit = 6, 3, 48, 7.0
+
+    def byte(lo: int, hi: int, *shape: int) -> torch.Tensor:
+        return torch.randint(lo, hi + 1, shape, generator=g).to(torch.uint8)
+
+    col = torch.linspace(100, 137, D // 32).round().to(torch.uint8)  # per block of x's columns
+    row = byte(100, 137, D)  # per output row
+    fp4 = (byte(0, 255, E, 2 * inter, D // 2), col + byte(0, 3, E, 2 * inter, D // 32),
+           byte(0, 255, E, D, inter // 2), row[:, None] + byte(0, 3, E, D, inter // 32))
+    bf16 = []
+    for codes, scales in (fp4[:2], fp4[2:]):
+        values = kernels.fp4_dequantize(codes, scales, 32, "ue8m0")
+        assert torch.equal(values.bfloat16().float(), values)  # E2M1 value x power of two: exact in bf16
+        bf16.append(values.bfloat16())
+    col_scale = torch.pow(2.0, col.double() - 127).repeat_interleave(32).float()
+    row_scale = torch.pow(2.0, row.double() - 127).float()
+    x = (torch.randn(N, D, generator=g) * 0.04 / col_scale).to(x_dtype)
+    indices = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    indices[0] = torch.tensor([4, 1, 4])
+    weights = torch.rand(N, k, generator=g)
+    shared = None
+    if shared_dtype is not None:
+        shared = ((torch.randn(s_inter, D, generator=g) * 8 * col_scale).to(shared_dtype),
+                  (torch.randn(s_inter, D, generator=g) * 8 * col_scale).to(shared_dtype),
+                  (torch.randn(D, s_inter, generator=g) * 25 * row_scale[:, None]).to(shared_dtype))
+    return (x, indices, weights, fp4, limit, shared), tuple(bf16)
+
+
+def float64_moe(x, indices, weights, w13, w2, limit, shared) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle in float64: ``(out, size)`` [N, D], out = Σ_j weights[n, j] · expert_{indices[n, j]}(x_n) +
+    shared(x_n), an expert being ``w2 (silu(min(w1 x, limit)) * clamp(w3 x, ±limit))`` (model/moe.py Expert) of
+    float64 weights w13 [E, 2 * inter, D], w2 [E, D, inter]. ``size`` is what fp32 rounding errors are relative to:
+    Σ over an output's terms of gain · |w2| (|hidden| + 1.1 limit (|w1| |x| + |w3| |x|)), a hidden value moving by
+    at most the SwiGLU's slope (1.1 limit) times its gate and up dots' errors."""
+    inter = w2.shape[2]
+    out, size = torch.zeros(x.shape, dtype=torch.float64), torch.zeros(x.shape, dtype=torch.float64)
+    for n, xn in enumerate(x.double()):
+        experts = [(gain, w13[e, :inter], w13[e, inter:], w2[e])
+                   for e, gain in zip(indices[n].tolist(), weights[n].tolist(), strict=True)]
+        if shared is not None:
+            experts.append((1.0, *(w.double() for w in shared)))
+        for gain, w1, w3, w2e in experts:
+            hidden = F.silu((w1 @ xn).clamp(max=limit)) * (w3 @ xn).clamp(-limit, limit)
+            out[n] += gain * (w2e @ hidden)
+            size[n] += gain * (w2e.abs() @ (hidden.abs() + 1.1 * limit * (w1.abs() + w3.abs()) @ xn.abs()))
+    return out, size
+
+
+# moe_fp4 against float64, relative to float64_moe's size (a few hundred times the output): measured at most 3.6e-9
+# (5 seeds of the 12 cases below, 16 tokens). A wrong code or scale in a row moves its outputs by ~1e-5 of the size.
+FP4_MOE_TOL = 2e-8
+
+
+@pytest.mark.parametrize("D, inter", [(64, 96), (96, 64)], ids=str)
+@pytest.mark.parametrize("shared_dtype", [None, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_moe_fp4_is_moe_bf16_bit_for_bit_on_the_same_weights(pool_of_one_after, x_dtype, shared_dtype, D, inter):
+    """N = 1, 3, 8, 16 tokens at 1 and 2 threads, D and inter multiples of 32 but not of 64: moe_fp4 gives
+    moe_bf16's bits on the bf16 weights holding the same values, the same bits on either pool, and agrees with
+    float64 arithmetic on weights decoded by ml_dtypes to fp32 rounding."""
+    (x, indices, weights, fp4, limit, shared), (w13, w2) = fp4_moe_inputs(kernels.FEW_ROWS, D, inter, x_dtype,
+                                                                           shared_dtype, seed=D + inter)
+    codes13, scales13, codes2, scales2 = fp4
+    assert torch.cat((codes13.flatten() & 15, codes2.flatten() >> 4)).unique().numel() == 16
+    scales = torch.cat((scales13.flatten(), scales2.flatten()))
+    assert scales.min() == 100 and scales.max() == 140
+    exact13, exact2 = fp4_oracle_values(codes13, scales13), fp4_oracle_values(codes2, scales2)
+    assert torch.equal(w13.double(), exact13) and torch.equal(w2.double(), exact2)
+    gate_up = torch.einsum("eod,nd->neo", exact13, x.double())
+    assert 0.05 < (gate_up.abs() > limit).double().mean() < 0.5  # the clamps are exercised, not everywhere
+    want, size = float64_moe(x, indices, weights, exact13, exact2, limit, shared)
+    first = {}
+    for threads in (1, 2):
+        assert kernels.set_threads(threads) == threads
+        for n in (1, 3, 8, kernels.FEW_ROWS):
+            head = (x[:n], indices[:n], weights[:n])
+            got = kernels.moe_fp4(*head, *fp4, limit, shared=shared)
+            assert_same_bits(got, kernels.moe_bf16(*head, w13, w2, limit, shared=shared))
+            assert_same_bits(got, first.setdefault(n, got))
+            err = (got.double() - want[:n]).abs()
+            assert (err <= FP4_MOE_TOL * size[:n]).all(), f"off by {(err / size[:n]).max().item():.3g} of the size"
+
+
+def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch):
+    """The C code without AVX-512 (fp4_weights16's and weights16's generic loops), built into a second library
+    with the loader's flags, gives the default build's bits for moe_fp4 and moe_bf16. Skips without a compiler,
+    except under CI=true."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        message = f"no C compiler {cc!r} to build the generic code with"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    flags = [*kernels.CFLAGS, *(["-mno-avx512f"] if x86 else [])]  # elsewhere the default build is generic too
+    macros = subprocess.run([cc, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True)
+    assert macros.returncode == 0 and "__AVX512F__" not in macros.stdout, macros.stderr
+    cases = [fp4_moe_inputs(kernels.FEW_ROWS, 96, 64, torch.bfloat16, torch.float32, seed=90),
+             fp4_moe_inputs(kernels.FEW_ROWS, 64, 96, torch.float32, None, seed=91)]
+
+    def fp4_and_bf16(case) -> tuple[torch.Tensor, torch.Tensor]:
+        (x, indices, weights, fp4, limit, shared), (w13, w2) = case
+        return (kernels.moe_fp4(x, indices, weights, *fp4, limit, shared=shared),
+                kernels.moe_bf16(x, indices, weights, w13, w2, limit, shared=shared))
+
+    want = [fp4_and_bf16(case) for case in cases]
+    monkeypatch.setattr(kernels, "CFLAGS", flags)
+    monkeypatch.setenv("DSV41_KERNEL_CACHE", str(tmp_path))
+    generic = kernels._load()
+    assert generic is not None
+    monkeypatch.setitem(kernels._state, "lib", generic)
+    assert kernels.library() is generic
+    for case, (fp4_want, bf16_want) in zip(cases, want, strict=True):
+        assert_same_bits(fp4_want, bf16_want)
+        fp4_got, bf16_got = fp4_and_bf16(case)
+        assert_same_bits(fp4_got, fp4_want)
+        assert_same_bits(bf16_got, bf16_want)
+
+
+def round_experts_to_bf16(moe: MoE) -> MoE:
+    """The routed experts' weights rounded to bf16 (kept fp32): exact in bf16, random ones not FP4 values."""
+    with torch.no_grad():
+        for p in moe.experts.parameters():
+            p.copy_(p.bfloat16().float())
+    return moe
+
+
+def test_moe_takes_moe_fp4_for_fp4_values_and_moe_bf16_for_other_bf16_values(calls):
+    """Routed experts whose weights are FP4 values take moe_fp4, on copies that decode (by ml_dtypes) to the
+    weights and give the bf16 copies' bits; weights exact in bf16 but not FP4 values take moe_bf16; weights exact
+    in neither, the torch code. Each agrees with the torch code."""
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(81)) * 3
+    fp4_moe, bf16_moe, plain = small_moe(80), round_experts_to_bf16(small_moe(80, exact=False)), small_moe(80, False)
+    for moe, fp4, bf16 in ((fp4_moe, 1, 0), (bf16_moe, 0, 1), (plain, 0, 0)):
+        calls.clear()
+        got, want = moe_both_ways(moe, x)
+        assert (calls["moe_fp4"], calls["moe_bf16"], calls["gate"]) == (fp4, bf16, 1)
+        assert_close_to_scale(got, want, MOE_TOL)
+        assert (moe.fp4_experts() is not None) == bool(fp4)
+        assert (moe.bf16_experts() is not None) == bool(fp4 or bf16)
+    codes13, scales13, codes2, scales2 = fp4_moe.fp4_experts()
+    for e, expert in enumerate(fp4_moe.experts):
+        w13 = torch.cat((expert.w1.weight, expert.w3.weight))
+        assert torch.equal(fp4_oracle_values(codes13[e], scales13[e]), w13.double())
+        assert torch.equal(fp4_oracle_values(codes2[e], scales2[e]), expert.w2.weight.double())
+    flat = x.reshape(5, 64)
+    with torch.no_grad():
+        indices, weights = fp4_moe.gate(flat)
+    assert_same_bits(kernels.moe_fp4(flat, indices, weights, *fp4_moe.fp4_experts(), 7.0),
+                     kernels.moe_bf16(flat, indices, weights, *fp4_moe.bf16_experts(), 7.0))
+
+
+def test_moe_fp4_copies_follow_weight_changes(calls):
+    """Expert 3's FP4 copy is remade when its weights change in place (inside or outside inference mode) or are
+    replaced; weights that stop being FP4 values send the step to moe_bf16 (exact in bf16) or the torch code
+    (not), and only while a token picks that expert; ``moe._fp4 = None`` (after a ``.data`` write) rebuilds."""
+    moe = small_moe(84)
+    with torch.no_grad():
+        moe.gate.bias[3] = 100.0  # every token picks expert 3
+    x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(85)) * 3
+    expert = moe.experts[3]
+    w1 = expert.w1.weight
+    fp4_values = w1.detach().clone()
+    results = []
+
+    def step(fp4: int, bf16: int) -> None:
+        """A forward: the kernels' calls so far, the torch code's result, and a result unlike the last one."""
+        got, want = moe_both_ways(moe, x)
+        assert (calls["moe_fp4"], calls["moe_bf16"]) == (fp4, bf16)
+        assert_close_to_scale(got, want, MOE_TOL)
+        if results:
+            assert (got - results[-1]).abs().max() > 0.1  # a stale copy would have given the last result
+        results.append(got)
+
+    step(1, 0)
+    with torch.no_grad():
+        expert.w2.weight.mul_(2)  # other FP4 values
+    step(2, 0)
+    with torch.inference_mode():
+        w1.mul_(-0.5)
+    step(3, 0)
+    with torch.no_grad():
+        w1.mul_(1.25)  # exact in bf16 (3 significant bits), not FP4 values
+    assert moe.fp4_experts([3]) is None and moe.fp4_experts([5]) is not None and moe.bf16_experts([3]) is not None
+    step(3, 1)
+    with torch.no_grad():
+        w1.neg_().add_(1e-3)  # not exact in bf16 either
+    assert moe.bf16_experts([3]) is None
+    step(3, 1)
+    with torch.no_grad():
+        moe.gate.bias[3], moe.gate.bias[5] = 0.0, 100.0  # now expert 5 (FP4 values) is picked instead
+    step(4, 1)
+    with torch.no_grad():
+        moe.gate.bias[3], moe.gate.bias[5] = 100.0, 0.0
+        w1.copy_(fp4_values)  # back to FP4 values
+    step(5, 1)
+    expert.w3.weight = nn.Parameter(expert.w3.weight.detach() * 4, requires_grad=False)
+    step(6, 1)
+    with torch.no_grad():
+        w1.data.mul_(-2)  # not seen by the version counter
+    moe._fp4 = None
+    step(7, 1)
+    assert moe._fp4 is not None
+
+
+@pytest.mark.parametrize("tokens", [1, 3, kernels.FEW_ROWS])
+def test_bf16_moe_of_fp4_values_takes_moe_fp4(calls, tokens):
+    """A bf16 model's FP4 values (the checkpoint's experts) take moe_fp4: close to the torch code's bf16 steps,
+    and the bits moe_bf16 gives on the stacked bf16 weights themselves."""
+    moe = small_moe(86).bfloat16()  # FP4 values are exact in bf16
+    x = (torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(87)) * 3).bfloat16()
+    got, want = kernel_and_torch(calls, "moe_fp4", moe, x)
+    assert calls["moe_bf16"] == 0 and got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert_close_to_scale(got.float(), want.float(), EXPERT_BF16_TOL)
+    flat = x.reshape(tokens, 64)
+    with torch.no_grad():
+        indices, weights = moe.gate(flat)
+    shared = tuple(getattr(moe.shared_experts, name).weight for name in ("w1", "w3", "w2"))
+    assert_same_bits(kernels.moe_fp4(flat, indices, weights, *moe.fp4_experts(), 7.0, shared=shared),
+                     kernels.moe_bf16(flat, indices, weights, *moe.bf16_experts(), 7.0, shared=shared))
+
+
+def e2m1_experts(dim: int, inter: int, seed: int) -> MoE:
+    """A small MoE whose routed experts' weights are E2M1 values / 8: FP4 values in blocks of 32 along any axis (one
+    power-of-two scale), exact in bf16, whatever dim and inter are; the rest plain random fp32."""
+    g = torch.Generator().manual_seed(seed)
+    moe = MoE(dim=dim, inter_dim=inter, n_experts=8, topk=2, n_shared=1, swiglu_limit=7.0, route_scale=1.5,
+              norm_topk=True, with_bias_vl=False).eval()
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if name.startswith("experts."):
+                p.copy_(e2m1[torch.randint(0, 16, p.shape, generator=g)] / 8)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.1 if name == "gate.bias" else 0.25))
+    return moe
+
+
+@pytest.mark.parametrize("dim, inter, fp4", [(64, 32, True), (48, 32, False), (64, 48, False)], ids=str)
+def test_moe_fp4_needs_dim_and_inter_in_blocks_of_32(calls, dim, inter, fp4):
+    """The same kind of weights take moe_fp4 when D and inter are multiples of 32 and moe_bf16 otherwise
+    (fp4_experts is None): the torch code's result either way."""
+    moe = e2m1_experts(dim, inter, seed=88)
+    assert (moe.fp4_experts() is not None) == fp4 and moe.bf16_experts() is not None
+    x = torch.randn(1, 4, dim, generator=torch.Generator().manual_seed(89)) * 3
+    got, want = moe_both_ways(moe, x)
+    assert (calls["moe_fp4"], calls["moe_bf16"]) == (int(fp4), int(not fp4))
+    assert_close_to_scale(got, want, MOE_TOL)
 
 # ---------------------------------------------------------------------------------- dense projections (GEMV)
 # kernels.linear sums in fp32 in another order than ATen. A bf16 output is that sum rounded once to nearest even,
