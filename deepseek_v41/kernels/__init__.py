@@ -442,7 +442,11 @@ def moe_fp4(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, codes
     """:func:`moe_bf16` with the routed experts in the checkpoint's FP4 format (MODEL_REFERENCE.md §4): E2M1 codes
     uint8 ``codes13`` [E, 2 * inter, D / 2] / ``codes2`` [E, D, inter / 2] with UE8M0 scales per 32 weights
     ``scales13`` [E, 2 * inter, D / 32] / ``scales2`` [E, D, inter / 32] (D and inter multiples of 32): a quarter of
-    the bytes bf16 weights take, and the same result when they hold the same values."""
+    the bytes bf16 weights take, and the same result when they hold the same values. Raises ValueError when D or
+    inter is not a multiple of 32 (the scales would be misread)."""
+    D, inter = x.shape[1], 2 * codes2.shape[2]
+    if D % 32 or inter % 32:
+        raise ValueError(f"moe_fp4 takes widths D and inter that are multiples of 32, got D={D}, inter={inter}")
     return _moe(x, indices, weights, 2, (codes13, scales13, codes2, scales2), codes2.shape[0], 2 * codes2.shape[2],
                 limit, shared)
 
