@@ -25,6 +25,8 @@ from deepseek_v41.model.linear import linear
 from deepseek_v41.model.norm import cast, fused, upcast
 from deepseek_v41.quant.weights import FP4_EXPERT_BLOCK
 
+GROUP_ROWS = 32  # bf16 grouped matmuls pad each expert's rows to a multiple of this (MoE._grouped_padded)
+
 log = logging.getLogger(__name__)
 
 
@@ -239,7 +241,10 @@ class MoE(nn.Module):
         if self._grouped_ok(flat):
             # Every expert's rows in one grouped matmul per projection: no Python loop over experts.
             counts = torch.bincount(flat_idx, minlength=self.n_experts)
-            y = self._grouped_experts(sorted_x, counts.cumsum(0).to(torch.int32))
+            if sorted_x.dtype == torch.bfloat16:
+                y = self._grouped_padded(sorted_x, counts)
+            else:
+                y = self._grouped_experts(sorted_x, counts.cumsum(0).to(torch.int32))
             return out.index_add_(0, token_of, cast(y, out.dtype) * slot_weight[:, None])
         start = 0
         for e, count in enumerate(expert_segments(flat_idx, self.n_experts)):
@@ -441,6 +446,21 @@ class MoE(nn.Module):
         """New tensors ``(w13 [E, 2 * inter, D], w2 [E, D, inter])`` stacking the experts' current weights."""
         w13 = torch.stack([torch.cat((e.w1.weight, e.w3.weight)) for e in self.experts])
         return w13, torch.stack([e.w2.weight for e in self.experts])
+
+    def _grouped_padded(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """:meth:`_grouped_experts` of sorted_x [M, D] (rows grouped by expert, ``counts`` [E] rows each) with each
+        group padded by zero rows to a multiple of GROUP_ROWS: bf16 grouped matmuls on the CPU go through oneDNN,
+        which compiles a kernel for every new row count (~0.4 ms each), and a prefill chunk's per-expert counts
+        are new almost every time; padded, a few row counts recur (bf16 prefill 1K: bench/README.md). Rows are
+        computed independently of the padding. Returns [M, D]."""
+        padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+        experts = torch.arange(counts.numel(), device=counts.device)
+        expert_of_row = torch.repeat_interleave(experts, counts)
+        shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)  # padded start - packed start
+        dest = torch.arange(sorted_x.shape[0], device=sorted_x.device) + shift[expert_of_row]
+        x = sorted_x.new_zeros((int(padded.sum()), sorted_x.shape[1]))
+        x[dest] = sorted_x
+        return self._grouped_experts(x, padded.cumsum(0).to(torch.int32))[dest]
 
     def _grouped_experts(self, sorted_x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """:class:`Expert` of every row of ``sorted_x`` [M, D] (rows grouped by expert, ``offsets`` [E] int32 the

@@ -200,3 +200,45 @@ def test_a_model_with_stacked_experts_saves_and_loads(tmp_path):
     loaded = load_model(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids), before, rtol=0, atol=0)
+
+
+def test_bf16_grouped_experts_pad_each_group_to_32_rows_without_changing_rows():
+    """bf16 grouped matmuls pad each expert's rows with zero rows to a multiple of GROUP_ROWS (oneDNN compiles a
+    kernel per new row count); the padding reaches no output: rows equal the per-expert loop's to bf16 rounding,
+    and the grouped call saw only padded group sizes, including for experts with no rows."""
+    import pytest
+
+    from deepseek_v41.model import moe as moe_module
+    from deepseek_v41.model.moe import GROUP_ROWS, MoE
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    torch.manual_seed(1)
+    moe = MoE(64, 32, 6, 2, 1, 10.0, 1.5, True, False)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    moe = moe.bfloat16()
+    x = torch.randn(1, 45, 64).bfloat16()  # 90 picks over 6 experts: counts off the multiples of 32
+    seen = []
+    grouped = moe_module.MoE._grouped_experts
+
+    def spy(self, sorted_x, offsets):
+        seen.append((sorted_x.shape[0], offsets.tolist()))
+        return grouped(self, sorted_x, offsets)
+
+    loop = moe(x)  # grad mode on: the per-expert loop
+    moe_module.MoE._grouped_experts = spy
+    try:
+        with torch.no_grad():
+            padded = moe(x)
+    finally:
+        moe_module.MoE._grouped_experts = grouped
+    (rows, offsets), = seen
+    sizes = [b - a for a, b in zip([0, *offsets[:-1]], offsets, strict=True)]
+    assert all(s % GROUP_ROWS == 0 for s in sizes) and rows == offsets[-1] > 90
+    assert padded.shape == loop.shape and padded.dtype == torch.bfloat16
+    torch.testing.assert_close(padded.float(), loop.float(), rtol=2e-2, atol=2e-2)
+    flat = x.reshape(-1, 64)
+    idx, w = moe.gate(flat)
+    counts = torch.bincount(idx.reshape(-1), minlength=6)
+    assert sizes == ((counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS).tolist()
