@@ -82,6 +82,9 @@ _SIGNATURES = {
     "dsv41_topk_set": ([_P, _I, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
     "dsv41_linear": ([_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int, _I, _P], ctypes.c_int),
     "dsv41_set_threads": ([ctypes.c_int], ctypes.c_int),
+    "dsv41_attn_prologue": ([_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_float, _P, _I, _I, _P, _P,
+                             ctypes.c_float, _P, _P, _I, _P, _P, _P], ctypes.c_int),
+    "dsv41_attn_epilogue": ([_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P], ctypes.c_int),
 }
 
 _state: dict[str, object] = {"lib": None, "tried": False, "off": False, "threads": 1}
@@ -488,6 +491,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tens
                               weight.dtype == torch.bfloat16, O, out.data_ptr()) != 0:
         raise MemoryError("linear kernel: no memory for its scratch")
     return out
+
+
+def attn_prologue(x: torch.Tensor, wq_a: torch.Tensor, q_norm: torch.Tensor, q_eps: float, wq_b: torch.Tensor,
+                  heads: int, wkv: torch.Tensor, kv_norm: torch.Tensor, kv_eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The query and window-KV side of :meth:`deepseek_v41.model.attention.Attention.forward` in one call: x [B, T,
+    D] and the weights (``wq_a`` [qr, D], ``q_norm`` [qr], ``wq_b`` [H * d, qr], ``wkv`` [d, D], ``kv_norm`` [d])
+    all fp32 or all bf16, RoPE phases ``cos`` / ``sin`` fp32 [B, T, r] -> ``(q_lat [B, T, qr], q [B, T, H, d], kv
+    [B, T, d])`` in x's dtype (bf16: rounded where the torch code rounds)."""
+    B, T, D = x.shape
+    qr, d = wq_a.shape[0], wkv.shape[0]
+    q_lat = torch.empty((B, T, qr), dtype=x.dtype)
+    q = torch.empty((B, T, heads, d), dtype=x.dtype)
+    kv = torch.empty((B, T, d), dtype=x.dtype)
+    if library().dsv41_attn_prologue(x.data_ptr(), x.dtype == torch.bfloat16, B * T, D, wq_a.data_ptr(), qr,
+                                     q_norm.data_ptr(), q_eps, wq_b.data_ptr(), heads, d, wkv.data_ptr(),
+                                     kv_norm.data_ptr(), kv_eps, cos.data_ptr(), sin.data_ptr(), cos.shape[-1],
+                                     q_lat.data_ptr(), q.data_ptr(), kv.data_ptr()) != 0:
+        raise MemoryError("attn_prologue kernel: no memory for its scratch")
+    return q_lat, q, kv
+
+
+def attn_epilogue(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int,
+                  wo_b: torch.Tensor) -> torch.Tensor:
+    """``wo_b(wo_a(inverse RoPE of o))`` of :meth:`deepseek_v41.model.attention.Attention.forward` in one call: o
+    [B, T, H, d], ``wo_a`` [G * rank, H * d / G] (grouped), ``wo_b`` [D, G * rank], all fp32 or all bf16, phases
+    as in :func:`attn_prologue` -> [B, T, D] in o's dtype."""
+    B, T, H, d = o.shape
+    D, rank = wo_b.shape[0], wo_a.shape[0] // groups
+    y = torch.empty((B, T, D), dtype=o.dtype)
+    if library().dsv41_attn_epilogue(o.data_ptr(), o.dtype == torch.bfloat16, B * T, H, d, cos.data_ptr(),
+                                     sin.data_ptr(), cos.shape[-1], wo_a.data_ptr(), groups, rank, wo_b.data_ptr(),
+                                     D, y.data_ptr()) != 0:
+        raise MemoryError("attn_epilogue kernel: no memory for its scratch")
+    return y
 
 
 # ------------------------------------------------------------------------------------------------ indexer top-k

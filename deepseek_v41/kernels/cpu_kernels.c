@@ -1054,6 +1054,66 @@ int dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, con
     return 0;
 }
 
+/* ------------------------------------------------------------------- attention projections of a few tokens */
+
+/* RMSNorm of rows x [N, D] in place (fp32, or bf16 bits rounded once): (x * rsqrt(mean(x^2) + eps)) * weight, the
+ * operations of dsv41_rms_norm / dsv41_rms_norm_bf16 (weight fp32 or bf16 bits like x). row: D floats scratch. */
+static void norm_rows(void *x, int bf16, int64_t N, int64_t D, const void *weight, float eps, float *row) {
+    for (int64_t n = 0; n < N; n++) {
+        void *xn = (char *)x + (size_t)(n * D) * (bf16 ? 2 : 4);
+        for (int64_t i = 0; i < D; i++) row[i] = load_at(xn, bf16, i);
+        float f = rms_factor(row, D, eps);
+        for (int64_t i = 0; i < D; i++) store_out(xn, i, (row[i] * f) * load_at(weight, bf16, i), bf16);
+    }
+}
+
+/* The query and window-KV projections of model/attention.py Attention.forward for a few tokens, one call instead
+ * of seven module calls: q_lat = q_norm(wq_a x) [N, qr]; q = rope(wq_b q_lat) [N, H, d]; kv = rope(kv_norm(wkv x))
+ * [N, d], RoPE on the last r dims with phases cos / sin fp32 [N, r]. x, the weights and the outputs are all fp32
+ * or all bf16 bits (bf16: each step's output rounded where the torch code rounds it, so the same bits as its
+ * kernel path; fp32: the GEMVs add in another order than ATen's). Returns 0, or -1 when scratch cannot be had. */
+int dsv41_attn_prologue(const void *x, int bf16, int64_t N, int64_t D, const void *wq_a, int64_t qr,
+                        const void *q_norm, float q_eps, const void *wq_b, int64_t H, int64_t d, const void *wkv,
+                        const void *kv_norm, float kv_eps, const float *cos_, const float *sin_, int64_t r,
+                        void *q_lat, void *q, void *kv) {
+    int64_t widest = D > qr ? D : qr;
+    float *scratch = malloc((size_t)(N * widest + widest) * sizeof(float));
+    if (!scratch) return -1;
+    float *row = scratch + N * widest;
+    linear_into(x, bf16, N, 1, D, wq_a, bf16, qr, q_lat, bf16, scratch);
+    norm_rows(q_lat, bf16, N, qr, q_norm, q_eps, row);
+    linear_into(q_lat, bf16, N, 1, qr, wq_b, bf16, H * d, q, bf16, scratch);
+    rope_rows(q, bf16, cos_, sin_, N, H, d, r, 1, q);
+    linear_into(x, bf16, N, 1, D, wkv, bf16, d, kv, bf16, scratch);
+    norm_rows(kv, bf16, N, d, kv_norm, kv_eps, row);
+    rope_rows(kv, bf16, cos_, sin_, N, 1, d, r, 1, kv);
+    free(scratch);
+    return 0;
+}
+
+/* The output side of Attention.forward for a few tokens: y = wo_b(wo_a(inverse_rope(o))) with o [N, H, d], the
+ * grouped wo_a [G * rank, H * d / G] and wo_b [D, G * rank]: y [N, D]; dtypes and rounding as in
+ * dsv41_attn_prologue. Returns 0, or -1 when scratch cannot be had. */
+int dsv41_attn_epilogue(const void *o, int bf16, int64_t N, int64_t H, int64_t d, const float *cos_,
+                        const float *sin_, int64_t r, const void *wo_a, int64_t G, int64_t rank, const void *wo_b,
+                        int64_t D, void *y) {
+    const size_t size = bf16 ? 2 : 4;
+    int64_t widest = H * d > G * rank ? H * d : G * rank;
+    void *rotated = malloc((size_t)(N * H * d) * size), *low = malloc((size_t)(N * G * rank) * size);
+    float *scratch = malloc((size_t)(N * widest) * sizeof(float));
+    int status = -1;
+    if (rotated && low && scratch) {
+        rope_rows(o, bf16, cos_, sin_, N, H, d, r, -1, rotated);
+        linear_into(rotated, bf16, N, G, H * d / G, wo_a, bf16, rank, low, bf16, scratch);
+        linear_into(low, bf16, N, 1, G * rank, wo_b, bf16, D, y, bf16, scratch);
+        status = 0;
+    }
+    free(rotated);
+    free(low);
+    free(scratch);
+    return status;
+}
+
 /* ----------------------------------------------------------------------------- routed and shared experts */
 
 /* The experts of one dsv41_moe_bf16 call (model/moe.py Expert: out += gain * w2 (silu(min(gate, limit)) *

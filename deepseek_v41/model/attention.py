@@ -17,6 +17,7 @@ from torch import nn
 from deepseek_v41 import kernels
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.model.compressor import Compressor
+from deepseek_v41.model.hooks import unobserved
 from deepseek_v41.model.indexer import (
     QUERY_CHUNK,
     Indexer,
@@ -248,9 +249,15 @@ class Attention(nn.Module):
         compressor (CED: the first decoder layer's entries were already made over all tokens)."""
         B, T, _ = x.shape
         pos = ctx.positions
-        q_lat = self.q_norm(self.wq_a(x))
-        q = self.rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), pos, cache=ctx.shared)
-        kv = self.rope(self.kv_norm(self.wkv(x)), pos, cache=ctx.shared)
+        phases = self._few_token_phases(x, pos, ctx.shared)
+        if phases is not None and self._plain_projections(x):  # one kernel call for the seven module calls below
+            q_lat, q, kv = kernels.attn_prologue(x, self.wq_a.weight, self.q_norm.weight, self.q_norm.eps,
+                                                 self.wq_b.weight, self.n_heads, self.wkv.weight, self.kv_norm.weight,
+                                                 self.kv_norm.eps, *phases)
+        else:
+            q_lat = self.q_norm(self.wq_a(x))
+            q = self.rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), pos, cache=ctx.shared)
+            kv = self.rope(self.kv_norm(self.wkv(x)), pos, cache=ctx.shared)
         keys, key_pos = ctx.window(self.spec.layer_id, kv)
         topk = gather = shared = None
         if self.spec.role is not LayerRole.WINDOW:
@@ -280,8 +287,42 @@ class Attention(nn.Module):
                 ctx.indexer_recall.append(
                     (self.spec.layer_id, *indexer_recall(entry_probs, ctx.shared.pop(("selection", self.spec.layer_id)),
                                                          topk)))
+        if phases is not None and self._plain_output(o):  # inverse RoPE, wo_a and wo_b in one kernel call
+            return kernels.attn_epilogue(o, *phases, self.wo_a.weight, self.o_groups, self.wo_b.weight)
         o = self.rope(o, pos, inverse=True, cache=ctx.shared)
         return self.wo_b(self.wo_a(o.reshape(B, T, self.o_groups, -1)))
+
+    def _few_token_phases(self, x: torch.Tensor, pos: torch.Tensor, cache: dict
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE phases (cos, sin) fp32 [B, T, r] when the few-token kernels (:func:`kernels.attn_prologue` /
+        :func:`~deepseek_v41.kernels.attn_epilogue`) may stand in for the module calls: at most FEW_ROWS tokens
+        x [B, T, D] in inference mode on the CPU, and a plain RoPE module; else None."""
+        if not (x.dim() == 3 and x.shape[0] * x.shape[1] <= kernels.FEW_ROWS and self.rope.rope_dim > 0
+                and fused(x) and unobserved(self.rope, RotaryEmbedding)):
+            return None
+        cos, sin = self.rope.phases(pos, cache)
+        if cos.dtype != torch.float32 or cos.shape != (*x.shape[:2], self.rope.rope_dim) or not fused(cos, sin):
+            return None
+        return cos, sin
+
+    def _plain_projections(self, x: torch.Tensor) -> bool:
+        """Whether calling ``wq_a``, ``q_norm``, ``wq_b``, ``wkv``, ``kv_norm`` is exactly computing them: plain
+        modules (no hook, no wrapper, no bias), contiguous weights of x's dtype."""
+        weights = []
+        for m, cls in ((self.wq_a, Linear), (self.q_norm, RMSNorm), (self.wq_b, Linear), (self.wkv, Linear),
+                       (self.kv_norm, RMSNorm)):
+            if not unobserved(m, cls) or m._parameters.get("bias") is not None:
+                return False
+            weights.append(m._parameters["weight"])
+        return all(w.dtype == x.dtype for w in weights) and fused(*weights)
+
+    def _plain_output(self, o: torch.Tensor) -> bool:
+        """The same for ``wo_a`` (a GroupedLinear) and ``wo_b`` on the attention output o [B, T, H, d]."""
+        if not (unobserved(self.wo_a, GroupedLinear) and unobserved(self.wo_b, Linear)
+                and self.wo_b._parameters.get("bias") is None and o.dim() == 4 and fused(o)):
+            return False
+        weights = (self.wo_a._parameters["weight"], self.wo_b._parameters["weight"])
+        return all(w.dtype == o.dtype for w in weights) and fused(*weights)
 
     def compress(self, x: torch.Tensor, ctx) -> None:
         """Run the compressor over x [B, T, D] and store the completed entries and their index keys."""

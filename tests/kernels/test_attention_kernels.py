@@ -1,0 +1,138 @@
+"""The attention projections of a few tokens in one kernel call each (``kernels.attn_prologue``: q_lat, q and the
+window KV; ``kernels.attn_epilogue``: inverse RoPE, wo_a, wo_b), against the module calls they stand in for."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from deepseek_v41 import kernels
+from deepseek_v41.config import tiny_config
+from deepseek_v41.model.transformer import Transformer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library():
+    if kernels.library() is None:
+        message = "the fused CPU kernels could not be built or were turned off (DSV41_CPU_KERNELS=0)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # away from the init's unit norms and zero sinks
+            p.add_(torch.randn_like(p) * 0.05)
+    bf16 = Transformer(tiny_config()).eval()
+    bf16.load_state_dict(model.state_dict())
+    return {torch.float32: model, torch.bfloat16: bf16.bfloat16()}
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    counts = {"attn_prologue": 0, "attn_epilogue": 0}
+    for name in counts:
+        def spy(*args, _fn=getattr(kernels, name), _name=name, **kw):
+            counts[_name] += 1
+            return _fn(*args, **kw)
+        monkeypatch.setattr(kernels, name, spy)
+    return counts
+
+
+def module_path(attn, x, pos):
+    """What Attention.forward computed before the kernels: the seven module calls, and the output side."""
+    B, T, _ = x.shape
+    q_lat = attn.q_norm(attn.wq_a(x))
+    q = attn.rope(attn.wq_b(q_lat).view(B, T, attn.n_heads, attn.head_dim), pos)
+    kv = attn.rope(attn.kv_norm(attn.wkv(x)), pos)
+    return q_lat, q, kv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (2, 5), (1, 16)])
+def test_prologue_and_epilogue_equal_the_module_calls(models, dtype, B, T):
+    """bf16: the same bits (every step rounded where the modules round); fp32: within a few ulps (the GEMVs add
+    in another order than ATen)."""
+    model = models[dtype]
+    g = torch.Generator().manual_seed(B * 100 + T)
+    for layer in (0, 2):
+        attn = model.layers[layer].attn
+        x = torch.randn(B, T, model.config.hidden_size, generator=g).to(dtype)
+        pos = torch.randint(0, 4000, (B, T), generator=g)
+        o = torch.randn(B, T, attn.n_heads, attn.head_dim, generator=g).to(dtype)
+        with torch.inference_mode():
+            cos, sin = attn.rope.phases(pos)
+            got = kernels.attn_prologue(x, attn.wq_a.weight, attn.q_norm.weight, attn.q_norm.eps, attn.wq_b.weight,
+                                        attn.n_heads, attn.wkv.weight, attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)
+            y = kernels.attn_epilogue(o, cos, sin, attn.wo_a.weight, attn.o_groups, attn.wo_b.weight)
+            want = module_path(attn, x, pos)
+            want_y = attn.wo_b(attn.wo_a(attn.rope(o, pos, inverse=True).reshape(B, T, attn.o_groups, -1)))
+        for a, b in (*zip(got, want, strict=True), (y, want_y)):
+            assert a.shape == b.shape and a.dtype == b.dtype == dtype
+            if dtype == torch.bfloat16:
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+            else:
+                assert (a - b).abs().max() <= 2e-6 * b.abs().max(), (a - b).abs().max()  # a few ulps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_takes_them_for_a_few_tokens_only(models, dtype, counted, monkeypatch):
+    """Up to FEW_ROWS tokens in inference mode take the two kernels in every layer; the model's logits are those
+    of the module calls (the other kernels on in both): bit for bit in bf16, to a few ulps in fp32. More tokens,
+    or outside inference mode, take the module calls."""
+    from deepseek_v41.model.attention import Attention
+
+    model = models[dtype]
+    n_layers = len(model.layers)
+    g = torch.Generator().manual_seed(3)
+    for T, takes in ((4, True), (kernels.FEW_ROWS + 1, False)):
+        ids = torch.randint(3, 512, (1, T), generator=g)
+        before = dict(counted)
+        with torch.inference_mode():
+            got = model(ids)
+        calls = {k: counted[k] - before[k] for k in counted}
+        assert calls == ({"attn_prologue": n_layers, "attn_epilogue": n_layers} if takes
+                         else {"attn_prologue": 0, "attn_epilogue": 0})
+        with monkeypatch.context() as m, torch.inference_mode():
+            m.setattr(Attention, "_few_token_phases", lambda self, x, pos, cache: None)
+            want = model(ids)
+        if dtype == torch.bfloat16 or not takes:
+            assert torch.equal(got, want)
+        else:
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    with torch.no_grad():  # outside inference mode: the module calls, the same bits as with the kernels off
+        plain = model(ids[:, :4])
+        with kernels.disabled():
+            assert torch.equal(plain, model(ids[:, :4]))
+    assert counted["attn_prologue"] == n_layers
+
+
+def test_a_hooked_or_biased_projection_keeps_the_module_calls(models, counted):
+    model = models[torch.float32]
+    attn = model.layers[0].attn
+    ids = torch.randint(3, 512, (1, 3), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        base = model(ids)
+    assert counted["attn_prologue"] == len(model.layers)
+    handle = attn.wq_b.register_forward_hook(lambda module, args, out: out * 2)
+    try:
+        with torch.inference_mode():
+            hooked = model(ids)
+    finally:
+        handle.remove()
+    assert counted["attn_prologue"] == 2 * len(model.layers) - 1  # layer 0 took the module calls
+    assert (hooked - base).abs().max() > 1e-3  # the hook ran
+    handle = attn.wo_b.register_forward_pre_hook(lambda module, args: None)
+    try:
+        with torch.inference_mode():
+            again = model(ids)
+    finally:
+        handle.remove()
+    assert counted["attn_epilogue"] == 3 * len(model.layers) - 1
+    assert (again - base).abs().max() <= 5e-5 * base.abs().max()
