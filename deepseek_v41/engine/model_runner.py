@@ -50,73 +50,78 @@ class VerifyState:
     pending_inputs: dict[int, torch.Tensor]
 
 
-_ONEDNN_OFF = [0, True]  # bf16 forwards that turned oneDNN off, and the setting to restore after the last one
-_ONEDNN_LOCK = threading.Lock()
+class _Handover:
+    """A process-wide setting that overlapping forwards change together: the first one in changes it (``enter()``
+    returns what to restore), the last one out restores it (``leave(saved)``); thread-safe."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.holders = 0
+        self.saved = None
+
+    @contextlib.contextmanager
+    def hold(self, enter, leave):
+        with self.lock:
+            if self.holders == 0:
+                self.saved = enter()
+            self.holders += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.holders -= 1
+                if self.holders == 0:
+                    leave(self.saved)
+
+
+_THREADS = _Handover()  # torch's intra-op threads, handed to the kernels' pool
+_ONEDNN = _Handover()  # oneDNN turned off for bf16
 
 
 @contextlib.contextmanager
 def few_token_kernels(model_dtype: torch.dtype, device: torch.device):
-    """Matmul kernels for a forward of a few tokens per sequence (decode, speculative verify).
+    """Matmul kernels and threads for a forward of a few tokens per sequence (decode, speculative verify); on CUDA
+    (or any other device) nothing changes.
 
-    On CPU, oneDNN's bf16 GEMM (what PyTorch uses for bf16 when it is enabled) costs about 50 µs per call whatever
-    the row count, twice a small fp32 GEMV, while ATen's own bf16 kernel reads the weights in about the fp32
-    time; for large row counts (prefill chunks) oneDNN's AMX path is several times faster. So bf16 decode and
-    verify forwards run with oneDNN off (measured in bench/README.md). ``torch.backends.mkldnn.enabled`` is
-    process-wide: while such a forward runs, other threads see oneDNN off too; overlapping forwards (two engines
-    in one process) are counted, and the last one out restores the setting found by the first one in.
+    Threads: torch's intra-op threads go to the fused kernels' pool (:func:`kernels.set_threads`) and torch runs
+    one thread meanwhile: at a few tokens ATen's threaded GEMVs gain nothing here, while the kernels' projections
+    and experts read their weights on every core, and the two pools never spin on the same core (bench/README.md).
+
+    oneDNN: its bf16 GEMM (what PyTorch uses for bf16 when it is enabled) costs about 50 µs per call whatever the
+    row count, twice a small fp32 GEMV, while ATen's own bf16 kernel reads the weights in about the fp32 time; for
+    large row counts (prefill chunks) oneDNN's AMX path is several times faster. So bf16 decode and verify forwards
+    run with oneDNN off.
+
+    Both settings are process-wide: while such a forward runs, other threads see them too; overlapping forwards
+    (two engines in one process, or an engine step around its runner's forward) are counted, and the last one out
+    restores what the first one in found.
     """
     if device.type != "cpu":
         yield
         return
-    with _kernel_threads(), _onednn_off(model_dtype):
+    with contextlib.ExitStack() as stack:
+        if kernels.library() is not None:
+            stack.enter_context(_THREADS.hold(_hand_threads_to_kernels, torch.set_num_threads))
+        if model_dtype == torch.bfloat16:
+            stack.enter_context(_ONEDNN.hold(_onednn_off, _onednn_restore))
         yield
 
 
-_THREADS = [0, 1]  # forwards that handed torch's threads to the kernels, and torch's count to restore
-_THREADS_LOCK = threading.Lock()
+def _hand_threads_to_kernels() -> int:
+    threads = torch.get_num_threads()
+    kernels.set_threads(threads)
+    torch.set_num_threads(1)
+    return threads
 
 
-@contextlib.contextmanager
-def _kernel_threads():
-    """Torch's intra-op threads go to the fused kernels' pool for the forward (:func:`kernels.set_threads`):
-    at a few tokens ATen's threaded GEMVs gain nothing here (bench/README.md), while the kernels' projections and
-    experts read their weights on every core; torch runs one thread meanwhile, so the two pools never spin on the
-    same core. Overlapping forwards are counted like oneDNN's setting below."""
-    if kernels.library() is None:
-        yield
-        return
-    with _THREADS_LOCK:
-        if _THREADS[0] == 0:
-            _THREADS[1] = torch.get_num_threads()
-            kernels.set_threads(_THREADS[1])
-            torch.set_num_threads(1)
-        _THREADS[0] += 1
-    try:
-        yield
-    finally:
-        with _THREADS_LOCK:
-            _THREADS[0] -= 1
-            if _THREADS[0] == 0:
-                torch.set_num_threads(_THREADS[1])
+def _onednn_off() -> bool:
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    return enabled
 
 
-@contextlib.contextmanager
-def _onednn_off(model_dtype: torch.dtype):
-    if model_dtype != torch.bfloat16:
-        yield
-        return
-    with _ONEDNN_LOCK:
-        if _ONEDNN_OFF[0] == 0:
-            _ONEDNN_OFF[1] = torch.backends.mkldnn.enabled
-            torch.backends.mkldnn.enabled = False
-        _ONEDNN_OFF[0] += 1
-    try:
-        yield
-    finally:
-        with _ONEDNN_LOCK:
-            _ONEDNN_OFF[0] -= 1
-            if _ONEDNN_OFF[0] == 0:
-                torch.backends.mkldnn.enabled = _ONEDNN_OFF[1]
+def _onednn_restore(enabled: bool) -> None:
+    torch.backends.mkldnn.enabled = enabled
 
 
 def _few_tokens(method):

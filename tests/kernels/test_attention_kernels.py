@@ -3,23 +3,12 @@ window KV; ``kernels.attn_epilogue``: inverse RoPE, wo_a, wo_b), against the mod
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from deepseek_v41 import kernels
 from deepseek_v41.config import tiny_config
 from deepseek_v41.model.transformer import Transformer
-
-
-@pytest.fixture(scope="module", autouse=True)
-def library():
-    if kernels.library() is None:
-        message = "the fused CPU kernels could not be built or were turned off (DSV41_CPU_KERNELS=0)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 @pytest.fixture(scope="module")

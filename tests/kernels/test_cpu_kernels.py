@@ -65,18 +65,6 @@ ENTRY_POINTS = ("fp8_quantize_values", "fp8_dequantize", "fp4_quantize", "fp4_de
 RTOL, ATOL = 2e-6, 1e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def library():
-    """The built kernel library: its absence skips these tests, but fails them under CI=true."""
-    lib = kernels.library()
-    if lib is None:
-        message = "the fused CPU kernels could not be built or were turned off (DSV41_CPU_KERNELS=0)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{message}; CI must build them")
-        pytest.skip(message)
-    return lib
-
-
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the calls of every kernel entry point (the callers look them up on the module at each call)."""
