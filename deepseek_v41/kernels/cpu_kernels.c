@@ -1077,9 +1077,9 @@ int dsv41_attn_prologue(const void *x, int bf16, int64_t N, int64_t D, const voi
                         const void *kv_norm, float kv_eps, const float *cos_, const float *sin_, int64_t r,
                         void *q_lat, void *q, void *kv) {
     int64_t widest = D > qr ? D : qr;
-    float *scratch = malloc((size_t)(N * widest + widest) * sizeof(float));
+    float *scratch = malloc((size_t)(N * widest + (widest > d ? widest : d)) * sizeof(float));
     if (!scratch) return -1;
-    float *row = scratch + N * widest;
+    float *row = scratch + N * widest;  /* max(D, qr, d) floats: norm_rows of q_lat (qr) and of kv (d) */
     linear_into(x, bf16, N, 1, D, wq_a, bf16, qr, q_lat, bf16, scratch);
     norm_rows(q_lat, bf16, N, qr, q_norm, q_eps, row);
     linear_into(q_lat, bf16, N, 1, qr, wq_b, bf16, H * d, q, bf16, scratch);

@@ -297,32 +297,41 @@ class Attention(nn.Module):
         """RoPE phases (cos, sin) fp32 [B, T, r] when the few-token kernels (:func:`kernels.attn_prologue` /
         :func:`~deepseek_v41.kernels.attn_epilogue`) may stand in for the module calls: at most FEW_ROWS tokens
         x [B, T, D] in inference mode on the CPU, and a plain RoPE module; else None."""
-        if not (x.dim() == 3 and x.shape[0] * x.shape[1] <= kernels.FEW_ROWS and self.rope.rope_dim > 0
-                and fused(x) and unobserved(self.rope, RotaryEmbedding)):
+        r = self.rope.rope_dim
+        if not (x.dim() == 3 and x.shape[0] * x.shape[1] <= kernels.FEW_ROWS and 0 < r <= self.head_dim
+                and r % 2 == 0 and fused(x) and unobserved(self.rope, RotaryEmbedding)):
             return None
         cos, sin = self.rope.phases(pos, cache)
-        if cos.dtype != torch.float32 or cos.shape != (*x.shape[:2], self.rope.rope_dim) or not fused(cos, sin):
+        if cos.dtype != torch.float32 or cos.shape != (*x.shape[:2], r) or not fused(cos, sin):
             return None
         return cos, sin
 
     def _plain_projections(self, x: torch.Tensor) -> bool:
         """Whether calling ``wq_a``, ``q_norm``, ``wq_b``, ``wkv``, ``kv_norm`` is exactly computing them: plain
-        modules (no hook, no wrapper, no bias), contiguous weights of x's dtype."""
+        modules (no hook, no wrapper, no bias), contiguous weights of x's dtype and of the shapes the kernel reads
+        (a replaced weight of another shape takes the module calls, which raise)."""
         weights = []
         for m, cls in ((self.wq_a, Linear), (self.q_norm, RMSNorm), (self.wq_b, Linear), (self.wkv, Linear),
                        (self.kv_norm, RMSNorm)):
             if not unobserved(m, cls) or m._parameters.get("bias") is not None:
                 return False
             weights.append(m._parameters["weight"])
-        return all(w.dtype == x.dtype for w in weights) and fused(*weights)
+        D, qr, d = x.shape[-1], weights[0].shape[0] if weights[0].dim() == 2 else -1, self.head_dim
+        shapes = ((qr, D), (qr,), (self.n_heads * d, qr), (d, D), (d,))
+        return (all(w.dtype == x.dtype and w.shape == s for w, s in zip(weights, shapes, strict=True))
+                and fused(*weights))
 
     def _plain_output(self, o: torch.Tensor) -> bool:
         """The same for ``wo_a`` (a GroupedLinear) and ``wo_b`` on the attention output o [B, T, H, d]."""
         if not (unobserved(self.wo_a, GroupedLinear) and unobserved(self.wo_b, Linear)
                 and self.wo_b._parameters.get("bias") is None and o.dim() == 4 and fused(o)):
             return False
-        weights = (self.wo_a._parameters["weight"], self.wo_b._parameters["weight"])
-        return all(w.dtype == o.dtype for w in weights) and fused(*weights)
+        wo_a, wo_b = self.wo_a._parameters["weight"], self.wo_b._parameters["weight"]
+        G, (H, d) = self.o_groups, o.shape[2:]
+        if not (self.wo_a.groups == G and wo_a.dim() == 2 and wo_a.shape[0] % G == 0 and H * d % G == 0
+                and wo_a.shape[1] == H * d // G and wo_b.dim() == 2 and wo_b.shape[1] == wo_a.shape[0]):
+            return False
+        return wo_a.dtype == wo_b.dtype == o.dtype and fused(wo_a, wo_b)
 
     def compress(self, x: torch.Tensor, ctx) -> None:
         """Run the compressor over x [B, T, D] and store the completed entries and their index keys."""

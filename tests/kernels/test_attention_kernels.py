@@ -3,6 +3,8 @@ window KV; ``kernels.attn_epilogue``: inverse RoPE, wo_a, wo_b), against the mod
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -125,3 +127,61 @@ def test_a_hooked_or_biased_projection_keeps_the_module_calls(models, counted):
         handle.remove()
     assert counted["attn_epilogue"] == 3 * len(model.layers) - 1
     assert (again - base).abs().max() <= 5e-5 * base.abs().max()
+
+
+PROLOGUE_WIDE_HEADS = """
+import torch
+from deepseek_v41 import kernels
+from deepseek_v41.config import tiny_config
+from deepseek_v41.model.transformer import Transformer
+
+torch.manual_seed(0)
+attn = Transformer(tiny_config().replace(head_dim=1024)).eval().layers[0].attn
+for B, T in ((1, 1), (2, 3)):
+    x, pos = torch.randn(B, T, 64), torch.randint(0, 1000, (B, T))
+    with torch.inference_mode():
+        cos, sin = attn.rope.phases(pos)
+        got = kernels.attn_prologue(x, attn.wq_a.weight, attn.q_norm.weight, attn.q_norm.eps, attn.wq_b.weight,
+                                    attn.n_heads, attn.wkv.weight, attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)
+        with kernels.disabled():
+            q_lat = attn.q_norm(attn.wq_a(x))
+            want = (q_lat, attn.rope(attn.wq_b(q_lat).view(B, T, attn.n_heads, attn.head_dim), pos),
+                    attn.rope(attn.kv_norm(attn.wkv(x)), pos))
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), (a - b).abs().max()
+    junk = [torch.empty(5) for _ in range(100)]  # allocations that trip over a corrupted heap
+print("ok")
+"""
+
+
+def test_prologue_with_heads_wider_than_the_input_and_the_query_rank():
+    """head_dim (1024) above hidden_size (64) and q_lora_rank (32), which the config allows: kv_norm's row
+    scratch must hold head_dim floats (it held max(D, qr), and the heap was overwritten: an abort at the next
+    malloc). Run in a child, so a corrupted heap fails this test, not the test process."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", PROLOGUE_WIDE_HEADS], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_replaced_weight_of_another_shape_takes_the_module_calls(counted):
+    """A weight the kernels would read past (wq_b with fewer rows, wo_a with a wider input) is left to the module
+    calls, which raise; a weight of the right shape still takes the kernels."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval()
+    attn = model.layers[0].attn
+    ids = torch.randint(3, 512, (1, 2), generator=torch.Generator().manual_seed(5))
+    for module, shape in ((attn.wq_b, (attn.n_heads * attn.head_dim - 32, model.config.q_lora_rank)),
+                          (attn.wo_a, (attn.wo_a.weight.shape[0], attn.wo_a.weight.shape[1] + 32))):
+        before = module.weight
+        module.weight = torch.nn.Parameter(torch.randn(shape))
+        try:
+            with torch.inference_mode(), pytest.raises(RuntimeError):
+                model(ids)
+        finally:
+            module.weight = before
+    with torch.inference_mode():
+        model(ids)
+    assert counted["attn_prologue"] >= len(model.layers) and counted["attn_epilogue"] >= len(model.layers)
