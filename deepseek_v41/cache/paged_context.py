@@ -68,7 +68,9 @@ class PagedContext:
     # ------------------------------------------------------------------ window rings
     def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.cache
-        if self._fused(kv) and kernels.usable(cache.window_codes, cache.window_scales, cache.window_pos):
+        if (kv.dim() == 3 and kv.shape[0] == self.slots.shape[0] and kv.shape[2] == cache.window_codes.shape[-1]
+                and kv.shape[1] == self.positions.shape[1] and self._fused(kv)
+                and kernels.usable(cache.window_codes, cache.window_scales, cache.window_pos)):
             return kernels.window_step(cache.window_codes, cache.window_scales, cache.window_pos, layer, self.slots,
                                        self.positions, cast(kv, torch.float32).contiguous())
         R = cache.window_rows

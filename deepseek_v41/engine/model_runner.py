@@ -74,8 +74,8 @@ class _Handover:
                     leave(self.saved)
 
 
-_THREADS = _Handover()  # torch's intra-op threads, handed to the kernels' pool
 _ONEDNN = _Handover()  # oneDNN turned off for bf16
+_THREAD_DEPTH = threading.local()  # few-token forwards open in this thread, torch's count to restore
 
 
 @contextlib.contextmanager
@@ -92,26 +92,39 @@ def few_token_kernels(model_dtype: torch.dtype, device: torch.device):
     large row counts (prefill chunks) oneDNN's AMX path is several times faster. So bf16 decode and verify forwards
     run with oneDNN off.
 
-    Both settings are process-wide: while such a forward runs, other threads see them too; overlapping forwards
-    (two engines in one process, or an engine step around its runner's forward) are counted, and the last one out
-    restores what the first one in found.
+    torch's thread count belongs to the calling thread: the outermost such forward in a thread (an engine step
+    around its runner's forward nests) sets it and restores it. oneDNN's switch is process-wide: while such a
+    forward runs, other threads see oneDNN off too; overlapping forwards (two engines in one process) are
+    counted, and the last one out restores what the first one in found. The pool's size is process-wide: it
+    follows the thread count of the last forward to enter.
     """
     if device.type != "cpu":
         yield
         return
     with contextlib.ExitStack() as stack:
         if kernels.library() is not None:
-            stack.enter_context(_THREADS.hold(_hand_threads_to_kernels, torch.set_num_threads))
+            stack.enter_context(_threads_to_kernels())
         if model_dtype == torch.bfloat16:
             stack.enter_context(_ONEDNN.hold(_onednn_off, _onednn_restore))
         yield
 
 
-def _hand_threads_to_kernels() -> int:
-    threads = torch.get_num_threads()
-    kernels.set_threads(threads)
-    torch.set_num_threads(1)
-    return threads
+@contextlib.contextmanager
+def _threads_to_kernels():
+    """The first few-token forward in a thread hands the thread's torch count to the pool; the last one out of
+    that thread gives it back (counted, so overlapping forwards of one thread need not nest)."""
+    here = _THREAD_DEPTH
+    if getattr(here, "depth", 0) == 0:
+        here.threads = torch.get_num_threads()
+        kernels.set_threads(here.threads)
+        torch.set_num_threads(1)
+    here.depth = getattr(here, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        here.depth -= 1
+        if here.depth == 0:
+            torch.set_num_threads(here.threads)
 
 
 def _onednn_off() -> bool:

@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused(x, self.weight):
+        if x.dim() >= 1 and self.weight.shape == x.shape[-1:] and fused(x, self.weight):
             if x.dtype != self.weight.dtype:  # the kernel takes both fp32 or both bf16
                 return cast(kernels.rms_norm(upcast(x), upcast(self.weight), self.eps), x.dtype)
             return kernels.rms_norm(x, self.weight, self.eps)

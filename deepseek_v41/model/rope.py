@@ -81,8 +81,9 @@ class RotaryEmbedding(nn.Module):
         if r == 0:
             return x
         cos, sin = self.phases(positions, cache)
-        if (x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == torch.float32
-                and cos.shape[:2] == x.shape[:2] and kernels.usable(x, cos, sin)):
+        if (x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == torch.float32 and x.dim() in (3, 4)
+                and r % 2 == 0 and x.shape[-1] >= r and cos.shape == (*x.shape[:2], r)
+                and kernels.usable(x, cos, sin)):
             # The same products and sums in C: the same bits (positions that broadcast take the torch code).
             return kernels.rope(x, cos, sin, inverse)
         if x.dim() == 4:

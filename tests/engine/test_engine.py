@@ -304,3 +304,39 @@ def test_a_decode_only_step_runs_on_the_kernels_threads_and_gives_torchs_back(mo
     assert steps == 3 and len(engine.request_output("a").outputs[0].token_ids) == 3
     assert seen[0] == ("prefill", two_torch_threads, 1)
     assert seen[1:] == [("decode", 1, two_torch_threads)] * 2
+
+
+def test_few_token_kernels_restore_each_threads_own_torch_count(two_torch_threads):
+    """torch's thread count belongs to the calling thread: two threads whose few-token forwards overlap (A in, B
+    in, A out, B out) each get their own count back."""
+    import threading
+
+    from deepseek_v41.engine.model_runner import few_token_kernels
+
+    cpu = torch.device("cpu")
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    after, errors = {}, []
+
+    def run(name, counts, enter_after, signal_in, exit_after, signal_out):
+        try:
+            torch.set_num_threads(counts)
+            if enter_after is not None:
+                assert enter_after.wait(10)
+            with few_token_kernels(torch.float32, cpu):
+                assert torch.get_num_threads() == 1
+                signal_in.set()
+                if exit_after is not None:
+                    assert exit_after.wait(10)
+            if signal_out is not None:
+                signal_out.set()
+            after[name] = torch.get_num_threads()
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+            for event in (a_in, b_in, a_out):
+                event.set()
+
+    a = threading.Thread(target=run, args=("A", 2, None, a_in, b_in, a_out))
+    b = threading.Thread(target=run, args=("B", 3, a_in, b_in, a_out, None))
+    a.start(), b.start()
+    a.join(30), b.join(30)
+    assert not errors and after == {"A": 2, "B": 3}

@@ -185,3 +185,20 @@ def test_a_replaced_weight_of_another_shape_takes_the_module_calls(counted):
     with torch.inference_mode():
         model(ids)
     assert counted["attn_prologue"] >= len(model.layers) and counted["attn_epilogue"] >= len(model.layers)
+
+
+def test_weights_of_another_shape_reach_no_kernel():
+    """Shapes the kernels would misread take the torch code, which raises (or broadcasts) as it always did: a norm
+    weight of another width, RoPE wider than the vector, window rows of another width."""
+    from deepseek_v41.model.norm import RMSNorm
+    from deepseek_v41.model.rope import RotaryEmbedding
+
+    with torch.inference_mode():
+        norm = RMSNorm(8, 1e-6)
+        with pytest.raises(RuntimeError):
+            norm(torch.randn(1, 1, 6))
+        rope = RotaryEmbedding(16, 10000.0, None)
+        with pytest.raises(RuntimeError):
+            rope(torch.randn(1, 1, 8), torch.tensor([[3]]))
+        wide = torch.randn(1, 1, 32)
+        assert torch.equal(rope(wide, torch.tensor([[3]])), rope(wide.clone(), torch.tensor([[3]])))
