@@ -1116,7 +1116,7 @@ int dsv41_attn_epilogue(const void *o, int bf16, int64_t N, int64_t H, int64_t d
 
 /* ----------------------------------------------------------------------------- routed and shared experts */
 
-/* The experts of one dsv41_moe_bf16 call (model/moe.py Expert: out += gain * w2 (silu(min(gate, limit)) *
+/* The experts of one dsv41_moe call (model/moe.py Expert: out += gain * w2 (silu(min(gate, limit)) *
  * clamp(up, +-limit)), gate rows w1 [inter, D], up rows w3 [inter, D], w2 [D, inter]), in two pool jobs: the
  * hidden rows of every expert (MOE_ITEM_ROWS of one expert's gate and up rows per item), then the output
  * (MOE_ITEM_ROWS output rows per item, every expert's w2 rows in expert order, so each output value gets its
