@@ -4,10 +4,10 @@ At decode size (a few tokens) nearly all of a step's time is dispatch: ~3,800 te
 ``cpu_kernels.c`` does the worst chains in one call each: the FP8 window ring (read, quantize, write), FP4
 entries written to and read from pages through the block tables, FP4 / FP8 quantization, RoPE, RMSNorm, the mHC
 mixing (coefficients with Sinkhorn, collapse, expand), the few-query attention, the MoE router and experts (routed
-experts read in the checkpoint's FP4 format, or bf16), the indexer's scores and top-k, and a GEMV for the
-projections of a few tokens. It is plain C (with the GCC / Clang vector
-extension for its accumulators) compiled with the system C compiler on first use (about a second) into a cache
-folder and called through :mod:`ctypes`; no torch headers, nothing to install.
+experts read in the checkpoint's FP4 format, or bf16), the indexer's scores and top-k, the attention's
+projections and a GEMV for the projections of a few tokens. It is plain C (with the GCC / Clang vector extension
+for its accumulators) compiled with the system C compiler on first use (about a second) into a cache folder and
+called through :mod:`ctypes`; no torch headers, nothing to install.
 
 The memory-bound kernels (projections, the MoE, the window step, gathers, mHC mixing, attention, index scores,
 top-k) split their work over the library's own thread pool (:func:`set_threads`; one thread until it is called):
@@ -53,7 +53,7 @@ WIDENS_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_ROWS = 256  # up to this many tokens the mHC and router kernels run (beyond, ATen's threaded matmuls win)
 MAX_HC = 16  # hc_mix keeps one token's (2 + hc) * hc mixing logits on the stack
 INDEX_LUT_ROWS = 1024  # from this many index keys per row the indexer scores go through a lookup table
-FEW_ROWS = 16  # up to this many tokens the routed experts take moe_bf16 (decode, speculative verify)
+FEW_ROWS = 16  # up to this many tokens take the few-token kernels (decode, speculative verify)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
@@ -182,7 +182,8 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 
 def set_threads(threads: int) -> int:
-    """Let the kernels' memory-bound jobs (projections, experts) run on up to ``threads`` threads: the caller plus
+    """Let the kernels' jobs (projections, experts, attention, mHC mixing, index scores, ...) run on up to
+    ``threads`` threads: the caller plus
     ``threads - 1`` worker threads of the library's own pool, started (or stopped) here; 1 keeps every job on the
     caller. Results do not depend on it (each output is computed the same way by whichever thread). Returns the
     threads now used (1 when the library is off). Raises ValueError for ``threads`` < 1."""
@@ -450,8 +451,7 @@ def moe_fp4(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, codes
     D, inter = x.shape[1], 2 * codes2.shape[2]
     if D % 32 or inter % 32:
         raise ValueError(f"moe_fp4 takes widths D and inter that are multiples of 32, got D={D}, inter={inter}")
-    return _moe(x, indices, weights, 2, (codes13, scales13, codes2, scales2), codes2.shape[0], 2 * codes2.shape[2],
-                limit, shared)
+    return _moe(x, indices, weights, 2, (codes13, scales13, codes2, scales2), codes2.shape[0], inter, limit, shared)
 
 
 def _moe(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, kind: int, routed: tuple, E: int,

@@ -387,38 +387,46 @@ static int64_t entry_page(const int64_t *table, int64_t table_len, int64_t g, in
  * [pages, per_page, width / block], through block tables [B, table_len], into out [B, M, width].
  * Returns 0, or -1 when an index lies past its block table or its page is out of range. */
 typedef struct {
-    const uint8_t *codes, *scales;
-    int64_t pages, per_page, width, block, table_len, ratio, block_size, M;
+    const uint8_t *codes, *scales;  /* [pages, per_page, width / 2], [pages, per_page, width / block] */
+    int64_t pages, per_page, width, block;
     int fmt;
-    const int64_t *tables, *idx;
+    const int64_t *tables;          /* [rows, table_len]: the pages of each row's entries */
+    int64_t table_len, ratio, block_size;
+} fp4_pool;
+
+typedef struct {
+    fp4_pool p;
+    int64_t M;
+    const int64_t *idx;
     float *out;
     _Atomic int status;
 } gather_job;
 
 static void gather_item(const void *job, int64_t b) {
     const gather_job *j = job;
+    const fp4_pool *p = &j->p;
     for (int64_t e = 0; e < j->M; e++) {
         int64_t g = j->idx[b * j->M + e];
-        float *row = j->out + (b * j->M + e) * j->width;
+        float *row = j->out + (b * j->M + e) * p->width;
         if (g < 0) {
-            memset(row, 0, (size_t)j->width * sizeof(float));
+            memset(row, 0, (size_t)p->width * sizeof(float));
             continue;
         }
-        int64_t page = entry_page(j->tables + b * j->table_len, j->table_len, g, j->ratio, j->block_size);
-        if (page < 0 || page >= j->pages) {
+        int64_t page = entry_page(p->tables + b * p->table_len, p->table_len, g, p->ratio, p->block_size);
+        if (page < 0 || page >= p->pages) {
             atomic_store(&((gather_job *)j)->status, -1);
             return;
         }
-        int64_t at = page * j->per_page + g % j->per_page;
-        fp4_dequantize_row(j->codes + at * (j->width / 2), j->scales + at * (j->width / j->block), j->width,
-                           j->block, j->fmt, row);
+        int64_t at = page * p->per_page + g % p->per_page;
+        fp4_dequantize_row(p->codes + at * (p->width / 2), p->scales + at * (p->width / p->block), p->width,
+                           p->block, p->fmt, row);
     }
 }
 
 int dsv41_fp4_gather(const uint8_t *codes, const uint8_t *scales, int64_t pages, int64_t per_page, int64_t width,
                      int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
                      int64_t block_size, const int64_t *idx, int64_t B, int64_t M, float *out) {
-    gather_job job = {codes, scales, pages, per_page, width, block, table_len, ratio, block_size, M, fmt, tables,
+    gather_job job = {{codes, scales, pages, per_page, width, block, fmt, tables, table_len, ratio, block_size}, M,
                       idx, out, 0};
     parallel_for(gather_item, &job, B);  /* one row's entries per item */
     return atomic_load(&job.status);
@@ -936,12 +944,13 @@ static inline __attribute__((always_inline)) void dots_body(const float *x, int6
             }
             DOTS_ADD(v[0], v[1], v[2], v[3])
         }
-    }
-    for (; kind != W_FP4 && i + 16 <= K; i += 16) {
-        v16f w0 = weights16(w[0], kind, i), w1 = weights16(w[1], kind, i), w2 = weights16(w[2], kind, i),
-             w3 = weights16(w[3], kind, i);
-        for (int r = 0; r < 4; r++) __builtin_prefetch((const char *)w[r] + ahead + i * (kind == W_BF16 ? 2 : 4));
-        DOTS_ADD(w0, w1, w2, w3)
+    } else {
+        for (; i + 16 <= K; i += 16) {
+            v16f w0 = weights16(w[0], kind, i), w1 = weights16(w[1], kind, i), w2 = weights16(w[2], kind, i),
+                 w3 = weights16(w[3], kind, i);
+            for (int r = 0; r < 4; r++) __builtin_prefetch((const char *)w[r] + ahead + i * (kind == W_BF16 ? 2 : 4));
+            DOTS_ADD(w0, w1, w2, w3)
+        }
     }
 #undef DOTS_ADD
     for (int t = 0; t < T; t++)
@@ -1272,23 +1281,24 @@ int dsv41_moe(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *in
  * pointers. A page-aligned pool (block_size = per_page * ratio) is walked page by page, without two integer
  * divisions per entry. */
 typedef struct {
-    const uint8_t *codes, *scales;
-    const int64_t *table;
-    int64_t pages, per_page, table_len, ratio, block_size, code_bytes, scale_bytes, page, slot;
+    const fp4_pool *p;
+    const int64_t *table;  /* this row's */
+    int64_t page, slot;
     int aligned;
 } key_walk;
 
 /* The next entry's codes / scales (*kc, *ks): 0, or -1 when it lies past the block table or its page is out of
  * range. */
 static int key_next(key_walk *k, int64_t s, const uint8_t **kc, const uint8_t **ks) {
-    if (!k->aligned || k->page < 0 || k->slot == k->per_page) {  /* page -1: a walk that starts at any s */
-        k->page = entry_page(k->table, k->table_len, s, k->ratio, k->block_size);
-        if (k->page < 0 || k->page >= k->pages) return -1;
-        k->slot = s % k->per_page;
+    const fp4_pool *p = k->p;
+    if (!k->aligned || k->page < 0 || k->slot == p->per_page) {  /* page -1: a walk that starts at any s */
+        k->page = entry_page(k->table, p->table_len, s, p->ratio, p->block_size);
+        if (k->page < 0 || k->page >= p->pages) return -1;
+        k->slot = s % p->per_page;
     }
-    int64_t at = k->page * k->per_page + k->slot++;
-    *kc = k->codes + at * k->code_bytes;
-    *ks = k->scales + at * k->scale_bytes;
+    int64_t at = k->page * p->per_page + k->slot++;
+    *kc = p->codes + at * (p->width / 2);
+    *ks = p->scales + at * (p->width / p->block);
     return 0;
 }
 
@@ -1312,10 +1322,9 @@ static v4f lut4(const float *table, int64_t i, uint8_t byte, int64_t H4, int64_t
 #define INDEX_LUT_CHUNK 2048
 
 typedef struct {
-    const uint8_t *codes, *scales;
-    int64_t pages, per_page, di, block, table_len, ratio, block_size, c, H, n, chunk, chunks;
-    int fmt, lut;
-    const int64_t *tables;
+    fp4_pool p;  /* width: di */
+    int64_t c, H, n, chunk, chunks;
+    int lut;
     const float *q, *w;
     float *out;
     _Atomic int status;
@@ -1324,15 +1333,14 @@ typedef struct {
 static void index_item(const void *job, int64_t item) {
     const index_job *j = job;
     const int64_t b = item / j->chunks, s0 = item % j->chunks * j->chunk, s1 = s0 + j->chunk < j->n ? s0 + j->chunk : j->n;
-    const int64_t di = j->di, block = j->block, c = j->c, H = j->H, n = j->n, fmt = j->fmt;
+    const int64_t di = j->p.width, block = j->p.block, c = j->c, H = j->H, n = j->n, fmt = j->p.fmt;
     const int64_t H4 = (H + 3) / 4, nb = di / block, half = block / 2;
     float *key = malloc((size_t)(j->lut ? di / 2 * 256 * H4 * 4 : di) * sizeof(float)), *table = key;
     if (!key) {
         atomic_store(&((index_job *)j)->status, -2);
         return;
     }
-    key_walk walk = {j->codes, j->scales, j->tables + b * j->table_len, j->pages, j->per_page, j->table_len,
-                     j->ratio, j->block_size, di / 2, nb, -1, 0, j->per_page * j->ratio == j->block_size};
+    key_walk walk = {&j->p, j->p.tables + b * j->p.table_len, -1, 0, j->p.per_page * j->p.ratio == j->p.block_size};
     if (j->lut) {
         for (int64_t t = 0; t < c; t++) {
             const float *qt = j->q + (b * c + t) * H * di, *wt = j->w + (b * c + t) * H;
@@ -1407,8 +1415,8 @@ int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t page
                        int64_t block_size, const float *q, const float *w, int64_t B, int64_t c, int64_t H, int64_t n,
                        int lut, float *out) {
     int64_t chunk = lut ? INDEX_LUT_CHUNK : INDEX_CHUNK, chunks = n > 0 ? (n + chunk - 1) / chunk : 0;
-    index_job job = {codes, scales, pages, per_page, di, block, table_len, ratio, block_size, c, H, n, chunk, chunks,
-                     fmt, lut, tables, q, w, out, 0};
+    index_job job = {{codes, scales, pages, per_page, di, block, fmt, tables, table_len, ratio, block_size}, c, H, n,
+                     chunk, chunks, lut, q, w, out, 0};
     parallel_for(index_item, &job, B * chunks);
     return atomic_load(&job.status);
 }

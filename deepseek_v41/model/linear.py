@@ -28,7 +28,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fp32: bool = False) -> bool:
       ~20 µs a call at any small size; beyond, its threaded GEMM wins);
     - fp32: with ``fp32`` (callers whose torch code is several ops: ``GroupedLinear``) up to ``GEMV_MACS``
       multiply-adds; else up to ``FEW_ROWS`` tokens of a weight of at least ``FP32_GEMV_WEIGHTS`` values while the
-      kernels have at least torch's threads (:func:`few_token_gemv`)."""
+      kernels have at least torch's threads (as :func:`few_token_gemv` explains)."""
     if not (x.dtype == weight.dtype and torch.is_inference_mode_enabled() and x.dim() >= 1 and weight.dim() == 2
             and x.shape[-1] == weight.shape[1]):
         return False
@@ -36,7 +36,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fp32: bool = False) -> bool:
         take = x.shape[:-1].numel() <= kernels.FEW_ROWS or x.numel() * weight.shape[0] <= kernels.GEMV_MACS
     elif x.dtype == torch.float32:
         take = ((fp32 and x.numel() * weight.shape[0] <= kernels.GEMV_MACS)
-                or (weight.numel() >= FP32_GEMV_WEIGHTS and few_token_gemv(x, weight)))
+                or (weight.numel() >= FP32_GEMV_WEIGHTS and x.shape[:-1].numel() <= kernels.FEW_ROWS
+                    and kernels.threads() >= torch.get_num_threads()))
     else:
         return False
     return take and kernels.usable(x, weight)

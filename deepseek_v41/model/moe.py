@@ -269,15 +269,10 @@ class MoE(nn.Module):
         address or is modified in place (its version counter), e.g. by training or ``load_state_dict``. Writes
         through ``.data`` bypass torch's version counters and are not seen: after those, set ``moe._bf16 =
         None``. The copies cost 2 bytes per routed-expert weight beside the fp32 parameters."""
-        mods = list(self.experts._modules.values())
-        ids = range(len(mods)) if picked is None else list(picked)  # iterated more than once (not a generator)
-        for e in ids:
-            if not mods[e].plain():
-                return None
-        # Dtype and shape from a picked expert: an unpicked one may be wrapped (a LoRA-like module has no weight).
-        w1 = _linear_weight(mods[ids[0]] if len(ids) else mods[0], "w1")
-        if w1 is None:
+        found = self._picked(picked)
+        if found is None:
             return None
+        mods, ids, w1 = found
         dtype = w1.dtype
         if dtype != torch.float32:
             self._bf16 = None  # e.g. model.to(torch.bfloat16) after an fp32 decode: the copies are not needed
@@ -310,13 +305,11 @@ class MoE(nn.Module):
         and D, inter are multiples of 32. A quarter of bf16's bytes, so a decode step reads the experts ~4x
         faster; the kernel gives what the bf16 copies give. Kept up to date as :meth:`bf16_experts` keeps its
         copies (the same caveat on ``.data`` writes: set ``moe._fp4 = None``)."""
-        mods = list(self.experts._modules.values())
-        ids = range(len(mods)) if picked is None else list(picked)
-        for e in ids:
-            if not mods[e].plain():
-                return None
-        w1 = _linear_weight(mods[ids[0]] if len(ids) else mods[0], "w1")
-        if w1 is None or w1.dtype not in (torch.float32, torch.bfloat16) or kernels.library() is None:
+        found = self._picked(picked)
+        if found is None:
+            return None
+        mods, ids, w1 = found
+        if w1.dtype not in (torch.float32, torch.bfloat16) or kernels.library() is None:
             return None
         E, (inter, D) = len(mods), w1.shape
         if D % FP4_EXPERT_BLOCK or inter % FP4_EXPERT_BLOCK or w1.device.type != "cpu":
@@ -342,6 +335,18 @@ class MoE(nn.Module):
             return exact
 
         return self._expert_copies("_fp4", mods, ids, (E, 2 * inter, D // 2), alloc, fill)
+
+    def _picked(self, picked: Iterable[int] | None) -> tuple[list[nn.Module], list[int] | range, torch.Tensor] | None:
+        """``(experts, picked ids, a picked expert's w1 weight)`` when every picked expert (None: every expert) is
+        plain (:meth:`Expert.plain`); None otherwise. The weight gives dtype and shape: an unpicked expert may be
+        wrapped (a LoRA-like module has no weight)."""
+        mods = list(self.experts._modules.values())
+        ids = range(len(mods)) if picked is None else list(picked)  # iterated more than once (not a generator)
+        for e in ids:
+            if not mods[e].plain():
+                return None
+        w1 = _linear_weight(mods[ids[0]] if len(ids) else mods[0], "w1")
+        return None if w1 is None else (mods, ids, w1)
 
     def _expert_copies(self, attr: str, mods: list[nn.Module], ids: list[int] | range, shape: tuple, alloc, fill
                        ) -> tuple[torch.Tensor, ...] | None:
