@@ -65,6 +65,11 @@ class Expert(nn.Module):
         return True
 
 
+def _plain(m: nn.Module) -> bool:
+    """:meth:`Expert.plain` of any module standing where an expert does (a wrapper that is no Expert: False)."""
+    return isinstance(m, Expert) and m.plain()
+
+
 def _linear_weight(expert: nn.Module, name: str) -> torch.Tensor | None:
     """``expert.<name>.weight`` when that projection is an ``nn.Linear`` (hooked or not); None for a wrapper (e.g.
     LoRA-like, without a weight of its own) or another module."""
@@ -198,7 +203,7 @@ class MoE(nn.Module):
         shared = None
         if with_shared and self.shared_experts is not None:
             se = self.shared_experts
-            if not (se.plain() and se.swiglu_limit == self.swiglu_limit):
+            if not (_plain(se) and se.swiglu_limit == self.swiglu_limit):
                 return None
             m = se._modules
             shared = (m["w1"]._parameters["weight"], m["w3"]._parameters["weight"], m["w2"]._parameters["weight"])
@@ -343,7 +348,7 @@ class MoE(nn.Module):
         mods = list(self.experts._modules.values())
         ids = range(len(mods)) if picked is None else list(picked)  # iterated more than once (not a generator)
         for e in ids:
-            if not mods[e].plain():
+            if not _plain(mods[e]):
                 return None
         w1 = _linear_weight(mods[ids[0]] if len(ids) else mods[0], "w1")
         return None if w1 is None else (mods, ids, w1)
@@ -354,14 +359,19 @@ class MoE(nn.Module):
         ``alloc()`` (first tensor of ``shape``): expert e's are (re)made by ``fill(e, (w1, w3, w2), copies)``
         (True: they hold the weights exactly; False: not; None: the kernel cannot take them) when a weight was
         replaced, moved or modified in place since. Returns the copies, or None when a picked expert's are not
-        exact."""
+        exact. When a picked expert's copies are (re)made, so are every other plain expert's that need it (a
+        decode step picks a few experts; making them one by one as they are first picked spread ~0.25 ms per
+        expert over the first hundred decode steps)."""
         state = getattr(self, attr)
         if state is None or state[0][0].shape != shape:
             with torch.inference_mode(False):  # ordinary tensors: rebuilt in place later, in or out of inference
                 state = (alloc(), [None] * len(mods), [False] * len(mods))
             setattr(self, attr, state)
         copies, keys, exact = state
-        for e in ids:
+        remade = []
+
+        def refresh(e: int) -> bool | None:
+            """Remake expert e's copies if its weights changed; whether they are exact (None: cannot be made)."""
             m = mods[e]._modules
             params = (m["w1"]._parameters["weight"], m["w3"]._parameters["weight"], m["w2"]._parameters["weight"])
             key = keys[e]
@@ -374,8 +384,17 @@ class MoE(nn.Module):
                     return None
                 exact[e] = made
                 keys[e] = (params, [(p.data_ptr(), p._version) for p in params])
-            if not exact[e]:
+                remade.append(e)
+            return exact[e]
+
+        for e in ids:
+            if not refresh(e):
                 return None
+        if remade:  # the other plain experts' too, as far as they can be made
+            picked = set(ids)
+            for e in range(len(mods)):
+                if e not in picked and _plain(mods[e]):
+                    refresh(e)
         return copies
 
     def _stacked_bf16(self, mods: list[nn.Module], ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -411,7 +430,7 @@ class MoE(nn.Module):
         """Inference on CPU with fp32 / bf16 weights: ``torch._grouped_mm`` runs all experts at once."""
         return (flat.device.type == "cpu" and not torch.is_grad_enabled() and hasattr(torch, "_grouped_mm")
                 and flat.dtype in (torch.float32, torch.bfloat16)
-                and all(e.plain() for e in self.experts._modules.values())  # before .weight: a wrapper may lack it
+                and all(_plain(e) for e in self.experts._modules.values())  # before .weight: a wrapper may lack it
                 and self.experts[0].w1.weight.dtype == flat.dtype)
 
     def _weights(self) -> list[torch.Tensor]:

@@ -1065,6 +1065,35 @@ def test_moe_kernel_runs_beside_a_wrapped_expert_it_does_not_pick(calls, dtype):
     assert_close_to_scale(got.float(), want.float(), MOE_TOL if dtype == torch.float32 else EXPERT_BF16_TOL)
 
 
+class WholeExpertWrapper(nn.Module):
+    """A module standing for a whole expert that is no Expert (no ``plain``, no ``w1``)."""
+
+    def __init__(self, expert: nn.Module):
+        super().__init__()
+        self.inner = expert
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 0.5
+
+
+def test_moe_kernel_beside_an_expert_replaced_by_another_module(calls):
+    """An expert replaced by a module of another class: unpicked, the kernel runs; picked, the torch code calls
+    it (before, the kernel's checks raised AttributeError on it)."""
+    moe = small_moe(74)
+    with torch.no_grad():
+        moe.gate.bias[3] = moe.gate.bias[5] = 100.0
+    moe.experts[0] = WholeExpertWrapper(moe.experts[0])
+    x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(75)) * 3
+    got, want = moe_both_ways(moe, x)
+    assert moe_calls(calls) == 1
+    assert_close_to_scale(got, want, MOE_TOL)
+    with torch.no_grad():
+        moe.gate.bias[0] = 200.0
+    got, want = moe_both_ways(moe, x)
+    assert moe_calls(calls) == 1
+    assert_close_to_scale(got, want, MOE_TOL)
+
+
 def test_bf16_moe_kernel_runs_beside_a_hooked_expert_it_does_not_pick(calls):
     """A hook on an unpicked expert's projection does not stop bf16 experts from being stacked and fused."""
     moe = small_moe(72, exact=False).bfloat16()
@@ -1320,6 +1349,35 @@ def test_moe_fp4_copies_follow_weight_changes(calls):
     moe._fp4 = None
     step(7, 1)
     assert moe._fp4 is not None
+
+
+def test_expert_copies_are_made_for_every_plain_expert_at_once(monkeypatch):
+    """The first step's picks make every plain expert's FP4 / bf16 copies (not one expert per step as they are
+    first picked), skipping a wrapped one; later an in-place change of one expert remakes it when a step picks
+    any expert whose copy is remade, and otherwise when it is picked itself; unchanged experts are not remade."""
+    moe = small_moe(88)
+    wrapped = moe.experts[6]
+    moe.experts[6] = nn.Sequential()  # a wrapper without weights, never picked below
+    made = []
+    quantize = kernels.fp4_quantize
+    monkeypatch.setattr(kernels, "fp4_quantize", lambda *a, **k: (made.append(1), quantize(*a, **k))[1])
+    with torch.inference_mode():
+        assert moe.fp4_experts([1]) is not None
+        assert len(made) == 3 * 7  # w1, w3, w2 of the 7 plain experts
+        assert moe._fp4[1][6] is None and all(moe._fp4[1][e] is not None for e in range(8) if e != 6)
+        assert moe.fp4_experts([0, 2]) is not None and len(made) == 21  # nothing changed: nothing remade
+        with torch.no_grad():
+            moe.experts[5].w2.weight.mul_(2)
+        assert moe.fp4_experts([4]) is not None and len(made) == 21  # expert 5 changed but is not picked
+        with torch.no_grad():
+            moe.experts[4].w1.weight.mul_(0.5)
+        assert moe.fp4_experts([4]) is not None and len(made) == 21 + 6  # 4 picked and remade, 5 along with it
+        codes13, scales13, codes2, scales2 = moe.fp4_experts([5])
+        assert torch.equal(fp4_oracle_values(codes2[5], scales2[5]), moe.experts[5].w2.weight.double())
+        bf16 = moe.bf16_experts([1])
+        assert bf16 is not None and all(moe._bf16[1][e] is not None for e in range(8) if e != 6)
+        assert torch.equal(bf16[1][5].float(), moe.experts[5].w2.weight)
+    assert wrapped is not moe.experts[6]
 
 
 @pytest.mark.parametrize("tokens", [1, 3, kernels.FEW_ROWS])

@@ -37,14 +37,23 @@ def read_all(path) -> dict[str, torch.Tensor]:
 def test_plain_round_trip_is_exact(model, ids, tmp_path):
     model.save_pretrained(tmp_path)
     loaded = load_model(tmp_path)
-    assert torch.equal(loaded(ids), model(ids))
+    assert_same_model(loaded, model, ids)
     assert loaded.config == model.config
+
+
+def assert_same_model(loaded, model, ids):
+    """The same weights bit for bit; outputs to rounding: the loaded weights sit at other addresses, and MKL picks
+    its GEMM kernels by alignment on some CPUs (AMD EPYC here), so a forward may add in another order."""
+    want = model.state_dict()
+    got = loaded.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(t, want[name]) for name, t in got.items())
+    torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=1e-5)
 
 
 def test_sharded_save_writes_an_index_and_loads(model, ids, tmp_path):
     files = model.save_pretrained(tmp_path, max_shard_bytes=200_000)
     assert (tmp_path / "model.safetensors.index.json") in files and len(files) > 3
-    assert torch.equal(load_model(tmp_path)(ids), model(ids))
+    assert_same_model(load_model(tmp_path), model, ids)
 
 
 def test_official_format_equals_its_dequantized_twin(model, ids, tmp_path):

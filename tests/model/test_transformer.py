@@ -96,7 +96,10 @@ def test_images_enter_through_the_vision_path(tmp_path):
     assert (out[:, first:] - other[:, first:]).abs().max() > 1e-3  # the pixels matter
     assert (out[:, first:] - text_only[:, first:]).abs().max() > 1e-3
     model.save_pretrained(tmp_path)
-    assert torch.equal(load_model(tmp_path)(ids, token_types=types, images=[images[0]]), out)
+    # To rounding: the loaded weights sit at other addresses, and MKL picks its GEMM kernels by alignment on some
+    # CPUs (AMD EPYC here).
+    torch.testing.assert_close(load_model(tmp_path)(ids, token_types=types, images=[images[0]]), out, rtol=0,
+                               atol=1e-5)
 
 
 def test_grouped_experts_equal_the_per_expert_loop_and_keep_one_copy_of_the_weights(tmp_path):
