@@ -858,45 +858,65 @@ static const void *wrow(const wrows *m, int64_t r) {
 static const uint8_t *srow(const wrows *m, int64_t r) { return m->kind == W_FP4 ? m->scales + r * (m->K / 32) : 0; }
 
 
-/* Weights i .. i + 15 of a row of fp32 values, or of bf16 bits widened (exactly) in registers. */
-static inline __attribute__((always_inline)) v16f weights16(const void *w, int kind, int64_t i) {
-    if (kind == W_FP32) return load16((const float *)w + i);
-#if defined(__AVX512F__)  /* one zero-extending load and a shift (the generic code below takes five steps) */
-    __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))), 16);
-    v16f g;
-    memcpy(&g, &wide, sizeof g);
-    return g;
-#endif
-    v16h h;
-    memcpy(&h, (const uint16_t *)w + i, sizeof h);
-    v16u u = __builtin_convertvector(h, v16u) << 16;
-    v16f f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* The E2M1 values of 16 FP4 codes from 8 code bytes c (element 2j in the low nibble of c[j]), looked up in `table`
- * (E2M1_VALUES); times the block's scale they are the fp32 products quant/fp4.py's decoding computes. */
-static inline __attribute__((always_inline)) v16f fp4_weights16(const uint8_t *c, const float *table) {
-#if defined(__AVX512F__)  /* each byte twice, shifted by 0 / 4 per lane; vpermps reads the low 4 bits of each */
-    __m128i bytes = _mm_loadl_epi64((const __m128i *)c);
-    __m512i lanes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));
-    __m512i nibbles = _mm512_srlv_epi32(lanes, _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0));
-    __m512 e = _mm512_permutexvar_ps(nibbles, _mm512_loadu_ps(table));
-    v16f f;
-    memcpy(&f, &e, sizeof f);
-    return f;
-#else
-    float f[16];
-    for (int j = 0; j < 8; j++) {
-        f[2 * j] = table[c[j] & 15];
-        f[2 * j + 1] = table[c[j] >> 4];
+/* Weights i .. i + 31 of a row of bf16 bits (exactly widened) or FP4 codes (E2M1 values times the block's UE8M0
+ * scale: the fp32 products quant/fp4.py's decoding computes) as two vectors: the even-numbered weights i + 2j in
+ * *even, the odd-numbered i + 2j + 1 in *odd. Both formats keep such a pair side by side (a bf16 pair in one 32-bit
+ * word, an FP4 pair in one byte, element 2j in the low half), so one load and one or two steps give 32 weights. */
+static inline __attribute__((always_inline)) void weight_pairs(const void *w, const uint8_t *s, int kind, int64_t i,
+                                                               v16f *even, v16f *odd) {
+#if defined(__AVX512F__)
+    if (kind == W_BF16) {
+        __m512i words = _mm512_loadu_si512((const void *)((const uint16_t *)w + i));
+        __m512i lo = _mm512_slli_epi32(words, 16), hi = _mm512_and_si512(words, _mm512_set1_epi32((int)0xFFFF0000u));
+        memcpy(even, &lo, sizeof *even);
+        memcpy(odd, &hi, sizeof *odd);
+    } else {  /* the 16 E2M1 values times the scale, looked up by vpermps, which reads the low 4 bits of each lane:
+               * the low nibble, then (shifted) the high one */
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + i / 2)));
+        __m512 table = _mm512_mul_ps(_mm512_loadu_ps(E2M1_VALUES), _mm512_set1_ps(UE8M0_VALUES[s[i / FP4_ROW_BLOCK]]));
+        __m512 lo = _mm512_permutexvar_ps(bytes, table);
+        __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+        memcpy(even, &lo, sizeof *even);
+        memcpy(odd, &hi, sizeof *odd);
     }
-    return load16(f);
+#else
+    float e[16], o[16];
+    for (int j = 0; j < 16; j++) {
+        if (kind == W_BF16) {
+            e[j] = from_bits((uint32_t)((const uint16_t *)w)[i + 2 * j] << 16);
+            o[j] = from_bits((uint32_t)((const uint16_t *)w)[i + 2 * j + 1] << 16);
+        } else {
+            uint8_t byte = ((const uint8_t *)w)[i / 2 + j];
+            float scale = UE8M0_VALUES[s[i / FP4_ROW_BLOCK]];
+            e[j] = E2M1_VALUES[byte & 15] * scale;
+            o[j] = E2M1_VALUES[byte >> 4] * scale;
+        }
+    }
+    *even = load16(e);
+    *odd = load16(o);
 #endif
 }
 
-/* Weight i of a row, one at a time (the last K % 16). */
+/* x[i .. i + 31] split the same way: the even-numbered values, then the odd-numbered ones. */
+static inline __attribute__((always_inline)) void x_pairs(const float *x, v16f *even, v16f *odd) {
+#if defined(__AVX512F__)
+    __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    __m512 lo = _mm512_permutex2var_ps(a, _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0), b);
+    __m512 hi = _mm512_permutex2var_ps(a, _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1), b);
+    memcpy(even, &lo, sizeof *even);
+    memcpy(odd, &hi, sizeof *odd);
+#else
+    float e[16], o[16];
+    for (int j = 0; j < 16; j++) {
+        e[j] = x[2 * j];
+        o[j] = x[2 * j + 1];
+    }
+    *even = load16(e);
+    *odd = load16(o);
+#endif
+}
+
+/* Weight i of a row, one at a time (the last K % 16 or K % 32). */
 static float weight1(const void *w, const uint8_t *s, int kind, int64_t i) {
     if (kind == W_FP32) return ((const float *)w)[i];
     if (kind == W_BF16) return from_bits((uint32_t)((const uint16_t *)w)[i] << 16);
@@ -915,44 +935,47 @@ static float sum16(v16f a) {
 }
 
 /* The dots of T tokens x [T, K] (rows ldx apart) with 4 weight rows w[0..3] [K] (scales s[0..3] for FP4) of one
- * kind: res [T][4]. One 16-lane accumulator per (token, row), each lane adding its products in order, then summed
- * by sum16, then the last K % 16 products one by one: every dot is the same sequence of operations whatever T is
- * and whichever other rows or tokens share the call (a token's projection does not depend on the batch), and
- * whichever kind holds the same weight values. Each 16 weights are loaded (and widened or decoded) once for the T
- * tokens, each token's 16 values once for the 4 rows; the rows `ahead` bytes on are prefetched. Inlined with
- * constant T and kind (dots_block), so the accumulators live in registers. */
+ * kind: res [T][4]. One 16-lane accumulator per (token, row), then summed by sum16, then the remaining products
+ * one by one. fp32 weights: lane j adds the products i + j, 16 at a time, the last K % 16 one by one. bf16 and FP4
+ * weights: 32 at a time, lane j adding the product of weight i + 2j then that of i + 2j + 1 (weight_pairs: half
+ * the decoding steps of 16 at a time), the last K % 32 one by one; bf16 and FP4 rows holding the same values give
+ * the same bits. Every dot is the same sequence of operations whatever T is and whichever other rows or tokens
+ * share the call (a token's projection does not depend on the batch). Each block of weights is loaded (and
+ * widened or decoded) once for the T tokens, each token's values once for the 4 rows; the rows `ahead` bytes on
+ * are prefetched. Inlined with constant T and kind (dots_block), so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void dots_body(const float *x, int64_t ldx, const int T,
                                                             const void *const *w, const uint8_t *const *s,
                                                             const int kind, int64_t K, int64_t ahead, float *res) {
     v16f acc[4][4];
     memset(acc, 0, sizeof acc);
     int64_t i = 0;
-#define DOTS_ADD(w0, w1, w2, w3)                        \
-    for (int t = 0; t < T; t++) {                       \
-        v16f xt = load16(x + t * ldx + i);              \
-        acc[t][0] += xt * (w0);                         \
-        acc[t][1] += xt * (w1);                         \
-        acc[t][2] += xt * (w2);                         \
-        acc[t][3] += xt * (w3);                         \
-    }
-    if (kind == W_FP4) {  /* K: a multiple of FP4_ROW_BLOCK */
+    if (kind == W_FP32) {
         for (; i + 16 <= K; i += 16) {
-            v16f v[4];
-            for (int r = 0; r < 4; r++) {
-                v[r] = fp4_weights16((const uint8_t *)w[r] + i / 2, E2M1_VALUES) * UE8M0_VALUES[s[r][i / FP4_ROW_BLOCK]];
-                __builtin_prefetch((const char *)w[r] + ahead + i / 2);
+            v16f w0 = load16((const float *)w[0] + i), w1 = load16((const float *)w[1] + i),
+                 w2 = load16((const float *)w[2] + i), w3 = load16((const float *)w[3] + i);
+            for (int r = 0; r < 4; r++) __builtin_prefetch((const char *)w[r] + ahead + i * 4);
+            for (int t = 0; t < T; t++) {
+                v16f xt = load16(x + t * ldx + i);
+                acc[t][0] += xt * w0;
+                acc[t][1] += xt * w1;
+                acc[t][2] += xt * w2;
+                acc[t][3] += xt * w3;
             }
-            DOTS_ADD(v[0], v[1], v[2], v[3])
         }
     } else {
-        for (; i + 16 <= K; i += 16) {
-            v16f w0 = weights16(w[0], kind, i), w1 = weights16(w[1], kind, i), w2 = weights16(w[2], kind, i),
-                 w3 = weights16(w[3], kind, i);
-            for (int r = 0; r < 4; r++) __builtin_prefetch((const char *)w[r] + ahead + i * (kind == W_BF16 ? 2 : 4));
-            DOTS_ADD(w0, w1, w2, w3)
+        for (; i + 32 <= K; i += 32) {
+            v16f we[4], wo[4];
+            for (int r = 0; r < 4; r++) {
+                weight_pairs(w[r], s[r], kind, i, &we[r], &wo[r]);
+                __builtin_prefetch((const char *)w[r] + ahead + (kind == W_BF16 ? i * 2 : i / 2));
+            }
+            for (int t = 0; t < T; t++) {
+                v16f xe, xo;
+                x_pairs(x + t * ldx + i, &xe, &xo);
+                for (int r = 0; r < 4; r++) acc[t][r] = acc[t][r] + xe * we[r] + xo * wo[r];
+            }
         }
     }
-#undef DOTS_ADD
     for (int t = 0; t < T; t++)
         for (int r = 0; r < 4; r++) res[4 * t + r] = sum16(acc[t][r]);
     for (; i < K; i++)
