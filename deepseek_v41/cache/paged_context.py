@@ -182,16 +182,17 @@ class PagedContext:
         """Index keys of entries ``ids`` [B, c, n] (valid ids) [B, c, n, di]: only these are decoded."""
         return self._decode_at(layer, _INDEX, ids)
 
-    def _decode_at(self, layer: int, pool: int, idx: torch.Tensor) -> torch.Tensor:
+    def _decode_at(self, layer: int, pool: int, idx: torch.Tensor, zero_missing: bool = False) -> torch.Tensor:
         """Entries ``idx`` [B, ...] of ``pools[layer][pool:pool + 2]`` (``_MAIN`` or ``_INDEX``) decoded to
-        ``dtype`` [B, ..., width]: only these are read. An index -1 reads the null page (zeros from the fused
-        kernel; callers mask those rows)."""
+        ``dtype`` [B, ..., width]: only these are read. An index -1 reads the null page: zeros from the fused
+        kernel; from the torch code whatever the null page holds, unless ``zero_missing`` (then zeros too)."""
         codes, scales = self.cache.pools[layer][pool: pool + 2]
         if self.dtype == torch.float32 and idx.dtype == torch.int64 and kernels.usable(codes, scales, idx):
             return kernels.fp4_gather(codes, scales, *_FP4_FORMATS[pool], self.tables, self.cache.ratio[layer],
                                       self.cache.block_size, idx)
         page, slot = self._locate(layer, idx)
-        return dequantize_fp4(codes[page, slot], scales[page, slot], *_FP4_FORMATS[pool], dtype=self.dtype)
+        values = dequantize_fp4(codes[page, slot], scales[page, slot], *_FP4_FORMATS[pool], dtype=self.dtype)
+        return values.masked_fill((idx < 0)[..., None], 0.0) if zero_missing else values
 
     def _decode_first(self, layer: int, pool: int, n: int) -> torch.Tensor:
         """Entries 0 .. n-1 of every row, as :meth:`_decode_at`, read page by page through the block tables."""
@@ -216,7 +217,5 @@ class PagedContext:
             entries = self._decoded.get(layer)
             if entries is None:
                 entries = self._decoded[layer] = self._decode_first(layer, _MAIN, n)
-            values = pick_rows(entries, idx.clamp(min=0))
-        else:
-            values = self._decode_at(layer, _MAIN, idx)
-        return values.masked_fill((idx < 0)[..., None], 0.0)
+            return pick_rows(entries, idx.clamp(min=0)).masked_fill((idx < 0)[..., None], 0.0)
+        return self._decode_at(layer, _MAIN, idx, zero_missing=True)
