@@ -145,7 +145,8 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block: int, ke
 def pool_entries(blocks: torch.Tensor, block: int, keep: int, n_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The entries of each query's candidate pool: ids [B, c, keep * block] (ascending) and their validity (in a
     chosen block and below ``n_entries``), from a block mask [B, c, nblocks] holding at most ``keep`` blocks."""
-    chosen = topk_set(blocks.to(torch.int8), min(keep, blocks.shape[-1]))  # the pool's blocks, ascending
+    # The pool's blocks, ascending (0 / 1 as fp32: the fused top-k takes fp32, and picks what any dtype would).
+    chosen = topk_set(blocks.to(torch.float32), min(keep, blocks.shape[-1]))
     valid = blocks.gather(-1, chosen)
     ids = (chosen[..., None] * block + torch.arange(block, device=blocks.device)).flatten(-2)
     valid = valid.repeat_interleave(block, dim=-1) & (ids < n_entries)
