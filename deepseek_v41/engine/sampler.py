@@ -249,7 +249,9 @@ class Sampler:
         processed = penalised if want_logprobs and self.logprobs_mode == "processed_logprobs" else None
 
         greedy = [i for i, r in enumerate(rows) if r.state.params.is_greedy]
-        if greedy:
+        if len(greedy) == len(rows):  # every row greedy (no copy of the rows, no scatter)
+            tokens = argmax(penalised)
+        elif greedy:
             index = torch.tensor(greedy, device=logits.device)
             tokens[index] = argmax(penalised[index])
         rand = [i for i, r in enumerate(rows) if not r.state.params.is_greedy]
@@ -315,9 +317,10 @@ def _ids_tensor(ids: Sequence[int], vocab_size: int, device: torch.device, what:
 
 
 def _penalise(logits: Tensor, rows: Sequence[_Row]) -> Tensor:
-    """min_tokens masking and repetition/frequency/presence penalties; returns a new [N, V] tensor."""
+    """min_tokens masking and repetition/frequency/presence penalties: [N, V], ``logits`` itself when no row has
+    either (callers do not modify the result), else a new tensor."""
     n, vocab = logits.shape
-    out = logits.clone()
+    out = logits
     mask_rows: list[int] = []
     mask_cols: list[int] = []
     for i, r in enumerate(rows):
@@ -327,6 +330,7 @@ def _penalise(logits: Tensor, rows: Sequence[_Row]) -> Tensor:
             mask_rows += [i] * len(cols)
             mask_cols += cols
     if mask_rows:
+        out = logits.clone()
         out[torch.tensor(mask_rows, device=out.device), torch.tensor(mask_cols, device=out.device)] = float("-inf")
 
     pen = [i for i, r in enumerate(rows) if _has_penalties(r.state.params)]

@@ -42,6 +42,19 @@ def test_greedy_is_argmax():
     assert out.token_ids[0::2].tolist() == logits[0::2].argmax(dim=-1).tolist()
     one_hot = Sampler().probs(logits[:1], rows[0])
     assert support(one_hot) == {int(logits[0].argmax())} and one_hot.sum() == 1
+    every = Sampler().sample(logits, [state(temperature=0.0) for _ in range(6)]).token_ids  # all greedy
+    assert every.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_sampling_leaves_the_logits_unchanged():
+    """min_tokens masking and penalties work on a copy: the caller's logits keep their values, greedy or not."""
+    logits = torch.tensor([[0.0, 9.0, 1.0, 8.0, 2.0], [3.0, 1.0, 4.0, 1.0, 5.0]])
+    before = logits.clone()
+    rows = [state(min_tokens=2, stop_token_ids=[3], temperature=0.0), state(output=[4], presence_penalty=2.0, seed=0)]
+    for pair in (rows, rows[::-1], [rows[0], state(temperature=0.0)]):
+        tokens = Sampler().sample(logits, pair).token_ids
+        assert torch.equal(logits, before)
+    assert tokens.tolist() == [4, 4]
 
 
 def test_temperature_scales_logits():
