@@ -362,8 +362,9 @@ class Attention(nn.Module):
         if weights is None or ctx.indexer_losses is not None or x.shape[1] == 0:
             return False
         phases = self._few_token_phases(x, pos, ctx.shared)
-        if phases is None or pos.dtype != torch.int64 or pos.shape != x.shape[:2] or not kernels.usable(pos):
+        if phases is None or pos.dtype != torch.int64 or pos.shape != x.shape[:2] or not pos.is_cpu:
             return False
+        pos = pos.contiguous()  # DenseContext's positions: one arange expanded over the rows
         ratio = self.compressor.ratio
         if ratio == 2 and pending is not None:
             kv, score = pending
