@@ -390,7 +390,8 @@ class Attention(nn.Module):
         :meth:`_few_token_phases`), contiguous weights of x's dtype and of the shapes the kernel reads (a replaced
         weight of another shape takes the module calls, which raise); else None."""
         c, ix = self.compressor, self.indexer
-        if not (unobserved(c, Compressor) and unobserved(ix, Indexer) and hasattr(ix, "wk")):
+        if not (unobserved(c, Compressor) and unobserved(ix, Indexer) and hasattr(ix, "wk")
+                and c.ratio == self.spec.compress_ratio):
             return None
         D, d, di = x.shape[-1], self.head_dim, ix.head_dim
         shapes = [(c.wkv, Linear, (d, D)), (c.norm, RMSNorm, (d,)), (ix.wk, Linear, (di, d)),
@@ -410,7 +411,7 @@ class Attention(nn.Module):
         wkv, norm, wk, k_norm = weights[:4]
         return wkv, weights[4] if c.ratio == 2 else None, norm, c.norm.eps, wk, k_norm, ix.k_norm.eps
 
-    def _pair_phases(self, pos: torch.Tensor, cache: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _pair_phases(self, pos: torch.Tensor, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE phases (cos, sin) fp32 [B, T + 1, r] at positions ``start - 1 .. start + T - 1`` of each row of
         ``pos`` [B, T] (consecutive rows): every position a ratio-2 entry completed by these tokens can have
         (:func:`kernels.compress`). Kept in ``cache`` (the forward's ``ctx.shared``), so the forward's other
