@@ -209,6 +209,9 @@ class GroupedLinear(nn.Module):
         return y.transpose(0, 1).reshape(B, T, -1)
 
 
+PAIR_PHASES = "compress pair phases"  # ctx.shared key of Attention._pair_phases
+
+
 class Attention(nn.Module):
     """Attention sub-layer of layer ``spec.layer_id``: x [B, T, D] -> [B, T, D] (see module docstring).
 
@@ -334,15 +337,89 @@ class Attention(nn.Module):
         return wo_a.dtype == wo_b.dtype == o.dtype and fused(wo_a, wo_b)
 
     def compress(self, x: torch.Tensor, ctx) -> None:
-        """Run the compressor over x [B, T, D] and store the completed entries and their index keys."""
+        """Run the compressor over x [B, T, D] and store the completed entries and their index keys (a few tokens
+        in inference mode on the CPU: one kernel call, :meth:`_compress_few`)."""
         layer = self.spec.layer_id
-        latent, group, pending = self.compressor(x, ctx.positions, ctx.pending(layer))
+        pending = ctx.pending(layer)
+        if self._compress_few(x, ctx, pending):
+            return
+        latent, group, pending = self.compressor(x, ctx.positions, pending)
         ctx.set_pending(layer, pending)
         if not ctx.completes_entries(layer):
             return  # e.g. a decode step whose token only opens a ratio-2 pair: no entry RoPE, no index keys
         entry_pos = group.clamp(min=0) * self.spec.compress_ratio
         key_input = latent.detach() if ctx.indexer_losses is not None else latent
         ctx.add_entries(layer, self.rope(latent, entry_pos), self.indexer.keys(key_input, entry_pos, self.rope), group)
+
+    def _compress_few(self, x: torch.Tensor, ctx, pending: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+        """:meth:`compress` in one :func:`kernels.compress` call (compressor, entry RoPE, index keys) plus
+        ``ctx.set_pending`` / ``ctx.add_entries``, when that is exactly what the module calls compute: a few tokens
+        (:meth:`_few_token_phases`), plain modules of the shapes the kernel reads (:meth:`_plain_compressor`),
+        int64 positions, fp32 pending pairs [B, d] and no indexer training. Returns False, having done nothing,
+        otherwise (the caller then runs the module calls)."""
+        weights = self._plain_compressor(x)
+        pos = ctx.positions
+        if weights is None or ctx.indexer_losses is not None or x.shape[1] == 0:
+            return False
+        phases = self._few_token_phases(x, pos, ctx.shared)
+        if phases is None or pos.dtype != torch.int64 or pos.shape != x.shape[:2] or not pos.is_cpu:
+            return False
+        pos = pos.contiguous()  # DenseContext's positions: one arange expanded over the rows
+        ratio = self.compressor.ratio
+        if ratio == 2 and pending is not None:
+            kv, score = pending
+            shape = (x.shape[0], self.head_dim)
+            if not (kv.dtype == score.dtype == torch.float32 and kv.shape == score.shape == shape and kv.is_cpu
+                    and score.is_cpu and kv.stride() == score.stride() and kv.stride(1) == 1):
+                return False
+        layer = self.spec.layer_id
+        completes = ctx.completes_entries(layer)
+        if completes and ratio == 2:  # the pairs' entry positions: start - 1 .. start + T - 1 (kernels.compress)
+            phases = self._pair_phases(pos, ctx.shared)
+        _, group, pending, entries, keys = kernels.compress(x, pos, ratio, pending if ratio == 2 else None,
+                                                            phases if completes else None, *weights)
+        ctx.set_pending(layer, pending)
+        if completes:
+            ctx.add_entries(layer, entries, keys, group)
+        return True
+
+    def _plain_compressor(self, x: torch.Tensor) -> tuple | None:
+        """``(wkv, wgate or None, norm weight, norm eps, wk, k_norm weight, k_norm eps)`` (the order of
+        :func:`kernels.compress`) when calling the compressor and the indexer's key modules is exactly computing
+        them: plain modules (no hook, no wrapper, no bias; the RoPE module is checked by
+        :meth:`_few_token_phases`), contiguous weights of x's dtype and of the shapes the kernel reads (a replaced
+        weight of another shape takes the module calls, which raise); else None."""
+        c, ix = self.compressor, self.indexer
+        if not (unobserved(c, Compressor) and unobserved(ix, Indexer) and hasattr(ix, "wk")
+                and c.ratio == self.spec.compress_ratio):
+            return None
+        D, d, di = x.shape[-1], self.head_dim, ix.head_dim
+        shapes = [(c.wkv, Linear, (d, D)), (c.norm, RMSNorm, (d,)), (ix.wk, Linear, (di, d)),
+                  (ix.k_norm, RMSNorm, (di,))]
+        if c.ratio == 2:
+            shapes.append((c.wgate, Linear, (d, D)))
+        weights = []
+        for m, cls, shape in shapes:
+            if not unobserved(m, cls) or m._parameters.get("bias") is not None:
+                return None
+            w = m._parameters["weight"]
+            if w.dtype != x.dtype or w.shape != shape:
+                return None
+            weights.append(w)
+        if self.rope.rope_dim > di or not fused(*weights):
+            return None
+        wkv, norm, wk, k_norm = weights[:4]
+        return wkv, weights[4] if c.ratio == 2 else None, norm, c.norm.eps, wk, k_norm, ix.k_norm.eps
+
+    def _pair_phases(self, pos: torch.Tensor, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE phases (cos, sin) fp32 [B, T + 1, r] at positions ``start - 1 .. start + T - 1`` of each row of
+        ``pos`` [B, T] (consecutive rows): every position a ratio-2 entry completed by these tokens can have
+        (:func:`kernels.compress`). Kept in ``cache`` (the forward's ``ctx.shared``), so the forward's other
+        ratio-2 layers with this RoPE table reuse them."""
+        table = cache.get(PAIR_PHASES)
+        if table is None:
+            table = cache[PAIR_PHASES] = {"positions": torch.cat((pos[:, :1] - 1, pos), 1)}
+        return self.rope.phases(table["positions"], table)
 
     def select(self, q_lat: torch.Tensor, x: torch.Tensor, ctx) -> torch.Tensor:
         """Top-k entry indices [B, T, k] of this index-source layer (-1 = none), k = min(index_topk, entries).
