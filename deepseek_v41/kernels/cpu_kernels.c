@@ -1432,11 +1432,14 @@ static v4f lut4(const float *table, int64_t i, uint8_t byte, int64_t H4, int64_t
  * Long rows (n >= 1024) with a small table (di / 2 * 256 * H <= 65536 floats) go through a lookup table per
  * query: T[i][byte][h] = q_h[2i] e(byte & 15) + q_h[2i + 1] e(byte >> 4), so a key costs one vector load and add
  * per code byte for 4 heads at once (table scratch: di / 2 * 256 * ceil(H / 4) * 4 floats); otherwise each key's
- * codes are widened once for the row's c queries (scratch: di floats). Items of the pool: a row's keys in chunks of
+ * codes are widened once for the row's c queries: UE8M0 blocks of 32 (the index keys) with few queries (c * H *
+ * di / 32 <= INDEX_PAIR_VECTORS) as even / odd lanes times the scale, in registers, else into scratch (di floats)
+ * and each block's dot multiplied by its scale. Items of the pool: a row's keys in chunks of
  * INDEX_CHUNK (INDEX_LUT_CHUNK with a table, built per item). Returns 0, -1 when an entry lies past its block
  * table or its page is out of range (nothing else is guaranteed written then), -2 when the scratch cannot be had. */
 #define INDEX_CHUNK 256
 #define INDEX_LUT_CHUNK 2048
+#define INDEX_PAIR_VECTORS 64  /* queries x heads x blocks of 32 the even / odd path keeps on the stack */
 
 typedef struct {
     fp4_pool p;  /* width: di */
@@ -1499,6 +1502,32 @@ static void index_item(const void *job, int64_t item) {
                     score += wt[h] * (d < 0.0f ? 0.0f : d);
                 }
                 j->out[(b * c + t) * n + s] = score;
+            }
+        }
+        free(key);
+        return;
+    }
+    if (fmt == FMT_UE8M0 && block == FP4_ROW_BLOCK && nb <= 4 && c * H * nb <= INDEX_PAIR_VECTORS) {
+        /* UE8M0 blocks of 32 (the index keys' format) and few queries: each key decoded 32 values at a time as
+         * even / odd lanes (weight_pairs, the scale folded in), dotted with the queries split the same way */
+        v16f qe[INDEX_PAIR_VECTORS], qo[INDEX_PAIR_VECTORS];
+        for (int64_t v = 0; v < c * H * nb; v++) x_pairs(j->q + b * c * H * di + v * FP4_ROW_BLOCK, &qe[v], &qo[v]);
+        for (int64_t s = s0; s < s1; s++) {
+            const uint8_t *kc, *ks;
+            if (key_next(&walk, s, &kc, &ks) != 0) goto past_table;
+            v16f ke[4], ko[4];
+            for (int64_t k0 = 0; k0 < nb; k0++) weight_pairs(kc, ks, W_FP4, k0 * FP4_ROW_BLOCK, &ke[k0], &ko[k0]);
+            for (int64_t t = 0; t < c; t++) {
+                const float *wt = j->w + (b * c + t) * H;
+                float acc = 0.0f;
+                for (int64_t h = 0; h < H; h++) {
+                    const int64_t v = (t * H + h) * nb;
+                    v16f p = qe[v] * ke[0] + qo[v] * ko[0];
+                    for (int64_t k0 = 1; k0 < nb; k0++) p = p + qe[v + k0] * ke[k0] + qo[v + k0] * ko[k0];
+                    float d = sum16(p);
+                    acc += wt[h] * (d < 0.0f ? 0.0f : d);
+                }
+                j->out[(b * c + t) * n + s] = acc;
             }
         }
         free(key);

@@ -1963,11 +1963,12 @@ def test_bf16_engine_logits_are_close_with_and_without_the_kernels(calls):
 
 
 # ------------------------------------------------------------------------------------- indexer scores, direct
-@pytest.mark.parametrize("di,H", [(32, 4), (64, 5), (32, 8)])
+# (64, 16): c * H * di / 32 = 96 query vectors, beyond the even / odd path's 64 (cpu_kernels.c INDEX_PAIR_VECTORS)
+@pytest.mark.parametrize("di,H", [(32, 4), (64, 5), (32, 8), (64, 16)])
 @pytest.mark.parametrize("n", [100, kernels.INDEX_LUT_ROWS + 37])  # below / above the lookup-table threshold
 @pytest.mark.parametrize("ratio", [4, 3])  # 4: page-aligned pool (walked page by page); 3: block_size 8 % 3 != 0
 def test_index_scores_equal_scoring_the_decoded_keys(di, H, n, ratio):
-    """kernels.index_scores (both its lookup-table and its widening path) against decoding every key of the pool
+    """kernels.index_scores (its lookup-table, even / odd and widening paths) against decoding every key of the pool
     through the block tables and scoring with IndexScorer, to fp32 rounding; an entry past its table raises."""
     g = torch.Generator().manual_seed(di + H + n + ratio)
     block_size, B, c = 8, 2, 3
