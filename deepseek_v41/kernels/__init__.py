@@ -85,6 +85,8 @@ _SIGNATURES = {
     "dsv41_attn_prologue": ([_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_float, _P, _I, _I, _P, _P,
                              ctypes.c_float, _P, _P, _I, _P, _P, _P], ctypes.c_int),
     "dsv41_attn_epilogue": ([_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P], ctypes.c_int),
+    "dsv41_indexer_queries": ([_P, _P, ctypes.c_int, _I, _I, _I, _P, _I, _I, _P, _P, _P, _I, ctypes.c_int,
+                               ctypes.c_float, _P, _P], ctypes.c_int),
 }
 
 _state: dict[str, object] = {"lib": None, "tried": False, "off": False, "threads": 1}
@@ -526,6 +528,26 @@ def attn_epilogue(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: t
                                      D, y.data_ptr()) != 0:
         raise MemoryError("attn_epilogue kernel: no memory for its scratch")
     return y
+
+
+def indexer_queries(q_lat: torch.Tensor, x: torch.Tensor, wq_b: torch.Tensor, heads: int, weights_proj: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, fake_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`deepseek_v41.model.indexer.Indexer.queries` in one call: q_lat [B, T, qr], x [B, T, D] and the
+    weights (``wq_b`` [heads * di, qr], ``weights_proj`` [heads, D]) all fp32 or all bf16, RoPE phases ``cos`` /
+    ``sin`` fp32 [B, T, r] (r even, <= di; ``fake_quant``: di a multiple of 32) -> ``(q [B, T, heads, di], w [B, T,
+    heads])`` fp32. RoPE and the FP4 (UE8M0 / 32) fake quant give the torch code's bits; the projections are rounded
+    as in :func:`attn_prologue`, and w is scaled by ``di ** -0.5 * heads ** -0.5`` after them (MODEL_REFERENCE.md
+    §3.9). Raises MemoryError when the kernel's scratch cannot be allocated."""
+    B, T, qr = q_lat.shape
+    di = wq_b.shape[0] // heads
+    q = torch.empty((B, T, heads, di), dtype=torch.float32)
+    w = torch.empty((B, T, heads), dtype=torch.float32)
+    if library().dsv41_indexer_queries(q_lat.data_ptr(), x.data_ptr(), x.dtype == torch.bfloat16, B * T, qr,
+                                       x.shape[-1], wq_b.data_ptr(), heads, di, weights_proj.data_ptr(),
+                                       cos.data_ptr(), sin.data_ptr(), cos.shape[-1], int(fake_quant),
+                                       di ** -0.5 * heads ** -0.5, q.data_ptr(), w.data_ptr()) != 0:
+        raise MemoryError("indexer_queries kernel: no memory for its scratch")
+    return q, w
 
 
 # ------------------------------------------------------------------------------------------------ indexer top-k
