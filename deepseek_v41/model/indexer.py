@@ -20,7 +20,6 @@ from deepseek_v41 import kernels
 from deepseek_v41.model.hooks import unobserved
 from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.norm import RMSNorm, cast, fused, upcast
-from deepseek_v41.model.rope import RotaryEmbedding
 from deepseek_v41.quant import fake_quant_fp4
 
 QUERY_CHUNK = 256
@@ -47,14 +46,17 @@ class Indexer(nn.Module):
         return rope(self.k_norm(self.wk(latent)), positions)
 
     def queries(self, q_lat: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: nn.Module,
-                fake_quant: bool, rope_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries [B, T, Hi, di] and head weights [B, T, Hi], fp32 (float64 for a float64 model);
-        ``rope_cache`` as in :meth:`~deepseek_v41.model.rope.RotaryEmbedding.phases`.
+                fake_quant: bool, rope_cache: dict | None = None,
+                phases: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [B, T, Hi, di] and head weights [B, T, Hi], fp32 (float64 for a float64 model) of q_lat [B, T,
+        q_lora_rank] and x [B, T, dim]; ``rope_cache`` as in :meth:`~deepseek_v41.model.rope.RotaryEmbedding.phases`.
 
-        q_lat [B, T, q_lora_rank] and x [B, T, dim] of one dtype; a few tokens in inference mode take one kernel
-        call (:func:`deepseek_v41.kernels.indexer_queries`, :meth:`_few_token_phases` says when)."""
-        phases = self._few_token_phases(q_lat, x, positions, rope, fake_quant, rope_cache)
-        if phases is not None:
+        ``phases``: the RoPE phases (cos, sin) fp32 [B, T, r] of ``rope`` at ``positions`` that the attention
+        computed for its few-token kernels (:meth:`~deepseek_v41.model.attention.Attention._few_token_phases`: at
+        most FEW_ROWS tokens in inference mode on the CPU, a plain RoPE module). With them and plain projections
+        (:meth:`_plain_projections`) one kernel call (:func:`deepseek_v41.kernels.indexer_queries`) stands in for
+        the module calls below."""
+        if phases is not None and self._plain_projections(q_lat, x, phases[0].shape[-1], fake_quant):
             return kernels.indexer_queries(q_lat, x, self.wq_b.weight, self.n_heads, self.weights_proj.weight,
                                            *phases, fake_quant)
         B, T, _ = q_lat.shape
@@ -64,32 +66,21 @@ class Indexer(nn.Module):
         w = upcast(self.weights_proj(x)) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return upcast(q), w
 
-    def _few_token_phases(self, q_lat: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: nn.Module,
-                          fake_quant: bool, rope_cache: dict | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """RoPE phases (cos, sin) fp32 [B, T, r] when :func:`kernels.indexer_queries` may stand in for the module
-        calls of :meth:`queries`, else None: at most FEW_ROWS tokens in inference mode on the CPU, a plain RoPE
-        module (r even, 0 < r <= head_dim), plain ``wq_b`` / ``weights_proj`` (no hook, no wrapper, no bias) with
-        contiguous weights of the inputs' dtype and of the shapes the kernel reads (any other shape takes the
-        module calls, which raise), and blocks of 32 when fake-quantizing. The phases are ``rope.phases`` of the
-        same positions and cache as the attention's own RoPE: in a forward, the tensors it already computed."""
-        if not (q_lat.dim() == 3 and x.dim() == 3 and q_lat.shape[:2] == x.shape[:2]
-                and x.shape[0] * x.shape[1] <= kernels.FEW_ROWS and q_lat.dtype == x.dtype and fused(q_lat, x)
-                and unobserved(rope, RotaryEmbedding)):
-            return None
-        r, di, Hi = rope.rope_dim, self.head_dim, self.n_heads
-        if not (0 < r <= di and r % 2 == 0 and (di % 32 == 0 or not fake_quant)):
-            return None
-        for m in (self.wq_b, self.weights_proj):
-            if not unobserved(m, Linear) or m._parameters.get("bias") is not None:
-                return None
-        wq_b, w_proj = self.wq_b._parameters["weight"], self.weights_proj._parameters["weight"]
-        if not (wq_b.shape == (Hi * di, q_lat.shape[-1]) and w_proj.shape == (Hi, x.shape[-1])
-                and wq_b.dtype == w_proj.dtype == x.dtype and fused(wq_b, w_proj)):
-            return None
-        cos, sin = rope.phases(positions, rope_cache)
-        if cos.dtype != torch.float32 or cos.shape != (*x.shape[:2], r) or not fused(cos, sin):
-            return None
-        return cos, sin
+    def _plain_projections(self, q_lat: torch.Tensor, x: torch.Tensor, r: int, fake_quant: bool) -> bool:
+        """Whether :func:`kernels.indexer_queries` computes exactly what the module calls of :meth:`queries` would
+        (to rounding): q_lat and x [B, T, ...] of one dtype, contiguous; plain ``wq_b`` / ``weights_proj`` (no
+        hook, no wrapper, no bias) with contiguous weights of that dtype and of the shapes the kernel reads (any
+        other shape takes the module calls, which raise); RoPE on r <= head_dim dims; head_dim a multiple of the
+        fake quant's block of 32."""
+        wq_b, proj = self.wq_b, self.weights_proj
+        if not (unobserved(wq_b, Linear) and unobserved(proj, Linear) and wq_b._parameters.get("bias") is None
+                and proj._parameters.get("bias") is None and r <= self.head_dim
+                and (self.head_dim % 32 == 0 or not fake_quant) and q_lat.dim() == x.dim() == 3
+                and q_lat.shape[:2] == x.shape[:2] and q_lat.dtype == x.dtype):
+            return False
+        w_q, w_p, Hi = wq_b._parameters["weight"], proj._parameters["weight"], self.n_heads
+        return (w_q.shape == (Hi * self.head_dim, q_lat.shape[-1]) and w_p.shape == (Hi, x.shape[-1])
+                and w_q.dtype == w_p.dtype == x.dtype and fused(q_lat, x, w_q, w_p))
 
 
 class IndexScorer(nn.Module):

@@ -39,11 +39,9 @@ def calls(monkeypatch):
     return seen
 
 
-def module_path(indexer, q_lat, x, pos, rope, fake_quant, monkeypatch):
-    """What Indexer.queries computed before the kernel: its torch code (the other kernels on)."""
-    with monkeypatch.context() as m:
-        m.setattr(Indexer, "_few_token_phases", lambda *args: None)
-        return indexer.queries(q_lat, x, pos, rope, fake_quant)
+def kernel_path(indexer, q_lat, x, pos, rope, fake_quant):
+    """Indexer.queries given the RoPE phases, as Attention.select passes them for a few tokens."""
+    return indexer.queries(q_lat, x, pos, rope, fake_quant, phases=rope.phases(pos))
 
 
 def inputs(model, dtype, B, T, seed):
@@ -57,7 +55,7 @@ def inputs(model, dtype, B, T, seed):
 @pytest.mark.parametrize("fake_quant", [False, True], ids=["plain", "fake_quant"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (2, 5), (1, 16)])
-def test_queries_equal_the_module_calls(models, dtype, B, T, fake_quant, calls, monkeypatch):
+def test_queries_equal_the_module_calls(models, dtype, B, T, fake_quant, calls):
     """bf16: the same bits (the projections and RoPE rounded where the modules round them, the fake quant's
     values rounded to bf16 before the upcast); fp32: within a few ulps (the GEMVs add in another order than
     ATen). Both come back fp32, the module path's shapes."""
@@ -66,8 +64,8 @@ def test_queries_equal_the_module_calls(models, dtype, B, T, fake_quant, calls, 
         attn = model.layers[layer].attn
         q_lat, x, pos = inputs(model, dtype, B, T, seed=B * 100 + T + i)
         with torch.inference_mode():
-            got = attn.indexer.queries(q_lat, x, pos, attn.rope, fake_quant)
-            want = module_path(attn.indexer, q_lat, x, pos, attn.rope, fake_quant, monkeypatch)
+            got = kernel_path(attn.indexer, q_lat, x, pos, attn.rope, fake_quant)
+            want = attn.indexer.queries(q_lat, x, pos, attn.rope, fake_quant)  # no phases: the module calls
         for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
             if dtype == torch.bfloat16:
@@ -96,7 +94,7 @@ def test_fp32_rope_and_fake_quant_give_the_torch_bits(models, fake_quant, calls)
             x = torch.randint(-16, 17, (B, T, model.config.hidden_size), generator=g) / 4
             pos = torch.randint(0, 100_000, (B, T), generator=g)
             with torch.inference_mode():
-                got = indexer.queries(q_lat, x, pos, attn.rope, fake_quant)
+                got = kernel_path(indexer, q_lat, x, pos, attn.rope, fake_quant)
                 with kernels.disabled():
                     want = indexer.queries(q_lat, x, pos, attn.rope, fake_quant)
             for a, b in zip(got, want, strict=True):
@@ -133,7 +131,7 @@ def test_forward_takes_it_for_a_few_tokens_only(models, dtype, calls, monkeypatc
             cached = {id(cos) for cos, _ in prologue}
             assert all(id(cos) in cached and id(sin) in {id(s) for _, s in prologue} for cos, sin in calls[before:])
         with monkeypatch.context() as m, torch.inference_mode():
-            m.setattr(Indexer, "_few_token_phases", lambda *args: None)
+            m.setattr(Indexer, "_plain_projections", lambda *args: False)
             want = model(ids)
         if dtype == torch.bfloat16 or not takes:
             assert torch.equal(got, want)
@@ -212,8 +210,8 @@ def test_float64_and_autograd_take_the_torch_code(models, calls):
     q_lat, x, pos = inputs(model, torch.float32, 1, 2, seed=9)
     indexer64 = Indexer(64, 32, 32, 2, 32, False, 1e-6).double()
     with torch.inference_mode():
-        q, w = indexer64.queries(q_lat.double(), x.double(), pos, attn.rope, True)
+        q, w = kernel_path(indexer64, q_lat.double(), x.double(), pos, attn.rope, True)
     assert q.dtype == w.dtype == torch.float64
-    q, w = attn.indexer.queries(q_lat.requires_grad_(), x, pos, attn.rope, True)
+    q, w = kernel_path(attn.indexer, q_lat.requires_grad_(), x, pos, attn.rope, True)
     (q.sum() + w.sum()).backward()
     assert q_lat.grad is not None and calls == []
