@@ -4,10 +4,10 @@ At decode size (a few tokens) nearly all of a step's time is dispatch: ~3,800 te
 ``cpu_kernels.c`` does the worst chains in one call each: the FP8 window ring (read, quantize, write), FP4
 entries written to and read from pages through the block tables, FP4 / FP8 quantization, RoPE, RMSNorm, the mHC
 mixing (coefficients with Sinkhorn, collapse, expand), the few-query attention, the MoE router and experts (routed
-experts read in the checkpoint's FP4 format, or bf16), the indexer's scores and top-k, the attention's
-projections and a GEMV for the projections of a few tokens. It is plain C (with the GCC / Clang vector extension
-for its accumulators) compiled with the system C compiler on first use (about a second) into a cache folder and
-called through :mod:`ctypes`; no torch headers, nothing to install.
+experts read in the checkpoint's FP4 format, or bf16), the indexer's queries, scores and top-k, the attention's
+projections and a GEMV for the projections of a few tokens. It is plain C (with the GCC / Clang vector extension for
+its accumulators) compiled with the system C compiler on first use (about a second) into a cache folder and called
+through :mod:`ctypes`; no torch headers, nothing to install.
 
 The memory-bound kernels (projections, the MoE, the window step, gathers, mHC mixing, attention, index scores,
 top-k) split their work over the library's own thread pool (:func:`set_threads`; one thread until it is called):

@@ -215,3 +215,20 @@ def test_float64_and_autograd_take_the_torch_code(models, calls):
     q, w = kernel_path(attn.indexer, q_lat.requires_grad_(), x, pos, attn.rope, True)
     (q.sum() + w.sum()).backward()
     assert q_lat.grad is not None and calls == []
+
+
+def test_phases_the_kernel_would_misread_take_the_module_calls(models, calls):
+    """Phases of another token count, of an odd or too wide RoPE, or not fp32, reach no kernel: Indexer.queries
+    then runs its module calls (which use the RoPE module itself)."""
+    model = models[torch.float32]
+    attn = model.layers[2].attn
+    q_lat, x, pos = inputs(model, torch.float32, 2, 3, seed=10)
+    with torch.inference_mode():
+        want = attn.indexer.queries(q_lat, x, pos, attn.rope, True)
+        cos, sin = attn.rope.phases(pos)
+        di = attn.indexer.head_dim
+        for bad in ((cos[:, :2], sin[:, :2]), (cos[..., :-1], sin[..., :-1]), (cos.double(), sin.double()),
+                    (torch.ones(2, 3, di + 2), torch.zeros(2, 3, di + 2))):
+            got = attn.indexer.queries(q_lat, x, pos, attn.rope, True, phases=tuple(t.contiguous() for t in bad))
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert calls == []
