@@ -4,7 +4,7 @@ At decode size (a few tokens) nearly all of a step's time is dispatch: ~3,800 te
 ``cpu_kernels.c`` does the worst chains in one call each: the FP8 window ring (read, quantize, write), FP4
 entries written to and read from pages through the block tables, FP4 / FP8 quantization, RoPE, RMSNorm, the mHC
 mixing (coefficients with Sinkhorn, collapse, expand), the few-query attention, the MoE router and experts (routed
-experts read in the checkpoint's FP4 format, or bf16), the indexer's scores and top-k, the attention's
+experts read in the checkpoint's FP4 format, or bf16), the indexer's queries, scores and top-k, the attention's
 projections, its compressed entries and index keys, and a GEMV for the projections of a few tokens. It is
 plain C (with the GCC / Clang vector extension for its accumulators) compiled with the system C compiler on first
 use (about a second) into a cache folder and called through :mod:`ctypes`; no torch headers, nothing to install.
@@ -87,6 +87,8 @@ _SIGNATURES = {
     "dsv41_attn_epilogue": ([_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P], ctypes.c_int),
     "dsv41_compress": ([_P, ctypes.c_int, _I, _I, _I, _P, _I, _P, _P, _I, _P, ctypes.c_float, _P, _P, _I, _P, _P, _I,
                         _P, _I, _P, ctypes.c_float, _P, _P, _P, _P, _P], ctypes.c_int),
+    "dsv41_indexer_queries": ([_P, _P, ctypes.c_int, _I, _I, _I, _P, _I, _I, _P, _P, _P, _I, ctypes.c_int,
+                               ctypes.c_float, _P, _P], ctypes.c_int),
 }
 
 _state: dict[str, object] = {"lib": None, "tried": False, "off": False, "threads": 1}
@@ -570,6 +572,26 @@ def compress(x: torch.Tensor, positions: torch.Tensor, ratio: int, pending: tupl
     if ratio == 1:
         return latent, positions, None, entries, keys
     return latent, group, (new_pending[:, 0], new_pending[:, 1]), entries, keys
+
+
+def indexer_queries(q_lat: torch.Tensor, x: torch.Tensor, wq_b: torch.Tensor, heads: int, weights_proj: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, fake_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`deepseek_v41.model.indexer.Indexer.queries` in one call: q_lat [B, T, qr], x [B, T, D] and the
+    weights (``wq_b`` [heads * di, qr], ``weights_proj`` [heads, D]) all fp32 or all bf16, RoPE phases ``cos`` /
+    ``sin`` fp32 [B, T, r] (r even, <= di; ``fake_quant``: di a multiple of 32) -> ``(q [B, T, heads, di], w [B, T,
+    heads])`` fp32. RoPE and the FP4 (UE8M0 / 32) fake quant give the torch code's bits; the projections are rounded
+    as in :func:`attn_prologue`, and w is scaled by ``di ** -0.5 * heads ** -0.5`` after them (MODEL_REFERENCE.md
+    §3.9). Raises MemoryError when the kernel's scratch cannot be allocated."""
+    B, T, qr = q_lat.shape
+    di = wq_b.shape[0] // heads
+    q = torch.empty((B, T, heads, di), dtype=torch.float32)
+    w = torch.empty((B, T, heads), dtype=torch.float32)
+    if library().dsv41_indexer_queries(q_lat.data_ptr(), x.data_ptr(), x.dtype == torch.bfloat16, B * T, qr,
+                                       x.shape[-1], wq_b.data_ptr(), heads, di, weights_proj.data_ptr(),
+                                       cos.data_ptr(), sin.data_ptr(), cos.shape[-1], int(fake_quant),
+                                       di ** -0.5 * heads ** -0.5, q.data_ptr(), w.data_ptr()) != 0:
+        raise MemoryError("indexer_queries kernel: no memory for its scratch")
+    return q, w
 
 
 # ------------------------------------------------------------------------------------------------ indexer top-k

@@ -1240,6 +1240,46 @@ int dsv41_compress(const void *x, int bf16, int64_t B, int64_t T, int64_t D, con
     return 0;
 }
 
+/* The indexer's queries of model/indexer.py Indexer.queries for a few tokens, one call instead of its chain of
+ * small ops: q = upcast(fake_quant_fp4(rope(wq_b q_lat))) [N, H, di] (the fake quant, FP4 with a UE8M0 scale per
+ * 32 values, only when fake_quant) and w = upcast(weights_proj x) * scale [N, H]. q_lat [N, qr], x [N, D] and the
+ * weights (wq_b [H * di, qr], w_proj [H, D]) are all fp32 or all bf16 bits; q and w are fp32. RoPE on the last r
+ * dims with phases cos / sin fp32 [N, r]. bf16: the projections and RoPE rounded where the torch code rounds them
+ * (its kernel path's bits), and the fake-quant values rounded to bf16 as its .to(bf16) does before the upcast;
+ * fp32: the GEMVs add in another order than ATen's. RoPE and the fake quant are the torch code's operations, so
+ * its bits. Returns 0, or -1 when scratch cannot be had. */
+int dsv41_indexer_queries(const void *q_lat, const void *x, int bf16, int64_t N, int64_t qr, int64_t D,
+                          const void *wq_b, int64_t H, int64_t di, const void *w_proj, const float *cos_,
+                          const float *sin_, int64_t r, int fake_quant, float scale, float *q, float *w) {
+    int64_t widest = qr > D ? qr : D;
+    /* bf16: the GEMVs' widened inputs (N * max(qr, D) floats) and their bf16 outputs (the heads, the weights);
+     * fp32: the GEMVs write straight into q and w. */
+    float *scratch = bf16 ? malloc((size_t)(N * widest) * sizeof(float)) : NULL;
+    uint16_t *heads = bf16 ? malloc((size_t)(N * H * di + N * H) * sizeof(uint16_t)) : NULL;
+    if (bf16 && !(scratch && heads)) {
+        free(scratch);
+        free(heads);
+        return -1;
+    }
+    void *qh = bf16 ? (void *)heads : (void *)q, *wh = bf16 ? (void *)(heads + N * H * di) : (void *)w;
+    linear_into(q_lat, bf16, N, 1, qr, wq_b, bf16, H * di, qh, bf16, scratch);
+    rope_rows(qh, bf16, cos_, sin_, N, H, di, r, 1, qh);
+    if (bf16) bf16_row(heads, N * H * di, q);  /* upcast (exact) */
+    if (fake_quant)
+        for (int64_t row = 0; row < N * H; row++) {
+            float *v = q + row * di;
+            /* In place: each block's amax is taken before its values are written, each pair read before written. */
+            fp4_quantize_row(v, di, 32, FMT_UE8M0, NULL, NULL, v);
+            if (bf16)
+                for (int64_t i = 0; i < di; i++) v[i] = from_bits((uint32_t)bf16_round(v[i]) << 16);
+        }
+    linear_into(x, bf16, N, 1, D, w_proj, bf16, H, wh, bf16, scratch);
+    for (int64_t i = 0; i < N * H; i++) w[i] = load_at(wh, bf16, i) * scale;
+    free(scratch);
+    free(heads);
+    return 0;
+}
+
 /* ----------------------------------------------------------------------------- routed and shared experts */
 
 /* The experts of one dsv41_moe call (model/moe.py Expert: out += gain * w2 (silu(min(gate, limit)) *

@@ -267,7 +267,7 @@ class Attention(nn.Module):
             if self.compressor is not None and compress:
                 self.compress(x, ctx)
             if self.indexer is not None:
-                ctx.shared[("topk", self.spec.layer_id)] = self.select(q_lat, x, ctx)
+                ctx.shared[("topk", self.spec.layer_id)] = self.select(q_lat, x, ctx, phases)
             topk = ctx.shared[("topk", self.spec.index_source)]
             source = self.spec.kv_source
 
@@ -421,8 +421,10 @@ class Attention(nn.Module):
             table = cache[PAIR_PHASES] = {"positions": torch.cat((pos[:, :1] - 1, pos), 1)}
         return self.rope.phases(table["positions"], table)
 
-    def select(self, q_lat: torch.Tensor, x: torch.Tensor, ctx) -> torch.Tensor:
+    def select(self, q_lat: torch.Tensor, x: torch.Tensor, ctx,
+               phases: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Top-k entry indices [B, T, k] of this index-source layer (-1 = none), k = min(index_topk, entries).
+        ``phases``: those of :meth:`_few_token_phases` (the indexer's queries then take their kernel), or None.
 
         The candidate source also records its pool (block mask) in ``ctx.shared``; a Reindex layer after it
         scores only inside that pool.
@@ -436,7 +438,7 @@ class Attention(nn.Module):
         k = min(self.index_topk, N)
         if k == 0:
             return torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
-        q, w = self.indexer.queries(q_lat, x, ctx.positions, self.rope, ctx.fake_quant, ctx.shared)
+        q, w = self.indexer.queries(q_lat, x, ctx.positions, self.rope, ctx.fake_quant, ctx.shared, phases)
         visible = torch.div(ctx.positions + 1, spec.compress_ratio, rounding_mode="floor")
         picks, pools, picked_scores, selections = [], [], [], []
         all_entries = torch.arange(N, device=x.device)

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from deepseek_v41 import kernels
+from deepseek_v41.model.hooks import unobserved
 from deepseek_v41.model.linear import Linear
-from deepseek_v41.model.norm import RMSNorm, cast, upcast
+from deepseek_v41.model.norm import RMSNorm, cast, fused, upcast
 from deepseek_v41.quant import fake_quant_fp4
 
 QUERY_CHUNK = 256
@@ -45,15 +46,45 @@ class Indexer(nn.Module):
         return rope(self.k_norm(self.wk(latent)), positions)
 
     def queries(self, q_lat: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: nn.Module,
-                fake_quant: bool, rope_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries [B, T, Hi, di] and head weights [B, T, Hi], fp32 (float64 for a float64 model);
-        ``rope_cache`` as in :meth:`~deepseek_v41.model.rope.RotaryEmbedding.phases`."""
+                fake_quant: bool, rope_cache: dict | None = None,
+                phases: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [B, T, Hi, di] and head weights [B, T, Hi], fp32 (float64 for a float64 model) of q_lat [B, T,
+        q_lora_rank] and x [B, T, dim]; ``rope_cache`` as in :meth:`~deepseek_v41.model.rope.RotaryEmbedding.phases`.
+
+        ``phases``: the RoPE phases (cos, sin) fp32 [B, T, r] of ``rope`` at ``positions`` that the attention
+        computed for its few-token kernels (:meth:`~deepseek_v41.model.attention.Attention._few_token_phases`: at
+        most FEW_ROWS tokens in inference mode on the CPU, a plain RoPE module). With them and plain projections
+        (:meth:`_plain_projections`) one kernel call (:func:`deepseek_v41.kernels.indexer_queries`) stands in for
+        the module calls below."""
+        if phases is not None and self._plain_projections(q_lat, x, phases, fake_quant):
+            return kernels.indexer_queries(q_lat, x, self.wq_b.weight, self.n_heads, self.weights_proj.weight,
+                                           *phases, fake_quant)
         B, T, _ = q_lat.shape
         q = rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), positions, cache=rope_cache)
         if fake_quant:
             q = fake_quant_fp4(q, 32, "ue8m0")
         w = upcast(self.weights_proj(x)) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return upcast(q), w
+
+    def _plain_projections(self, q_lat: torch.Tensor, x: torch.Tensor, phases: tuple[torch.Tensor, torch.Tensor],
+                           fake_quant: bool) -> bool:
+        """Whether :func:`kernels.indexer_queries` computes exactly what the module calls of :meth:`queries` would
+        (to rounding): q_lat and x [B, T, ...] of one dtype; plain ``wq_b`` / ``weights_proj`` (no hook, no
+        wrapper, no bias) with weights of that dtype and of the shapes the kernel reads (any other shape takes the
+        module calls, which raise); phases fp32 [B, T, r], r even and <= head_dim; head_dim a multiple of the fake
+        quant's block of 32; all of them contiguous on the CPU in inference mode."""
+        wq_b, proj = self.wq_b, self.weights_proj
+        (cos, sin), di = phases, self.head_dim
+        r = cos.shape[-1]
+        if not (unobserved(wq_b, Linear) and unobserved(proj, Linear) and wq_b._parameters.get("bias") is None
+                and proj._parameters.get("bias") is None and q_lat.dim() == x.dim() == 3
+                and q_lat.shape[:2] == x.shape[:2] and q_lat.dtype == x.dtype and r <= di and r % 2 == 0
+                and cos.shape == sin.shape == (*x.shape[:2], r) and cos.dtype == sin.dtype == torch.float32
+                and (di % 32 == 0 or not fake_quant)):
+            return False
+        w_q, w_p, Hi = wq_b._parameters["weight"], proj._parameters["weight"], self.n_heads
+        return (w_q.shape == (Hi * di, q_lat.shape[-1]) and w_p.shape == (Hi, x.shape[-1])
+                and w_q.dtype == w_p.dtype == x.dtype and fused(q_lat, x, w_q, w_p, cos, sin))
 
 
 class IndexScorer(nn.Module):
