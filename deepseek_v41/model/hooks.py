@@ -16,6 +16,12 @@ def hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
+def global_hooks() -> bool:
+    """Whether a global module hook (``torch.nn.modules.module.register_module_forward_hook`` and the like) is
+    registered: it observes every module call."""
+    return any(_GLOBAL_HOOKS)
+
+
 def unobserved(m: nn.Module, cls: type[nn.Module]) -> bool:
     """True when ``m`` is a ``cls`` (not a subclass) with no hook of its own and no global module hook: then
     computing its output directly is exactly calling it."""

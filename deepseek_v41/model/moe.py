@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepseek_v41 import kernels
-from deepseek_v41.model.hooks import hooked, unobserved
+from deepseek_v41.model.hooks import global_hooks, hooked, unobserved
 from deepseek_v41.model.linear import linear
 from deepseek_v41.model.norm import cast, fused, upcast
 from deepseek_v41.quant.weights import FP4_EXPERT_BLOCK
@@ -68,6 +68,34 @@ class Expert(nn.Module):
 def _plain(m: nn.Module) -> bool:
     """:meth:`Expert.plain` of any module standing where an expert does (a wrapper that is no Expert: False)."""
     return isinstance(m, Expert) and m.plain()
+
+
+def _plain_own(m: nn.Module) -> bool:
+    """:func:`_plain` without the global-hook check (the caller makes it once for many experts)."""
+    if type(m) is not Expert or hooked(m):
+        return False
+    for lin in m._modules.values():
+        if type(lin) is not nn.Linear or hooked(lin) or lin._parameters.get("bias") is not None:
+            return False
+    return True
+
+
+def _stamp(params: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    """Where each tensor's data is and its version counter: changes when a weight moves or changes in place."""
+    return tuple(v for p in params for v in (p.data_ptr(), p._version))
+
+
+def _remake(e: int, params: tuple[torch.Tensor, torch.Tensor, torch.Tensor], copies, keys: list, exact: list,
+            fill) -> bool | None:
+    """(Re)make expert e's copies from its weights ``(w1, w3, w2)`` with ``fill`` (MoE._expert_copies) and record
+    them; whether they are exact, None when they cannot be made (nothing recorded then)."""
+    with torch.inference_mode(False), torch.no_grad():
+        made = fill(e, params, copies)
+    if made is None:
+        return None
+    exact[e] = made
+    keys[e] = (*params, _stamp(params))
+    return made
 
 
 def _linear_weight(expert: nn.Module, name: str) -> torch.Tensor | None:
@@ -344,11 +372,14 @@ class MoE(nn.Module):
     def _picked(self, picked: Iterable[int] | None) -> tuple[list[nn.Module], list[int] | range, torch.Tensor] | None:
         """``(experts, picked ids, a picked expert's w1 weight)`` when every picked expert (None: every expert) is
         plain (:meth:`Expert.plain`); None otherwise. The weight gives dtype and shape: an unpicked expert may be
-        wrapped (a LoRA-like module has no weight)."""
+        wrapped (a LoRA-like module has no weight). A batch-8 decode step checks ~12 experts per layer, so the
+        checks are written out (global hooks once, not per expert)."""
         mods = list(self.experts._modules.values())
         ids = range(len(mods)) if picked is None else list(picked)  # iterated more than once (not a generator)
+        if global_hooks():
+            return None
         for e in ids:
-            if not _plain(mods[e]):
+            if not _plain_own(mods[e]):
                 return None
         w1 = _linear_weight(mods[ids[0]] if len(ids) else mods[0], "w1")
         return None if w1 is None else (mods, ids, w1)
@@ -368,33 +399,29 @@ class MoE(nn.Module):
                 state = (alloc(), [None] * len(mods), [False] * len(mods))
             setattr(self, attr, state)
         copies, keys, exact = state
-        remade = []
-
-        def refresh(e: int) -> bool | None:
-            """Remake expert e's copies if its weights changed; whether they are exact (None: cannot be made)."""
+        remade = False
+        for e in ids:
             m = mods[e]._modules
-            params = (m["w1"]._parameters["weight"], m["w3"]._parameters["weight"], m["w2"]._parameters["weight"])
+            w1, w3, w2 = m["w1"]._parameters["weight"], m["w3"]._parameters["weight"], m["w2"]._parameters["weight"]
             key = keys[e]
             # The parameters themselves are in the key: a replaced one is another object, even at a reused address.
-            if (key is None or any(p is not k for p, k in zip(params, key[0], strict=True))
-                    or key[1] != [(p.data_ptr(), p._version) for p in params]):
-                with torch.inference_mode(False), torch.no_grad():
-                    made = fill(e, params, copies)
-                if made is None:
+            if (key is None or key[0] is not w1 or key[1] is not w3 or key[2] is not w2
+                    or key[3] != (w1.data_ptr(), w1._version, w3.data_ptr(), w3._version, w2.data_ptr(), w2._version)):
+                if _remake(e, (w1, w3, w2), copies, keys, exact, fill) is None:
                     return None
-                exact[e] = made
-                keys[e] = (params, [(p.data_ptr(), p._version) for p in params])
-                remade.append(e)
-            return exact[e]
-
-        for e in ids:
-            if not refresh(e):
+                remade = True
+            if not exact[e]:
                 return None
         if remade:  # the other plain experts' too, as far as they can be made
             picked = set(ids)
             for e in range(len(mods)):
+                key = keys[e]
                 if e not in picked and _plain(mods[e]):
-                    refresh(e)
+                    m = mods[e]._modules
+                    params = tuple(m[name]._parameters["weight"] for name in ("w1", "w3", "w2"))
+                    if (key is None or any(k is not w for k, w in zip(key[:3], params, strict=True))
+                            or key[3] != _stamp(params)):
+                        _remake(e, params, copies, keys, exact, fill)
         return copies
 
     def _stacked_bf16(self, mods: list[nn.Module], ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
