@@ -253,20 +253,22 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         pos = ctx.positions
         phases = self._few_token_phases(x, pos, ctx.shared)
-        if phases is not None and self._plain_projections(x):  # one kernel call for the seven module calls below
-            q_lat, q, kv = kernels.attn_prologue(x, self.wq_a.weight, self.q_norm.weight, self.q_norm.eps,
-                                                 self.wq_b.weight, self.n_heads, self.wkv.weight, self.kv_norm.weight,
-                                                 self.kv_norm.eps, *phases)
+        weights = self._plain_projections(x) if phases is not None else None
+        if weights is not None:  # one kernel call for the seven module calls below
+            wq_a, q_norm, wq_b, wkv, kv_norm = weights
+            q_lat, q, kv = kernels.attn_prologue(x, wq_a, q_norm, self._modules["q_norm"].eps, wq_b, self.n_heads, wkv,
+                                                 kv_norm, self._modules["kv_norm"].eps, *phases)
         else:
             q_lat = self.q_norm(self.wq_a(x))
             q = self.rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), pos, cache=ctx.shared)
             kv = self.rope(self.kv_norm(self.wkv(x)), pos, cache=ctx.shared)
         keys, key_pos = ctx.window(self.spec.layer_id, kv)
         topk = gather = shared = None
+        compressor, indexer = self._modules.get("compressor"), self._modules.get("indexer")  # (None: not a source)
         if self.spec.role is not LayerRole.WINDOW:
-            if self.compressor is not None and compress:
-                self.compress(x, ctx)
-            if self.indexer is not None:
+            if compressor is not None and compress:
+                self.compress(x, ctx, phases)
+            if indexer is not None:
                 ctx.shared[("topk", self.spec.layer_id)] = self.select(q_lat, x, ctx, phases)
             topk = ctx.shared[("topk", self.spec.index_source)]
             source = self.spec.kv_source
@@ -279,9 +281,10 @@ class Attention(nn.Module):
             if ctx.drop_compressed:  # ablation: window attention only
                 topk = None
 
-        train_indexer = self.indexer is not None and ctx.indexer_losses is not None
-        o = self.core(q, pos, keys, key_pos, self.window, topk, gather, self.attn_sink, self.head_dim ** -0.5,
-                      self.query_chunk, ctx.banded_window, entry_probs=train_indexer, shared_entries=shared)
+        train_indexer = indexer is not None and ctx.indexer_losses is not None
+        o = self._modules["core"](q, pos, keys, key_pos, self.window, topk, gather, self._parameters["attn_sink"],
+                                  self.head_dim ** -0.5, self.query_chunk, ctx.banded_window, entry_probs=train_indexer,
+                                  shared_entries=shared)
         if train_indexer:
             o, entry_probs = o
             ctx.indexer_losses.append(indexer_kl(entry_probs, ctx.shared.pop(("indexer_scores", self.spec.layer_id)),
@@ -290,8 +293,9 @@ class Attention(nn.Module):
                 ctx.indexer_recall.append(
                     (self.spec.layer_id, *indexer_recall(entry_probs, ctx.shared.pop(("selection", self.spec.layer_id)),
                                                          topk)))
-        if phases is not None and self._plain_output(o):  # inverse RoPE, wo_a and wo_b in one kernel call
-            return kernels.attn_epilogue(o, *phases, self.wo_a.weight, self.o_groups, self.wo_b.weight)
+        out_weights = self._plain_output(o) if phases is not None else None
+        if out_weights is not None:  # inverse RoPE, wo_a and wo_b in one kernel call
+            return kernels.attn_epilogue(o, *phases, out_weights[0], self.o_groups, out_weights[1])
         o = self.rope(o, pos, inverse=True, cache=ctx.shared)
         return self.wo_b(self.wo_a(o.reshape(B, T, self.o_groups, -1)))
 
@@ -300,48 +304,55 @@ class Attention(nn.Module):
         """RoPE phases (cos, sin) fp32 [B, T, r] when the few-token kernels (:func:`kernels.attn_prologue` /
         :func:`~deepseek_v41.kernels.attn_epilogue`) may stand in for the module calls: at most FEW_ROWS tokens
         x [B, T, D] in inference mode on the CPU, and a plain RoPE module; else None."""
-        r = self.rope.rope_dim
+        rope = self._modules["rope"]  # (submodules through _modules: Module.__getattr__ costs ~1 µs a lookup)
+        r = rope.rope_dim
         if not (x.dim() == 3 and x.shape[0] * x.shape[1] <= kernels.FEW_ROWS and 0 < r <= self.head_dim
-                and r % 2 == 0 and fused(x) and unobserved(self.rope, RotaryEmbedding)):
+                and r % 2 == 0 and fused(x) and unobserved(rope, RotaryEmbedding)):
             return None
-        cos, sin = self.rope.phases(pos, cache)
+        cos, sin = rope.phases(pos, cache)
         if cos.dtype != torch.float32 or cos.shape != (*x.shape[:2], r) or not fused(cos, sin):
             return None
         return cos, sin
 
-    def _plain_projections(self, x: torch.Tensor) -> bool:
-        """Whether calling ``wq_a``, ``q_norm``, ``wq_b``, ``wkv``, ``kv_norm`` is exactly computing them: plain
-        modules (no hook, no wrapper, no bias), contiguous weights of x's dtype and of the shapes the kernel reads
-        (a replaced weight of another shape takes the module calls, which raise)."""
+    def _plain_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The weights of ``wq_a``, ``q_norm``, ``wq_b``, ``wkv``, ``kv_norm`` when calling them is exactly computing
+        them: plain modules (no hook, no wrapper, no bias), contiguous weights of x's dtype and of the shapes the
+        kernel reads (a replaced weight of another shape takes the module calls, which raise); else None."""
         weights = []
-        for m, cls in ((self.wq_a, Linear), (self.q_norm, RMSNorm), (self.wq_b, Linear), (self.wkv, Linear),
-                       (self.kv_norm, RMSNorm)):
+        modules = self._modules
+        for name, cls in (("wq_a", Linear), ("q_norm", RMSNorm), ("wq_b", Linear), ("wkv", Linear),
+                          ("kv_norm", RMSNorm)):
+            m = modules[name]
             if not unobserved(m, cls) or m._parameters.get("bias") is not None:
-                return False
+                return None
             weights.append(m._parameters["weight"])
         D, qr, d = x.shape[-1], weights[0].shape[0] if weights[0].dim() == 2 else -1, self.head_dim
         shapes = ((qr, D), (qr,), (self.n_heads * d, qr), (d, D), (d,))
-        return (all(w.dtype == x.dtype and w.shape == s for w, s in zip(weights, shapes, strict=True))
-                and fused(*weights))
+        if all(w.dtype == x.dtype and w.shape == s for w, s in zip(weights, shapes, strict=True)) and fused(*weights):
+            return tuple(weights)
+        return None
 
-    def _plain_output(self, o: torch.Tensor) -> bool:
-        """The same for ``wo_a`` (a GroupedLinear) and ``wo_b`` on the attention output o [B, T, H, d]."""
-        if not (unobserved(self.wo_a, GroupedLinear) and unobserved(self.wo_b, Linear)
-                and self.wo_b._parameters.get("bias") is None and o.dim() == 4 and fused(o)):
-            return False
-        wo_a, wo_b = self.wo_a._parameters["weight"], self.wo_b._parameters["weight"]
+    def _plain_output(self, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The same for ``wo_a`` (a GroupedLinear) and ``wo_b`` on the attention output o [B, T, H, d]: their
+        weights, or None."""
+        a, b = self._modules["wo_a"], self._modules["wo_b"]
+        if not (unobserved(a, GroupedLinear) and unobserved(b, Linear) and b._parameters.get("bias") is None
+                and o.dim() == 4 and fused(o)):
+            return None
+        wo_a, wo_b = a._parameters["weight"], b._parameters["weight"]
         G, (H, d) = self.o_groups, o.shape[2:]
-        if not (self.wo_a.groups == G and wo_a.dim() == 2 and wo_a.shape[0] % G == 0 and H * d % G == 0
+        if not (a.groups == G and wo_a.dim() == 2 and wo_a.shape[0] % G == 0 and H * d % G == 0
                 and wo_a.shape[1] == H * d // G and wo_b.dim() == 2 and wo_b.shape[1] == wo_a.shape[0]):
-            return False
-        return wo_a.dtype == wo_b.dtype == o.dtype and fused(wo_a, wo_b)
+            return None
+        return (wo_a, wo_b) if wo_a.dtype == wo_b.dtype == o.dtype and fused(wo_a, wo_b) else None
 
-    def compress(self, x: torch.Tensor, ctx) -> None:
+    def compress(self, x: torch.Tensor, ctx, phases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Run the compressor over x [B, T, D] and store the completed entries and their index keys (a few tokens
-        in inference mode on the CPU: one kernel call, :meth:`_compress_few`)."""
+        in inference mode on the CPU: one kernel call, :meth:`_compress_few`; ``phases``: the forward's
+        :meth:`_few_token_phases` of x, when it has them)."""
         layer = self.spec.layer_id
         pending = ctx.pending(layer)
-        if self._compress_few(x, ctx, pending):
+        if self._compress_few(x, ctx, pending, phases):
             return
         latent, group, pending = self.compressor(x, ctx.positions, pending)
         ctx.set_pending(layer, pending)
@@ -351,21 +362,23 @@ class Attention(nn.Module):
         key_input = latent.detach() if ctx.indexer_losses is not None else latent
         ctx.add_entries(layer, self.rope(latent, entry_pos), self.indexer.keys(key_input, entry_pos, self.rope), group)
 
-    def _compress_few(self, x: torch.Tensor, ctx, pending: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    def _compress_few(self, x: torch.Tensor, ctx, pending: tuple[torch.Tensor, torch.Tensor] | None,
+                      phases: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """:meth:`compress` in one :func:`kernels.compress` call (compressor, entry RoPE, index keys) plus
         ``ctx.set_pending`` / ``ctx.add_entries``, when that is exactly what the module calls compute: a few tokens
         (:meth:`_few_token_phases`), plain modules of the shapes the kernel reads (:meth:`_plain_compressor`),
         int64 positions, fp32 pending pairs [B, d] and no indexer training. Returns False, having done nothing,
-        otherwise (the caller then runs the module calls)."""
+        otherwise (the caller then runs the module calls). ``phases``: :meth:`_few_token_phases` of x if known."""
         weights = self._plain_compressor(x)
         pos = ctx.positions
         if weights is None or ctx.indexer_losses is not None or x.shape[1] == 0:
             return False
-        phases = self._few_token_phases(x, pos, ctx.shared)
+        if phases is None:
+            phases = self._few_token_phases(x, pos, ctx.shared)
         if phases is None or pos.dtype != torch.int64 or pos.shape != x.shape[:2] or not pos.is_cpu:
             return False
         pos = pos.contiguous()  # DenseContext's positions: one arange expanded over the rows
-        ratio = self.compressor.ratio
+        ratio = self._modules["compressor"].ratio
         if ratio == 2 and pending is not None:
             kv, score = pending
             shape = (x.shape[0], self.head_dim)
@@ -389,15 +402,16 @@ class Attention(nn.Module):
         them: plain modules (no hook, no wrapper, no bias; the RoPE module is checked by
         :meth:`_few_token_phases`), contiguous weights of x's dtype and of the shapes the kernel reads (a replaced
         weight of another shape takes the module calls, which raise); else None."""
-        c, ix = self.compressor, self.indexer
-        if not (unobserved(c, Compressor) and unobserved(ix, Indexer) and hasattr(ix, "wk")
+        c, ix = self._modules["compressor"], self._modules["indexer"]
+        if not (unobserved(c, Compressor) and unobserved(ix, Indexer) and "wk" in ix._modules
                 and c.ratio == self.spec.compress_ratio):
             return None
         D, d, di = x.shape[-1], self.head_dim, ix.head_dim
-        shapes = [(c.wkv, Linear, (d, D)), (c.norm, RMSNorm, (d,)), (ix.wk, Linear, (di, d)),
-                  (ix.k_norm, RMSNorm, (di,))]
+        cm, im = c._modules, ix._modules
+        shapes = [(cm["wkv"], Linear, (d, D)), (cm["norm"], RMSNorm, (d,)), (im["wk"], Linear, (di, d)),
+                  (im["k_norm"], RMSNorm, (di,))]
         if c.ratio == 2:
-            shapes.append((c.wgate, Linear, (d, D)))
+            shapes.append((cm["wgate"], Linear, (d, D)))
         weights = []
         for m, cls, shape in shapes:
             if not unobserved(m, cls) or m._parameters.get("bias") is not None:
@@ -406,10 +420,10 @@ class Attention(nn.Module):
             if w.dtype != x.dtype or w.shape != shape:
                 return None
             weights.append(w)
-        if self.rope.rope_dim > di or not fused(*weights):
+        if self._modules["rope"].rope_dim > di or not fused(*weights):
             return None
         wkv, norm, wk, k_norm = weights[:4]
-        return wkv, weights[4] if c.ratio == 2 else None, norm, c.norm.eps, wk, k_norm, ix.k_norm.eps
+        return wkv, weights[4] if c.ratio == 2 else None, norm, cm["norm"].eps, wk, k_norm, im["k_norm"].eps
 
     def _pair_phases(self, pos: torch.Tensor, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE phases (cos, sin) fp32 [B, T + 1, r] at positions ``start - 1 .. start + T - 1`` of each row of
@@ -438,7 +452,8 @@ class Attention(nn.Module):
         k = min(self.index_topk, N)
         if k == 0:
             return torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
-        q, w = self.indexer.queries(q_lat, x, ctx.positions, self.rope, ctx.fake_quant, ctx.shared, phases)
+        indexer = self._modules["indexer"]
+        q, w = indexer.queries(q_lat, x, ctx.positions, self._modules["rope"], ctx.fake_quant, ctx.shared, phases)
         visible = torch.div(ctx.positions + 1, spec.compress_ratio, rounding_mode="floor")
         picks, pools, picked_scores, selections = [], [], [], []
         all_entries = torch.arange(N, device=x.device)
@@ -451,7 +466,7 @@ class Attention(nn.Module):
                 # Reindex: score only the entries of each query's candidate pool.
                 blocks = ctx.shared[("pool", spec.candidate_source)][:, i0:i1]
                 ids, valid = pool_entries(blocks, self.candidate_block_size, self.candidate_topk_blocks, N)
-                scores = self.indexer.score(qc, wc, ctx.index_keys_at(spec.kv_source, ids))
+                scores = indexer.score(qc, wc, ctx.index_keys_at(spec.kv_source, ids))
                 scores = mask_invisible(scores, ids, vis).masked_fill(~valid, float("-inf"))
                 local = topk_entries(scores, min(k, ids.shape[-1]))
                 picks.append(torch.where(local >= 0, ids.gather(-1, local.clamp(min=0)), -1))
@@ -462,7 +477,7 @@ class Attention(nn.Module):
             if scores is None:
                 if keys is None:
                     keys = ctx.index_keys(spec.kv_source)
-                scores = self.indexer.score(qc, wc, keys)
+                scores = indexer.score(qc, wc, keys)
             scores = mask_invisible(scores, all_entries, vis)
             if spec.is_candidate_source:
                 pools.append(candidate_blocks(scores, vis, self.candidate_block_size, self.candidate_topk_blocks))

@@ -81,9 +81,10 @@ def collapse(streams: torch.Tensor, weights: torch.Tensor, wide: torch.Tensor | 
     the streams already upcast (``upcast(streams)``), when the caller has them. ``norm``: returns
     ``norm(collapse(...))`` (the sub-layer input), fused for fp32 on the CPU."""
     if (norm is not None and few_rows(streams) and unobserved(norm, RMSNorm)
-            and fused(streams, weights, norm.weight)):
+            and fused(streams, weights, norm._parameters["weight"])):
         wide = upcast(streams) if wide is None else wide
-        return cast(kernels.hc_collapse(wide, upcast(weights), upcast(norm.weight), norm.eps), streams.dtype)
+        weight = norm._parameters["weight"]  # (not norm.weight: Module.__getattr__ costs ~1 µs a lookup)
+        return cast(kernels.hc_collapse(wide, upcast(weights), upcast(weight), norm.eps), streams.dtype)
     if norm is not None:
         return norm(collapse(streams, weights, wide))
     wide = upcast(streams) if wide is None else wide

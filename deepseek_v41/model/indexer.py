@@ -57,8 +57,9 @@ class Indexer(nn.Module):
         (:meth:`_plain_projections`) one kernel call (:func:`deepseek_v41.kernels.indexer_queries`) stands in for
         the module calls below."""
         if phases is not None and self._plain_projections(q_lat, x, phases, fake_quant):
-            return kernels.indexer_queries(q_lat, x, self.wq_b.weight, self.n_heads, self.weights_proj.weight,
-                                           *phases, fake_quant)
+            m = self._modules  # (not self.wq_b: Module.__getattr__ costs ~1 µs a lookup)
+            return kernels.indexer_queries(q_lat, x, m["wq_b"]._parameters["weight"], self.n_heads,
+                                           m["weights_proj"]._parameters["weight"], *phases, fake_quant)
         B, T, _ = q_lat.shape
         q = rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), positions, cache=rope_cache)
         if fake_quant:
@@ -73,7 +74,7 @@ class Indexer(nn.Module):
         wrapper, no bias) with weights of that dtype and of the shapes the kernel reads (any other shape takes the
         module calls, which raise); phases fp32 [B, T, r], r even and <= head_dim; head_dim a multiple of the fake
         quant's block of 32; all of them contiguous on the CPU in inference mode."""
-        wq_b, proj = self.wq_b, self.weights_proj
+        wq_b, proj = self._modules["wq_b"], self._modules["weights_proj"]
         (cos, sin), di = phases, self.head_dim
         r = cos.shape[-1]
         if not (unobserved(wq_b, Linear) and unobserved(proj, Linear) and wq_b._parameters.get("bias") is None

@@ -64,10 +64,11 @@ class RotaryEmbedding(nn.Module):
         ``cache``: a dict that lives for one forward whose positions do not change (the context's ``shared``):
         every layer with this table then reuses one computation. Keyed by the table's settings, dtype and
         device, so tables built alike share it."""
-        key = ("rope", *self._table, self.inv_freq.dtype, self.inv_freq.device)
+        inv_freq = self._buffers["inv_freq"]  # (not self.inv_freq: Module.__getattr__ costs ~1 µs a lookup)
+        key = ("rope", *self._table, inv_freq.dtype, inv_freq.device)
         if cache is not None and key in cache:
             return cache[key]
-        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, r/2]
+        angles = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, r/2]
         cos, sin = torch.cos(angles), torch.sin(angles)
         cos = torch.stack((cos, cos), -1).flatten(-2)
         sin = torch.stack((-sin, sin), -1).flatten(-2)

@@ -55,23 +55,25 @@ class Block(nn.Module):
             self.engram = Engram(cfg, spec.layer_id)
 
     def mix(self, site: str, streams: torch.Tensor):
-        return hc_mix(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                      getattr(self, f"hc_{site}_scale"), self.hc, self.norm_eps, self.hc_eps, self.hc_iters)
+        p = self._parameters  # (not getattr: Module.__getattr__ costs ~1 µs a lookup)
+        return hc_mix(streams, p[f"hc_{site}_fn"], p[f"hc_{site}_base"], p[f"hc_{site}_scale"], self.hc, self.norm_eps,
+                      self.hc_eps, self.hc_iters)
 
     def attention_input(self, streams: torch.Tensor, pre: torch.Tensor, wide: torch.Tensor | None = None
                         ) -> torch.Tensor:
         """The normalised attention input [B, T, D] (also what a kv source's compressor reads)."""
-        return collapse(streams, pre, wide, norm=self.attn_norm)
+        return collapse(streams, pre, wide, norm=self._modules["attn_norm"])
 
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, ctx, image_mask: torch.Tensor | None = None,
                 compress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         wide = upcast(streams)  # one fp32 copy per site for bf16 streams, shared by mix / collapse / expand
+        modules = self._modules  # (not self.attn etc.: Module.__getattr__ costs ~1 µs a lookup)
         a_pre, a_post, a_comb = self.mix("attn", wide)
-        y = self.attn(self.attention_input(streams, pre, wide), ctx, compress=compress)
+        y = modules["attn"](self.attention_input(streams, pre, wide), ctx, compress=compress)
         streams = expand(streams, y, a_post, a_comb, wide)
         wide = upcast(streams)
         f_pre, f_post, f_comb = self.mix("ffn", wide)
-        y = self.ffn(collapse(streams, a_pre, wide, norm=self.ffn_norm), image_mask)
+        y = modules["ffn"](collapse(streams, a_pre, wide, norm=modules["ffn_norm"]), image_mask)
         return expand(streams, y, f_post, f_comb, wide), f_pre
 
 
@@ -165,8 +167,9 @@ class Transformer(nn.Module):
         """Run ``layers`` in order. ``engram_rows[layer]`` [B, T, columns] feeds Engram layers; ``taps``, when
         given, receives each layer's input residual streams (DSpark target features); layers in
         ``skip_compress`` do not run their compressor (CED: it already ran over every token)."""
+        blocks = list(self._modules["layers"]._modules.values())  # (indexing a ModuleList costs ~1 µs)
         for j in layers:
-            block = self.layers[j]
+            block = blocks[j]
             if block.engram is not None:
                 streams = block.engram(streams, engram_rows[j], image_mask)
             if taps is not None:

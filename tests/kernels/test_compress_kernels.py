@@ -154,7 +154,7 @@ def test_forward_takes_the_kernel_for_a_few_tokens_only(models, dtype, counted, 
             got = model(ids)
         assert len(counted) - before == (len(KV_SOURCES) if takes else 0)
         with monkeypatch.context() as m, torch.inference_mode():
-            m.setattr(Attention, "_compress_few", lambda self, x, ctx, pending: False)
+            m.setattr(Attention, "_compress_few", lambda self, x, ctx, pending, phases=None: False)
             want = model(ids)
         assert len(counted) - before == (len(KV_SOURCES) if takes else 0)
         tol = 0.05 if dtype == torch.bfloat16 else 1e-5
@@ -216,7 +216,7 @@ def test_engine_decode_takes_the_kernel_with_the_same_tokens(counted, monkeypatc
     else:
         assert all(counted)
     with monkeypatch.context() as m:
-        m.setattr(Attention, "_compress_few", lambda self, x, ctx, pending: False)
+        m.setattr(Attention, "_compress_few", lambda self, x, ctx, pending, phases=None: False)
         want_tokens, want_logprobs = run()
     assert len(counted) == len(KV_SOURCES) * decode_steps
     assert tokens == want_tokens and all(len(t) == 10 for t in tokens)
