@@ -76,7 +76,10 @@ _SIGNATURES = {
     "dsv41_gate": ([_P, _I, _I, _P, _I, _P, _I, ctypes.c_int, ctypes.c_float, _P, _P, _P], None),
     "dsv41_swiglu": ([_P, _P, _I, _I, _I, ctypes.c_float, _P], None),
     "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I,
-                            ctypes.c_int, _P], ctypes.c_int),
+                            ctypes.c_int, _P, _P], ctypes.c_int),
+    "dsv41_pool_select": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I, _I,
+                           _I, _P, _I, _P], ctypes.c_int),
+    "dsv41_candidate_blocks": ([_P, _P, _I, _I, _I, _I, _P], ctypes.c_int),
     "dsv41_moe": ([_P, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _I, _I, ctypes.c_float, _P,
                    _P, _P, ctypes.c_int, _I, _P], ctypes.c_int),
     "dsv41_topk_set": ([_P, _I, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
@@ -310,10 +313,13 @@ def window_step(ring_codes: torch.Tensor, ring_scales: torch.Tensor, ring_pos: t
 
 
 def index_scores(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str, tables: torch.Tensor, ratio: int,
-                 block_size: int, q: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+                 block_size: int, q: torch.Tensor, w: torch.Tensor, n: int,
+                 visible: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer scores ``Σ_h w_h relu(q_h · k_s)`` fp32 [B, c, n] of queries q fp32 [B, c, H, di] with head weights
     w fp32 [B, c, H] against entries 0 .. n-1 of each row's FP4 index keys (a pool as in :func:`fp4_gather`),
-    decoded on the fly. Raises IndexError when an entry lies past its block table."""
+    decoded on the fly; with ``visible`` int64 [B, c], -inf from each query's visible count on
+    (:func:`~deepseek_v41.model.indexer.mask_invisible`). Raises IndexError when an entry lies past its block
+    table."""
     pages, per_page, half = codes.shape
     B, c, H, di = q.shape
     out = torch.empty((B, c, n), dtype=torch.float32)
@@ -321,7 +327,8 @@ def index_scores(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str
     lut = n >= INDEX_LUT_ROWS and H <= 64 and di // 2 * 256 * -(-H // 4) * 4 <= 1 << 16
     status = library().dsv41_index_scores(codes.data_ptr(), scales.data_ptr(), pages, per_page, 2 * half, block,
                                           FP4_FORMATS[fmt], tables.data_ptr(), tables.shape[1], ratio, block_size,
-                                          q.data_ptr(), w.data_ptr(), B, c, H, n, int(lut), out.data_ptr())
+                                          q.data_ptr(), w.data_ptr(), B, c, H, n, int(lut), _ptr(visible),
+                                          out.data_ptr())
     if status == -2:
         raise MemoryError("index_scores kernel: no memory for its scratch")
     if status != 0:
@@ -606,4 +613,44 @@ def topk_set(scores: torch.Tensor, k: int, drop_neg_inf: bool = False) -> torch.
     heap = torch.empty((rows, max(k, 1)), dtype=torch.float32)
     status = library().dsv41_topk_set(scores.data_ptr(), rows, N, k, int(drop_neg_inf),
                                       heap.data_ptr(), out.data_ptr())
+    return out if status == 0 else None
+
+
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block: int, keep: int) -> torch.Tensor | None:
+    """:func:`deepseek_v41.model.indexer.candidate_blocks` of fp32 ``scores`` [B, c, N] (-inf where not visible)
+    with visible counts int64 [B, c]: the candidate pool's block mask bool [B, c, nblocks], exactly the torch
+    code's. None when a row holds a NaN (the caller takes the torch code)."""
+    B, c, N = scores.shape
+    mask = torch.empty((B, c, -(-N // block)), dtype=torch.bool)
+    status = library().dsv41_candidate_blocks(scores.data_ptr(), visible.data_ptr(), B * c, N, block, keep,
+                                              mask.data_ptr())
+    if status == -2:
+        raise MemoryError("candidate_blocks kernel: no memory for its scratch")
+    return mask if status == 0 else None
+
+
+def pool_select(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str, tables: torch.Tensor, ratio: int,
+                block_size: int, q: torch.Tensor, w: torch.Tensor, n: int, blocks: torch.Tensor, pool_block: int,
+                keep: int, visible: torch.Tensor, k: int) -> torch.Tensor | None:
+    """A Reindex layer's picks inside its candidate pool (:meth:`deepseek_v41.model.attention.Attention.select`):
+    for queries q fp32 [B, c, H, di] with head weights w fp32 [B, c, H], the entries of the pool given by the
+    block mask ``blocks`` bool [B, c, nblocks] (blocks of ``pool_block`` entries, at most ``keep`` of them:
+    :func:`~deepseek_v41.model.indexer.pool_entries`) that lie below ``n`` and below the query's visible count
+    int64 [B, c], scored straight from the FP4 index keys (as :func:`index_scores` scores one query), and their
+    top ``k`` (<= min(keep, nblocks) * pool_block) by the top-k rule: global entry ids int64 [B, c, k], ascending
+    among the pool's positions, -1 where fewer are valid. None when a score is NaN (the caller takes the torch
+    code). Raises IndexError as :func:`fp4_gather`."""
+    pages, per_page, half = codes.shape
+    B, c, H, _ = q.shape
+    out = torch.empty((B, c, k), dtype=torch.int64)
+    status = library().dsv41_pool_select(codes.data_ptr(), scales.data_ptr(), pages, per_page, 2 * half, block,
+                                         FP4_FORMATS[fmt], tables.data_ptr(), tables.shape[1], ratio, block_size,
+                                         q.data_ptr(), w.data_ptr(), B, c, H, n, blocks.data_ptr(), blocks.shape[-1],
+                                         pool_block, keep, visible.data_ptr(), k, out.data_ptr())
+    if status == -1:
+        raise IndexError("an entry index lies past its block table")
+    if status == -2:
+        raise MemoryError("pool_select kernel: no memory for its scratch")
+    if status == -4:
+        raise ValueError(f"k = {k} exceeds the pool's {min(keep, blocks.shape[-1]) * pool_block} entries")
     return out if status == 0 else None
