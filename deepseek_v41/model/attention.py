@@ -444,12 +444,14 @@ class Attention(nn.Module):
         all_entries = None  # torch.arange(N), made only where the torch code needs it
         pooled = spec.candidate_source is not None and not ctx.dense_indexer
         keys = None  # every index key, read only when some chunk scores them all
+        whole = 0 < T <= self.query_chunk  # one chunk (decode): no slicing
         for i0 in range(0, T, self.query_chunk):
             i1 = min(T, i0 + self.query_chunk)
-            qc, wc, vis = q[:, i0:i1], w[:, i0:i1], visible[:, i0:i1]
+            qc, wc, vis = (q, w, visible) if whole else (q[:, i0:i1], w[:, i0:i1], visible[:, i0:i1])
             if pooled and self.candidate_topk_blocks * self.candidate_block_size < N:
                 # Reindex: score only the entries of each query's candidate pool.
-                blocks = ctx.shared[("pool", spec.candidate_source)][:, i0:i1]
+                blocks = ctx.shared[("pool", spec.candidate_source)]
+                blocks = blocks if whole else blocks[:, i0:i1]
                 block, keep = self.candidate_block_size, self.candidate_topk_blocks
                 local_k = min(k, min(keep, blocks.shape[-1]) * block)
                 picked = None if training else ctx.pool_topk(spec.kv_source, qc, wc, blocks, block, keep, vis, local_k)
@@ -490,9 +492,9 @@ class Attention(nn.Module):
             if training:
                 picked_scores.append(scores.gather(-1, picks[-1].clamp(min=0)))
         if pools:
-            ctx.shared[("pool", spec.layer_id)] = torch.cat(pools, 1)
+            ctx.shared[("pool", spec.layer_id)] = pools[0] if whole else torch.cat(pools, 1)
         if training:
             ctx.shared[("indexer_scores", spec.layer_id)] = torch.cat(picked_scores, 1)
         if selections:
             ctx.shared[("selection", spec.layer_id)] = torch.cat(selections, 1)
-        return torch.cat(picks, 1)
+        return picks[0] if whole else torch.cat(picks, 1)
