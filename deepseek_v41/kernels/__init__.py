@@ -4,8 +4,9 @@ At decode size (a few tokens) nearly all of a step's time is dispatch: ~3,800 te
 ``cpu_kernels.c`` does the worst chains in one call each: the FP8 window ring (read, quantize, write), FP4
 entries written to and read from pages through the block tables, FP4 / FP8 quantization, RoPE, RMSNorm, the mHC
 mixing (coefficients with Sinkhorn, collapse, expand), the few-query attention, the MoE router and experts (routed
-experts read in the checkpoint's FP4 format, or bf16), the indexer's queries, scores and top-k, the attention's
-projections, its compressed entries and index keys, and a GEMV for the projections of a few tokens. It is
+experts read in the checkpoint's FP4 format, or bf16), the indexer's queries, scores and top-k, the candidate
+pool's blocks and a Reindex layer's picks inside them, the attention's projections, its compressed entries and
+index keys, and a GEMV for the projections of a few tokens. It is
 plain C (with the GCC / Clang vector extension for its accumulators) compiled with the system C compiler on first
 use (about a second) into a cache folder and called through :mod:`ctypes`; no torch headers, nothing to install.
 
@@ -17,10 +18,11 @@ meanwhile (engine/model_runner.py): two pools spinning on the same cores would s
 
 Callers use a kernel only where :func:`usable` says so (CPU, contiguous, no autograd) and keep their torch code
 as the fallback, which runs everywhere else (CUDA, ``meta``, training, float64) and wherever the library cannot
-be built: no compiler, or ``DSV41_CPU_KERNELS=0``. The quantization kernels, RoPE and the top-k give the torch
-code's results exactly; the others add in another order (and, for bf16 tensors, compute in fp32 without the
-bf16 roundings between the steps they fuse), so they agree to rounding and run only under
-``torch.inference_mode`` (``tests/kernels`` checks both).
+be built: no compiler, or ``DSV41_CPU_KERNELS=0``. The quantization kernels, RoPE, the top-k and the candidate
+pool's blocks give the torch code's results exactly; the others add in another order (and, for bf16 tensors,
+compute in fp32 without the bf16 roundings between the steps they fuse), so they agree to rounding and run only
+under ``torch.inference_mode`` (``tests/kernels`` checks both); a Reindex layer's picks are the torch code's up to
+its scores' rounding.
 
 Environment: ``DSV41_CPU_KERNELS=0`` turns the kernels off; ``DSV41_KERNEL_CACHE`` is the folder for the built
 library (default: ``deepseek_v41_kernels_<user>`` in the system temp folder, as torch inductor keeps its builds;
