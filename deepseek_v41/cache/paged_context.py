@@ -165,18 +165,42 @@ class PagedContext:
         """Index keys of kv source ``layer`` that :meth:`index_keys` returns (the max over the batch)."""
         return self.num_entries(layer)
 
-    def index_scores(self, layer: int, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    def index_scores(self, layer: int, q: torch.Tensor, w: torch.Tensor,
+                     visible: torch.Tensor | None = None) -> torch.Tensor | None:
         """Indexer scores [B, c, N] in q's dtype of a few fp32 / bf16 queries q [B, c, Hi, di] (head weights w
         [B, c, Hi]) against all N index keys, straight from the packed FP4 keys by the fused kernel (inference
-        mode, the CPU; summed in fp32); None when the kernel does not apply (the caller then scores
-        :meth:`index_keys`). Equal to that to rounding."""
+        mode, the CPU; summed in fp32); with ``visible`` [B, c] (each query's visible count), -inf from it on
+        (:func:`~deepseek_v41.model.indexer.mask_invisible`, done by the kernel). None when the kernel does not
+        apply (the caller then scores :meth:`index_keys` and masks them). Equal to that to rounding."""
         codes, scales = self.cache.pools[layer][_INDEX: _INDEX + 2]
         if (self.dtype != torch.float32 or q.shape[0] * q.shape[1] > kernels.FEW_ROWS
                 or not fused(q, w) or not kernels.usable(codes, scales)):
             return None
+        if visible is not None and not (visible.dtype == torch.int64 and visible.shape == q.shape[:2]
+                                        and kernels.usable(visible)):
+            return None
         scores = kernels.index_scores(codes, scales, *_FP4_FORMATS[_INDEX], self.tables, self.cache.ratio[layer],
-                                      self.cache.block_size, upcast(q), upcast(w), self.num_entries(layer))
+                                      self.cache.block_size, upcast(q), upcast(w), self.num_entries(layer), visible)
         return cast(scores, q.dtype)
+
+    def pool_topk(self, layer: int, q: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor, block: int, keep: int,
+                  visible: torch.Tensor, k: int) -> torch.Tensor | None:
+        """A Reindex layer's top-k entries [B, c, k] (-1 = none) inside the candidate pool ``blocks`` bool [B, c,
+        nblocks] (:func:`~deepseek_v41.model.indexer.candidate_blocks`: at most ``keep`` blocks of ``block``
+        entries) of a few fp32 / bf16 queries q [B, c, Hi, di] with head weights w [B, c, Hi] and visible counts
+        ``visible`` int64 [B, c], in one fused kernel call (:func:`kernels.pool_select`: scores straight from the
+        packed FP4 keys, summed in fp32, then the top-k rule). None when the kernel does not apply (the caller
+        then scores :meth:`index_keys_at` of :func:`~deepseek_v41.model.indexer.pool_entries`). The same picks as
+        that, up to the scores' rounding."""
+        codes, scales = self.cache.pools[layer][_INDEX: _INDEX + 2]
+        B, c = q.shape[:2]
+        if (self.dtype != torch.float32 or B * c > kernels.FEW_ROWS or not fused(q, w)
+                or blocks.dtype != torch.bool or blocks.shape[:2] != (B, c) or visible.dtype != torch.int64
+                or visible.shape != (B, c) or not kernels.usable(codes, scales, blocks, visible)):
+            return None
+        return kernels.pool_select(codes, scales, *_FP4_FORMATS[_INDEX], self.tables, self.cache.ratio[layer],
+                                   self.cache.block_size, upcast(q), upcast(w), self.num_entries(layer), blocks, block,
+                                   keep, visible, k)
 
     def index_keys_at(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """Index keys of entries ``ids`` [B, c, n] (valid ids) [B, c, n, di]: only these are decoded."""

@@ -4,8 +4,9 @@ At decode size (a few tokens) nearly all of a step's time is dispatch: ~3,800 te
 ``cpu_kernels.c`` does the worst chains in one call each: the FP8 window ring (read, quantize, write), FP4
 entries written to and read from pages through the block tables, FP4 / FP8 quantization, RoPE, RMSNorm, the mHC
 mixing (coefficients with Sinkhorn, collapse, expand), the few-query attention, the MoE router and experts (routed
-experts read in the checkpoint's FP4 format, or bf16), the indexer's queries, scores and top-k, the attention's
-projections, its compressed entries and index keys, and a GEMV for the projections of a few tokens. It is
+experts read in the checkpoint's FP4 format, or bf16), the indexer's queries, scores and top-k, the candidate
+pool's blocks and a Reindex layer's picks inside them, the attention's projections, its compressed entries and
+index keys, and a GEMV for the projections of a few tokens. It is
 plain C (with the GCC / Clang vector extension for its accumulators) compiled with the system C compiler on first
 use (about a second) into a cache folder and called through :mod:`ctypes`; no torch headers, nothing to install.
 
@@ -17,10 +18,11 @@ meanwhile (engine/model_runner.py): two pools spinning on the same cores would s
 
 Callers use a kernel only where :func:`usable` says so (CPU, contiguous, no autograd) and keep their torch code
 as the fallback, which runs everywhere else (CUDA, ``meta``, training, float64) and wherever the library cannot
-be built: no compiler, or ``DSV41_CPU_KERNELS=0``. The quantization kernels, RoPE and the top-k give the torch
-code's results exactly; the others add in another order (and, for bf16 tensors, compute in fp32 without the
-bf16 roundings between the steps they fuse), so they agree to rounding and run only under
-``torch.inference_mode`` (``tests/kernels`` checks both).
+be built: no compiler, or ``DSV41_CPU_KERNELS=0``. The quantization kernels, RoPE, the top-k and the candidate
+pool's blocks give the torch code's results exactly; the others add in another order (and, for bf16 tensors,
+compute in fp32 without the bf16 roundings between the steps they fuse), so they agree to rounding and run only
+under ``torch.inference_mode`` (``tests/kernels`` checks both); a Reindex layer's picks are the torch code's up to
+its scores' rounding.
 
 Environment: ``DSV41_CPU_KERNELS=0`` turns the kernels off; ``DSV41_KERNEL_CACHE`` is the folder for the built
 library (default: ``deepseek_v41_kernels_<user>`` in the system temp folder, as torch inductor keeps its builds;
@@ -76,7 +78,10 @@ _SIGNATURES = {
     "dsv41_gate": ([_P, _I, _I, _P, _I, _P, _I, ctypes.c_int, ctypes.c_float, _P, _P, _P], None),
     "dsv41_swiglu": ([_P, _P, _I, _I, _I, ctypes.c_float, _P], None),
     "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I,
-                            ctypes.c_int, _P], ctypes.c_int),
+                            ctypes.c_int, _P, _P], ctypes.c_int),
+    "dsv41_pool_select": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I, _I,
+                           _I, _P, _I, _P], ctypes.c_int),
+    "dsv41_candidate_blocks": ([_P, _P, _I, _I, _I, _I, _P], ctypes.c_int),
     "dsv41_moe": ([_P, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _I, _I, ctypes.c_float, _P,
                    _P, _P, ctypes.c_int, _I, _P], ctypes.c_int),
     "dsv41_topk_set": ([_P, _I, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
@@ -310,10 +315,13 @@ def window_step(ring_codes: torch.Tensor, ring_scales: torch.Tensor, ring_pos: t
 
 
 def index_scores(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str, tables: torch.Tensor, ratio: int,
-                 block_size: int, q: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+                 block_size: int, q: torch.Tensor, w: torch.Tensor, n: int,
+                 visible: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer scores ``Σ_h w_h relu(q_h · k_s)`` fp32 [B, c, n] of queries q fp32 [B, c, H, di] with head weights
     w fp32 [B, c, H] against entries 0 .. n-1 of each row's FP4 index keys (a pool as in :func:`fp4_gather`),
-    decoded on the fly. Raises IndexError when an entry lies past its block table."""
+    decoded on the fly; with ``visible`` int64 [B, c], -inf from each query's visible count on
+    (:func:`~deepseek_v41.model.indexer.mask_invisible`). Raises IndexError when an entry lies past its block
+    table."""
     pages, per_page, half = codes.shape
     B, c, H, di = q.shape
     out = torch.empty((B, c, n), dtype=torch.float32)
@@ -321,7 +329,8 @@ def index_scores(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str
     lut = n >= INDEX_LUT_ROWS and H <= 64 and di // 2 * 256 * -(-H // 4) * 4 <= 1 << 16
     status = library().dsv41_index_scores(codes.data_ptr(), scales.data_ptr(), pages, per_page, 2 * half, block,
                                           FP4_FORMATS[fmt], tables.data_ptr(), tables.shape[1], ratio, block_size,
-                                          q.data_ptr(), w.data_ptr(), B, c, H, n, int(lut), out.data_ptr())
+                                          q.data_ptr(), w.data_ptr(), B, c, H, n, int(lut), _ptr(visible),
+                                          out.data_ptr())
     if status == -2:
         raise MemoryError("index_scores kernel: no memory for its scratch")
     if status != 0:
@@ -606,4 +615,44 @@ def topk_set(scores: torch.Tensor, k: int, drop_neg_inf: bool = False) -> torch.
     heap = torch.empty((rows, max(k, 1)), dtype=torch.float32)
     status = library().dsv41_topk_set(scores.data_ptr(), rows, N, k, int(drop_neg_inf),
                                       heap.data_ptr(), out.data_ptr())
+    return out if status == 0 else None
+
+
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block: int, keep: int) -> torch.Tensor | None:
+    """:func:`deepseek_v41.model.indexer.candidate_blocks` of fp32 ``scores`` [B, c, N] (-inf where not visible)
+    with visible counts int64 [B, c]: the candidate pool's block mask bool [B, c, nblocks], exactly the torch
+    code's. None when a row holds a NaN (the caller takes the torch code)."""
+    B, c, N = scores.shape
+    mask = torch.empty((B, c, -(-N // block)), dtype=torch.bool)
+    status = library().dsv41_candidate_blocks(scores.data_ptr(), visible.data_ptr(), B * c, N, block, keep,
+                                              mask.data_ptr())
+    if status == -2:
+        raise MemoryError("candidate_blocks kernel: no memory for its scratch")
+    return mask if status == 0 else None
+
+
+def pool_select(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str, tables: torch.Tensor, ratio: int,
+                block_size: int, q: torch.Tensor, w: torch.Tensor, n: int, blocks: torch.Tensor, pool_block: int,
+                keep: int, visible: torch.Tensor, k: int) -> torch.Tensor | None:
+    """A Reindex layer's picks inside its candidate pool (:meth:`deepseek_v41.model.attention.Attention.select`):
+    for queries q fp32 [B, c, H, di] with head weights w fp32 [B, c, H], the entries of the pool given by the
+    block mask ``blocks`` bool [B, c, nblocks] (blocks of ``pool_block`` entries, at most ``keep`` of them:
+    :func:`~deepseek_v41.model.indexer.pool_entries`) that lie below ``n`` and below the query's visible count
+    int64 [B, c], scored straight from the FP4 index keys (as :func:`index_scores` scores one query), and their
+    top ``k`` (<= min(keep, nblocks) * pool_block) by the top-k rule: global entry ids int64 [B, c, k], ascending
+    among the pool's positions, -1 where fewer are valid. None when a score is NaN (the caller takes the torch
+    code). Raises IndexError as :func:`fp4_gather`."""
+    pages, per_page, half = codes.shape
+    B, c, H, _ = q.shape
+    out = torch.empty((B, c, k), dtype=torch.int64)
+    status = library().dsv41_pool_select(codes.data_ptr(), scales.data_ptr(), pages, per_page, 2 * half, block,
+                                         FP4_FORMATS[fmt], tables.data_ptr(), tables.shape[1], ratio, block_size,
+                                         q.data_ptr(), w.data_ptr(), B, c, H, n, blocks.data_ptr(), blocks.shape[-1],
+                                         pool_block, keep, visible.data_ptr(), k, out.data_ptr())
+    if status == -1:
+        raise IndexError("an entry index lies past its block table")
+    if status == -2:
+        raise MemoryError("pool_select kernel: no memory for its scratch")
+    if status == -4:
+        raise ValueError(f"k = {k} exceeds the pool's {min(keep, blocks.shape[-1]) * pool_block} entries")
     return out if status == 0 else None

@@ -1466,6 +1466,45 @@ static v4f lut4(const float *table, int64_t i, uint8_t byte, int64_t H4, int64_t
     return v;
 }
 
+#define INDEX_CHUNK 256
+#define INDEX_LUT_CHUNK 2048
+#define INDEX_PAIR_VECTORS 64  /* queries x heads x blocks of 32 the even / odd path keeps on the stack */
+
+/* Whether a query's H heads of di values fit the even / odd path for keys in UE8M0 blocks of 32 (c queries at once). */
+static int index_pairs_fit(const fp4_pool *p, int64_t c, int64_t H) {
+    const int64_t nb = p->width / p->block;
+    return p->fmt == FMT_UE8M0 && p->block == FP4_ROW_BLOCK && nb <= 4 && c * H * nb <= INDEX_PAIR_VECTORS;
+}
+
+/* One query's score of one key on the even / odd path: its heads' values qe / qo [H * nb] (x_pairs), the key's
+ * ke / ko [nb] (weight_pairs, the scale folded in), head weights wt [H]. */
+static inline __attribute__((always_inline)) float pair_score(const v16f *qe, const v16f *qo, const v16f *ke,
+                                                              const v16f *ko, int64_t nb, int64_t H, const float *wt) {
+    float acc = 0.0f;
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t v = h * nb;
+        v16f p = qe[v] * ke[0] + qo[v] * ko[0];
+        for (int64_t k0 = 1; k0 < nb; k0++) p = p + qe[v + k0] * ke[k0] + qo[v + k0] * ko[k0];
+        float d = sum16(p);
+        acc += wt[h] * (d < 0.0f ? 0.0f : d);
+    }
+    return acc;
+}
+
+/* One query's score (qt [H, di], wt [H]) of one key widened into key [di] (its E2M1 values) with scales ks: each
+ * block's dot multiplied by its scale. */
+static float widened_score(const float *qt, const float *wt, const float *key, const uint8_t *ks, int64_t H,
+                           int64_t di, int64_t block, int fmt) {
+    float acc = 0.0f;
+    for (int64_t h = 0; h < H; h++) {
+        float d = 0.0f;
+        for (int64_t k0 = 0; k0 < di / block; k0++)
+            d += dot(qt + h * di + k0 * block, key + k0 * block, block) * fp4_scale_decode(ks[k0], fmt);
+        acc += wt[h] * (d < 0.0f ? 0.0f : d);
+    }
+    return acc;
+}
+
 /* Index scores of entries 0 .. n-1 of each row straight from its packed FP4 keys (model/indexer.py IndexScorer
  * over PagedContext.index_keys, without materializing the keys): q [B, c, H, di] and w [B, c, H] fp32 ->
  * out [B, c, n] = sum_h w_h relu(q_h . k_s), summed in fp32, each block's dot multiplied by its scale.
@@ -1475,11 +1514,9 @@ static v4f lut4(const float *table, int64_t i, uint8_t byte, int64_t H4, int64_t
  * codes are widened once for the row's c queries: UE8M0 blocks of 32 (the index keys) with few queries (c * H *
  * di / 32 <= INDEX_PAIR_VECTORS) as even / odd lanes times the scale, in registers, else into scratch (di floats)
  * and each block's dot multiplied by its scale. Items of the pool: a row's keys in chunks of
- * INDEX_CHUNK (INDEX_LUT_CHUNK with a table, built per item). Returns 0, -1 when an entry lies past its block
+ * INDEX_CHUNK (INDEX_LUT_CHUNK with a table, built per item). visible [B, c] (or NULL): the scores of entries
+ * from a query's visible count on read -inf (model/indexer.py mask_invisible). Returns 0, -1 when an entry lies past its block
  * table or its page is out of range (nothing else is guaranteed written then), -2 when the scratch cannot be had. */
-#define INDEX_CHUNK 256
-#define INDEX_LUT_CHUNK 2048
-#define INDEX_PAIR_VECTORS 64  /* queries x heads x blocks of 32 the even / odd path keeps on the stack */
 
 typedef struct {
     fp4_pool p;  /* width: di */
@@ -1547,7 +1584,7 @@ static void index_item(const void *job, int64_t item) {
         free(key);
         return;
     }
-    if (fmt == FMT_UE8M0 && block == FP4_ROW_BLOCK && nb <= 4 && c * H * nb <= INDEX_PAIR_VECTORS) {
+    if (index_pairs_fit(&j->p, c, H)) {
         /* UE8M0 blocks of 32 (the index keys' format) and few queries: each key decoded 32 values at a time as
          * even / odd lanes (weight_pairs, the scale folded in), dotted with the queries split the same way */
         v16f qe[INDEX_PAIR_VECTORS], qo[INDEX_PAIR_VECTORS];
@@ -1557,18 +1594,9 @@ static void index_item(const void *job, int64_t item) {
             if (key_next(&walk, s, &kc, &ks) != 0) goto past_table;
             v16f ke[4], ko[4];
             for (int64_t k0 = 0; k0 < nb; k0++) weight_pairs(kc, ks, W_FP4, k0 * FP4_ROW_BLOCK, &ke[k0], &ko[k0]);
-            for (int64_t t = 0; t < c; t++) {
-                const float *wt = j->w + (b * c + t) * H;
-                float acc = 0.0f;
-                for (int64_t h = 0; h < H; h++) {
-                    const int64_t v = (t * H + h) * nb;
-                    v16f p = qe[v] * ke[0] + qo[v] * ko[0];
-                    for (int64_t k0 = 1; k0 < nb; k0++) p = p + qe[v + k0] * ke[k0] + qo[v + k0] * ko[k0];
-                    float d = sum16(p);
-                    acc += wt[h] * (d < 0.0f ? 0.0f : d);
-                }
-                j->out[(b * c + t) * n + s] = acc;
-            }
+            for (int64_t t = 0; t < c; t++)
+                j->out[(b * c + t) * n + s] = pair_score(qe + t * H * nb, qo + t * H * nb, ke, ko, nb, H,
+                                                         j->w + (b * c + t) * H);
         }
         free(key);
         return;
@@ -1577,17 +1605,9 @@ static void index_item(const void *job, int64_t item) {
         const uint8_t *kc, *ks;
         if (key_next(&walk, s, &kc, &ks) != 0) goto past_table;
         for (int64_t i = 0; i < di / 2; i++) memcpy(key + 2 * i, FP4_PAIRS[kc[i]], sizeof FP4_PAIRS[0]);
-        for (int64_t t = 0; t < c; t++) {
-            const float *qt = j->q + (b * c + t) * H * di, *wt = j->w + (b * c + t) * H;
-            float acc = 0.0f;
-            for (int64_t h = 0; h < H; h++) {
-                float d = 0.0f;
-                for (int64_t k0 = 0; k0 < nb; k0++)
-                    d += dot(qt + h * di + k0 * block, key + k0 * block, block) * fp4_scale_decode(ks[k0], fmt);
-                acc += wt[h] * (d < 0.0f ? 0.0f : d);
-            }
-            j->out[(b * c + t) * n + s] = acc;
-        }
+        for (int64_t t = 0; t < c; t++)
+            j->out[(b * c + t) * n + s] = widened_score(j->q + (b * c + t) * H * di, j->w + (b * c + t) * H, key, ks,
+                                                        H, di, block, fmt);
     }
     free(key);
     return;
@@ -1599,11 +1619,14 @@ past_table:
 int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t pages, int64_t per_page, int64_t di,
                        int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
                        int64_t block_size, const float *q, const float *w, int64_t B, int64_t c, int64_t H, int64_t n,
-                       int lut, float *out) {
+                       int lut, const int64_t *visible, float *out) {
     int64_t chunk = lut ? INDEX_LUT_CHUNK : INDEX_CHUNK, chunks = n > 0 ? (n + chunk - 1) / chunk : 0;
     index_job job = {{codes, scales, pages, per_page, di, block, fmt, tables, table_len, ratio, block_size}, c, H, n,
                      chunk, chunks, lut, q, w, out, 0};
     parallel_for(index_item, &job, B * chunks);
+    if (visible)  /* mask_invisible: -inf from each query's visible count on */
+        for (int64_t r = 0; r < B * c; r++)
+            for (int64_t s = visible[r] < 0 ? 0 : visible[r]; s < n; s++) out[r * n + s] = -INFINITY;
     return atomic_load(&job.status);
 }
 
@@ -1637,18 +1660,11 @@ typedef struct {
     _Atomic int status;
 } topk_job;
 
-static void topk_item(const void *job, int64_t r) {
-    const topk_job *j = job;
-    const int64_t N = j->N, k = j->k;
-    const float *x = j->scores + r * N;
-    int64_t *o = j->out + r * k;
-    float *heap = j->heap + r * k;
-    if (k == 0) return;
+/* The top-k rule of one row x [N] into o [k] (heap: k floats); 0, or -1 (o unspecified) when x holds a NaN. */
+static int topk_row(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *heap, int64_t *o) {
+    if (k == 0) return 0;
     for (int64_t i = 0; i < N; i++)
-        if (x[i] != x[i]) {
-            atomic_store(&((topk_job *)j)->status, -1);
-            return;
-        }
+        if (x[i] != x[i]) return -1;
     for (int64_t i = 0; i < k; i++) heap[i] = x[i];
     for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
     for (int64_t i = k; i < N; i++)
@@ -1661,7 +1677,14 @@ static void topk_item(const void *job, int64_t r) {
     for (int64_t i = 0; i < N; i++) greater += x[i] > kth;
     int64_t ties = k - greater, m = 0;
     for (int64_t i = 0; i < N && m < k; i++)
-        if (x[i] > kth || (x[i] == kth && ties-- > 0)) o[m++] = j->drop_neg_inf && x[i] == -INFINITY ? -1 : i;
+        if (x[i] > kth || (x[i] == kth && ties-- > 0)) o[m++] = drop_neg_inf && x[i] == -INFINITY ? -1 : i;
+    return 0;
+}
+
+static void topk_item(const void *job, int64_t r) {
+    const topk_job *j = job;
+    if (topk_row(j->scores + r * j->N, j->N, j->k, j->drop_neg_inf, j->heap + r * j->k, j->out + r * j->k) != 0)
+        atomic_store(&((topk_job *)j)->status, -1);
 }
 
 int dsv41_topk_set(const float *scores, int64_t R, int64_t N, int64_t k, int drop_neg_inf, float *heap,
@@ -1669,5 +1692,151 @@ int dsv41_topk_set(const float *scores, int64_t R, int64_t N, int64_t k, int dro
     if (k > N) return -2;
     topk_job job = {scores, N, k, drop_neg_inf, heap, out, 0};
     parallel_for(topk_item, &job, R);  /* one row per item; heap [R, k] */
+    return atomic_load(&job.status);
+}
+
+/* ------------------------------------------------------------------------------------ candidate pool */
+
+/* model/indexer.py candidate_blocks for scores [R, N] (already -inf where not visible) and visible counts [R]:
+ * per row the block maxima over blocks of `block` entries (the last one short when N is not a multiple), the block
+ * of the newest visible entry forced (+inf) when any is visible, the top min(keep, nblocks) blocks by topk_row's
+ * rule, and mask [R, nblocks] (0 / 1 bytes) set on the chosen blocks whose maximum is above -inf. Comparisons only:
+ * the torch code's mask exactly. Returns 0, -1 when a row holds a NaN (the caller takes the torch code), -2 when
+ * the scratch cannot be had. */
+typedef struct {
+    const float *scores;
+    const int64_t *visible;
+    int64_t N, block, nblocks, keep;
+    uint8_t *mask;
+    _Atomic int status;
+} blocks_job;
+
+static void blocks_item(const void *job, int64_t r) {
+    const blocks_job *j = job;
+    const int64_t N = j->N, block = j->block, nb = j->nblocks, keep = j->keep, vis = j->visible[r];
+    const float *x = j->scores + r * N;
+    uint8_t *mask = j->mask + r * nb;
+    float *best = malloc((size_t)(nb + keep) * sizeof(float) + (size_t)keep * sizeof(int64_t));
+    if (!best) {
+        atomic_store(&((blocks_job *)j)->status, -2);
+        return;
+    }
+    float *heap = best + nb;
+    int64_t *chosen = (int64_t *)(heap + keep);
+    for (int64_t i = 0; i < nb; i++) {
+        float m = -INFINITY;
+        for (int64_t s = i * block; s < (i + 1) * block && s < N; s++) {
+            if (x[s] != x[s]) goto nan;
+            if (x[s] > m) m = x[s];
+        }
+        best[i] = m;
+    }
+    if (vis > 0 && (vis - 1) / block < nb) best[(vis - 1) / block] = INFINITY;
+    memset(mask, 0, (size_t)nb);
+    topk_row(best, nb, keep, 0, heap, chosen);
+    for (int64_t i = 0; i < keep; i++) mask[chosen[i]] = best[chosen[i]] > -INFINITY;
+    free(best);
+    return;
+nan:
+    atomic_store(&((blocks_job *)j)->status, -1);
+    free(best);
+}
+
+int dsv41_candidate_blocks(const float *scores, const int64_t *visible, int64_t R, int64_t N, int64_t block,
+                           int64_t keep, uint8_t *mask) {
+    const int64_t nb = (N + block - 1) / block;
+    blocks_job job = {scores, visible, N, block, nb, keep < nb ? keep : nb, mask, 0};
+    parallel_for(blocks_item, &job, R);  /* one row per item */
+    return atomic_load(&job.status);
+}
+
+/* A Reindex layer's top-k inside its candidate pool (model/attention.py Attention.select): for query r = (b, t)
+ * the pool's blocks from mask [R, nblocks] as pool_entries takes them (the top min(keep, nblocks) of the 0 / 1
+ * mask by topk_row's rule: the chosen blocks, then the lowest others, ascending), its entries' scores straight
+ * from the packed FP4 index keys (as dsv41_index_scores scores them for one query: the even / odd path where
+ * index_pairs_fit, else the widening path), -inf for entries of unchosen blocks, at or past n, or at or past
+ * visible[r]; then the top k of those keep * block scores by topk_row's rule (drop_neg_inf), as global entry ids
+ * out [R, k] (-1 where the pick is -inf). Scratch per query: keep * (block + 1) floats + k floats + keep int64.
+ * Returns 0, -1 when an entry lies past its block table or its page is out of range, -2 when the scratch cannot
+ * be had, -3 when a score is NaN (the caller takes the torch code, whose top-k ranks NaN first). */
+typedef struct {
+    fp4_pool p;  /* width: di */
+    int64_t c, H, n, nblocks, block, keep, k;
+    const uint8_t *mask;
+    const int64_t *visible;
+    const float *q, *w;
+    int64_t *out;
+    _Atomic int status;
+} pool_job;
+
+static void pool_item(const void *job, int64_t r) {
+    const pool_job *j = job;
+    const int64_t b = r / j->c, nb = j->nblocks, block = j->block, keep = j->keep, k = j->k, M = keep * block;
+    const int64_t di = j->p.width, H = j->H, n = j->n, vis = j->visible[r] < n ? j->visible[r] : n;
+    const uint8_t *mask = j->mask + r * nb;
+    const float *qt = j->q + r * H * di, *wt = j->w + r * H;
+    float *scores = malloc((size_t)(M + di + k) * sizeof(float) + (size_t)keep * sizeof(int64_t));
+    if (!scores) {
+        atomic_store(&((pool_job *)j)->status, -2);
+        return;
+    }
+    float *key = scores + M, *heap = key + di;
+    int64_t *chosen = (int64_t *)(heap + k), *o = j->out + r * k;
+    int64_t set = 0, m = 0;
+    for (int64_t i = 0; i < nb; i++) set += mask[i] != 0;
+    int64_t others = keep - (set < keep ? set : keep);  /* unchosen blocks that fill the pool (pool_entries) */
+    for (int64_t i = 0, taken = 0; i < nb && m < keep; i++)
+        if (mask[i] ? taken++ < keep : others-- > 0) chosen[m++] = mask[i] ? i : -1 - i;
+    const int pairs = index_pairs_fit(&j->p, 1, H);
+    v16f qe[INDEX_PAIR_VECTORS], qo[INDEX_PAIR_VECTORS];
+    if (pairs)
+        for (int64_t v = 0; v < H * (di / FP4_ROW_BLOCK); v++) x_pairs(qt + v * FP4_ROW_BLOCK, &qe[v], &qo[v]);
+    key_walk walk = {&j->p, j->p.tables + b * j->p.table_len, -1, 0, j->p.per_page * j->p.ratio == j->p.block_size};
+    for (int64_t i = 0; i < keep; i++) {
+        walk.page = -1;  /* the pool's blocks are not consecutive */
+        for (int64_t e = 0; e < block; e++) {
+            const int64_t s = chosen[i] * block + e;
+            float *out = scores + i * block + e;
+            if (chosen[i] < 0 || s >= vis) {
+                *out = -INFINITY;
+                continue;
+            }
+            const uint8_t *kc, *ks;
+            if (key_next(&walk, s, &kc, &ks) != 0) {
+                atomic_store(&((pool_job *)j)->status, -1);
+                free(scores);
+                return;
+            }
+            if (pairs) {
+                v16f ke[4], ko[4];
+                for (int64_t k0 = 0; k0 < di / FP4_ROW_BLOCK; k0++)
+                    weight_pairs(kc, ks, W_FP4, k0 * FP4_ROW_BLOCK, &ke[k0], &ko[k0]);
+                *out = pair_score(qe, qo, ke, ko, di / FP4_ROW_BLOCK, H, wt);
+            } else {
+                for (int64_t h = 0; h < di / 2; h++) memcpy(key + 2 * h, FP4_PAIRS[kc[h]], sizeof FP4_PAIRS[0]);
+                *out = widened_score(qt, wt, key, ks, H, di, j->p.block, j->p.fmt);
+            }
+        }
+    }
+    if (topk_row(scores, M, k, 1, heap, o) != 0) {
+        atomic_store(&((pool_job *)j)->status, -3);
+        free(scores);
+        return;
+    }
+    for (int64_t i = 0; i < k; i++)
+        if (o[i] >= 0) o[i] = chosen[o[i] / block] * block + o[i] % block;
+    free(scores);
+}
+
+int dsv41_pool_select(const uint8_t *codes, const uint8_t *scales, int64_t pages, int64_t per_page, int64_t di,
+                      int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
+                      int64_t block_size, const float *q, const float *w, int64_t B, int64_t c, int64_t H, int64_t n,
+                      const uint8_t *mask, int64_t nblocks, int64_t pool_block, int64_t keep,
+                      const int64_t *visible, int64_t k, int64_t *out) {
+    keep = keep < nblocks ? keep : nblocks;
+    if (k > keep * pool_block) return -4;
+    pool_job job = {{codes, scales, pages, per_page, di, block, fmt, tables, table_len, ratio, block_size}, c, H, n,
+                    nblocks, pool_block, keep, k, mask, visible, q, w, out, 0};
+    parallel_for(pool_item, &job, B * c);  /* one query per item */
     return atomic_load(&job.status);
 }

@@ -456,29 +456,38 @@ class Attention(nn.Module):
         q, w = indexer.queries(q_lat, x, ctx.positions, self._modules["rope"], ctx.fake_quant, ctx.shared, phases)
         visible = torch.div(ctx.positions + 1, spec.compress_ratio, rounding_mode="floor")
         picks, pools, picked_scores, selections = [], [], [], []
-        all_entries = torch.arange(N, device=x.device)
+        all_entries = None  # torch.arange(N), made only where the torch code needs it
         pooled = spec.candidate_source is not None and not ctx.dense_indexer
         keys = None  # every index key, read only when some chunk scores them all
+        whole = 0 < T <= self.query_chunk  # one chunk (decode): no slicing
         for i0 in range(0, T, self.query_chunk):
             i1 = min(T, i0 + self.query_chunk)
-            qc, wc, vis = q[:, i0:i1], w[:, i0:i1], visible[:, i0:i1]
+            qc, wc, vis = (q, w, visible) if whole else (q[:, i0:i1], w[:, i0:i1], visible[:, i0:i1])
             if pooled and self.candidate_topk_blocks * self.candidate_block_size < N:
                 # Reindex: score only the entries of each query's candidate pool.
-                blocks = ctx.shared[("pool", spec.candidate_source)][:, i0:i1]
-                ids, valid = pool_entries(blocks, self.candidate_block_size, self.candidate_topk_blocks, N)
+                blocks = ctx.shared[("pool", spec.candidate_source)]
+                blocks = blocks if whole else blocks[:, i0:i1]
+                block, keep = self.candidate_block_size, self.candidate_topk_blocks
+                local_k = min(k, min(keep, blocks.shape[-1]) * block)
+                picked = None if training else ctx.pool_topk(spec.kv_source, qc, wc, blocks, block, keep, vis, local_k)
+                if picked is not None:  # the fused kernel: the same picks as the torch code below
+                    picks.append(picked)
+                    continue
+                ids, valid = pool_entries(blocks, block, keep, N)
                 scores = indexer.score(qc, wc, ctx.index_keys_at(spec.kv_source, ids))
                 scores = mask_invisible(scores, ids, vis).masked_fill(~valid, float("-inf"))
-                local = topk_entries(scores, min(k, ids.shape[-1]))
+                local = topk_entries(scores, local_k)
                 picks.append(torch.where(local >= 0, ids.gather(-1, local.clamp(min=0)), -1))
                 if training:
                     picked_scores.append(scores.gather(-1, local.clamp(min=0)))
                 continue
-            scores = None if training or ctx.dense_indexer else ctx.index_scores(spec.kv_source, qc, wc)
-            if scores is None:
+            scores = None if training or ctx.dense_indexer else ctx.index_scores(spec.kv_source, qc, wc, vis)
+            if all_entries is None and (scores is None or ctx.dense_indexer):
+                all_entries = torch.arange(N, device=x.device)
+            if scores is None:  # (the context's scores come masked)
                 if keys is None:
                     keys = ctx.index_keys(spec.kv_source)
-                scores = indexer.score(qc, wc, keys)
-            scores = mask_invisible(scores, all_entries, vis)
+                scores = mask_invisible(indexer.score(qc, wc, keys), all_entries, vis)
             if spec.is_candidate_source:
                 pools.append(candidate_blocks(scores, vis, self.candidate_block_size, self.candidate_topk_blocks))
             if ctx.dense_indexer:  # warm-up: every visible entry, entry n in column n
@@ -498,9 +507,9 @@ class Attention(nn.Module):
             if training:
                 picked_scores.append(scores.gather(-1, picks[-1].clamp(min=0)))
         if pools:
-            ctx.shared[("pool", spec.layer_id)] = torch.cat(pools, 1)
+            ctx.shared[("pool", spec.layer_id)] = pools[0] if whole else torch.cat(pools, 1)
         if training:
             ctx.shared[("indexer_scores", spec.layer_id)] = torch.cat(picked_scores, 1)
         if selections:
             ctx.shared[("selection", spec.layer_id)] = torch.cat(selections, 1)
-        return torch.cat(picks, 1)
+        return picks[0] if whole else torch.cat(picks, 1)

@@ -12,9 +12,11 @@ the context object they pass. A context provides, for the tokens of one forward 
 - ``index_keys(layer)``: all stored index keys [B, N, di] of a kv source, entry n at row n;
   ``num_index_keys(layer)``: that N; ``index_keys_at(layer, ids)``: the keys of entries ``ids`` [B, c, n]
   (each valid) as [B, c, n, di] (a Reindex layer's candidate pool: the engine decodes only those);
-  ``index_scores(layer, q, w)``: the indexer scores [B, c, N] of queries q [B, c, Hi, di] with head weights
-  w [B, c, Hi] against all N keys when the context computes them itself (the engine's fused FP4 kernel), else
-  None (the layer then scores ``index_keys`` with its ``IndexScorer``);
+  ``index_scores(layer, q, w, visible)``: the indexer scores [B, c, N] of queries q [B, c, Hi, di] with head
+  weights w [B, c, Hi] against all N keys, -inf from each query's visible count ``visible`` [B, c] on, when the
+  context computes them itself (the engine's fused FP4 kernel), else None (the layer then scores ``index_keys``
+  with its ``IndexScorer``); ``pool_topk(layer, q, w, blocks, block, keep, visible, k)``: likewise a Reindex
+  layer's top-k inside its candidate pool, or None (the layer then scores ``index_keys_at`` of the pool);
 - ``gather_entries(layer, idx)``: the entries picked by ``idx`` [B, c, k] as [B, c, k, d] (zeros where -1);
 - ``shared``: per-forward results handed between layers (top-k of index sources, candidate pools);
 - ``indexer_losses`` / ``dense_indexer``: training only (:mod:`deepseek_v41.train.trainer`): a list that
@@ -101,8 +103,13 @@ class DenseContext:
         """Index keys of entries ``ids`` [B, c, n] (valid ids) as [B, c, n, di]."""
         return pick_rows(self.index_keys(layer), ids)
 
-    def index_scores(self, layer: int, q: torch.Tensor, w: torch.Tensor) -> None:
+    def index_scores(self, layer: int, q: torch.Tensor, w: torch.Tensor, visible: torch.Tensor | None = None) -> None:
         """None: the layer scores :meth:`index_keys` itself (module docstring)."""
+        return None
+
+    def pool_topk(self, layer: int, q: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor, block: int, keep: int,
+                  visible: torch.Tensor, k: int) -> None:
+        """None: the layer scores its candidate pool's :meth:`index_keys_at` itself (module docstring)."""
         return None
 
     def gather_entries(self, layer: int, idx: torch.Tensor) -> torch.Tensor:

@@ -161,7 +161,13 @@ def topk_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block: int, keep: int) -> torch.Tensor:
-    """Candidate pool of each query as a block mask [B, c, nblocks] bool (MODEL_REFERENCE.md §3.10)."""
+    """Candidate pool of each query as a block mask [B, c, nblocks] bool (MODEL_REFERENCE.md §3.10) from its scores
+    [B, c, N] (-inf where not visible) and visible counts [B, c]."""
+    if (scores.dtype == torch.float32 and visible.dtype == torch.int64 and scores.dim() == 3
+            and visible.shape == scores.shape[:2] and scores.shape[-1] > 0 and kernels.usable(scores, visible)):
+        mask = kernels.candidate_blocks(scores, visible, block, keep)  # the same mask from one C call
+        if mask is not None:
+            return mask
     B, c, N = scores.shape
     nblocks = -(-N // block)
     padded = torch.nn.functional.pad(scores, (0, nblocks * block - N), value=float("-inf"))

@@ -319,6 +319,9 @@ def test_few_token_kernels_restore_each_threads_own_torch_count(two_torch_thread
 
     def run(name, counts, enter_after, signal_in, exit_after, signal_out):
         try:
+            # A thread's first query sets its count from the last one any thread set (ATen's lazy per-thread
+            # OpenMP init): make it before setting this thread's own, which it would otherwise overwrite.
+            torch.get_num_threads()
             torch.set_num_threads(counts)
             if enter_after is not None:
                 assert enter_after.wait(10)
