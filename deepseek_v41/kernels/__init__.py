@@ -54,7 +54,7 @@ FP4_FORMATS = {"e4m3": 0, "ue8m0": 1}
 WIDENS_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_ROWS = 256  # up to this many tokens the mHC and router kernels run (beyond, ATen's threaded matmuls win)
 MAX_HC = 16  # hc_mix keeps one token's (2 + hc) * hc mixing logits on the stack
-INDEX_LUT_ROWS = 1024  # from this many index keys per row the indexer scores go through a lookup table
+INDEX_LUT_ROWS = 1024  # from this many keys per row, index scores the even / odd path cannot take use a lookup table
 FEW_ROWS = 16  # up to this many tokens take the few-token kernels (decode, speculative verify)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64

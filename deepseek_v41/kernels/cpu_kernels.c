@@ -1529,12 +1529,13 @@ static float widened_score(const float *qt, const float *wt, const float *key, c
 /* Index scores of entries 0 .. n-1 of each row straight from its packed FP4 keys (model/indexer.py IndexScorer
  * over PagedContext.index_keys, without materializing the keys): q [B, c, H, di] and w [B, c, H] fp32 ->
  * out [B, c, n] = sum_h w_h relu(q_h . k_s), summed in fp32, each block's dot multiplied by its scale.
- * Long rows (n >= 1024) with a small table (di / 2 * 256 * H <= 65536 floats) go through a lookup table per
- * query: T[i][byte][h] = q_h[2i] e(byte & 15) + q_h[2i + 1] e(byte >> 4), so a key costs one vector load and add
- * per code byte for 4 heads at once (table scratch: di / 2 * 256 * ceil(H / 4) * 4 floats); otherwise each key's
- * codes are widened once for the row's c queries: UE8M0 blocks of 32 (the index keys) with few queries (c * H *
- * di / 32 <= INDEX_PAIR_VECTORS) as even / odd lanes times the scale, in registers, else into scratch (di floats)
- * and each block's dot multiplied by its scale. Items of the pool: a row's keys in chunks of
+ * UE8M0 blocks of 32 (the index keys) with few queries (c * H * di / 32 <= INDEX_PAIR_VECTORS) widen each key's
+ * codes once for the row's c queries as even / odd lanes times the scale, in registers. Otherwise long rows
+ * (lut: n >= 1024) with a small table (di / 2 * 256 * H <= 65536 floats) go through a lookup table per query:
+ * T[i][byte][h] = q_h[2i] e(byte & 15) + q_h[2i + 1] e(byte >> 4), so a key costs one vector load and add per code
+ * byte for 4 heads at once (table scratch: di / 2 * 256 * ceil(H / 4) * 4 floats; the even / odd path, where it
+ * fits, is ~1.5x faster); else each key's codes are widened into scratch (di floats) and each block's dot
+ * multiplied by its scale. Items of the pool: a row's keys in chunks of
  * INDEX_CHUNK (INDEX_LUT_CHUNK with a table, built per item). visible [B, c] (or NULL): the scores of entries
  * from a query's visible count on read -inf (model/indexer.py mask_invisible). Returns 0, -1 when an entry lies past its block
  * table or its page is out of range (nothing else is guaranteed written then), -2 when the scratch cannot be had. */
@@ -1641,9 +1642,10 @@ int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t page
                        int64_t block, int fmt, const int64_t *tables, int64_t table_len, int64_t ratio,
                        int64_t block_size, const float *q, const float *w, int64_t B, int64_t c, int64_t H, int64_t n,
                        int lut, const int64_t *visible, float *out) {
+    const fp4_pool pool = {codes, scales, pages, per_page, di, block, fmt, tables, table_len, ratio, block_size};
+    if (index_pairs_fit(&pool, c, H)) lut = 0;  /* the even / odd path scores ~1.5x faster than a table */
     int64_t chunk = lut ? INDEX_LUT_CHUNK : INDEX_CHUNK, chunks = n > 0 ? (n + chunk - 1) / chunk : 0;
-    index_job job = {{codes, scales, pages, per_page, di, block, fmt, tables, table_len, ratio, block_size}, c, H, n,
-                     chunk, chunks, lut, q, w, out, 0};
+    index_job job = {pool, c, H, n, chunk, chunks, lut, q, w, out, 0};
     parallel_for(index_item, &job, B * chunks);
     if (visible)  /* mask_invisible: -inf from each query's visible count on */
         for (int64_t r = 0; r < B * c; r++)

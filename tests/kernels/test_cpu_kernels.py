@@ -1963,15 +1963,17 @@ def test_bf16_engine_logits_are_close_with_and_without_the_kernels(calls):
 
 
 # ------------------------------------------------------------------------------------- indexer scores, direct
-# (64, 16): c * H * di / 32 = 96 query vectors, beyond the even / odd path's 64 (cpu_kernels.c INDEX_PAIR_VECTORS)
-@pytest.mark.parametrize("di,H", [(32, 4), (64, 5), (32, 8), (64, 16)])
+# (64, 16, 3): c * H * di / 32 = 96 query vectors, beyond the even / odd path's 64 (cpu_kernels.c
+# INDEX_PAIR_VECTORS), and a table too large: the widening path; (32, 16, 5): 80 vectors, a table of 65536 floats:
+# the lookup table from INDEX_LUT_ROWS keys; the others take the even / odd path at any length.
+@pytest.mark.parametrize("di,H,c", [(32, 4, 3), (64, 5, 3), (32, 8, 3), (64, 16, 3), (32, 16, 5)])
 @pytest.mark.parametrize("n", [100, kernels.INDEX_LUT_ROWS + 37])  # below / above the lookup-table threshold
 @pytest.mark.parametrize("ratio", [4, 3])  # 4: page-aligned pool (walked page by page); 3: block_size 8 % 3 != 0
-def test_index_scores_equal_scoring_the_decoded_keys(di, H, n, ratio):
+def test_index_scores_equal_scoring_the_decoded_keys(di, H, c, n, ratio):
     """kernels.index_scores (its lookup-table, even / odd and widening paths) against decoding every key of the pool
     through the block tables and scoring with IndexScorer, to fp32 rounding; an entry past its table raises."""
     g = torch.Generator().manual_seed(di + H + n + ratio)
-    block_size, B, c = 8, 2, 3
+    block_size, B = 8, 2
     per_page = block_size // ratio
     pages = n // per_page + 4
     codes = torch.randint(0, 256, (pages, per_page, di // 2), generator=g, dtype=torch.uint8)
