@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -153,8 +154,14 @@ def _lower_is_better(key: str) -> bool:
     return key.startswith("decode_ms") or "over" in key or "rss" in key
 
 
-def _run_child(command: list[str]) -> dict[str, float | None]:
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+def _run_child(command: list[str], peer: bool = False) -> dict[str, float | None]:
+    env = dict(os.environ)
+    if peer:  # the peers run with their own defaults, not the spin count deepseek_v41 sets on import
+        import deepseek_v41
+
+        if deepseek_v41.GOMP_SPINCOUNT_SET is not None and env.get("GOMP_SPINCOUNT") == deepseek_v41.GOMP_SPINCOUNT_SET:
+            del env["GOMP_SPINCOUNT"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(done.stderr.strip() or f"{command} exited {done.returncode}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -238,7 +245,7 @@ def _compare(args: argparse.Namespace, families: list[str]) -> int:
     for peer in filter(None, args.peers.split(",")):  # one peer at a time, each in its own processes
         try:
             peers[peer] = _run_child([sys.executable, str(Path(__file__).with_name("peers.py")), "--peer", peer,
-                                      "--only", args.only, *common])
+                                      "--only", args.only, *common], peer=True)
         except RuntimeError as exc:
             print(f"peer {peer} failed: {exc}", file=sys.stderr)
             peers[peer] = {}
