@@ -1739,13 +1739,14 @@ static void blocks_item(const void *job, int64_t r) {
     const int64_t N = j->N, block = j->block, nb = j->nblocks, keep = j->keep, vis = j->visible[r];
     const float *x = j->scores + r * N;
     uint8_t *mask = j->mask + r * nb;
-    float *best = malloc((size_t)(nb + keep) * sizeof(float) + (size_t)keep * sizeof(int64_t));
+    const size_t floats = (size_t)(nb + keep + 1) & ~(size_t)1;  /* even: the int64 part after them is aligned */
+    float *best = malloc(floats * sizeof(float) + (size_t)keep * sizeof(int64_t));
     if (!best) {
         atomic_store(&((blocks_job *)j)->status, -2);
         return;
     }
     float *heap = best + nb;
-    int64_t *chosen = (int64_t *)(heap + keep);
+    int64_t *chosen = (int64_t *)(best + floats);
     for (int64_t i = 0; i < nb; i++) {
         float m = -INFINITY;
         for (int64_t s = i * block; s < (i + 1) * block && s < N; s++) {
@@ -1798,13 +1799,14 @@ static void pool_item(const void *job, int64_t r) {
     const int64_t di = j->p.width, H = j->H, n = j->n, vis = j->visible[r] < n ? j->visible[r] : n;
     const uint8_t *mask = j->mask + r * nb;
     const float *qt = j->q + r * H * di, *wt = j->w + r * H;
-    float *scores = malloc((size_t)(M + di + k) * sizeof(float) + (size_t)keep * sizeof(int64_t));
+    const size_t floats = (size_t)(M + di + k + 1) & ~(size_t)1;  /* even: the int64 part after them is aligned */
+    float *scores = malloc(floats * sizeof(float) + (size_t)keep * sizeof(int64_t));
     if (!scores) {
         atomic_store(&((pool_job *)j)->status, -2);
         return;
     }
     float *key = scores + M, *heap = key + di;
-    int64_t *chosen = (int64_t *)(heap + k), *o = j->out + r * k;
+    int64_t *chosen = (int64_t *)(scores + floats), *o = j->out + r * k;
     int64_t set = 0, m = 0;
     for (int64_t i = 0; i < nb; i++) set += mask[i] != 0;
     int64_t others = keep - (set < keep ? set : keep);  /* unchosen blocks that fill the pool (pool_entries) */

@@ -1229,9 +1229,11 @@ def test_moe_fp4_is_moe_bf16_bit_for_bit_on_the_same_weights(pool_of_one_after, 
             assert (err <= FP4_MOE_TOL * size[:n]).all(), f"off by {(err / size[:n]).max().item():.3g} of the size"
 
 
-def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch):
-    """The C code without AVX-512 (fp4_weights16's and weights16's generic loops), built into a second library
-    with the loader's flags, gives the default build's bits for moe_fp4 and moe_bf16. Skips without a compiler,
+@pytest.mark.parametrize("generic", ["-mno-avx512f", "-march=x86-64"])
+def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, generic):
+    """The C code without AVX-512 (weight_pairs', x_pairs' and sum16's generic forms) or without any AVX (sum8's
+    too), built into a second library with the loader's flags, gives the default build's bits for moe_fp4,
+    moe_bf16 and index scores (the even / odd path and the widening path's dots). Skips without a compiler,
     except under CI=true."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
@@ -1240,9 +1242,11 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch):
             pytest.fail(message)
         pytest.skip(message)
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    flags = [*kernels.CFLAGS, *(["-mno-avx512f"] if x86 else [])]  # elsewhere the default build is generic too
+    flags = [*kernels.CFLAGS, *([generic] if x86 else [])]  # elsewhere the default build is generic too
     macros = subprocess.run([cc, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True)
     assert macros.returncode == 0 and "__AVX512F__" not in macros.stdout, macros.stderr
+    if x86 and generic == "-march=x86-64":
+        assert "__AVX__" not in macros.stdout
     cases = [fp4_moe_inputs(kernels.FEW_ROWS, 96, 64, torch.bfloat16, torch.float32, seed=90),
              fp4_moe_inputs(kernels.FEW_ROWS, 64, 96, torch.float32, None, seed=91)]
 
@@ -1251,6 +1255,17 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch):
         return (kernels.moe_fp4(x, indices, weights, *fp4, limit, shared=shared),
                 kernels.moe_bf16(x, indices, weights, w13, w2, limit, shared=shared))
 
+    g = torch.Generator().manual_seed(92)
+    pool = (torch.randint(0, 256, (40, 4, 32), generator=g, dtype=torch.uint8),
+            torch.randint(118, 132, (40, 4, 2), generator=g, dtype=torch.uint8))
+    tables = torch.stack([torch.randperm(40, generator=g)[:30] for _ in range(2)])
+
+    def scores(H: int) -> torch.Tensor:  # 2 queries x H heads of 64: even / odd path at H = 4, widening at 32
+        q, w = torch.randn(2, 2, H, 64, generator=g), torch.rand(2, 2, H, generator=g)
+        return kernels.index_scores(*pool, 32, "ue8m0", tables, 2, 8, q, w, 100)
+
+    state = g.get_state()
+    want_scores = [scores(4), scores(32)]
     want = [fp4_and_bf16(case) for case in cases]
     monkeypatch.setattr(kernels, "CFLAGS", flags)
     monkeypatch.setenv("DSV41_KERNEL_CACHE", str(tmp_path))
@@ -1263,6 +1278,9 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch):
         fp4_got, bf16_got = fp4_and_bf16(case)
         assert_same_bits(fp4_got, fp4_want)
         assert_same_bits(bf16_got, bf16_want)
+    g.set_state(state)
+    for got, expected in zip([scores(4), scores(32)], want_scores, strict=True):
+        assert_same_bits(got, expected)
 
 
 def round_experts_to_bf16(moe: MoE) -> MoE:
