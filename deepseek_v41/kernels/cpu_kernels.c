@@ -911,8 +911,9 @@ static inline __attribute__((always_inline)) void weight_pairs(const void *w, co
 static inline __attribute__((always_inline)) void x_pairs(const float *x, v16f *even, v16f *odd) {
 #if defined(__AVX512F__)
     __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
-    __m512 lo = _mm512_permutex2var_ps(a, _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0), b);
-    __m512 hi = _mm512_permutex2var_ps(a, _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1), b);
+    __m512i even_at = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    __m512i odd_at = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    __m512 lo = _mm512_permutex2var_ps(a, even_at, b), hi = _mm512_permutex2var_ps(a, odd_at, b);
     memcpy(even, &lo, sizeof *even);
     memcpy(odd, &hi, sizeof *odd);
 #else
@@ -943,7 +944,8 @@ static inline float sum16(v16f a) {
 #if defined(__AVX512F__)
     __m512 v;
     memcpy(&v, &a, sizeof v);
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), upper);  /* a[i] + a[i + 8] */
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  /* h[i] + h[i + 4] */
     __m128 t = _mm_add_ps(q, _mm_movehl_ps(q, q));                                   /* q0 + q2, q1 + q3 */
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, _MM_SHUFFLE(1, 1, 1, 1))));
@@ -1512,6 +1514,39 @@ static inline __attribute__((always_inline)) float pair_score(const v16f *qe, co
     return acc;
 }
 
+/* pair_score for one block of 32 and 4 heads. With AVX-512 the four heads' 16-lane sums are reduced together
+ * (three shuffle-and-add levels for all four, where sum16 takes five steps each): the additions of sum16 in its
+ * order, so the same bits. */
+static inline __attribute__((always_inline)) float pair_score_4(const v16f *qe, const v16f *qo, const v16f *ke,
+                                                                const v16f *ko, const float *wt) {
+#if defined(__AVX512F__)
+    __m512 p[4];
+    for (int h = 0; h < 4; h++) {
+        v16f t = qe[h] * ke[0] + qo[h] * ko[0];
+        memcpy(&p[h], &t, sizeof t);
+    }
+    /* lanes i + 8 onto i (sum16's first level), two heads per vector: [h0 | h1], [h2 | h3] */
+    __m512 a01 = _mm512_add_ps(_mm512_shuffle_f32x4(p[0], p[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_f32x4(p[0], p[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 a23 = _mm512_add_ps(_mm512_shuffle_f32x4(p[2], p[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_f32x4(p[2], p[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lanes i + 4 onto i: head h's four partial sums in 128-bit lane h */
+    __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(a01, a23, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(a01, a23, _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 t = _mm512_add_ps(q, _mm512_permute_ps(q, _MM_SHUFFLE(1, 0, 3, 2)));  /* q0 + q2, q1 + q3 */
+    __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));  /* (q0 + q2) + (q1 + q3) */
+    float sums[16], acc = 0.0f;
+    _mm512_storeu_ps(sums, u);
+    for (int h = 0; h < 4; h++) {
+        float d = sums[4 * h];
+        acc += wt[h] * (d < 0.0f ? 0.0f : d);
+    }
+    return acc;
+#else
+    return pair_score(qe, qo, ke, ko, 1, 4, wt);
+#endif
+}
+
 /* One query's score (qt [H, di], wt [H]) of one key widened into key [di] (its E2M1 values) with scales ks: each
  * block's dot multiplied by its scale. */
 static float widened_score(const float *qt, const float *wt, const float *key, const uint8_t *ks, int64_t H,
@@ -1535,10 +1570,10 @@ static float widened_score(const float *qt, const float *wt, const float *key, c
  * T[i][byte][h] = q_h[2i] e(byte & 15) + q_h[2i + 1] e(byte >> 4), so a key costs one vector load and add per code
  * byte for 4 heads at once (table scratch: di / 2 * 256 * ceil(H / 4) * 4 floats; the even / odd path, where it
  * fits, is ~1.5x faster); else each key's codes are widened into scratch (di floats) and each block's dot
- * multiplied by its scale. Items of the pool: a row's keys in chunks of
- * INDEX_CHUNK (INDEX_LUT_CHUNK with a table, built per item). visible [B, c] (or NULL): the scores of entries
- * from a query's visible count on read -inf (model/indexer.py mask_invisible). Returns 0, -1 when an entry lies past its block
- * table or its page is out of range (nothing else is guaranteed written then), -2 when the scratch cannot be had. */
+ * multiplied by its scale. Items of the pool: a row's keys in chunks of INDEX_CHUNK (INDEX_LUT_CHUNK with a table,
+ * built per item). visible [B, c] (or NULL): the scores of entries from a query's visible count on read -inf
+ * (model/indexer.py mask_invisible). Returns 0, -1 when an entry lies past its block table or its page is out of
+ * range (nothing else is guaranteed written then), -2 when the scratch cannot be had. */
 
 typedef struct {
     fp4_pool p;  /* width: di */
@@ -1551,7 +1586,8 @@ typedef struct {
 
 static void index_item(const void *job, int64_t item) {
     const index_job *j = job;
-    const int64_t b = item / j->chunks, s0 = item % j->chunks * j->chunk, s1 = s0 + j->chunk < j->n ? s0 + j->chunk : j->n;
+    const int64_t b = item / j->chunks, s0 = item % j->chunks * j->chunk;
+    const int64_t s1 = s0 + j->chunk < j->n ? s0 + j->chunk : j->n;
     const int64_t di = j->p.width, block = j->p.block, c = j->c, H = j->H, n = j->n, fmt = j->p.fmt;
     const int64_t H4 = (H + 3) / 4, nb = di / block, half = block / 2;
     float *key = malloc((size_t)(j->lut ? di / 2 * 256 * H4 * 4 : di) * sizeof(float)), *table = key;
@@ -1618,8 +1654,8 @@ static void index_item(const void *job, int64_t item) {
             for (int64_t k0 = 0; k0 < nb; k0++) weight_pairs(kc, ks, W_FP4, k0 * FP4_ROW_BLOCK, &ke[k0], &ko[k0]);
             if (nb == 1 && H == 4)  /* the bench config's shape, unrolled with its vectors in registers (same sums) */
                 for (int64_t t = 0; t < c; t++)
-                    j->out[(b * c + t) * n + s] = pair_score(qe + t * 4, qo + t * 4, ke, ko, 1, 4,
-                                                             j->w + (b * c + t) * 4);
+                    j->out[(b * c + t) * n + s] = pair_score_4(qe + t * 4, qo + t * 4, ke, ko,
+                                                               j->w + (b * c + t) * 4);
             else
                 for (int64_t t = 0; t < c; t++)
                     j->out[(b * c + t) * n + s] = pair_score(qe + t * H * nb, qo + t * H * nb, ke, ko, nb, H,
