@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from kernel_oracles import count_calls, perturbed_models
 
 from deepseek_v41 import kernels
 from deepseek_v41.config import tiny_config
@@ -15,25 +16,12 @@ from deepseek_v41.model.transformer import Transformer
 
 @pytest.fixture(scope="module")
 def models():
-    torch.manual_seed(0)
-    model = Transformer(tiny_config()).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # away from the init's unit norms and zero sinks
-            p.add_(torch.randn_like(p) * 0.05)
-    bf16 = Transformer(tiny_config()).eval()
-    bf16.load_state_dict(model.state_dict())
-    return {torch.float32: model, torch.bfloat16: bf16.bfloat16()}
+    return perturbed_models()
 
 
 @pytest.fixture
 def counted(monkeypatch):
-    counts = {"attn_prologue": 0, "attn_epilogue": 0}
-    for name in counts:
-        def spy(*args, _fn=getattr(kernels, name), _name=name, **kw):
-            counts[_name] += 1
-            return _fn(*args, **kw)
-        monkeypatch.setattr(kernels, name, spy)
-    return counts
+    return count_calls(monkeypatch, "attn_prologue", "attn_epilogue")
 
 
 def module_path(attn, x, pos):

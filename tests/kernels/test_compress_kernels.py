@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_oracles import greedy_run, perturbed_models
 
 from deepseek_v41 import kernels
 from deepseek_v41.config import tiny_config
@@ -16,14 +17,7 @@ KV_SOURCES = {2: 2, 4: 1}  # tiny_config's kv-source layers and their compress r
 
 @pytest.fixture(scope="module")
 def models():
-    torch.manual_seed(0)
-    model = Transformer(tiny_config().replace(max_position_embeddings=8192)).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # away from the init's unit norms
-            p.add_(torch.randn_like(p) * 0.05)
-    bf16 = Transformer(model.config).eval()
-    bf16.load_state_dict(model.state_dict())
-    return {torch.float32: model, torch.bfloat16: bf16.bfloat16()}
+    return perturbed_models(max_position_embeddings=8192)
 
 
 @pytest.fixture
@@ -195,18 +189,13 @@ def test_engine_decode_takes_the_kernel_with_the_same_tokens(counted, monkeypatc
     """The engine's decode steps take the kernel in both kv sources (rows of one parity: every other step makes no
     entry, so the kernel only updates the pending pair); the greedy tokens and their log-probabilities are those
     of the module calls."""
-    from deepseek_v41.engine import LLM, SamplingParams
-
     torch.manual_seed(0)
     model = Transformer(tiny_config().replace(max_position_embeddings=8192)).eval().float()
     g = torch.Generator().manual_seed(12)
     requests = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in prompts]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
 
     def run():
-        outs = [o.outputs[0] for o in LLM(model, max_model_len=256).generate(requests, params)]
-        logprobs = [[step[t].logprob for t, step in zip(o.token_ids, o.logprobs, strict=True)] for o in outs]
-        return [o.token_ids for o in outs], torch.tensor(logprobs)
+        return greedy_run(model, requests, max_tokens=10)
 
     tokens, logprobs = run()
     decode_steps = 9

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_oracles import perturbed_models
 
 from deepseek_v41 import kernels
 from deepseek_v41.config import tiny_config
@@ -16,14 +17,7 @@ INDEX_LAYERS = (2, 4, 6)  # tiny_config's index sources
 
 @pytest.fixture(scope="module")
 def models():
-    torch.manual_seed(0)
-    model = Transformer(tiny_config()).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # away from the init's unit norms and zero sinks
-            p.add_(torch.randn_like(p) * 0.05)
-    bf16 = Transformer(tiny_config()).eval()
-    bf16.load_state_dict(model.state_dict())
-    return {torch.float32: model, torch.bfloat16: bf16.bfloat16()}
+    return perturbed_models()
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_oracles import count_calls, greedy_run, perturbed_models
 
 from deepseek_v41 import kernels
 from deepseek_v41.cache.kv_cache import PagedKVCache
@@ -30,14 +31,7 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts the calls of the select kernels (the callers look them up on the module at each call)."""
-    counts = {"pool_select": 0, "candidate_blocks": 0}
-    for name in counts:
-        def spy(*args, _fn=getattr(kernels, name), _name=name, **kw):
-            counts[_name] += 1
-            return _fn(*args, **kw)
-        monkeypatch.setattr(kernels, name, spy)
-    return counts
+    return count_calls(monkeypatch, "pool_select", "candidate_blocks")
 
 
 def fp4_pool(g: torch.Generator, B: int, n: int, di: int, ratio: int, block_size: int, duplicates: int):
@@ -186,12 +180,7 @@ def test_index_scores_with_visible_counts_mask_as_mask_invisible(n):
 # ------------------------------------------------------------------------------------ through Attention
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    model = Transformer(tiny_config().replace(max_position_embeddings=8192)).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # away from the init's unit norms
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturbed_models(max_position_embeddings=8192)[torch.float32]
 
 
 def paged_decode(model, g: torch.Generator, starts: list[int]) -> PagedContext:
@@ -254,18 +243,13 @@ def test_engine_decode_takes_the_select_kernels_with_the_same_tokens(calls, monk
     """The decode steps' Reindex layer takes pool_select (the prompts are past the pool; at least once per step of
     the 9, more where the scheduler splits the rows), and the greedy tokens and their log-probabilities are those of
     the torch code."""
-    from deepseek_v41.engine import LLM, SamplingParams
-
     torch.manual_seed(0)
     model = Transformer(tiny_config().replace(max_position_embeddings=8192)).eval().float()
     g = torch.Generator().manual_seed(12)
     requests = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in (60, 33, 47)]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
 
     def run():
-        outs = [o.outputs[0] for o in LLM(model, max_model_len=256).generate(requests, params)]
-        logprobs = [[step[t].logprob for t, step in zip(o.token_ids, o.logprobs, strict=True)] for o in outs]
-        return [o.token_ids for o in outs], torch.tensor(logprobs)
+        return greedy_run(model, requests, max_tokens=10)
 
     tokens, logprobs = run()
     decode_steps = 9
