@@ -1647,7 +1647,18 @@ static void index_item(const void *job, int64_t item) {
          * even / odd lanes (weight_pairs, the scale folded in), dotted with the queries split the same way */
         v16f qe[INDEX_PAIR_VECTORS], qo[INDEX_PAIR_VECTORS];
         for (int64_t v = 0; v < c * H * nb; v++) x_pairs(j->q + b * c * H * di + v * FP4_ROW_BLOCK, &qe[v], &qo[v]);
-        for (int64_t s = s0; s < s1; s++) {
+        int64_t s = s0;
+        if (nb == 1 && H == 4 && c == 1)  /* one decode query: two keys per pass, independent work side by side */
+            for (; s + 2 <= s1; s += 2) {
+                const uint8_t *kc0, *ks0, *kc1, *ks1;
+                if (key_next(&walk, s, &kc0, &ks0) != 0 || key_next(&walk, s + 1, &kc1, &ks1) != 0) goto past_table;
+                v16f ke0, ko0, ke1, ko1;
+                weight_pairs(kc0, ks0, W_FP4, 0, &ke0, &ko0);
+                weight_pairs(kc1, ks1, W_FP4, 0, &ke1, &ko1);
+                j->out[b * n + s] = pair_score_4(qe, qo, &ke0, &ko0, j->w + b * 4);
+                j->out[b * n + s + 1] = pair_score_4(qe, qo, &ke1, &ko1, j->w + b * 4);
+            }
+        for (; s < s1; s++) {
             const uint8_t *kc, *ks;
             if (key_next(&walk, s, &kc, &ks) != 0) goto past_table;
             v16f ke[4], ko[4];
