@@ -118,19 +118,21 @@ def measure(model_dir: Path, what: str, dtype: str, repeat: int) -> dict[str, fl
                 rates.append(batch * steps / decode)
             out[key] = statistics.median(rates[1:])
     elif what == "long":
+        # The two lengths alternate, so each 16K run has a 1K run beside it in time: the host's speed drifts by up
+        # to 2x within minutes, and measuring all of one length first made the ratio follow the drift.
         steps = 64
         params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-        per_token = {}
-        for n in (1024, 16384):
-            llm = _llm(model_dir, dtype, n + steps + 8, budget=PREFILL_CHUNK)
+        lengths = (1024, 16384)
+        llms = {n: _llm(model_dir, dtype, n + steps + 8, budget=PREFILL_CHUNK) for n in lengths}
+        for llm in llms.values():
             llm.generate({"prompt_token_ids": _ids(256, 99)}, params)  # warm-up (both lengths alike)
-            times = []
-            for r in range(repeat):
-                o = llm.generate({"prompt_token_ids": _ids(n, r)}, params)[0]
-                times.append((o.metrics.finished_time - o.metrics.first_token_time) / steps)
-            per_token[n] = statistics.median(times)
-        out["decode_ms_1k"], out["decode_ms_16k"] = per_token[1024] * 1e3, per_token[16384] * 1e3
-        out["decode_16k_over_1k"] = per_token[16384] / per_token[1024]
+        times: dict[int, list[float]] = {n: [] for n in lengths}
+        for r in range(repeat):
+            for n in lengths:
+                o = llms[n].generate({"prompt_token_ids": _ids(n, r)}, params)[0]
+                times[n].append((o.metrics.finished_time - o.metrics.first_token_time) / steps)
+        out["decode_ms_1k"], out["decode_ms_16k"] = (statistics.median(times[n]) * 1e3 for n in lengths)
+        out["decode_16k_over_1k"] = statistics.median(b / a for a, b in zip(times[1024], times[16384], strict=True))
     elif what == "rss":
         import resource
 
