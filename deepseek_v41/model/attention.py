@@ -17,7 +17,7 @@ from torch import nn
 from deepseek_v41 import kernels
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.model.compressor import Compressor
-from deepseek_v41.model.hooks import unobserved
+from deepseek_v41.model.hooks import plain_weights, unobserved
 from deepseek_v41.model.indexer import (
     QUERY_CHUNK,
     Indexer,
@@ -318,14 +318,11 @@ class Attention(nn.Module):
         """The weights of ``wq_a``, ``q_norm``, ``wq_b``, ``wkv``, ``kv_norm`` when calling them is exactly computing
         them: plain modules (no hook, no wrapper, no bias), contiguous weights of x's dtype and of the shapes the
         kernel reads (a replaced weight of another shape takes the module calls, which raise); else None."""
-        weights = []
-        modules = self._modules
-        for name, cls in (("wq_a", Linear), ("q_norm", RMSNorm), ("wq_b", Linear), ("wkv", Linear),
-                          ("kv_norm", RMSNorm)):
-            m = modules[name]
-            if not unobserved(m, cls) or m._parameters.get("bias") is not None:
-                return None
-            weights.append(m._parameters["weight"])
+        m = self._modules
+        weights = plain_weights((m["wq_a"], Linear), (m["q_norm"], RMSNorm), (m["wq_b"], Linear), (m["wkv"], Linear),
+                                (m["kv_norm"], RMSNorm))
+        if weights is None:
+            return None
         D, qr, d = x.shape[-1], weights[0].shape[0] if weights[0].dim() == 2 else -1, self.head_dim
         shapes = ((qr, D), (qr,), (self.n_heads * d, qr), (d, D), (d,))
         if all(w.dtype == x.dtype and w.shape == s for w, s in zip(weights, shapes, strict=True)) and fused(*weights):
@@ -335,11 +332,11 @@ class Attention(nn.Module):
     def _plain_output(self, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The same for ``wo_a`` (a GroupedLinear) and ``wo_b`` on the attention output o [B, T, H, d]: their
         weights, or None."""
-        a, b = self._modules["wo_a"], self._modules["wo_b"]
-        if not (unobserved(a, GroupedLinear) and unobserved(b, Linear) and b._parameters.get("bias") is None
-                and o.dim() == 4 and fused(o)):
+        a = self._modules["wo_a"]
+        weights = plain_weights((a, GroupedLinear), (self._modules["wo_b"], Linear))
+        if weights is None or not (o.dim() == 4 and fused(o)):
             return None
-        wo_a, wo_b = a._parameters["weight"], b._parameters["weight"]
+        wo_a, wo_b = weights
         G, (H, d) = self.o_groups, o.shape[2:]
         if not (a.groups == G and wo_a.dim() == 2 and wo_a.shape[0] % G == 0 and H * d % G == 0
                 and wo_a.shape[1] == H * d // G and wo_b.dim() == 2 and wo_b.shape[1] == wo_a.shape[0]):
@@ -408,19 +405,14 @@ class Attention(nn.Module):
             return None
         D, d, di = x.shape[-1], self.head_dim, ix.head_dim
         cm, im = c._modules, ix._modules
-        shapes = [(cm["wkv"], Linear, (d, D)), (cm["norm"], RMSNorm, (d,)), (im["wk"], Linear, (di, d)),
-                  (im["k_norm"], RMSNorm, (di,))]
+        modules = [(cm["wkv"], Linear), (cm["norm"], RMSNorm), (im["wk"], Linear), (im["k_norm"], RMSNorm)]
+        shapes = [(d, D), (d,), (di, d), (di,)]
         if c.ratio == 2:
-            shapes.append((cm["wgate"], Linear, (d, D)))
-        weights = []
-        for m, cls, shape in shapes:
-            if not unobserved(m, cls) or m._parameters.get("bias") is not None:
-                return None
-            w = m._parameters["weight"]
-            if w.dtype != x.dtype or w.shape != shape:
-                return None
-            weights.append(w)
-        if self._modules["rope"].rope_dim > di or not fused(*weights):
+            modules.append((cm["wgate"], Linear))
+            shapes.append((d, D))
+        weights = plain_weights(*modules)
+        if (weights is None or self._modules["rope"].rope_dim > di or not fused(*weights)
+                or any(w.dtype != x.dtype or w.shape != s for w, s in zip(weights, shapes, strict=True))):
             return None
         wkv, norm, wk, k_norm = weights[:4]
         return wkv, weights[4] if c.ratio == 2 else None, norm, cm["norm"].eps, wk, k_norm, im["k_norm"].eps

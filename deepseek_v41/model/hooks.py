@@ -22,6 +22,18 @@ def global_hooks() -> bool:
     return any(_GLOBAL_HOOKS)
 
 
+def plain_weights(*modules: tuple[nn.Module, type[nn.Module]]) -> list | None:
+    """The ``weight`` of each ``(module, cls)`` when every module is :func:`unobserved` as its class and has no
+    bias: then a kernel computing from the weights is exactly calling the modules (the caller checks the weights'
+    shapes and dtypes); else None."""
+    weights = []
+    for m, cls in modules:
+        if not unobserved(m, cls) or m._parameters.get("bias") is not None:
+            return None
+        weights.append(m._parameters["weight"])
+    return weights
+
+
 def unobserved(m: nn.Module, cls: type[nn.Module]) -> bool:
     """True when ``m`` is a ``cls`` (not a subclass) with no hook of its own and no global module hook: then
     computing its output directly is exactly calling it."""

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from deepseek_v41 import kernels
-from deepseek_v41.model.hooks import unobserved
+from deepseek_v41.model.hooks import plain_weights
 from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.norm import RMSNorm, cast, fused, upcast
 from deepseek_v41.quant import fake_quant_fp4
@@ -74,16 +74,15 @@ class Indexer(nn.Module):
         wrapper, no bias) with weights of that dtype and of the shapes the kernel reads (any other shape takes the
         module calls, which raise); phases fp32 [B, T, r], r even and <= head_dim; head_dim a multiple of the fake
         quant's block of 32; all of them contiguous on the CPU in inference mode."""
-        wq_b, proj = self._modules["wq_b"], self._modules["weights_proj"]
+        weights = plain_weights((self._modules["wq_b"], Linear), (self._modules["weights_proj"], Linear))
         (cos, sin), di = phases, self.head_dim
         r = cos.shape[-1]
-        if not (unobserved(wq_b, Linear) and unobserved(proj, Linear) and wq_b._parameters.get("bias") is None
-                and proj._parameters.get("bias") is None and q_lat.dim() == x.dim() == 3
+        if not (weights is not None and q_lat.dim() == x.dim() == 3
                 and q_lat.shape[:2] == x.shape[:2] and q_lat.dtype == x.dtype and r <= di and r % 2 == 0
                 and cos.shape == sin.shape == (*x.shape[:2], r) and cos.dtype == sin.dtype == torch.float32
                 and (di % 32 == 0 or not fake_quant)):
             return False
-        w_q, w_p, Hi = wq_b._parameters["weight"], proj._parameters["weight"], self.n_heads
+        (w_q, w_p), Hi = weights, self.n_heads
         return (w_q.shape == (Hi * di, q_lat.shape[-1]) and w_p.shape == (Hi, x.shape[-1])
                 and w_q.dtype == w_p.dtype == x.dtype and fused(q_lat, x, w_q, w_p, cos, sin))
 

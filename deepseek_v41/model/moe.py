@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepseek_v41 import kernels
-from deepseek_v41.model.hooks import global_hooks, hooked, unobserved
+from deepseek_v41.model.hooks import global_hooks, hooked
 from deepseek_v41.model.linear import linear
 from deepseek_v41.model.norm import cast, fused, upcast
 from deepseek_v41.quant.weights import FP4_EXPERT_BLOCK
@@ -57,12 +57,7 @@ class Expert(nn.Module):
         """True when this is an :class:`Expert` and ``w1`` / ``w2`` / ``w3`` bias-free ``nn.Linear`` layers, with
         no forward or backward hook on any of them (nor a global module hook): then ``F.linear`` on the weights,
         or one grouped matmul over every expert, is exactly calling the modules (what the fast paths do)."""
-        if not unobserved(self, Expert):
-            return False
-        for m in self._modules.values():
-            if type(m) is not nn.Linear or m._parameters.get("bias") is not None or hooked(m):
-                return False
-        return True
+        return not global_hooks() and _plain_own(self)
 
 
 def _plain(m: nn.Module) -> bool:
@@ -80,9 +75,23 @@ def _plain_own(m: nn.Module) -> bool:
     return True
 
 
-def _stamp(params: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+def _weights(expert: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A plain expert's ``(w1, w3, w2)`` weights."""
+    m = expert._modules
+    return m["w1"]._parameters["weight"], m["w3"]._parameters["weight"], m["w2"]._parameters["weight"]
+
+
+def _stamp(params: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[int, ...]:
     """Where each tensor's data is and its version counter: changes when a weight moves or changes in place."""
-    return tuple(v for p in params for v in (p.data_ptr(), p._version))
+    w1, w3, w2 = params
+    return w1.data_ptr(), w1._version, w3.data_ptr(), w3._version, w2.data_ptr(), w2._version
+
+
+def _current(key: tuple | None, params: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+    """Whether copies recorded under ``key`` (:func:`_remake`) were made from exactly these weights as they are now.
+    The parameters themselves are in the key: a replaced one is another object, even at a reused address."""
+    return (key is not None and key[0] is params[0] and key[1] is params[1] and key[2] is params[2]
+            and key[3] == _stamp(params))
 
 
 def _remake(e: int, params: tuple[torch.Tensor, torch.Tensor, torch.Tensor], copies, keys: list, exact: list,
@@ -402,26 +411,19 @@ class MoE(nn.Module):
         copies, keys, exact = state
         remade = False
         for e in ids:
-            m = mods[e]._modules
-            w1, w3, w2 = m["w1"]._parameters["weight"], m["w3"]._parameters["weight"], m["w2"]._parameters["weight"]
-            key = keys[e]
-            # The parameters themselves are in the key: a replaced one is another object, even at a reused address.
-            if (key is None or key[0] is not w1 or key[1] is not w3 or key[2] is not w2
-                    or key[3] != (w1.data_ptr(), w1._version, w3.data_ptr(), w3._version, w2.data_ptr(), w2._version)):
-                if _remake(e, (w1, w3, w2), copies, keys, exact, fill) is None:
+            params = _weights(mods[e])
+            if not _current(keys[e], params):
+                if _remake(e, params, copies, keys, exact, fill) is None:
                     return None
                 remade = True
             if not exact[e]:
                 return None
         if remade:  # the other plain experts' too, as far as they can be made
             picked = set(ids)
-            for e in range(len(mods)):
-                key = keys[e]
-                if e not in picked and _plain(mods[e]):
-                    m = mods[e]._modules
-                    params = tuple(m[name]._parameters["weight"] for name in ("w1", "w3", "w2"))
-                    if (key is None or any(k is not w for k, w in zip(key[:3], params, strict=True))
-                            or key[3] != _stamp(params)):
+            for e, expert in enumerate(mods):
+                if e not in picked and _plain(expert):
+                    params = _weights(expert)
+                    if not _current(keys[e], params):
                         _remake(e, params, copies, keys, exact, fill)
         return copies
 

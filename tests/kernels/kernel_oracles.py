@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from deepseek_v41 import kernels
@@ -25,10 +27,10 @@ def perturbed_models(max_position_embeddings: int | None = None) -> dict[torch.d
     return {torch.float32: model, torch.bfloat16: bf16.bfloat16()}
 
 
-def count_calls(monkeypatch, *names: str) -> dict[str, int]:
+def count_calls(monkeypatch, *names: str) -> collections.Counter:
     """Calls of ``kernels.<name>`` for each name, counted from now on (callers look the kernels up on the module at
-    each call, so the spies see every call)."""
-    counts = dict.fromkeys(names, 0)
+    each call, so the spies see every call); each name starts at 0."""
+    counts = collections.Counter(dict.fromkeys(names, 0))
     for name in names:
         def spy(*args, _fn=getattr(kernels, name), _name=name, **kw):
             counts[_name] += 1

@@ -18,7 +18,6 @@ reading the routed experts in FP4 (``kernels.moe_fp4``) must give its bf16 path'
 (also when built without AVX-512), and agree with float64 arithmetic on weights decoded by ml_dtypes.
 """
 
-import collections
 import ctypes
 import os
 import platform
@@ -31,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_oracles import count_calls
 from optional_deps import require
 from torch import nn
 
@@ -68,13 +68,7 @@ RTOL, ATOL = 2e-6, 1e-6
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the calls of every kernel entry point (the callers look them up on the module at each call)."""
-    counts = collections.Counter()
-    for name in ENTRY_POINTS:
-        def spy(*args, _fn=getattr(kernels, name), _name=name, **kw):
-            counts[_name] += 1
-            return _fn(*args, **kw)
-        monkeypatch.setattr(kernels, name, spy)
-    return counts
+    return count_calls(monkeypatch, *ENTRY_POINTS)
 
 
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
