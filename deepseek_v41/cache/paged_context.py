@@ -14,6 +14,7 @@ import torch
 
 from deepseek_v41 import kernels
 from deepseek_v41.cache.block_manager import BlockManager
+from deepseek_v41.cache.block_table import BlockTable
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.model.context import pick_rows
 from deepseek_v41.model.norm import KERNEL_DTYPES, cast, fused, upcast
@@ -57,8 +58,11 @@ class PagedContext:
         # Reading one row's rings through a slice is a view; several rows need a gather (a copy).
         self._rows = slice(slots[0], slots[0] + 1) if len(slots) == 1 else self.slots
         width = max(1, max(len(t) for t in tables), -(-max(ends) // cache.block_size))
-        padded = [t + [BlockManager.NULL_PAGE] * (width - len(t)) for t in tables]
-        self.tables = torch.tensor(padded, dtype=torch.long, device=device)
+        if all(isinstance(t, BlockTable) for t in tables):  # the tensors they keep: no list conversion per step
+            self.tables = torch.stack([t.padded(width, device) for t in tables])
+        else:
+            padded = [t + [BlockManager.NULL_PAGE] * (width - len(t)) for t in tables]
+            self.tables = torch.tensor(padded, dtype=torch.long, device=device)
         # Entries of positions below write_from are already in (shared) prefix-cache pages: replay never
         # rewrites them (SPEC.md §4.3).
         self.write_from = torch.tensor(write_from or [0] * len(slots), device=device)[:, None]

@@ -119,7 +119,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._seed = args.seed
         self.requests: dict[str, list[Sequence]] = {}
-        self._prompts: dict[str, str | None] = {}
+        # Per request: its prompt text and token ids as every RequestOutput gives them (one list per request, not
+        # a copy per step: at 16K tokens that copy cost ~50 µs of each decode step).
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}
         self.num_steps = 0
 
     def _speculative_len(self, args: EngineArgs) -> int:
@@ -314,7 +316,7 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
-        self._prompts[request_id] = prompt
+        self._prompts[request_id] = (prompt, list(prompt_token_ids))
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its pages and slots return to the pool."""
@@ -418,7 +420,8 @@ class LLMEngine:
         metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time,
                                  min((s.first_token_time for s in seqs if s.first_token_time), default=None),
                                  max((s.finished_time or 0 for s in seqs), default=None) if finished else None)
-        return RequestOutput(request_id, self._prompts[request_id], list(first.prompt_token_ids), outputs,
+        prompt, prompt_token_ids = self._prompts[request_id]
+        return RequestOutput(request_id, prompt, prompt_token_ids, outputs,
                              finished, first.num_cached_tokens, metrics, first.num_replayed_tokens,
                              sum(s.spec_accepted_tokens for s in seqs), sum(s.spec_verify_steps for s in seqs))
 

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from deepseek_v41.cache.block_table import BlockTable
 from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
 from deepseek_v41.engine.sampler import Logprob, SamplingState
 from deepseek_v41.engine.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.time)
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None

@@ -119,6 +119,29 @@ def test_preemption_by_recompute_gives_the_same_tokens(model64):
         assert tight.stats["kv_pages_used"] == 0
 
 
+def test_step_outputs_carry_the_prompt_and_a_user_editing_it_changes_nothing(model32):
+    """Every step's RequestOutput gives the prompt's token ids: one list per request, made at arrival and shared
+    by its outputs (as vLLM's are). A user editing that list changes neither the engine's copy nor the tokens
+    generated."""
+    prompt = prompt_of(20, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = LLM(model32, max_model_len=128).engine
+    tokens = {}
+    for edit in (False, True):
+        engine.add_request(f"r{edit}", list(prompt), params)
+        outs = []
+        while engine.has_unfinished_requests():
+            out = engine.step()[0]
+            assert edit or out.prompt_token_ids == prompt
+            if edit:
+                out.prompt_token_ids[:] = [3] * 20
+            outs.append(out)
+        assert engine.requests[f"r{edit}"][0].prompt_token_ids == prompt
+        assert all(o.prompt_token_ids is outs[0].prompt_token_ids for o in outs)
+        tokens[edit] = [o.outputs[0].token_ids for o in outs]
+    assert tokens[True] == tokens[False]
+
+
 def test_pages_return_to_the_pool_and_limits_are_enforced(model32):
     llm = LLM(model32, max_model_len=64)
     generate(llm, [prompt_of(30), prompt_of(9)], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
