@@ -1735,24 +1735,50 @@ typedef struct {
     _Atomic int status;
 } topk_job;
 
-/* The top-k rule of one row x [N] into o [k] (heap: k floats); 0, or -1 (o unspecified) when x holds a NaN. */
+#define TOPK_RUN 16  /* scores checked at once (a loop the compiler vectorizes) before any is looked at alone */
+
+/* Whether any of x[0 .. n-1] is above t (or, with or_equal, equal to it); n <= TOPK_RUN. */
+static inline int any_above(const float *x, int64_t n, float t, int or_equal) {
+#if defined(__AVX512F__)
+    if (n == TOPK_RUN)
+        return or_equal ? _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_set1_ps(t), _CMP_GE_OQ) != 0
+                        : _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_set1_ps(t), _CMP_GT_OQ) != 0;
+#endif
+    int any = 0;
+    for (int64_t j = 0; j < n; j++) any |= or_equal ? x[j] >= t : x[j] > t;
+    return any;
+}
+
+/* The top-k rule of one row x [N] into o [k] (heap: k floats); 0, or -1 (o unspecified) when x holds a NaN.
+ * Runs of TOPK_RUN scores are checked at once against the heap's minimum (which only rises), so the scores that
+ * cannot enter the heap, or cannot be picked, are passed over without a branch each: the same heap, the same
+ * picks. */
 static int topk_row(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *heap, int64_t *o) {
     if (k == 0) return 0;
-    for (int64_t i = 0; i < N; i++)
-        if (x[i] != x[i]) return -1;
+    int nan = 0;
+    for (int64_t i = 0; i < N; i++) nan |= x[i] != x[i];
+    if (nan) return -1;
     for (int64_t i = 0; i < k; i++) heap[i] = x[i];
     for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
-    for (int64_t i = k; i < N; i++)
-        if (x[i] > heap[0]) {
-            heap[0] = x[i];
-            sift_down(heap, k, 0);
-        }
+    for (int64_t i = k; i < N; i += TOPK_RUN) {
+        const int64_t n = N - i < TOPK_RUN ? N - i : TOPK_RUN;
+        if (!any_above(x + i, n, heap[0], 0)) continue;
+        for (int64_t j = i; j < i + n; j++)
+            if (x[j] > heap[0]) {
+                heap[0] = x[j];
+                sift_down(heap, k, 0);
+            }
+    }
     float kth = heap[0];
     int64_t greater = 0;
     for (int64_t i = 0; i < N; i++) greater += x[i] > kth;
     int64_t ties = k - greater, m = 0;
-    for (int64_t i = 0; i < N && m < k; i++)
-        if (x[i] > kth || (x[i] == kth && ties-- > 0)) o[m++] = drop_neg_inf && x[i] == -INFINITY ? -1 : i;
+    for (int64_t i = 0; i < N && m < k; i += TOPK_RUN) {
+        const int64_t n = N - i < TOPK_RUN ? N - i : TOPK_RUN;
+        if (!any_above(x + i, n, kth, 1)) continue;
+        for (int64_t j = i; j < i + n && m < k; j++)
+            if (x[j] > kth || (x[j] == kth && ties-- > 0)) o[m++] = drop_neg_inf && x[j] == -INFINITY ? -1 : j;
+    }
     return 0;
 }
 

@@ -2030,6 +2030,21 @@ def test_topk_set_kernel_gives_the_torch_codes_indices(calls, N, k):
         assert (topk_entries(rows, k) == -1).any()  # -inf picks read -1
 
 
+@pytest.mark.parametrize("N,k", [(100, 1), (5003, 64), (16411, 64)])
+def test_topk_set_kernel_on_distinct_scores_in_any_order(calls, N, k):
+    """Distinct scores (random, rising: every run of 16 enters the heap, falling: none after the first k,
+    a late maximum in a short last run): the kernel's picks are the torch code's."""
+    g = torch.Generator().manual_seed(N)
+    noise = torch.randn(N, generator=g)
+    late = torch.randn(N, generator=g)
+    late[-1] = 100.0
+    rows = torch.stack([noise, torch.arange(N) + noise * 0.1, -torch.arange(N) + noise * 0.1, late])
+    got = topk_set(rows, k)
+    with kernels.disabled():
+        want = topk_set(rows, k)
+    assert calls["topk_set"] == 1 and torch.equal(got, want)
+
+
 def test_topk_set_kernel_leaves_nan_rows_and_large_k_to_the_torch_code(calls):
     scores = torch.tensor([[0.5, float("nan"), 1.0, 2.0]])
     got = topk_set(scores, 2)
