@@ -292,11 +292,19 @@ def test_dequantize_every_code_and_scale_byte(calls):
     scales = every[:, None].expand(256, 16).contiguous()
     for out in (torch.float32, torch.bfloat16):
         assert_same_results(*both_ways(dequantize_fp8, codes, scales, dtype=out))
-    # FP4: every packed byte under every scale byte, E4M3 (0x7F / 0xFF are NaN) and UE8M0.
+    # FP4: every packed byte under every scale byte, E4M3 (0x7F / 0xFF are NaN) and UE8M0; then each block's scale
+    # its own (the kernel decodes 32 values at a time: two blocks of 16 side by side) and a row length that
+    # leaves a last block of 16 alone.
+    g = torch.Generator().manual_seed(4)
     for block, fmt in ((16, "e4m3"), (32, "ue8m0")):
         fp4_scales = every[:, None].expand(256, 512 // block).contiguous()
         assert_same_results(*both_ways(dequantize_fp4, every.expand(256, 256).contiguous(), fp4_scales, block, fmt))
-    assert calls["fp8_dequantize"] == 2 and calls["fp4_dequantize"] == 2
+        mixed = torch.randint(0, 256, (256, 512 // block), generator=g, dtype=torch.uint8)
+        assert_same_results(*both_ways(dequantize_fp4, every.expand(256, 256).contiguous(), mixed, block, fmt))
+    short = torch.randint(0, 256, (5, 24), generator=g, dtype=torch.uint8)
+    assert_same_results(*both_ways(dequantize_fp4, short, torch.randint(100, 140, (5, 3), generator=g,
+                                                                        dtype=torch.uint8), 16, "e4m3"))
+    assert calls["fp8_dequantize"] == 2 and calls["fp4_dequantize"] == 5
     # The E4M3 NaN codes decode to NaN in the kernel too (the table is not all zeros or all finite).
     values = dequantize_fp8(codes[127:128, :256], scales[127:128, :8])
     assert values.isnan().sum() == 2 and values[0, 0x38].item() == 1.0
