@@ -1458,23 +1458,29 @@ int dsv41_moe(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *in
 /* ------------------------------------------------------------------------------ indexer scores from FP4 */
 
 /* One row's index keys in order: entries s = 0, 1, ... of a pool through its block table, as (codes, scales)
- * pointers. A page-aligned pool (block_size = per_page * ratio) is walked page by page, without two integer
- * divisions per entry. */
+ * pointers. A page-aligned pool (block_size = per_page * ratio) is walked page by page, the next page from the next
+ * column of the table: the integer divisions come where a walk starts, not per entry or page. */
 typedef struct {
     const fp4_pool *p;
     const int64_t *table;  /* this row's */
-    int64_t page, slot;
+    int64_t page, slot, col;
     int aligned;
 } key_walk;
 
 /* The next entry's codes / scales (*kc, *ks): 0, or -1 when it lies past the block table or its page is out of
  * range. */
-static int key_next(key_walk *k, int64_t s, const uint8_t **kc, const uint8_t **ks) {
+static inline int key_next(key_walk *k, int64_t s, const uint8_t **kc, const uint8_t **ks) {
     const fp4_pool *p = k->p;
     if (!k->aligned || k->page < 0 || k->slot == p->per_page) {  /* page -1: a walk that starts at any s */
-        k->page = entry_page(k->table, p->table_len, s, p->ratio, p->block_size);
+        if (k->aligned && k->page >= 0) {  /* past a page's last entry: the next column's first */
+            k->col++;
+            k->slot = 0;
+        } else {
+            k->col = s * p->ratio / p->block_size;
+            k->slot = s % p->per_page;
+        }
+        k->page = k->col < p->table_len ? k->table[k->col] : -1;
         if (k->page < 0 || k->page >= p->pages) return -1;
-        k->slot = s % p->per_page;
     }
     int64_t at = k->page * p->per_page + k->slot++;
     *kc = p->codes + at * (p->width / 2);
@@ -1595,7 +1601,8 @@ static void index_item(const void *job, int64_t item) {
         atomic_store(&((index_job *)j)->status, -2);
         return;
     }
-    key_walk walk = {&j->p, j->p.tables + b * j->p.table_len, -1, 0, j->p.per_page * j->p.ratio == j->p.block_size};
+    key_walk walk = {.p = &j->p, .table = j->p.tables + b * j->p.table_len, .page = -1,
+                     .aligned = j->p.per_page * j->p.ratio == j->p.block_size};
     if (j->lut) {
         for (int64_t t = 0; t < c; t++) {
             const float *qt = j->q + (b * c + t) * H * di, *wt = j->w + (b * c + t) * H;
@@ -1868,7 +1875,8 @@ static void pool_item(const void *job, int64_t r) {
     v16f qe[INDEX_PAIR_VECTORS], qo[INDEX_PAIR_VECTORS];
     if (pairs)
         for (int64_t v = 0; v < H * (di / FP4_ROW_BLOCK); v++) x_pairs(qt + v * FP4_ROW_BLOCK, &qe[v], &qo[v]);
-    key_walk walk = {&j->p, j->p.tables + b * j->p.table_len, -1, 0, j->p.per_page * j->p.ratio == j->p.block_size};
+    key_walk walk = {.p = &j->p, .table = j->p.tables + b * j->p.table_len, .page = -1,
+                     .aligned = j->p.per_page * j->p.ratio == j->p.block_size};
     for (int64_t i = 0; i < keep; i++) {
         walk.page = -1;  /* the pool's blocks are not consecutive */
         for (int64_t e = 0; e < block; e++) {
