@@ -1505,6 +1505,15 @@ static inline int key_run(key_walk *k, int64_t s, int count, const uint8_t **kc,
     return 0;
 }
 
+/* Prefetches page `page` of pool p, its codes and scales (nothing when out of range). Always inlined: GCC takes a
+ * function of prefetches alone for one without side effects and drops its calls. */
+static inline __attribute__((always_inline)) void page_prefetch(const fp4_pool *p, int64_t page) {
+    if (page < 0 || page >= p->pages) return;
+    const int64_t code_bytes = p->per_page * (p->width / 2), scale_bytes = p->per_page * (p->width / p->block);
+    for (int64_t i = 0; i < code_bytes; i += 64) __builtin_prefetch(p->codes + page * code_bytes + i);
+    for (int64_t i = 0; i < scale_bytes; i += 64) __builtin_prefetch(p->scales + page * scale_bytes + i);
+}
+
 /* Four heads' entries T[i][byte][4 h4 .. 4 h4 + 3] of an index-score lookup table (H4 groups of 4 heads). */
 static v4f lut4(const float *table, int64_t i, uint8_t byte, int64_t H4, int64_t h4) {
     v4f v;
@@ -1577,6 +1586,7 @@ static inline __attribute__((always_inline)) float pair_score_4(const v16f *qe, 
  * pair_score and sum16 compute for its key, the same IEEE operations in the same order (no fused multiply-add:
  * -ffp-contract=off): the same bits. */
 #define LANE_KEYS 16
+#define LANE_AHEAD 64  /* keys whose pages are prefetched ahead of the 16 scored */
 
 /* 16 keys' code bytes and scales: word[k0][w] lane m = bytes 16 k0 + 4w .. 16 k0 + 4w + 3 of key m (byte 16 k0 + l
  * holds elements 32 k0 + 2l, low nibble, and 32 k0 + 2l + 1), scale[k0] lane m = its block k0's UE8M0 scale. */
@@ -1822,9 +1832,17 @@ static void index_item(const void *job, int64_t item) {
         for (int64_t v = 0; v < c * H * nb; v++) x_pairs(j->q + b * c * H * di + v * FP4_ROW_BLOCK, &qe[v], &qo[v]);
         int64_t s = s0;
 #if defined(__AVX512F__)
+        /* The pages of the table's next columns, LANE_AHEAD keys ahead, are prefetched: pages in no particular order
+         * defeat the hardware prefetcher (cold keys in pages of random order: 8K keys 180 -> 80 µs on one thread;
+         * pages in order: no change; keys in cache: 5-10% slower) */
+        const int64_t ahead = LANE_AHEAD * j->p.ratio / j->p.block_size + 1;  /* columns */
+        int64_t fetched = -1;  /* the last column whose page was prefetched */
         for (; s + LANE_KEYS <= s1; s += LANE_KEYS) {  /* 16 keys at a time in lanes, the rest one or two at once */
             const uint8_t *kc[LANE_KEYS], *ks[LANE_KEYS];
             if (key_run(&walk, s, LANE_KEYS, kc, ks) != 0) goto past_table;
+            for (fetched = fetched < walk.col ? walk.col : fetched;
+                 fetched < walk.col + ahead && fetched + 1 < j->p.table_len; fetched++)
+                page_prefetch(&j->p, walk.table[fetched + 1]);
             lane_group(kc, ks, nb, c, H, di, j->q + b * c * H * di, j->w + b * c * H, n, j->out + b * c * n + s);
         }
 #endif
