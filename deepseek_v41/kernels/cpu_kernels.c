@@ -2032,7 +2032,8 @@ int dsv41_candidate_blocks(const float *scores, const int64_t *visible, int64_t 
  * from the packed FP4 index keys (as dsv41_index_scores scores them for one query: the even / odd path where
  * index_pairs_fit, else the widening path), -inf for entries of unchosen blocks, at or past n, or at or past
  * visible[r]; then the top k of those keep * block scores by topk_row's rule (drop_neg_inf), as global entry ids
- * out [R, k] (-1 where the pick is -inf). Scratch per query: keep * (block + 1) floats + k floats + keep int64.
+ * out [R, k] (-1 where the pick is -inf). With AVX-512 the even / odd path scores 16 entries at a time in lanes
+ * (lane_group). Scratch per query: keep * block + di + k + 1 floats, keep int64, 2 keep * block pointers.
  * Returns 0, -1 when an entry lies past its block table or its page is out of range, -2 when the scratch cannot
  * be had, -3 when a score is NaN (the caller takes the torch code, whose top-k ranks NaN first). */
 typedef struct {
@@ -2052,13 +2053,14 @@ static void pool_item(const void *job, int64_t r) {
     const uint8_t *mask = j->mask + r * nb;
     const float *qt = j->q + r * H * di, *wt = j->w + r * H;
     const size_t floats = (size_t)(M + di + k + 1) & ~(size_t)1;  /* even: the int64 part after them is aligned */
-    float *scores = malloc(floats * sizeof(float) + (size_t)keep * sizeof(int64_t));
+    float *scores = malloc(floats * sizeof(float) + (size_t)keep * sizeof(int64_t) + 2 * (size_t)M * sizeof(void *));
     if (!scores) {
         atomic_store(&((pool_job *)j)->status, -2);
         return;
     }
     float *key = scores + M, *heap = key + di;
     int64_t *chosen = (int64_t *)(scores + floats), *o = j->out + r * k;
+    const uint8_t **kc = (const uint8_t **)(chosen + keep), **ks = kc + M;  /* each entry's key; NULL: not scored */
     int64_t set = 0, m = 0;
     for (int64_t i = 0; i < nb; i++) set += mask[i] != 0;
     int64_t others = keep - (set < keep ? set : keep);  /* unchosen blocks that fill the pool (pool_entries) */
@@ -2073,29 +2075,42 @@ static void pool_item(const void *job, int64_t r) {
     for (int64_t i = 0; i < keep; i++) {
         walk.page = -1;  /* the pool's blocks are not consecutive */
         for (int64_t e = 0; e < block; e++) {
-            const int64_t s = chosen[i] * block + e;
-            float *out = scores + i * block + e;
-            if (chosen[i] < 0 || s >= vis) {
-                *out = -INFINITY;
-                continue;
-            }
-            const uint8_t *kc, *ks;
-            if (key_next(&walk, s, &kc, &ks) != 0) {
+            const int64_t s = chosen[i] * block + e, at = i * block + e;
+            kc[at] = ks[at] = NULL;
+            if (chosen[i] >= 0 && s < vis && key_next(&walk, s, &kc[at], &ks[at]) != 0) {
                 atomic_store(&((pool_job *)j)->status, -1);
                 free(scores);
                 return;
             }
-            if (pairs) {
-                v16f ke[4], ko[4];
-                for (int64_t k0 = 0; k0 < di / FP4_ROW_BLOCK; k0++)
-                    weight_pairs(kc, ks, W_FP4, k0 * FP4_ROW_BLOCK, &ke[k0], &ko[k0]);
-                *out = pair_score(qe, qo, ke, ko, di / FP4_ROW_BLOCK, H, wt);
-            } else {
-                for (int64_t h = 0; h < di / 2; h++) memcpy(key + 2 * h, FP4_PAIRS[kc[h]], sizeof FP4_PAIRS[0]);
-                *out = widened_score(qt, wt, key, ks, H, di, j->p.block, j->p.fmt);
-            }
         }
     }
+    int64_t at = 0;
+#if defined(__AVX512F__)
+    if (pairs)  /* 16 entries at a time in lanes (an entry not scored reads zero codes meanwhile) */
+        for (; at + LANE_KEYS <= M; at += LANE_KEYS) {
+            static const uint8_t zeros[64];  /* a key's codes and scales: di / 2 <= 64 bytes, di / 32 <= 4 */
+            const uint8_t *kc16[LANE_KEYS], *ks16[LANE_KEYS];
+            for (int m16 = 0; m16 < LANE_KEYS; m16++) {
+                kc16[m16] = kc[at + m16] ? kc[at + m16] : zeros;
+                ks16[m16] = ks[at + m16] ? ks[at + m16] : zeros;
+            }
+            lane_group(kc16, ks16, di / FP4_ROW_BLOCK, 1, H, di, qt, wt, M, scores + at);
+        }
+#endif
+    for (; at < M; at++) {
+        if (!kc[at]) continue;
+        if (pairs) {
+            v16f ke[4], ko[4];
+            for (int64_t k0 = 0; k0 < di / FP4_ROW_BLOCK; k0++)
+                weight_pairs(kc[at], ks[at], W_FP4, k0 * FP4_ROW_BLOCK, &ke[k0], &ko[k0]);
+            scores[at] = pair_score(qe, qo, ke, ko, di / FP4_ROW_BLOCK, H, wt);
+        } else {
+            for (int64_t h = 0; h < di / 2; h++) memcpy(key + 2 * h, FP4_PAIRS[kc[at][h]], sizeof FP4_PAIRS[0]);
+            scores[at] = widened_score(qt, wt, key, ks[at], H, di, j->p.block, j->p.fmt);
+        }
+    }
+    for (at = 0; at < M; at++)
+        if (!kc[at]) scores[at] = -INFINITY;
     if (topk_row(scores, M, k, 1, heap, o) != 0) {
         atomic_store(&((pool_job *)j)->status, -3);
         free(scores);

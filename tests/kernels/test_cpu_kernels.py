@@ -1289,6 +1289,13 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
     index_cases = [index_inputs(*case, seed=92 + i, odd_scales=True) for i, case in enumerate(GENERIC_INDEX_CASES)]
     want_scores = [index_scores_of(*case) for case in zip(GENERIC_INDEX_CASES, index_cases, strict=True)]
     assert all(scores.isnan().any() and (scores > 0).float().mean() > 0.3 for scores in want_scores)
+    # A Reindex layer's picks among 20 blocks of 8 entries of 38, some past a query's visible count.
+    codes, scales, tables, q, w = index_inputs(32, 4, 2, 300, 2, 16, seed=99)
+    blocks = torch.rand(2, 2, 38, generator=torch.Generator().manual_seed(99)) < 0.5
+    visible = torch.tensor([[300, 123], [77, 250]])
+    select = (codes, scales, 32, "ue8m0", tables, 2, 16, q, w, 300, blocks, 8, 20, visible, 32)
+    want_picks = kernels.pool_select(*select)
+    assert (want_picks == -1).any() and (want_picks >= 0).sum() > 64
     want = [fp4_and_bf16(case) for case in cases]
     monkeypatch.setattr(kernels, "CFLAGS", flags)
     monkeypatch.setenv("DSV41_KERNEL_CACHE", str(tmp_path))
@@ -1303,6 +1310,7 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
         assert_same_bits(bf16_got, bf16_want)
     for case, inputs, expected in zip(GENERIC_INDEX_CASES, index_cases, want_scores, strict=True):
         assert_same_bits(index_scores_of(case, inputs), expected)
+    assert torch.equal(kernels.pool_select(*select), want_picks)
 
 
 def round_experts_to_bf16(moe: MoE) -> MoE:
