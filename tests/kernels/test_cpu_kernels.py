@@ -2013,8 +2013,9 @@ def test_bf16_engine_logits_are_close_with_and_without_the_kernels(calls):
 # ------------------------------------------------------------------------------------- indexer scores, direct
 # (64, 16, 3): c * H * di / 32 = 96 query vectors, beyond the even / odd path's 64 (cpu_kernels.c
 # INDEX_PAIR_VECTORS), and a table too large: the widening path; (32, 16, 5): 80 vectors, a table of 65536 floats:
-# the lookup table from INDEX_LUT_ROWS keys; the others take the even / odd path at any length ((32, 4, 1): a decode
-# query of the bench's indexer shape, two keys per pass, then the odd one).
+# the lookup table from INDEX_LUT_ROWS keys; the others take the even / odd path at any length (with AVX-512 16 keys
+# at a time in vector lanes, then the last n % 16 of a chunk of 256; (32, 4, 1): a decode query of the bench's
+# indexer shape, whose last keys go two per pass, then the odd one).
 @pytest.mark.parametrize("di,H,c", [(32, 4, 3), (32, 4, 1), (64, 5, 3), (32, 8, 3), (64, 16, 3), (32, 16, 5)])
 @pytest.mark.parametrize("n", [100, kernels.INDEX_LUT_ROWS + 37])  # below / above the lookup-table threshold
 @pytest.mark.parametrize("ratio", [4, 3])  # 4: page-aligned pool (walked page by page); 3: block_size 8 % 3 != 0
