@@ -1231,12 +1231,49 @@ def test_moe_fp4_is_moe_bf16_bit_for_bit_on_the_same_weights(pool_of_one_after, 
             assert (err <= FP4_MOE_TOL * size[:n]).all(), f"off by {(err / size[:n]).max().item():.3g} of the size"
 
 
+def index_inputs(di: int, H: int, c: int, n: int, ratio: int, block_size: int, seed: int,
+                 odd_scales: bool = False) -> tuple[torch.Tensor, ...]:
+    """Codes, scales and block tables of B = 2 rows' index keys 0 .. n-1 (UE8M0 blocks of 32, per_page =
+    block_size // ratio, each row's pages a random draw from n // per_page + 4), queries fp32 [2, c, H, di] and
+    head weights [2, c, H]: kernels.index_scores' tensors. Scale bytes 118 .. 131; with odd_scales, about one in
+    eight is 0 (2**-127), 1, 254 or 255 (NaN) instead."""
+    g = torch.Generator().manual_seed(seed)
+    per_page, B = block_size // ratio, 2
+    pages = n // per_page + 4
+    codes = torch.randint(0, 256, (pages, per_page, di // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(118, 132, (pages, per_page, di // 32), generator=g, dtype=torch.uint8)
+    if odd_scales:
+        odd = torch.tensor([0, 1, 254, 255], dtype=torch.uint8)[torch.randint(0, 4, scales.shape, generator=g)]
+        scales = torch.where(torch.rand(scales.shape, generator=g) < 0.125, odd, scales)
+    cols = -(-n * ratio // block_size)
+    tables = torch.stack([torch.randperm(pages, generator=g)[:cols] for _ in range(B)])
+    q, w = torch.randn(B, c, H, di, generator=g), torch.rand(B, c, H, generator=g)
+    return codes, scales, tables, q, w
+
+
+def index_scores_of(case: tuple[int, ...], inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """kernels.index_scores for case (di, H, c, n, ratio, block_size) on its index_inputs."""
+    _, _, _, n, ratio, block_size = case
+    codes, scales, tables, q, w = inputs
+    return kernels.index_scores(codes, scales, 32, "ue8m0", tables, ratio, block_size, q, w, n)
+
+
+# Index scores the generic build must give the default build's bits for: di, H, c, n, ratio, block_size. The even /
+# odd path (c * H * di / 32 <= 64) scores 16 keys at a time in vector lanes with AVX-512, then the rest of each
+# chunk of 256 one or two at a time; the generic build scores every key on its own. (32, 4, 1): the bench's decode
+# shape, two chunks, 16 + 2 lane groups and 12 keys after them; c > 1; di 64 and 128 (two and four blocks of 32);
+# H not a multiple of 4; n not a multiple of 16; 16 keys spanning two pages (8 per page: ratio 2 or 1), four (4 per
+# page: ratio 2 or 1) or, not page-aligned, three or six (ratio 3: 5 or 2 per page). (64, 32, 2): the widening path.
+GENERIC_INDEX_CASES = [(32, 4, 1, 300, 2, 16), (32, 4, 3, 100, 2, 16), (64, 4, 2, 100, 2, 8), (64, 5, 3, 77, 1, 4),
+                       (128, 3, 2, 90, 1, 8), (32, 7, 2, 61, 3, 16), (32, 6, 1, 45, 3, 8), (64, 32, 2, 100, 2, 8)]
+
+
 @pytest.mark.parametrize("generic", ["-mno-avx512f", "-march=x86-64"])
 def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, generic):
-    """The C code without AVX-512 (weight_pairs', x_pairs' and sum16's generic forms) or without any AVX (sum8's
-    too), built into a second library with the loader's flags, gives the default build's bits for moe_fp4,
-    moe_bf16 and index scores (the even / odd path and the widening path's dots). Skips without a compiler,
-    except under CI=true."""
+    """The C code without AVX-512 (weight_pairs', x_pairs' and sum16's generic forms, the index scores' even / odd
+    path key by key where AVX-512 puts 16 keys in vector lanes) or without any AVX (sum8's too), built into a
+    second library with the loader's flags, gives the default build's bits for moe_fp4, moe_bf16 and index scores
+    (GENERIC_INDEX_CASES, NaN scales included). Skips without a compiler, except under CI=true."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         message = f"no C compiler {cc!r} to build the generic code with"
@@ -1257,17 +1294,16 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
         return (kernels.moe_fp4(x, indices, weights, *fp4, limit, shared=shared),
                 kernels.moe_bf16(x, indices, weights, w13, w2, limit, shared=shared))
 
-    g = torch.Generator().manual_seed(92)
-    pool = (torch.randint(0, 256, (40, 4, 32), generator=g, dtype=torch.uint8),
-            torch.randint(118, 132, (40, 4, 2), generator=g, dtype=torch.uint8))
-    tables = torch.stack([torch.randperm(40, generator=g)[:30] for _ in range(2)])
-
-    def scores(H: int) -> torch.Tensor:  # 2 queries x H heads of 64: even / odd path at H = 4, widening at 32
-        q, w = torch.randn(2, 2, H, 64, generator=g), torch.rand(2, 2, H, generator=g)
-        return kernels.index_scores(*pool, 32, "ue8m0", tables, 2, 8, q, w, 100)
-
-    state = g.get_state()
-    want_scores = [scores(4), scores(32)]
+    index_cases = [index_inputs(*case, seed=92 + i, odd_scales=True) for i, case in enumerate(GENERIC_INDEX_CASES)]
+    want_scores = [index_scores_of(*case) for case in zip(GENERIC_INDEX_CASES, index_cases, strict=True)]
+    assert all(scores.isnan().any() and (scores > 0).float().mean() > 0.3 for scores in want_scores)
+    # A Reindex layer's picks among 20 blocks of 8 entries of 38, some past a query's visible count.
+    codes, scales, tables, q, w = index_inputs(32, 4, 2, 300, 2, 16, seed=99)
+    blocks = torch.rand(2, 2, 38, generator=torch.Generator().manual_seed(99)) < 0.5
+    visible = torch.tensor([[300, 123], [77, 250]])
+    select = (codes, scales, 32, "ue8m0", tables, 2, 16, q, w, 300, blocks, 8, 20, visible, 32)
+    want_picks = kernels.pool_select(*select)
+    assert (want_picks == -1).any() and (want_picks >= 0).sum() > 64
     want = [fp4_and_bf16(case) for case in cases]
     monkeypatch.setattr(kernels, "CFLAGS", flags)
     monkeypatch.setenv("DSV41_KERNEL_CACHE", str(tmp_path))
@@ -1280,9 +1316,9 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
         fp4_got, bf16_got = fp4_and_bf16(case)
         assert_same_bits(fp4_got, fp4_want)
         assert_same_bits(bf16_got, bf16_want)
-    g.set_state(state)
-    for got, expected in zip([scores(4), scores(32)], want_scores, strict=True):
-        assert_same_bits(got, expected)
+    for case, inputs, expected in zip(GENERIC_INDEX_CASES, index_cases, want_scores, strict=True):
+        assert_same_bits(index_scores_of(case, inputs), expected)
+    assert torch.equal(kernels.pool_select(*select), want_picks)
 
 
 def round_experts_to_bf16(moe: MoE) -> MoE:
@@ -1985,24 +2021,18 @@ def test_bf16_engine_logits_are_close_with_and_without_the_kernels(calls):
 # ------------------------------------------------------------------------------------- indexer scores, direct
 # (64, 16, 3): c * H * di / 32 = 96 query vectors, beyond the even / odd path's 64 (cpu_kernels.c
 # INDEX_PAIR_VECTORS), and a table too large: the widening path; (32, 16, 5): 80 vectors, a table of 65536 floats:
-# the lookup table from INDEX_LUT_ROWS keys; the others take the even / odd path at any length ((32, 4, 1): a decode
-# query of the bench's indexer shape, two keys per pass, then the odd one).
+# the lookup table from INDEX_LUT_ROWS keys; the others take the even / odd path at any length (with AVX-512 16 keys
+# at a time in vector lanes, then the last n % 16 of a chunk of 256; (32, 4, 1): a decode query of the bench's
+# indexer shape, whose last keys go two per pass, then the odd one).
 @pytest.mark.parametrize("di,H,c", [(32, 4, 3), (32, 4, 1), (64, 5, 3), (32, 8, 3), (64, 16, 3), (32, 16, 5)])
 @pytest.mark.parametrize("n", [100, kernels.INDEX_LUT_ROWS + 37])  # below / above the lookup-table threshold
 @pytest.mark.parametrize("ratio", [4, 3])  # 4: page-aligned pool (walked page by page); 3: block_size 8 % 3 != 0
 def test_index_scores_equal_scoring_the_decoded_keys(di, H, c, n, ratio):
     """kernels.index_scores (its lookup-table, even / odd and widening paths) against decoding every key of the pool
     through the block tables and scoring with IndexScorer, to fp32 rounding; an entry past its table raises."""
-    g = torch.Generator().manual_seed(di + H + n + ratio)
-    block_size, B = 8, 2
-    per_page = block_size // ratio
-    pages = n // per_page + 4
-    codes = torch.randint(0, 256, (pages, per_page, di // 2), generator=g, dtype=torch.uint8)
-    scales = torch.randint(118, 132, (pages, per_page, di // 32), generator=g, dtype=torch.uint8)
-    cols = -(-n * ratio // block_size)
-    tables = torch.stack([torch.randperm(pages, generator=g)[:cols] for _ in range(B)])
-    q = torch.randn(B, c, H, di, generator=g)
-    w = torch.rand(B, c, H, generator=g)
+    block_size = 8
+    codes, scales, tables, q, w = index_inputs(di, H, c, n, ratio, block_size, seed=di + H + n + ratio)
+    per_page, cols = block_size // ratio, tables.shape[1]
     got = kernels.index_scores(codes, scales, 32, "ue8m0", tables, ratio, block_size, q, w, n)
     s = torch.arange(n)
     page = tables[:, (s * ratio) // block_size]  # [B, n]
@@ -2012,6 +2042,23 @@ def test_index_scores_equal_scoring_the_decoded_keys(di, H, c, n, ratio):
     assert_close_to_scale(got, want, 2e-6)
     with pytest.raises(IndexError):
         kernels.index_scores(codes, scales, 32, "ue8m0", tables[:, : cols - 1], ratio, block_size, q, w, n)
+
+
+def test_index_scores_read_scale_bytes_255_as_nan_and_0_as_2_to_the_minus_127():
+    """Keys whose codes are all 1.0 scored by one head with positive query values, so no product is 0 x scale: a
+    key whose scale byte is 255 scores NaN (an infinite scale would score +inf), one whose byte is 0 a positive
+    score (2**-127 per value), as IndexScorer on the keys dequantize_fp4 decodes; keys 0 .. 31 take the even / odd
+    path 16 at a time in lanes (with AVX-512), 32 .. 39 one at a time."""
+    n, nan_keys, tiny_keys = 40, [3, 20, 37], [5, 21, 38]
+    codes = torch.full((n, 1, 16), 0x22, dtype=torch.uint8)  # E2M1 1.0 in both nibbles
+    scales = torch.full((n, 1, 1), 127, dtype=torch.uint8)
+    scales[nan_keys], scales[tiny_keys] = 255, 0
+    q, w = torch.rand(1, 1, 1, 32, generator=torch.Generator().manual_seed(5)) + 0.5, torch.ones(1, 1, 1)
+    got = kernels.index_scores(codes, scales, 32, "ue8m0", torch.arange(n)[None], 1, 1, q, w, n)[0, 0]
+    want = IndexScorer()(q, w, dequantize_fp4(codes[:, 0], scales[:, 0], 32, "ue8m0")[None])[0, 0]
+    assert got.isnan().nonzero().flatten().tolist() == want.isnan().nonzero().flatten().tolist() == nan_keys
+    assert (got[tiny_keys] > 0).all() and (got[tiny_keys] < 2.0**-120).all()
+    assert torch.allclose(got.nan_to_num(), want.nan_to_num(), rtol=1e-5, atol=0)
 
 
 # ------------------------------------------------------------------------------------------- indexer top-k
