@@ -2033,6 +2033,55 @@ int dsv41_topk_set(const float *scores, int64_t R, int64_t N, int64_t k, int dro
     return atomic_load(&job.status);
 }
 
+/* x.max(dim=-1).indices of fp32 rows x [R, V] (V >= 1; engine/sampler.py argmax): per row the first index of the
+ * largest value, NaN counting as the largest (the first NaN, when there is one). Two vectorized passes per row
+ * (the largest value and whether a NaN is present, then its first index); comparisons only, so exactly
+ * torch's indices. Rows over the pool. */
+typedef struct {
+    const float *x;
+    int64_t V;
+    int64_t *out;
+} argmax_job;
+
+static void argmax_item(const void *job, int64_t r) {
+    const argmax_job *j = job;
+    const int64_t V = j->V;
+    const float *x = j->x + r * V;
+    float m = x[0];
+    int nan = 0;
+    int64_t i = 1;
+#if defined(__AVX512F__)
+    if (V >= 16) {
+        __m512 best = _mm512_loadu_ps(x);
+        __mmask16 odd = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+        for (i = 16; i + 16 <= V; i += 16) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            odd |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            best = _mm512_max_ps(best, v);
+        }
+        nan = odd != 0;
+        m = _mm512_reduce_max_ps(best);
+    }
+#endif
+    for (; i < V; i++) {
+        nan |= x[i] != x[i];
+        m = x[i] > m ? x[i] : m;
+    }
+    nan |= x[0] != x[0];
+    int64_t at = 0;
+    if (nan) {
+        while (x[at] == x[at]) at++;
+    } else {
+        while (x[at] != m) at++;
+    }
+    j->out[r] = at;
+}
+
+void dsv41_argmax(const float *x, int64_t R, int64_t V, int64_t *out) {
+    argmax_job job = {x, V, out};
+    parallel_for(argmax_item, &job, R);
+}
+
 /* ------------------------------------------------------------------------------------ candidate pool */
 
 /* model/indexer.py candidate_blocks for scores [R, N] (already -inf where not visible) and visible counts [R]:

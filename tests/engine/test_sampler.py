@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from deepseek_v41 import kernels
 from deepseek_v41.engine.sampler import Sampler, SamplingState, argmax, exponential_race
 from deepseek_v41.engine.sampling_params import SamplingParams
 
@@ -291,3 +292,28 @@ def test_argmax_is_torch_argmax_with_ties_nan_and_inf(dtype):
             x[1] = float("-inf")
         assert torch.equal(argmax(x), x.argmax(dim=-1)), trial
     assert argmax(torch.tensor([[1.0, 3.0, 3.0]])).tolist() == [1]
+
+
+@pytest.mark.parametrize("V", [1, 7, 16, 17, 300, 8192])
+def test_argmax_kernel_gives_torchs_indices(monkeypatch, V):
+    """fp32 rows take the kernel (deepseek_v41.kernels.argmax: a vector pass for the maximum and NaN, then the
+    first index), whose picks are torch's: ties, NaN at the start / in the middle / in the last lanes, +-0, all
+    -inf, +inf, row lengths below, at and past the vector width."""
+    calls = []
+    real = kernels.argmax
+    monkeypatch.setattr(kernels, "argmax", lambda x: calls.append(x.shape) or real(x))
+    g = torch.Generator().manual_seed(V)
+    x = torch.randint(-2, 3, (9, V), generator=g).float()
+    x[1] = float("-inf")
+    x[2, -1] = float("nan")
+    x[3, V // 2] = float("nan")
+    x[4, 0] = float("nan")
+    x[5] = 0.0
+    x[5, ::2] = -0.0
+    x[6, V // 3] = float("inf")
+    x[7] = torch.randn(V, generator=g)
+    x[8] = -torch.rand(V, generator=g)
+    got = argmax(x)
+    assert calls == [x.shape]
+    assert torch.equal(got, x.argmax(dim=-1)) and torch.equal(got, x.max(dim=-1).indices)
+    assert torch.equal(argmax(x[3]), x[3].argmax())
