@@ -1407,6 +1407,73 @@ def test_moe_fp4_copies_follow_weight_changes(calls):
     assert moe._fp4 is not None
 
 
+def _fp4_exact_linear(linear: nn.Linear, seed: int, bias: bool = False) -> nn.Linear:
+    """A new Linear of ``linear``'s shape with other FP4-exact weights (and a bias)."""
+    out = nn.Linear(linear.in_features, linear.out_features, bias=bias)
+    with torch.no_grad():
+        out.weight.copy_(fp4_exact(torch.randn(out.weight.shape, generator=torch.Generator().manual_seed(seed))))
+    return out
+
+
+@pytest.mark.parametrize("change", ["hook on w1", "pre-hook on the expert", "backward hook on w2", "bias on w2",
+                                    "w3 replaced", "expert replaced", "w1 wrapped", "global hook",
+                                    "a hooked expert on the same projections"])
+def test_a_change_after_the_experts_were_checked_is_seen(calls, change):
+    """After forwards that recorded expert 3 as checked (MoE._unchanged_copies then skips the full checks), each
+    kind of change to it is seen: hooks run, a bias or a wrapper sends the step to the torch code, new weights are
+    used; the result is the torch code's and differs from before where the weights changed."""
+    moe = small_moe(88)
+    with torch.no_grad():
+        moe.gate.bias[3] = 100.0  # every token picks expert 3
+    x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(89)) * 3
+    for _ in range(2):
+        before, want = moe_both_ways(moe, x)
+    assert calls["moe_fp4"] == 2 and moe._seen["_fp4"][1][3] is not None
+    expert, seen = moe.experts[3], []
+    handles = []
+    kernel = 0  # further moe_fp4 calls expected
+    if change == "hook on w1":
+        handles.append(expert.w1.register_forward_hook(lambda module, args, out: seen.append(1)))
+    elif change == "pre-hook on the expert":
+        handles.append(expert.register_forward_pre_hook(lambda module, args: seen.append(1)))
+    elif change == "backward hook on w2":
+        handles.append(expert.w2.register_full_backward_hook(lambda module, gin, gout: None))
+    elif change == "bias on w2":
+        expert.w2.bias = nn.Parameter(torch.full((64,), 0.5))
+    elif change == "w3 replaced":
+        expert.w3 = _fp4_exact_linear(expert.w3, 90)
+        kernel = 1
+    elif change == "expert replaced":
+        moe.experts[3] = Expert(64, 32, 7.0)
+        moe.experts[3].w1, moe.experts[3].w3, moe.experts[3].w2 = (_fp4_exact_linear(expert.w1, 91),
+                                                                    _fp4_exact_linear(expert.w3, 92),
+                                                                    _fp4_exact_linear(expert.w2, 93))
+        kernel = 1
+    elif change == "w1 wrapped":
+        expert.w1 = LoRA(expert.w1)
+        with torch.no_grad():
+            expert.w1.up.weight.fill_(0.1)
+    elif change == "a hooked expert on the same projections":
+        moe.experts[3] = Expert(64, 32, 7.0)
+        moe.experts[3].w1, moe.experts[3].w3, moe.experts[3].w2 = expert.w1, expert.w3, expert.w2
+        handles.append(moe.experts[3].register_forward_pre_hook(lambda module, args: seen.append(1)))
+    elif change == "global hook":
+        from torch.nn.modules.module import register_module_forward_hook
+        handles.append(register_module_forward_hook(lambda module, args, out: seen.append(1)))
+    try:
+        got, want = moe_both_ways(moe, x)
+        assert calls["moe_fp4"] == 2 + kernel
+        assert_close_to_scale(got, want, MOE_TOL)
+        hooks = ("hook on w1", "pre-hook on the expert", "global hook", "a hooked expert on the same projections")
+        if change in hooks:
+            assert seen, "the hook did not run"
+        if change not in (*hooks, "backward hook on w2"):
+            assert (got - before).abs().max() > 0.1  # the change changed the output: no stale copy or check
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def test_expert_copies_are_made_for_every_plain_expert_at_once(monkeypatch):
     """The first step's picks make every plain expert's FP4 / bf16 copies (not one expert per step as they are
     first picked), skipping a wrapped one; later an in-place change of one expert remakes it when a step picks
