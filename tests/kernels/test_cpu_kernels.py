@@ -292,10 +292,13 @@ def test_dequantize_every_code_and_scale_byte(calls):
     scales = every[:, None].expand(256, 16).contiguous()
     for out in (torch.float32, torch.bfloat16):
         assert_same_results(*both_ways(dequantize_fp8, codes, scales, dtype=out))
+    # Each block its own scale byte (the kernel decodes 32 values, a block, at a time with AVX-512).
+    g = torch.Generator().manual_seed(4)
+    assert_same_results(*both_ways(dequantize_fp8, codes, torch.randint(0, 256, (256, 16), generator=g,
+                                                                        dtype=torch.uint8)))
     # FP4: every packed byte under every scale byte, E4M3 (0x7F / 0xFF are NaN) and UE8M0; then each block's scale
     # its own (the kernel decodes 32 values at a time: two blocks of 16 side by side) and a row length that
     # leaves a last block of 16 alone.
-    g = torch.Generator().manual_seed(4)
     for block, fmt in ((16, "e4m3"), (32, "ue8m0")):
         fp4_scales = every[:, None].expand(256, 512 // block).contiguous()
         assert_same_results(*both_ways(dequantize_fp4, every.expand(256, 256).contiguous(), fp4_scales, block, fmt))
@@ -304,7 +307,7 @@ def test_dequantize_every_code_and_scale_byte(calls):
     short = torch.randint(0, 256, (5, 24), generator=g, dtype=torch.uint8)
     assert_same_results(*both_ways(dequantize_fp4, short, torch.randint(100, 140, (5, 3), generator=g,
                                                                         dtype=torch.uint8), 16, "e4m3"))
-    assert calls["fp8_dequantize"] == 2 and calls["fp4_dequantize"] == 5
+    assert calls["fp8_dequantize"] == 3 and calls["fp4_dequantize"] == 5
     # The E4M3 NaN codes decode to NaN in the kernel too (the table is not all zeros or all finite).
     values = dequantize_fp8(codes[127:128, :256], scales[127:128, :8])
     assert values.isnan().sum() == 2 and values[0, 0x38].item() == 1.0
@@ -1272,8 +1275,9 @@ GENERIC_INDEX_CASES = [(32, 4, 1, 300, 2, 16), (32, 4, 3, 100, 2, 16), (64, 4, 2
 def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, generic):
     """The C code without AVX-512 (weight_pairs', x_pairs' and sum16's generic forms, the index scores' even / odd
     path key by key where AVX-512 puts 16 keys in vector lanes) or without any AVX (sum8's too), built into a
-    second library with the loader's flags, gives the default build's bits for moe_fp4, moe_bf16 and index scores
-    (GENERIC_INDEX_CASES, NaN scales included). Skips without a compiler, except under CI=true."""
+    second library with the loader's flags, gives the default build's bits for moe_fp4, moe_bf16, index scores
+    (GENERIC_INDEX_CASES, NaN scales included) and the FP8 decode of every E4M3 code (its table lookups, where
+    AVX-512 builds most values' bits). Skips without a compiler, except under CI=true."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         message = f"no C compiler {cc!r} to build the generic code with"
@@ -1305,6 +1309,17 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
     want_picks = kernels.pool_select(*select)
     assert (want_picks == -1).any() and (want_picks >= 0).sum() > 64
     want = [fp4_and_bf16(case) for case in cases]
+    # FP8 rows: every code (twice, the second time shuffled) under scale bytes 0, 1, 127, 254 and 255 (NaN), then
+    # each block its own scale byte. Bits compared as int32, NaN signs too, but for code 0xFF (-NaN) times a NaN
+    # scale: x86 returns one of the two NaNs by operand order, which the compiler picks (a -march=x86-64 build's
+    # multiply gives -NaN, -march=native builds +NaN, with or without the AVX-512 path).
+    every = torch.arange(256, dtype=torch.uint8)
+    shuffled = every[torch.randperm(256, generator=torch.Generator().manual_seed(98))]
+    fp8_codes = torch.cat((every, shuffled)).expand(6, 512).contiguous()
+    fp8_scales = torch.tensor([0, 1, 127, 254, 255, 0], dtype=torch.uint8)[:, None].repeat(1, 16)
+    fp8_scales[5] = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(98), dtype=torch.uint8)
+    want_fp8 = kernels.fp8_dequantize(fp8_codes, fp8_scales)
+    assert want_fp8.isnan().sum() > 512 and (want_fp8 == 0).sum() > 8 and want_fp8.view(torch.int32).lt(0).any()
     monkeypatch.setattr(kernels, "CFLAGS", flags)
     monkeypatch.setenv("DSV41_KERNEL_CACHE", str(tmp_path))
     generic = kernels._load()
@@ -1319,6 +1334,11 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
     for case, inputs, expected in zip(GENERIC_INDEX_CASES, index_cases, want_scores, strict=True):
         assert_same_bits(index_scores_of(case, inputs), expected)
     assert torch.equal(kernels.pool_select(*select), want_picks)
+    both_nan = (fp8_codes == 0xFF) & (fp8_scales == 255).repeat_interleave(32, 1)
+    got_fp8 = kernels.fp8_dequantize(fp8_codes, fp8_scales)
+    assert got_fp8[both_nan].isnan().all() and both_nan.sum() >= 2
+    assert torch.equal(got_fp8.masked_fill(both_nan, 0).view(torch.int32), want_fp8.masked_fill(both_nan, 0)
+                       .view(torch.int32))
 
 
 def round_experts_to_bf16(moe: MoE) -> MoE:
