@@ -5,7 +5,8 @@ Each forward's :class:`~deepseek_v41.cache.paged_context.PagedContext` needs eve
 tensor padded with the null page. Building it from the list each step costs time in proportion to the context
 (a 16K-token sequence has 1,024 pages of 16 tokens: ~30 µs per decode step). A :class:`BlockTable` keeps that
 tensor and brings it up to date from the list when read: appended pages are copied in, any other change of the
-list rewrites it, so the tensor always equals the list.
+list through its methods or operators rewrites it, so the tensor always equals the list. (C functions that write
+a list's items directly, such as ``heapq``'s, bypass those methods; nothing does that to a block table.)
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class BlockTable(list):
         if width < n:
             raise ValueError(f"width {width} is below the table's {n} pages")
         buffer = self._buffer
-        if buffer is None or buffer.device != torch.device(device) or buffer.numel() < width:
+        device = torch.device(device)
+        if (buffer is None or buffer.numel() < width or buffer.device.type != device.type
+                or (device.index is not None and buffer.device.index != device.index)):  # "cuda" matches cuda:0
             capacity = max(width, 2 * (buffer.numel() if buffer is not None else 0), 64)
             self._buffer = buffer = torch.full((capacity,), BlockManager.NULL_PAGE, dtype=torch.int64,
                                                device=device)

@@ -122,6 +122,8 @@ class RequestMetrics:
 class RequestOutput:
     """What ``LLM.generate`` returns per prompt (vLLM's ``RequestOutput``).
 
+    ``prompt_token_ids``: one list per request, made at arrival and shared by all its outputs (as vLLM's): a
+    caller editing it changes what that request's later outputs show, not what the engine computes.
     ``num_cached_tokens``: prompt tokens served from the prefix cache (L' of SPEC.md §4.3 = DeepSeek's
     ``prompt_cache_hit_tokens``); replayed tokens are reported apart, never subtracted.
     ``spec_accepted_tokens``: DSpark drafts the target accepted over all samples (bonus tokens not counted, as

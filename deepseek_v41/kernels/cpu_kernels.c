@@ -1651,7 +1651,8 @@ static inline __attribute__((always_inline)) float pair_score_4(const v16f *qe, 
  * so the 16 lanes of a head's products are 16 vectors added by sum16's tree, one vector addition per step for the
  * 16 keys, where pair_score reduces each key's vector horizontally. Each lane computes what weight_pairs,
  * pair_score and sum16 compute for its key, the same IEEE operations in the same order (no fused multiply-add:
- * -ffp-contract=off): the same bits. */
+ * -ffp-contract=off): the same bits, but for the sign of a NaN (a NaN scale byte), which x86 takes from one
+ * operand or the other as the compiler orders them. */
 #define LANE_KEYS 16
 #define LANE_AHEAD 64  /* keys whose pages are prefetched ahead of the 16 scored */
 
@@ -1812,7 +1813,8 @@ static float widened_score(const float *qt, const float *wt, const float *key, c
  * UE8M0 blocks of 32 (the index keys) with few queries (c * H * di / 32 <= INDEX_PAIR_VECTORS) take the even / odd
  * path: each key's codes decoded once for the row's c queries as even / odd lanes times the scale (weight_pairs),
  * dotted with the queries split the same way and summed by sum16 (pair_score). With AVX-512 it scores 16 keys at
- * a time, one key per vector lane (lane_group: the same operations for each key, so the same bits, without a
+ * a time, one key per vector lane (lane_group: the same operations for each key, so the same bits (NaN signs
+ * aside), without a
  * horizontal sum per key and head; 8K keys of the bench's decode query 60 -> 28 µs on one thread), and the last
  * n % 16 keys of a chunk one or two at a time. Otherwise long rows (lut: n >= 1024) with a small table
  * (di / 2 * 256 * H <= 65536 floats) go through a lookup table per query:
@@ -2064,9 +2066,9 @@ int dsv41_topk_set(const float *scores, int64_t R, int64_t N, int64_t k, int dro
 }
 
 /* x.max(dim=-1).indices of fp32 rows x [R, V] (V >= 1; engine/sampler.py argmax): per row the first index of the
- * largest value, NaN counting as the largest (the first NaN, when there is one). Two vectorized passes per row
- * (the largest value and whether a NaN is present, then its first index); comparisons only, so exactly
- * torch's indices. Rows over the pool. */
+ * largest value, NaN counting as the largest (the first NaN, when there is one). Two passes per row: a vectorized
+ * one for the largest value and whether a NaN is present, then a scalar search for the first index holding it;
+ * comparisons only, so exactly torch's indices. Rows over the pool. */
 typedef struct {
     const float *x;
     int64_t V;

@@ -94,30 +94,23 @@ def _current(key: tuple | None, params: tuple[torch.Tensor, torch.Tensor, torch.
             and key[3] == _stamp(params))
 
 
-def _hook_dicts(*modules: nn.Module) -> tuple[dict, ...]:
-    """The dicts torch keeps each module's forward / backward (pre-)hooks in (it adds and removes hooks in place)."""
-    return tuple(d for m in modules
-                 for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks))
-
-
 def _seen(m: nn.Module) -> tuple:
-    """What :func:`_unchanged` looks at of a plain expert ``m``: the expert, its projections' hook dicts and its
-    three projections."""
-    lins = m._modules["w1"], m._modules["w3"], m._modules["w2"]
-    return (m, _hook_dicts(m, *lins), *lins)
+    """What :func:`_unchanged` looks at of a plain expert ``m``: the expert and its three projections."""
+    return m, m._modules["w1"], m._modules["w3"], m._modules["w2"]
 
 
 def _unchanged(m: nn.Module, seen: tuple | None, key: tuple | None) -> bool:
     """Whether expert ``m``, found plain when ``seen`` (:func:`_seen`) was recorded and with copies made under
-    ``key`` (:func:`_remake`), still is that expert with no hook, the same three projections without a bias, and
-    the same weights at the same place and version: the whole of :func:`_plain_own` and :func:`_current` for
-    ~a third of their cost, as identity checks on what they found. (Reassigning an object's ``__class__`` is not
-    seen.)"""
-    if seen is None or key is None or seen[0] is not m or type(m) is not Expert or any(seen[1]):
+    ``key`` (:func:`_remake`), still is that expert with no hook, the same three plain projections (and no other
+    submodule) without a bias, and the same weights at the same place and version: what :func:`_plain_own` and
+    :func:`_current` check, as identity checks against what they found (no weight tuples or stamps rebuilt)."""
+    if seen is None or key is None or seen[0] is not m or type(m) is not Expert or hooked(m):
         return False
     mm = m._modules
-    l1, l3, l2 = seen[2], seen[3], seen[4]
-    if mm.get("w1") is not l1 or mm.get("w3") is not l3 or mm.get("w2") is not l2:
+    l1, l3, l2 = seen[1], seen[2], seen[3]
+    if (len(mm) != 3 or mm.get("w1") is not l1 or mm.get("w3") is not l3 or mm.get("w2") is not l2
+            or type(l1) is not nn.Linear or type(l3) is not nn.Linear or type(l2) is not nn.Linear
+            or hooked(l1) or hooked(l3) or hooked(l2)):
         return False
     p1, p3, p2 = l1._parameters, l3._parameters, l2._parameters
     w1, w3, w2 = key[0], key[1], key[2]
@@ -344,6 +337,7 @@ class MoE(nn.Module):
         address or is modified in place (its version counter), e.g. by training or ``load_state_dict``. Writes
         through ``.data`` bypass torch's version counters and are not seen: after those, set ``moe._bf16 =
         None``. The copies cost 2 bytes per routed-expert weight beside the fp32 parameters."""
+        picked = None if picked is None else list(picked)  # iterated more than once (not a generator)
         copies = self._unchanged_copies("_bf16", picked)
         if copies is not None:
             return copies
@@ -384,6 +378,7 @@ class MoE(nn.Module):
         and D, inter are multiples of 32. A quarter of bf16's bytes, so a decode step reads the experts ~4x
         faster; the kernel gives what the bf16 copies give. Kept up to date as :meth:`bf16_experts` keeps its
         copies (the same caveat on ``.data`` writes: set ``moe._fp4 = None``)."""
+        picked = None if picked is None else list(picked)  # iterated more than once (not a generator)
         copies = self._unchanged_copies("_fp4", picked)
         if copies is not None:
             return copies

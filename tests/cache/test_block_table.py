@@ -24,6 +24,8 @@ operation = st.one_of(
     st.tuples(st.just("delitem"), st.integers(0, 200)),
     st.tuples(st.just("insert"), st.integers(0, 200), page),
     st.tuples(st.just("pop")),
+    st.tuples(st.just("remove"), page),
+    st.tuples(st.just("imul"), st.integers(0, 3)),
     st.tuples(st.just("clear")),
     st.tuples(st.just("sort")),
     st.tuples(st.just("reverse")),
@@ -53,6 +55,10 @@ def apply(table: list[int], op: tuple) -> None:
         table.insert(args[0], args[1])
     elif name == "pop" and table:
         table.pop()
+    elif name == "remove" and table:
+        table.remove(table[args[0] % len(table)])
+    elif name == "imul" and len(table) < 50:
+        table *= args[0]
     elif name in ("clear", "sort", "reverse"):
         getattr(table, name)()
 
@@ -77,14 +83,14 @@ def test_padded_equals_the_list_after_any_operations(ops):
 
 @pytest.mark.parametrize("op", [("append", 9), ("extend", [9, 10]), ("iadd", [9]), ("setitem", 1, 9),
                                 ("setslice", [9, 8]), ("delitem", 1), ("insert", 1, 9), ("pop",), ("clear",),
-                                ("sort",), ("reverse",)])
+                                ("sort",), ("reverse",), ("remove", 0), ("imul", 2), ("imul", 0)])
 def test_each_list_operation_after_a_read(op):
     """Each list operation on a table whose kept tensor is synced (read just before) shows in the next read."""
     table, mirror = BlockTable([5, 3, 4, 1]), [5, 3, 4, 1]
-    assert torch.equal(table.padded(6), expected(mirror, 6))
+    assert torch.equal(table.padded(10), expected(mirror, 10))
     apply(table, op)
     apply(mirror, op)
-    assert torch.equal(table.padded(6), expected(mirror, 6))
+    assert torch.equal(table.padded(10), expected(mirror, 10))
 
 
 def test_a_shrunk_table_reads_the_null_page_where_old_pages_were():

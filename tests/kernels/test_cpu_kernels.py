@@ -18,6 +18,7 @@ reading the routed experts in FP4 (``kernels.moe_fp4``) must give its bf16 path'
 (also when built without AVX-512), and agree with float64 arithmetic on weights decoded by ml_dtypes.
 """
 
+import collections
 import ctypes
 import os
 import platform
@@ -1437,18 +1438,21 @@ def _fp4_exact_linear(linear: nn.Linear, seed: int, bias: bool = False) -> nn.Li
 
 @pytest.mark.parametrize("change", ["hook on w1", "pre-hook on the expert", "backward hook on w2", "bias on w2",
                                     "w3 replaced", "expert replaced", "w1 wrapped", "global hook",
-                                    "a hooked expert on the same projections"])
-def test_a_change_after_the_experts_were_checked_is_seen(calls, change):
+                                    "a hooked expert on the same projections", "hook dicts replaced"])
+@pytest.mark.parametrize("copies", ["fp4", "bf16"])
+def test_a_change_after_the_experts_were_checked_is_seen(calls, change, copies):
     """After forwards that recorded expert 3 as checked (MoE._unchanged_copies then skips the full checks), each
-    kind of change to it is seen: hooks run, a bias or a wrapper sends the step to the torch code, new weights are
-    used; the result is the torch code's and differs from before where the weights changed."""
-    moe = small_moe(88)
+    kind of change to it is seen, for the FP4 copies (FP4-exact experts) and the bf16 ones (bf16-exact): hooks
+    run, a bias or a wrapper sends the step to the torch code, new weights are used; the result is the torch
+    code's and differs from before where the weights changed."""
+    moe = small_moe(88) if copies == "fp4" else round_experts_to_bf16(small_moe(88, exact=False))
+    kernel_name = f"moe_{copies}"
     with torch.no_grad():
         moe.gate.bias[3] = 100.0  # every token picks expert 3
     x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(89)) * 3
     for _ in range(2):
         before, want = moe_both_ways(moe, x)
-    assert calls["moe_fp4"] == 2 and moe._seen["_fp4"][1][3] is not None
+    assert calls[kernel_name] == 2 and moe._seen[f"_{copies}"][1][3] is not None
     expert, seen = moe.experts[3], []
     handles = []
     kernel = 0  # further moe_fp4 calls expected
@@ -1477,14 +1481,19 @@ def test_a_change_after_the_experts_were_checked_is_seen(calls, change):
         moe.experts[3] = Expert(64, 32, 7.0)
         moe.experts[3].w1, moe.experts[3].w3, moe.experts[3].w2 = expert.w1, expert.w3, expert.w2
         handles.append(moe.experts[3].register_forward_pre_hook(lambda module, args: seen.append(1)))
+    elif change == "hook dicts replaced":  # a "clear every hook" idiom, then a new hook
+        for m in (expert, expert.w1, expert.w3, expert.w2):
+            m._forward_hooks = collections.OrderedDict()
+        handles.append(expert.w1.register_forward_hook(lambda module, args, out: seen.append(1)))
     elif change == "global hook":
         from torch.nn.modules.module import register_module_forward_hook
         handles.append(register_module_forward_hook(lambda module, args, out: seen.append(1)))
     try:
         got, want = moe_both_ways(moe, x)
-        assert calls["moe_fp4"] == 2 + kernel
+        assert calls[kernel_name] == 2 + kernel and moe_calls(calls) == 2 + kernel
         assert_close_to_scale(got, want, MOE_TOL)
-        hooks = ("hook on w1", "pre-hook on the expert", "global hook", "a hooked expert on the same projections")
+        hooks = ("hook on w1", "pre-hook on the expert", "global hook", "a hooked expert on the same projections",
+                 "hook dicts replaced")
         if change in hooks:
             assert seen, "the hook did not run"
         if change not in (*hooks, "backward hook on w2"):
@@ -2196,3 +2205,19 @@ def test_topk_set_kernel_leaves_nan_rows_and_large_k_to_the_torch_code(calls):
     assert kernels.topk_set(scores, 2) is None and kernels.topk_set(scores[:, 2:], 3) is None
     with pytest.raises(RuntimeError):
         topk_set(scores[:, 2:], 3)  # k > N: torch.topk's error
+
+
+def test_expert_copies_check_every_picked_expert_given_as_an_iterator():
+    """``picked`` may be any iterable: a generator is not half used up by the quick checks before the full ones."""
+    moe = small_moe(88)
+    with torch.no_grad():
+        moe.gate.bias[3] = 100.0
+    x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(89)) * 3
+    for _ in range(2):
+        moe_both_ways(moe, x)
+    handle = moe.experts[3].w1.register_forward_hook(lambda module, args, out: None)
+    try:
+        with torch.inference_mode():
+            assert moe.fp4_experts(iter([3, 1])) is None and moe.fp4_experts(iter([1, 3])) is None
+    finally:
+        handle.remove()
