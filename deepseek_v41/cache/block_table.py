@@ -51,7 +51,8 @@ class BlockTable(list):
         self._synced = self._written = n
         return buffer[:width]
 
-    # Every list operation that changes an existing entry or removes one makes the kept tensor resync.
+    # Every list operation that changes an existing entry or removes one makes the kept tensor resync (appending:
+    # append, extend, += keep its synced prefix).
     def _changed(self) -> None:
         self._synced = 0
 
@@ -62,10 +63,6 @@ class BlockTable(list):
     def __delitem__(self, key):
         super().__delitem__(key)
         self._changed()
-
-    def __iadd__(self, other):
-        self.extend(other)  # appends only
-        return self
 
     def __imul__(self, n):
         result = super().__imul__(n)

@@ -1814,10 +1814,9 @@ static float widened_score(const float *qt, const float *wt, const float *key, c
  * path: each key's codes decoded once for the row's c queries as even / odd lanes times the scale (weight_pairs),
  * dotted with the queries split the same way and summed by sum16 (pair_score). With AVX-512 it scores 16 keys at
  * a time, one key per vector lane (lane_group: the same operations for each key, so the same bits (NaN signs
- * aside), without a
- * horizontal sum per key and head; 8K keys of the bench's decode query 60 -> 28 µs on one thread), and the last
- * n % 16 keys of a chunk one or two at a time. Otherwise long rows (lut: n >= 1024) with a small table
- * (di / 2 * 256 * H <= 65536 floats) go through a lookup table per query:
+ * aside), without a horizontal sum per key and head; 8K keys of the bench's decode query 60 -> 28 µs on one
+ * thread), and the last n % 16 keys of a chunk one or two at a time. Otherwise long rows (lut: n >= 1024) with
+ * a small table (di / 2 * 256 * H <= 65536 floats) go through a lookup table per query:
  * T[i][byte][h] = q_h[2i] e(byte & 15) + q_h[2i + 1] e(byte >> 4), so a key costs one vector load and add per code
  * byte for 4 heads at once (table scratch: di / 2 * 256 * ceil(H / 4) * 4 floats); else each key's codes are
  * widened into scratch (di floats) and each block's dot multiplied by its scale. Items of the pool: a row's keys
@@ -2004,7 +2003,7 @@ typedef struct {
     _Atomic int status;
 } topk_job;
 
-#define TOPK_RUN 16  /* scores checked at once (a loop the compiler vectorizes) before any is looked at alone */
+#define TOPK_RUN 16  /* scores checked at once (one AVX-512 compare) before any is looked at alone */
 
 /* Whether any of x[0 .. n-1] is above t (or, with or_equal, equal to it); n <= TOPK_RUN. */
 static inline int any_above(const float *x, int64_t n, float t, int or_equal) {
@@ -2080,7 +2079,7 @@ static void argmax_item(const void *job, int64_t r) {
     const int64_t V = j->V;
     const float *x = j->x + r * V;
     float m = x[0];
-    int nan = 0;
+    int nan = x[0] != x[0];
     int64_t i = 1;
 #if defined(__AVX512F__)
     if (V >= 16) {
@@ -2091,7 +2090,7 @@ static void argmax_item(const void *job, int64_t r) {
             odd |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
             best = _mm512_max_ps(best, v);
         }
-        nan = odd != 0;
+        nan |= odd != 0;
         m = _mm512_reduce_max_ps(best);
     }
 #endif
@@ -2099,7 +2098,6 @@ static void argmax_item(const void *job, int64_t r) {
         nan |= x[i] != x[i];
         m = x[i] > m ? x[i] : m;
     }
-    nan |= x[0] != x[0];
     int64_t at = 0;
     if (nan) {
         while (x[at] == x[at]) at++;

@@ -94,30 +94,6 @@ def _current(key: tuple | None, params: tuple[torch.Tensor, torch.Tensor, torch.
             and key[3] == _stamp(params))
 
 
-def _seen(m: nn.Module) -> tuple:
-    """What :func:`_unchanged` looks at of a plain expert ``m``: the expert and its three projections."""
-    return m, m._modules["w1"], m._modules["w3"], m._modules["w2"]
-
-
-def _unchanged(m: nn.Module, seen: tuple | None, key: tuple | None) -> bool:
-    """Whether expert ``m``, found plain when ``seen`` (:func:`_seen`) was recorded and with copies made under
-    ``key`` (:func:`_remake`), still is that expert with no hook, the same three plain projections (and no other
-    submodule) without a bias, and the same weights at the same place and version: what :func:`_plain_own` and
-    :func:`_current` check, as identity checks against what they found (no weight tuples or stamps rebuilt)."""
-    if seen is None or key is None or seen[0] is not m or type(m) is not Expert or hooked(m):
-        return False
-    mm = m._modules
-    l1, l3, l2 = seen[1], seen[2], seen[3]
-    if (len(mm) != 3 or mm.get("w1") is not l1 or mm.get("w3") is not l3 or mm.get("w2") is not l2
-            or type(l1) is not nn.Linear or type(l3) is not nn.Linear or type(l2) is not nn.Linear
-            or hooked(l1) or hooked(l3) or hooked(l2)):
-        return False
-    p1, p3, p2 = l1._parameters, l3._parameters, l2._parameters
-    w1, w3, w2 = key[0], key[1], key[2]
-    return (p1.get("bias") is None and p3.get("bias") is None and p2.get("bias") is None and p1.get("weight") is w1
-            and p3.get("weight") is w3 and p2.get("weight") is w2 and key[3] == _stamp((w1, w3, w2)))
-
-
 def _remake(e: int, params: tuple[torch.Tensor, torch.Tensor, torch.Tensor], copies, keys: list, exact: list,
             fill) -> bool | None:
     """(Re)make expert e's copies from its weights ``(w1, w3, w2)`` with ``fill`` (MoE._expert_copies) and record
@@ -232,7 +208,6 @@ class MoE(nn.Module):
         self._stacked_at: list[int] | None = None  # addresses of the expert parameters when last stacked
         self._bf16: tuple | None = None  # bf16 copies of fp32 experts, keys, exactness: see bf16_experts
         self._fp4: tuple | None = None  # FP4 copies of the experts, keys, exactness: see fp4_experts
-        self._seen: dict[str, tuple] = {}  # per copies attribute: (its state, each expert's _seen record or None)
         self._stacked_bf16_at: tuple | None = None  # addresses of the last stacked_weights of bf16 experts
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -366,8 +341,7 @@ class MoE(nn.Module):
             w13[e], w2[e] = wide[0], wide[1]
             return torch.equal(w13[e].float(), wide[0]) and torch.equal(w2[e].float(), wide[1])
 
-        return self._note_seen("_bf16", mods, ids, self._expert_copies("_bf16", mods, ids, (E, 2 * inter, D), alloc,
-                                                                       fill))
+        return self._expert_copies("_bf16", mods, ids, (E, 2 * inter, D), alloc, fill)
 
     def fp4_experts(self, picked: Iterable[int] | None = None) -> tuple[torch.Tensor, ...] | None:
         """The routed experts' weights as FP4 copies ``(codes13 [E, 2 * inter, D / 2], scales13 [E, 2 * inter,
@@ -411,37 +385,25 @@ class MoE(nn.Module):
                 exact = exact and torch.equal(values, wide)
             return exact
 
-        return self._note_seen("_fp4", mods, ids, self._expert_copies("_fp4", mods, ids, (E, 2 * inter, D // 2),
-                                                                      alloc, fill))
+        return self._expert_copies("_fp4", mods, ids, (E, 2 * inter, D // 2), alloc, fill)
 
-    def _unchanged_copies(self, attr: str, picked: Iterable[int] | None) -> tuple[torch.Tensor, ...] | None:
-        """The copies in ``self.<attr>`` when each picked expert passed the full checks of :meth:`_picked` and
-        :meth:`_expert_copies` in an earlier call and is :func:`_unchanged` since (and no global hook is set);
-        None otherwise (the caller runs the full checks). A batch-8 decode step picks ~12 experts in each of its
-        layers: the full checks cost ~0.9 ms of a ~10 ms step, these about a third."""
-        state, seen = getattr(self, attr), self._seen.get(attr)
-        if state is None or picked is None or seen is None or seen[0] is not state or global_hooks():
+    def _unchanged_copies(self, attr: str, picked: list[int] | None) -> tuple[torch.Tensor, ...] | None:
+        """The copies in ``self.<attr>`` when each picked expert's are already made, exact and current, and the
+        expert plain (:func:`_plain_own`, no global hook): one pass over the picked experts, without
+        :meth:`_picked`'s and :meth:`_expert_copies`' lists and checks of dtype, shapes and device (copies made
+        from these very weights passed those); None otherwise (the caller runs the full checks). A batch-8 decode
+        step picks ~12 experts in each of its layers: the full checks cost ~0.9 ms of a ~10 ms step."""
+        state = getattr(self, attr)
+        if state is None or picked is None or global_hooks():
             return None
         copies, keys, exact = state
-        records = seen[1]
         mods = list(self._modules["experts"]._modules.values())
-        if len(mods) != len(records):
+        if len(mods) != len(keys):
             return None
         for e in picked:
-            if not (exact[e] and _unchanged(mods[e], records[e], keys[e])):
+            m = mods[e]
+            if not (exact[e] and _plain_own(m) and _current(keys[e], _weights(m))):
                 return None
-        return copies
-
-    def _note_seen(self, attr: str, mods: list[nn.Module], ids: Iterable[int], copies):
-        """Record what :meth:`_unchanged_copies` checks of the picked experts ``ids`` once the full checks gave
-        ``copies`` (not None); returns ``copies``."""
-        if copies is not None:
-            state = getattr(self, attr)
-            seen = self._seen.get(attr)
-            if seen is None or seen[0] is not state or len(seen[1]) != len(mods):
-                seen = self._seen[attr] = (state, [None] * len(mods))
-            for e in ids:
-                seen[1][e] = _seen(mods[e])
         return copies
 
     def _picked(self, picked: Iterable[int] | None) -> tuple[list[nn.Module], list[int] | range, torch.Tensor] | None:
