@@ -52,9 +52,11 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC
 FP4_FORMATS = {"e4m3": 0, "ue8m0": 1}
 # Input dtypes the codec kernels take after widening to fp32 (exact), as the torch codecs widen them too.
 WIDENS_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
-SMALL_ROWS = 256  # up to this many tokens the mHC and router kernels run (beyond, ATen's threaded matmuls win)
+SMALL_ROWS = 256  # up to this many tokens the router kernel runs (beyond, ATen's threaded matmuls win)
 MAX_HC = 16  # hc_mix keeps one token's (2 + hc) * hc mixing logits on the stack
+HC_ROW_ON_STACK = 8192  # up to this many floats (hc * D) hc_mix keeps a token's normalized streams on its stack
 INDEX_LUT_ROWS = 1024  # from this many keys per row, index scores the even / odd path cannot take use a lookup table
+MAX_ATTEND_HEADS = 256  # attend_few keeps one query's per-head softmax state on the stack
 FEW_ROWS = 16  # up to this many tokens take the few-token kernels (decode, speculative verify)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -377,7 +379,8 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     pre = torch.empty((B, T, hc), dtype=torch.float32)
     post = torch.empty((B, T, hc), dtype=torch.float32)
     comb = torch.empty((B, T, hc, hc), dtype=torch.float32)
-    scratch = torch.empty((B * T, hc * D), dtype=torch.float32)
+    # Each token's normalized row: on the kernel's stack up to HC_ROW_ON_STACK floats, else here.
+    scratch = torch.empty((B * T, hc * D) if hc * D > HC_ROW_ON_STACK else (0,), dtype=torch.float32)
     library().dsv41_hc_mix(streams.data_ptr(), B * T, hc, D, fn.data_ptr(), base.data_ptr(), scale.data_ptr(),
                            norm_eps, hc_eps, iters, scratch.data_ptr(), pre.data_ptr(), post.data_ptr(),
                            comb.data_ptr())
@@ -416,7 +419,9 @@ def attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos
     L = keys.shape[1]
     k = 0 if topk is None else topk.shape[-1]
     out = torch.empty_like(q)
-    scratch = torch.empty((B * T, L + k), dtype=torch.float32)
+    if H > MAX_ATTEND_HEADS:
+        raise ValueError(f"attend_few kernel takes at most {MAX_ATTEND_HEADS} heads, got {H}")
+    scratch = torch.empty((B * T, H * (L + k)), dtype=torch.float32)
     library().dsv41_attend_few(q.data_ptr(), q_pos.data_ptr(), keys.data_ptr(), key_pos.data_ptr(), B, T, H, d, L,
                                window, _ptr(selected), _ptr(topk), k, sink.data_ptr(), scale, scratch.data_ptr(),
                                out.data_ptr())

@@ -640,6 +640,17 @@ static v8f load8(const float *p) {
     return v;
 }
 
+/* Sixteen fp32 lanes (split into narrower registers where the machine has none this wide). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 /* ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)). With AVX, in four vector steps (the lane-by-lane form
  * compiles to ~15 scalar steps): the same additions, so the same bits. */
 static inline float sum8(v8f a) {
@@ -669,6 +680,30 @@ static float dot(const float *x, const float *y, int64_t n) {
     float s = sum8((a + b) + (c + d));
     for (; i < n; i++) s += x[i] * y[i];
     return s;
+}
+
+/* The dots of x [n] with 4 rows w [4, n] (rows ldw apart) into out [4]: each exactly dot(x, row, n) (the same
+ * lanes adding in the same order), with x read once for the 4 rows and 16 independent sums in flight. */
+static void dot4(const float *x, const float *w, int64_t ldw, int64_t n, float *out) {
+    v8f a[4] = {{0}}, b[4] = {{0}}, c[4] = {{0}}, d[4] = {{0}};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        v8f x0 = load8(x + i), x1 = load8(x + i + 8), x2 = load8(x + i + 16), x3 = load8(x + i + 24);
+        for (int r = 0; r < 4; r++) {
+            const float *y = w + r * ldw + i;
+            a[r] += x0 * load8(y);
+            b[r] += x1 * load8(y + 8);
+            c[r] += x2 * load8(y + 16);
+            d[r] += x3 * load8(y + 24);
+        }
+    }
+    for (; i + 8 <= n; i += 8)
+        for (int r = 0; r < 4; r++) a[r] += load8(x + i) * load8(w + r * ldw + i);
+    for (int r = 0; r < 4; r++) {
+        float s = sum8((a[r] + b[r]) + (c[r] + d[r]));
+        for (int64_t j = i; j < n; j++) s += x[j] * w[r * ldw + j];
+        out[r] = s;
+    }
 }
 
 /* 1 / sqrt(mean(x^2) + eps) over n values. */
@@ -707,10 +742,12 @@ void dsv41_rms_norm_bf16(const uint16_t *x, int64_t N, int64_t D, const uint16_t
 /* mHC coefficients of one site (model/hyper.py hc_mix) from streams [N, hc, D]: mixing logits
  * rms_normalize(flat) @ fn^T [N, (2 + hc) * hc], scaled per part (pre | post | comb) and shifted by base; then
  * pre = sigmoid + hc_eps [N, hc], post = 2 sigmoid [N, hc], comb = Sinkhorn(softmax(rows) + hc_eps) [N, hc, hc].
- * scratch: hc * D floats. hc <= 16. */
+ * scratch: hc * D floats. hc <= MAX_HC_MIX. */
+#define MAX_HC_MIX 16
+#define HC_ROW_ON_STACK 8192  /* hc * D up to this many floats: no trip through the caller's scratch */
 typedef struct {
     const float *streams, *fn, *base, *scale;
-    int64_t hc, D, iters;
+    int64_t N, hc, D, iters;
     float norm_eps, hc_eps;
     float *scratch, *pre, *post, *comb;
 } hc_mix_job;
@@ -720,13 +757,14 @@ static void hc_mix_item(const void *job, int64_t n) {
     const int64_t hc = p->hc, width = hc * p->D, mixes = (2 + hc) * hc, iters = p->iters;
     const float *fn = p->fn, *base = p->base, *scale = p->scale, *x = p->streams + n * width;
     const float hc_eps = p->hc_eps, f = rms_factor(x, width, p->norm_eps);
-    float *scratch = p->scratch + n * width, *pre = p->pre, *post = p->post, *comb = p->comb;
-    float mix[16 * 18];
+    float *pre = p->pre, *post = p->post, *comb = p->comb;
+    float mix[MAX_HC_MIX * (MAX_HC_MIX + 2)], row[HC_ROW_ON_STACK];  /* the normalized row, on the stack when short */
+    float *scratch = width <= HC_ROW_ON_STACK ? row : p->scratch + n * width;
     for (int64_t i = 0; i < width; i++) scratch[i] = x[i] * f;
-    for (int64_t k = 0; k < mixes; k++) {
-        float part = scale[k < hc ? 0 : (k < 2 * hc ? 1 : 2)];
-        mix[k] = dot(scratch, fn + k * width, width) * part + base[k];
-    }
+    int64_t k = 0;
+    for (; k + 4 <= mixes; k += 4) dot4(scratch, fn + k * width, width, width, mix + k);
+    for (; k < mixes; k++) mix[k] = dot(scratch, fn + k * width, width);
+    for (k = 0; k < mixes; k++) mix[k] = mix[k] * scale[k < hc ? 0 : (k < 2 * hc ? 1 : 2)] + base[k];
     for (int64_t i = 0; i < hc; i++) {
         pre[n * hc + i] = 1.0f / (1.0f + expf(-mix[i])) + hc_eps;
         post[n * hc + i] = 2.0f * (1.0f / (1.0f + expf(-mix[hc + i])));
@@ -739,17 +777,38 @@ static void hc_mix_item(const void *job, int64_t n) {
         for (int64_t j = 0; j < hc; j++) s += (c[i * hc + j] = expf(row[j] - m));
         for (int64_t j = 0; j < hc; j++) c[i * hc + j] = c[i * hc + j] / s + hc_eps;
     }
-    for (int64_t it = 0; it < 2 * iters - 1; it++) {  /* columns first, then rows and columns */
+}
+
+/* Sinkhorn's iterations on the comb of tokens 16 * g .. 16 * g + 15 at once, token t in lane t (model/hyper.py
+ * sinkhorn): columns first, then rows and columns, iters times in all; per token the same sums and divisions in
+ * the same order as one matrix at a time, so the same bits. */
+static void hc_sinkhorn_item(const void *job, int64_t g) {
+    const hc_mix_job *p = job;
+    const int64_t hc = p->hc, hh = hc * hc, t0 = 16 * g, lanes = p->N - t0 < 16 ? p->N - t0 : 16;
+    float *comb = p->comb + t0 * hh;
+    v16f c[MAX_HC_MIX * MAX_HC_MIX];
+    float lane[16];
+    for (int64_t e = 0; e < hh; e++) {
+        for (int64_t t = 0; t < 16; t++) lane[t] = t < lanes ? comb[t * hh + e] : 1.0f;
+        c[e] = load16(lane);
+    }
+    v16f eps = {0};
+    eps += p->hc_eps;
+    for (int64_t it = 0; it < 2 * p->iters - 1; it++) {
         int cols = it % 2 == 0;
         for (int64_t i = 0; i < hc; i++) {
-            float s = 0.0f;
+            v16f s = {0};
             for (int64_t j = 0; j < hc; j++) s += cols ? c[j * hc + i] : c[i * hc + j];
-            s += hc_eps;
+            s += eps;
             for (int64_t j = 0; j < hc; j++) {
                 if (cols) c[j * hc + i] /= s;
                 else c[i * hc + j] /= s;
             }
         }
+    }
+    for (int64_t e = 0; e < hh; e++) {
+        memcpy(lane, &c[e], sizeof lane);
+        for (int64_t t = 0; t < lanes; t++) comb[t * hh + e] = lane[t];
     }
 }
 
@@ -757,101 +816,64 @@ static void hc_mix_item(const void *job, int64_t n) {
 void dsv41_hc_mix(const float *streams, int64_t N, int64_t hc, int64_t D, const float *fn, const float *base,
                   const float *scale, float norm_eps, float hc_eps, int64_t iters, float *scratch, float *pre,
                   float *post, float *comb) {
-    hc_mix_job job = {streams, fn, base, scale, hc, D, iters, norm_eps, hc_eps, scratch, pre, post, comb};
+    hc_mix_job job = {streams, fn, base, scale, N, hc, D, iters, norm_eps, hc_eps, scratch, pre, post, comb};
     parallel_for(hc_mix_item, &job, N);
+    parallel_for(hc_sinkhorn_item, &job, (N + 15) / 16);
 }
 
 /* Collapse sum_i w_i R_i of streams [N, hc, D] with weights [N, hc], then RMSNorm (weight [D], eps) when
- * norm_weight is given: out [N, D] (model/hyper.py collapse + the sub-layer's input norm). */
+ * norm_weight is given: out [N, D] (model/hyper.py collapse + the sub-layer's input norm). Tokens over the pool. */
+typedef struct {
+    const float *streams, *w, *norm_weight, *y, *post, *comb;
+    int64_t hc, D;
+    float eps;
+    float *out;
+} hc_job;
+
+static void hc_collapse_item(const void *job, int64_t n) {
+    const hc_job *j = job;
+    const int64_t hc = j->hc, D = j->D;
+    float *o = j->out + n * D;
+    const float *x = j->streams + n * hc * D, *w = j->w + n * hc;
+    for (int64_t k = 0; k < D; k++) o[k] = w[0] * x[k];
+    for (int64_t i = 1; i < hc; i++) {
+        float wi = w[i];
+        for (int64_t k = 0; k < D; k++) o[k] += wi * x[i * D + k];
+    }
+    if (j->norm_weight) dsv41_rms_norm(o, 1, D, j->norm_weight, j->eps, o);
+}
+
 void dsv41_hc_collapse(const float *streams, const float *w, int64_t N, int64_t hc, int64_t D,
                        const float *norm_weight, float eps, float *out) {
-    for (int64_t n = 0; n < N; n++) {
-        float *o = out + n * D;
-        const float *x = streams + n * hc * D;
-        for (int64_t k = 0; k < D; k++) o[k] = w[n * hc] * x[k];
-        for (int64_t i = 1; i < hc; i++) {
-            float wi = w[n * hc + i];
-            for (int64_t k = 0; k < D; k++) o[k] += wi * x[i * D + k];
-        }
-        if (norm_weight) dsv41_rms_norm(o, 1, D, norm_weight, eps, o);
-    }
+    hc_job job = {streams, w, norm_weight, 0, 0, 0, hc, D, eps, out};
+    parallel_for(hc_collapse_item, &job, N);
 }
 
 /* Expand R'_j = post_j y + sum_i comb[i, j] R_i: streams [N, hc, D], y [N, D], post [N, hc], comb [N, hc, hc]
- * -> out [N, hc, D] (model/hyper.py expand). */
+ * -> out [N, hc, D] (model/hyper.py expand). Tokens over the pool. */
+static void hc_expand_item(const void *job, int64_t n) {
+    const hc_job *e = job;
+    const int64_t hc = e->hc, D = e->D;
+    const float *x = e->streams + n * hc * D, *c = e->comb + n * hc * hc, *yn = e->y + n * D;
+    for (int64_t j = 0; j < hc; j++) {
+        float *o = e->out + (n * hc + j) * D;
+        for (int64_t k = 0; k < D; k++) o[k] = c[j] * x[k];
+        for (int64_t i = 1; i < hc; i++) {
+            float cij = c[i * hc + j];
+            for (int64_t k = 0; k < D; k++) o[k] += cij * x[i * D + k];
+        }
+        float p = e->post[n * hc + j];
+        for (int64_t k = 0; k < D; k++) o[k] = p * yn[k] + o[k];
+    }
+}
+
 void dsv41_hc_expand(const float *streams, const float *y, const float *post, const float *comb, int64_t N,
                      int64_t hc, int64_t D, float *out) {
-    for (int64_t n = 0; n < N; n++) {
-        const float *x = streams + n * hc * D, *c = comb + n * hc * hc, *yn = y + n * D;
-        for (int64_t j = 0; j < hc; j++) {
-            float *o = out + (n * hc + j) * D;
-            for (int64_t k = 0; k < D; k++) o[k] = c[j] * x[k];
-            for (int64_t i = 1; i < hc; i++) {
-                float cij = c[i * hc + j];
-                for (int64_t k = 0; k < D; k++) o[k] += cij * x[i * D + k];
-            }
-            float p = post[n * hc + j];
-            for (int64_t k = 0; k < D; k++) o[k] = p * yn[k] + o[k];
-        }
-    }
+    hc_job job = {streams, 0, 0, y, post, comb, hc, D, 0.0f, out};
+    parallel_for(hc_expand_item, &job, N);
 }
 
 /* ------------------------------------------------------------------------- attention, MoE router, SwiGLU */
-
-typedef struct {
-    const float *q, *keys, *selected, *sink;
-    const int64_t *q_pos, *key_pos, *topk;
-    int64_t T, H, d, L, window, k;
-    float scale;
-    float *scratch, *out;
-} attend_job;
-
-static void attend_item(const void *job, int64_t bt) {
-    const attend_job *a = job;
-    const int64_t b = bt / a->T, H = a->H, d = a->d, L = a->L, k = a->k, window = a->window;
-    const float *kb = a->keys + b * L * d, *sink = a->sink, scale = a->scale;
-    const int64_t *kp = a->key_pos + b * L, p = a->q_pos[bt];
-    const float *sel = a->selected ? a->selected + bt * k * d : 0;
-    const int64_t *picks = a->topk ? a->topk + bt * k : 0;
-    float *scratch = a->scratch + bt * (L + k);
-    for (int64_t h = 0; h < H; h++) {
-        const float *qv = a->q + (bt * H + h) * d;
-        float *o = a->out + (bt * H + h) * d;
-        float m = sink[h];
-        for (int64_t l = 0; l < L; l++) {
-            int seen = kp[l] >= 0 && kp[l] <= p && kp[l] > p - window;
-            scratch[l] = seen ? dot(qv, kb + l * d, d) * scale : -INFINITY;
-            if (scratch[l] > m) m = scratch[l];
-        }
-        for (int64_t j = 0; j < k; j++) {
-            scratch[L + j] = picks[j] >= 0 ? dot(qv, sel + j * d, d) * scale : -INFINITY;
-            if (scratch[L + j] > m) m = scratch[L + j];
-        }
-        float total = expf(sink[h] - m);
-        memset(o, 0, (size_t)d * sizeof(float));
-        for (int64_t j = 0; j < L + k; j++) {
-            if (scratch[j] == -INFINITY) continue;
-            float e = expf(scratch[j] - m);
-            total += e;
-            const float *v = j < L ? kb + j * d : sel + (j - L) * d;
-            for (int64_t i = 0; i < d; i++) o[i] += e * v[i];
-        }
-        float inv = 1.0f / total;
-        for (int64_t i = 0; i < d; i++) o[i] *= inv;
-    }
-}
-
-/* One softmax with a sink per (query, head) over the window keys and the selected entries (model/attention.py
- * _attend_few): q [B, T, H, d]; keys [B, L, d] with key_pos [B, L] (a key is seen by a query at position p when
- * p - window < key_pos <= p); selected [B, T, k, d] with topk [B, T, k] (-1 = none); sink [H]. out [B, T, H, d]
- * = sum_j softmax_j(s) v_j with the sink in the denominator; masked keys are skipped (their weight is 0).
- * scratch: L + k floats. */
-void dsv41_attend_few(const float *q, const int64_t *q_pos, const float *keys, const int64_t *key_pos, int64_t B,
-                      int64_t T, int64_t H, int64_t d, int64_t L, int64_t window, const float *selected,
-                      const int64_t *topk, int64_t k, const float *sink, float scale, float *scratch, float *out) {
-    attend_job job = {q, keys, selected, sink, q_pos, key_pos, topk, T, H, d, L, window, k, scale, scratch, out};
-    parallel_for(attend_item, &job, B * T);  /* one query token (all its heads) per item; scratch [B * T, L + k] */
-}
 
 /* MoE router (model/moe.py Gate, text tokens): scores = sqrt(softplus(x @ W^T)) [N, E] of x [N, D], W [E, D];
  * the k experts of largest score + bias[E] (descending, the lower id first on a tie) into indices [N, k], their
@@ -904,17 +926,6 @@ void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, 
 }
 
 /* ------------------------------------------------------------------------------- dense projections (GEMV) */
-
-/* Sixteen fp32 lanes (split into narrower registers where the machine has none this wide). */
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
-static v16f load16(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 /* A matrix of weight rows, each K long: fp32 values, bf16 bits, or FP4 E2M1 codes (two per byte, element 2i in
  * the low nibble) with one UE8M0 scale byte per 32 weights (MODEL_REFERENCE.md §4, the routed experts' format). */
@@ -1023,6 +1034,111 @@ static inline float sum16(v16f a) {
     return (q[0] + q[2]) + (q[1] + q[3]);
 #endif
 }
+
+/* ------------------------------------------------------------------------------------ few-query attention */
+
+typedef struct {
+    const float *q, *keys, *selected, *sink;
+    const int64_t *q_pos, *key_pos, *topk;
+    int64_t T, H, d, L, window, k;
+    float scale;
+    float *scratch, *out;
+} attend_job;
+
+/* q . key over d values for one head: 16 lanes at a time (each lane adding in order), summed by sum16, then the
+ * last d % 16 products one by one. */
+#define ATTEND_MAX_HEADS 256  /* heads of one query the kernel keeps on the stack */
+
+static inline float dot16(const float *q, const float *key, int64_t d) {
+    v16f acc = {0};
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) acc += load16(q + i) * load16(key + i);
+    float s = sum16(acc);
+    for (; i < d; i++) s += q[i] * key[i];
+    return s;
+}
+
+/* o [d] = sum over the unmasked rows j of e_j * row_j with e_j = exp(s_j - top), in j order (each element adding
+ * in that order), and e_j added to *total in the same order: rows are the window keys kb [L, d], then the selected
+ * entries sel [n - L, d]; s [n] holds -inf for a masked row. */
+static void weighted_sum(const float *s, int64_t n, float top, const float *kb, int64_t L, const float *sel,
+                         int64_t d, float *o, float *total) {
+    memset(o, 0, (size_t)d * sizeof(float));
+    for (int64_t j = 0; j < n; j++) {
+        if (s[j] == -INFINITY) continue;
+        const float *v = j < L ? kb + j * d : sel + (j - L) * d;
+        float e = expf(s[j] - top);
+        *total += e;
+        for (int64_t i = 0; i < d; i++) o[i] += e * v[i];
+    }
+}
+
+/* weighted_sum for a fixed d: the sums stay in registers (the same operations, so the same bits). */
+#define WEIGHTED_SUM(D)                                                                                        \
+    static void weighted_sum_##D(const float *s, int64_t n, float top, const float *kb, int64_t L,             \
+                                 const float *sel, float *o, float *total) {                                    \
+        v16f acc[D / 16];                                                                                      \
+        memset(acc, 0, sizeof acc);                                                                            \
+        for (int64_t j = 0; j < n; j++) {                                                                      \
+            if (s[j] == -INFINITY) continue;                                                                   \
+            const float *v = j < L ? kb + j * D : sel + (j - L) * D;                                           \
+            float e = expf(s[j] - top);                                                                        \
+            *total += e;                                                                                       \
+            for (int c = 0; c < D / 16; c++) acc[c] += e * load16(v + 16 * c);                                 \
+        }                                                                                                      \
+        memcpy(o, acc, sizeof acc);                                                                            \
+    }
+WEIGHTED_SUM(64)
+WEIGHTED_SUM(128)
+#undef WEIGHTED_SUM
+
+/* One query token, all its heads: each key row (window key or selected entry) is read once for every head, first
+ * for the scores, then for the weighted sum. scratch [H, L + k]: the scores, -inf where masked. */
+static void attend_item(const void *job, int64_t bt) {
+    const attend_job *a = job;
+    const int64_t b = bt / a->T, H = a->H, d = a->d, L = a->L, k = a->k, window = a->window, n = L + k;
+    const float *kb = a->keys + b * L * d, *sink = a->sink, scale = a->scale, *qt = a->q + bt * H * d;
+    const int64_t *kp = a->key_pos + b * L, p = a->q_pos[bt];
+    const float *sel = a->selected ? a->selected + bt * k * d : 0;
+    const int64_t *picks = a->topk ? a->topk + bt * k : 0;
+    float *scratch = a->scratch + bt * H * n, *out = a->out + bt * H * d;
+    for (int64_t j = 0; j < n; j++) {
+        int seen = j < L ? kp[j] >= 0 && kp[j] <= p && kp[j] > p - window : picks[j - L] >= 0;
+        const float *v = j < L ? kb + j * d : sel + (j - L) * d;
+        for (int64_t h = 0; h < H; h++) scratch[h * n + j] = seen ? dot16(qt + h * d, v, d) * scale : -INFINITY;
+    }
+    float total[ATTEND_MAX_HEADS], top[ATTEND_MAX_HEADS];
+    for (int64_t h = 0; h < H; h++) {
+        float m = sink[h];
+        for (int64_t j = 0; j < n; j++) m = scratch[h * n + j] > m ? scratch[h * n + j] : m;
+        top[h] = m;
+        total[h] = expf(sink[h] - m);
+    }
+    for (int64_t h = 0; h < H; h++) {
+        float *o = out + h * d;
+        if (d == 64)
+            weighted_sum_64(scratch + h * n, n, top[h], kb, L, sel, o, &total[h]);
+        else if (d == 128)
+            weighted_sum_128(scratch + h * n, n, top[h], kb, L, sel, o, &total[h]);
+        else
+            weighted_sum(scratch + h * n, n, top[h], kb, L, sel, d, o, &total[h]);
+        float inv = 1.0f / total[h];
+        for (int64_t i = 0; i < d; i++) o[i] *= inv;
+    }
+}
+
+/* One softmax with a sink per (query, head) over the window keys and the selected entries (model/attention.py
+ * _attend_few): q [B, T, H, d]; keys [B, L, d] with key_pos [B, L] (a key is seen by a query at position p when
+ * p - window < key_pos <= p); selected [B, T, k, d] with topk [B, T, k] (-1 = none); sink [H]. out [B, T, H, d]
+ * = sum_j softmax_j(s) v_j with the sink in the denominator; masked keys are skipped (their weight is 0).
+ * scratch: H * (L + k) floats per query; H <= ATTEND_MAX_HEADS. */
+void dsv41_attend_few(const float *q, const int64_t *q_pos, const float *keys, const int64_t *key_pos, int64_t B,
+                      int64_t T, int64_t H, int64_t d, int64_t L, int64_t window, const float *selected,
+                      const int64_t *topk, int64_t k, const float *sink, float scale, float *scratch, float *out) {
+    attend_job job = {q, keys, selected, sink, q_pos, key_pos, topk, T, H, d, L, window, k, scale, scratch, out};
+    parallel_for(attend_item, &job, B * T);  /* one query token (all its heads) per item; scratch [B * T, H, L + k] */
+}
+
 
 /* The dots of T tokens x [T, K] (rows ldx apart) with 4 weight rows w[0..3] [K] (scales s[0..3] for FP4) of one
  * kind: res [T][4]. One 16-lane accumulator per (token, row), then summed by sum16, then the remaining products

@@ -116,7 +116,7 @@ def _attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_po
     for new rows at consecutive positions), so the whole softmax is a handful of batched matmuls instead of a
     chunk loop of einsums. Same arguments, result and fp32 arithmetic as :func:`sparse_attention`."""
     B, T, H, d = q.shape
-    if (fused(q, keys, sink) and q_pos.dtype == key_pos.dtype == torch.int64
+    if (fused(q, keys, sink) and q_pos.dtype == key_pos.dtype == torch.int64 and H <= kernels.MAX_ATTEND_HEADS
             and kernels.usable(q_pos, key_pos)):  # fp32 on the CPU in inference mode: one fused kernel
         selected = None
         if topk is not None and topk.shape[-1] > 0:

@@ -47,12 +47,6 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-def few_rows(streams: torch.Tensor) -> bool:
-    """Whether streams [B, T, hc, D] hold few enough token rows for the single-threaded fused kernels (decode,
-    speculative verify, short chunks); longer prefill chunks keep ATen's threaded matmuls."""
-    return streams.shape[0] * streams.shape[1] <= kernels.SMALL_ROWS
-
-
 def _part_index(hc: int, device: torch.device) -> torch.Tensor:
     """Which of the three scales each of the (2 + hc) * hc mixing columns takes: [0] * hc + [1] * hc + [2] * hc^2."""
     return device_constant(f"mHC parts {hc}", device, lambda: torch.tensor([0] * hc + [1] * hc + [2] * hc * hc))
@@ -62,8 +56,9 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
            norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Coefficients of one site from streams [B, T, hc, D] (any float dtype; pass them already upcast to share
     one conversion with :func:`collapse` / :func:`expand`): pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc]
-    (all fp32; comb[i, j] moves stream i into stream j). A few fp32 rows on the CPU take the fused kernel."""
-    if hc <= kernels.MAX_HC and few_rows(streams) and fused(streams, fn, base, scale):
+    (all fp32; comb[i, j] moves stream i into stream j). fp32 / bf16 streams on the CPU in inference mode take the
+    fused kernel (any row count: its tokens are split over the kernels' pool)."""
+    if hc <= kernels.MAX_HC and fused(streams, fn, base, scale):
         return kernels.hc_mix(upcast(streams), upcast(fn), upcast(base), upcast(scale), hc, norm_eps, hc_eps, iters)
     flat = rms_normalize(streams.flatten(-2), norm_eps)  # [B, T, hc*D]
     mix = flat @ cast(fn, flat.dtype).t()  # [B, T, (2+hc)*hc]: pre | post | comb
@@ -80,8 +75,7 @@ def collapse(streams: torch.Tensor, weights: torch.Tensor, wide: torch.Tensor | 
     """``Σ_i w_i R_i``: streams [B, T, hc, D], weights [B, T, hc] -> [B, T, D] in the streams' dtype. ``wide``:
     the streams already upcast (``upcast(streams)``), when the caller has them. ``norm``: returns
     ``norm(collapse(...))`` (the sub-layer input), fused for fp32 on the CPU."""
-    if (norm is not None and few_rows(streams) and unobserved(norm, RMSNorm)
-            and fused(streams, weights, norm._parameters["weight"])):
+    if norm is not None and unobserved(norm, RMSNorm) and fused(streams, weights, norm._parameters["weight"]):
         wide = upcast(streams) if wide is None else wide
         weight = norm._parameters["weight"]  # (not norm.weight: Module.__getattr__ costs ~1 µs a lookup)
         return cast(kernels.hc_collapse(wide, upcast(weights), upcast(weight), norm.eps), streams.dtype)
@@ -95,7 +89,7 @@ def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: tor
            wide: torch.Tensor | None = None) -> torch.Tensor:
     """``R'_j = post_j y + Σ_i comb[i, j] R_i``: streams [B, T, hc, D], y [B, T, D] -> [B, T, hc, D] (``wide``
     as in :func:`collapse`)."""
-    if few_rows(streams) and fused(streams, y, post, comb):
+    if fused(streams, y, post, comb):
         wide = upcast(streams) if wide is None else wide
         return cast(kernels.hc_expand(wide, upcast(y), upcast(post), upcast(comb)), streams.dtype)
     wide = upcast(streams) if wide is None else wide

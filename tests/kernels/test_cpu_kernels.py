@@ -525,16 +525,29 @@ def test_hc_mix_is_close_in_inference_mode_only(calls, iters, D):  # step shows;
     with torch.inference_mode():
         comb = hc_mix(streams, fn, base, scale, 4, 1e-6, 1e-6, iters)[2]
     torch.testing.assert_close(comb.sum(-2), torch.ones(2, 3, 4), rtol=0, atol=1e-5)
-    # More rows than kernels.SMALL_ROWS take the torch code (only its RMS normalisation is the kernel's).
+    # Prefill-sized inputs take the kernel too (tokens over the pool, Sinkhorn 16 tokens at a time).
     calls.clear()
-    many = mhc_inputs(1, kernels.SMALL_ROWS + 1)
+    many = mhc_inputs(1, 257)
     with torch.inference_mode():
         got = hc_mix(*many, 4, 1e-6, 1e-6, 20)
     with torch.no_grad(), kernels.disabled():
         want = hc_mix(*many, 4, 1e-6, 1e-6, 20)
-    assert calls["hc_mix"] == 0 and calls["rms_norm"] == 1
+    assert calls["hc_mix"] == 1
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_hc_mix_of_a_token_does_not_depend_on_the_others():
+    """Sinkhorn runs on 16 tokens at once, one per vector lane: each token's coefficients are still its own,
+    bit for bit, whatever its lane and whichever tokens share its group (here a token alone, and tokens 0, 15,
+    16 and 256 of 257: first and last lanes of full groups, and a lone token in the last group)."""
+    streams, fn, base, scale = mhc_inputs(1, 257, seed=12)
+    with torch.inference_mode():
+        together = hc_mix(streams, fn, base, scale, 4, 1e-6, 1e-6, 20)
+        for t in (0, 15, 16, 100, 256):
+            alone = hc_mix(streams[:, t:t + 1].contiguous(), fn, base, scale, 4, 1e-6, 1e-6, 20)
+            for a, b in zip(alone, together, strict=True):
+                assert_same_bits(a[:, 0], b[:, t])
 
 
 @pytest.mark.parametrize("D", [64, 13])

@@ -230,6 +230,30 @@ def test_moe_bf16_is_the_same_bits_on_any_threads_and_in_any_batch(x_dtype, shar
             assert_same_bits(kernels.moe_bf16(x[:rows], rest[0][:rows], rest[1][:rows], *rest[2:]), alone[:rows])
 
 
+def test_mhc_kernels_are_the_same_bits_on_any_threads():
+    """hc_mix (tokens over the pool, then Sinkhorn 16 tokens per item), hc_collapse and hc_expand at a
+    prefill-sized row count (257: a lone token in the last Sinkhorn group) give the same bits at 1, 2 and 3
+    threads."""
+    g = torch.Generator().manual_seed(21)
+    N, hc, D = 257, 4, 64
+    streams = torch.randn(1, N, hc, D, generator=g)
+    fn, base, scale = torch.randn((2 + hc) * hc, hc * D, generator=g) * 0.05, torch.randn(24, generator=g), \
+        torch.rand(3, generator=g)
+    w, y = torch.rand(1, N, hc, generator=g), torch.randn(1, N, D, generator=g)
+    post, comb = torch.rand(1, N, hc, generator=g) * 2, torch.rand(1, N, hc, hc, generator=g)
+    norm = torch.rand(D, generator=g) + 0.5
+
+    def run():
+        return (*kernels.hc_mix(streams, fn, base, scale, hc, 1e-6, 1e-6, 20),
+                kernels.hc_collapse(streams, w, norm, 1e-6), kernels.hc_expand(streams, y, post, comb))
+
+    want = run()
+    for n in THREADS:
+        assert kernels.set_threads(n) == n
+        for got, ref in zip(run(), want, strict=True):
+            assert_same_bits(got, ref)
+
+
 def test_moe_bf16_counts_an_expert_picked_twice_with_both_weights():
     """Token 0 picks expert 4 twice with two router weights: the same as picking it once with their sum (to
     rounding), on a split pool."""
