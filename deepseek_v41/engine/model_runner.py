@@ -76,6 +76,8 @@ class _Handover:
 
 _ONEDNN = _Handover()  # oneDNN turned off for bf16
 _THREAD_DEPTH = threading.local()  # few-token forwards open in this thread, torch's count to restore
+# Seconds the kernels' pool workers spin for the next job from a few-token forward on (a prefill chunk sets 0).
+POOL_SPIN = 0.002
 
 
 @contextlib.contextmanager
@@ -117,6 +119,7 @@ def _threads_to_kernels():
     if getattr(here, "depth", 0) == 0:
         here.threads = torch.get_num_threads()
         kernels.set_threads(here.threads)
+        kernels.set_spin(POOL_SPIN)
         torch.set_num_threads(1)
     here.depth = getattr(here, "depth", 0) + 1
     try:
@@ -197,6 +200,9 @@ class ModelRunner:
         token of the sequence, else None. ``taps`` receives each layer's input streams [1, n, hc, D] of the
         positions that layer ran over, which end at ``end`` (CED decoder layers: from the decoder start)."""
         model, plan = self.model, self.plan
+        # torch's own threads run this chunk's matmuls: the kernels' pool workers (left spinning by a decode step)
+        # sleep after each job instead of spinning on the cores those threads need.
+        kernels.set_spin(0.0)
         ids = torch.tensor([seq.token_at(start, end)], dtype=torch.long, device=self.device)
         positions = torch.arange(start, end, device=self.device)[None]
         ctx = self._context([seq], positions, [end])

@@ -90,6 +90,8 @@ _SIGNATURES = {
     "dsv41_argmax": ([_P, _I, _I, _P], None),
     "dsv41_linear": ([_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int, _I, _P], ctypes.c_int),
     "dsv41_set_threads": ([ctypes.c_int], ctypes.c_int),
+    "dsv41_set_spin": ([ctypes.c_int64], None),
+    "dsv41_get_spin": ([], ctypes.c_int64),
     "dsv41_attn_prologue": ([_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_float, _P, _I, _I, _P, _P,
                              ctypes.c_float, _P, _P, _I, _P, _P, _P], ctypes.c_int),
     "dsv41_attn_epilogue": ([_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P], ctypes.c_int),
@@ -204,6 +206,22 @@ def set_threads(threads: int) -> int:
     lib = library()
     _state["threads"] = 1 if lib is None else lib.dsv41_set_threads(threads)
     return _state["threads"]
+
+
+def set_spin(seconds: float) -> None:
+    """How long the pool's workers spin for the next job after one before they sleep (a sleeping worker is woken
+    by the next job, ~10-50 µs later, while the caller already takes its items). A few-token forward calls the
+    pool every ~100 µs and wants them spinning (engine/model_runner.py sets 2 ms there); outside one, torch's own
+    threads need those cores, so it sets 0. Negative counts as 0; nothing happens when the library is off."""
+    lib = library()
+    if lib is not None:
+        lib.dsv41_set_spin(int(max(seconds, 0.0) * 1e9))
+
+
+def spin() -> float:
+    """The pool's spin time in seconds (:func:`set_spin`; 0.002 until it is set, 0.0 when the library is off)."""
+    lib = library()
+    return 0.0 if lib is None else lib.dsv41_get_spin() / 1e9
 
 
 def threads() -> int:

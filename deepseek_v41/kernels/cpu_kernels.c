@@ -127,11 +127,18 @@ static float abs_max(const float *x, int64_t n) {
  * open: the caller closes it once no item is left and waits only for the workers that joined, so a worker the OS
  * has not scheduled (another process, or another thread pool, spinning on its core) costs nothing. One job runs
  * at a time: a caller that finds the pool busy (a kernel called from a second Python thread: ctypes lets go of
- * the GIL) runs its items itself. A worker spins for POOL_SPIN_NS after a job (a decode step calls the pool every
- * ~100 µs), then sleeps. */
+ * the GIL) runs its items itself. A worker spins for pool_spin_ns after a job, then sleeps: Python sets 2 ms for a
+ * few-token forward (it calls the pool every ~100 µs) and 0 outside one, so that between the kernels of a prefill
+ * chunk no worker spins on a core torch's own threads need (dsv41_set_spin). */
 #define POOL_MAX_WORKERS 63
-#define POOL_SPIN_NS 2000000
 #define POOL_OPEN ((uint64_t)1 << 63)
+
+static _Atomic int64_t pool_spin_ns = 2000000;
+
+/* How long a worker spins for the next job before it sleeps, in ns (negative: 0); a spinning worker sees a new
+ * value within a few µs. */
+void dsv41_set_spin(int64_t ns) { atomic_store_explicit(&pool_spin_ns, ns < 0 ? 0 : ns, memory_order_relaxed); }
+int64_t dsv41_get_spin(void) { return atomic_load_explicit(&pool_spin_ns, memory_order_relaxed); }
 
 typedef void (*pool_fn)(const void *job, int64_t item);
 
@@ -183,7 +190,7 @@ static void *pool_worker(void *arg) {
             if (spins % 256) continue;
             if (!since) {
                 since = now_ns();
-            } else if (now_ns() - since > POOL_SPIN_NS) {
+            } else if (now_ns() - since >= atomic_load_explicit(&pool_spin_ns, memory_order_relaxed)) {
                 pthread_mutex_lock(&pool.lock);
                 pool.sleepers++;
                 while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen)

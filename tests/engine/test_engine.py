@@ -270,11 +270,14 @@ def test_few_token_kernels_hand_torchs_threads_to_the_kernels_on_cpu_only(two_to
     from deepseek_v41 import kernels
     from deepseek_v41.engine.model_runner import few_token_kernels
 
+    from deepseek_v41.engine.model_runner import POOL_SPIN
+
     cpu = torch.device("cpu")
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         assert kernels.set_threads(1) == 1
         with few_token_kernels(dtype, cpu):
             assert torch.get_num_threads() == 1 and kernels.threads() == two_torch_threads
+            assert kernels.spin() == POOL_SPIN > 0  # the workers wait for the next kernel spinning
         assert torch.get_num_threads() == two_torch_threads
     torch.set_num_threads(3)
     with few_token_kernels(torch.float32, cpu):
@@ -327,6 +330,35 @@ def test_a_decode_only_step_runs_on_the_kernels_threads_and_gives_torchs_back(mo
     assert steps == 3 and len(engine.request_output("a").outputs[0].token_ids) == 3
     assert seen[0] == ("prefill", two_torch_threads, 1)
     assert seen[1:] == [("decode", 1, two_torch_threads)] * 2
+
+
+def test_pool_workers_spin_after_a_decode_step_and_sleep_during_a_prefill(model32, two_torch_threads):
+    """A decode step leaves the kernels' pool workers spinning for the next step's kernels (POOL_SPIN); a prefill
+    chunk sets their spin to 0 first, so that they do not spin on the cores torch's own threads run its matmuls
+    on (a prefill right after decode steps took ~1.3x as long before)."""
+    from deepseek_v41 import kernels
+    from deepseek_v41.engine.model_runner import POOL_SPIN
+
+    engine = LLM(model32, max_model_len=256).engine
+    spins = []
+    prefill = engine.runner.prefill
+
+    def spy(*args, **kwargs):
+        out = prefill(*args, **kwargs)
+        spins.append(("prefill", kernels.spin()))
+        return out
+
+    engine.runner.prefill = spy
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", prompt_of(5, seed=9), params)
+    for _ in range(3):
+        engine.step()
+        spins.append(("step", kernels.spin()))
+    engine.add_request("b", prompt_of(7, seed=10), params)
+    engine.step()
+    spins.append(("step", kernels.spin()))
+    assert spins == [("prefill", 0.0), ("step", 0.0), ("step", POOL_SPIN), ("step", POOL_SPIN), ("prefill", 0.0),
+                     ("step", 0.0)]
 
 
 def test_few_token_kernels_restore_each_threads_own_torch_count(two_torch_threads):

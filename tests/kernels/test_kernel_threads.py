@@ -123,6 +123,21 @@ def test_set_threads_below_one_raises_and_changes_nothing(bad):
     assert kernels.threads() == 2
 
 
+def test_set_spin_sets_the_workers_spin_time_and_clamps_below_zero():
+    """set_spin takes seconds (kept in ns); a negative time counts as 0; jobs run the same either way."""
+    before = kernels.spin()
+    try:
+        assert kernels.set_threads(2) == 2
+        x, w = torch.randn(3, 512), torch.randn(64, 512)
+        want = kernels.linear(x, w)
+        for seconds, kept in ((0.001, 0.001), (-5.0, 0.0), (0.0, 0.0), (2.5e-4, 2.5e-4)):
+            kernels.set_spin(seconds)
+            assert kernels.spin() == pytest.approx(kept, abs=1e-9)
+            assert same_bits(kernels.linear(x, w), want)
+    finally:
+        kernels.set_spin(before)
+
+
 def test_set_threads_up_and_down_returns_the_count_and_keeps_the_results():
     """Workers started and stopped in any order: the count comes back, ``threads()`` reports it, and a split
     projection and MoE give the same bits as on one thread. A request beyond the pool's limit gets what it
