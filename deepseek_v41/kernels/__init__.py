@@ -54,7 +54,7 @@ FP4_FORMATS = {"e4m3": 0, "ue8m0": 1}
 WIDENS_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_ROWS = 256  # up to this many tokens the router kernel runs (beyond, ATen's threaded matmuls win)
 MAX_HC = 16  # hc_mix keeps one token's (2 + hc) * hc mixing logits on the stack
-HC_ROW_ON_STACK = 8192  # up to this many floats (hc * D) hc_mix keeps a token's normalized streams on its stack
+ROW_ON_STACK = 8192  # rows of up to this many floats the kernels widen / build on their stack (cpu_kernels.c)
 INDEX_LUT_ROWS = 1024  # from this many keys per row, index scores the even / odd path cannot take use a lookup table
 MAX_ATTEND_HEADS = 256  # attend_few keeps one query's per-head softmax state on the stack
 FEW_ROWS = 16  # up to this many tokens take the few-token kernels (decode, speculative verify)
@@ -73,11 +73,14 @@ _SIGNATURES = {
     "dsv41_rope_bf16": ([_P, _P, _P, _I, _I, _I, _I, ctypes.c_int, _P], None),
     "dsv41_rms_norm": ([_P, _I, _I, _P, ctypes.c_float, _P], None),
     "dsv41_rms_norm_bf16": ([_P, _I, _I, _P, ctypes.c_float, _P, _P], None),
-    "dsv41_hc_mix": ([_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I, _P, _P, _P, _P], None),
-    "dsv41_hc_collapse": ([_P, _P, _I, _I, _I, _P, ctypes.c_float, _P], None),
-    "dsv41_hc_expand": ([_P, _P, _P, _P, _I, _I, _I, _P], None),
-    "dsv41_attend_few": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P, ctypes.c_float, _P, _P], None),
-    "dsv41_gate": ([_P, _I, _I, _P, _I, _P, _I, ctypes.c_int, ctypes.c_float, _P, _P, _P], None),
+    "dsv41_hc_mix": ([_P, ctypes.c_int, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I, _P, _P, _P, _P],
+                     None),
+    "dsv41_hc_collapse": ([_P, ctypes.c_int, _P, _I, _I, _I, _P, ctypes.c_float, _P], None),
+    "dsv41_hc_expand": ([_P, ctypes.c_int, _P, _P, _P, _I, _I, _I, _P], None),
+    "dsv41_attend_few": ([_P, ctypes.c_int, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P, ctypes.c_float, _P, _P],
+                         None),
+    "dsv41_gate": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _I, _P, _I, ctypes.c_int, ctypes.c_float, _P, _P, _P],
+                   None),
     "dsv41_swiglu": ([_P, _P, _I, _I, _I, ctypes.c_float, _P], None),
     "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I,
                             ctypes.c_int, _P, _P], ctypes.c_int),
@@ -85,7 +88,7 @@ _SIGNATURES = {
                            _I, _P, _I, _P], ctypes.c_int),
     "dsv41_candidate_blocks": ([_P, _P, _I, _I, _I, _I, _P], ctypes.c_int),
     "dsv41_moe": ([_P, ctypes.c_int, _I, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _I, _I, ctypes.c_float, _P,
-                   _P, _P, ctypes.c_int, _I, _P], ctypes.c_int),
+                   _P, _P, ctypes.c_int, _I, _P, ctypes.c_int], ctypes.c_int),
     "dsv41_topk_set": ([_P, _I, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
     "dsv41_argmax": ([_P, _I, _I, _P], None),
     "dsv41_linear": ([_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int, _I, _P], ctypes.c_int),
@@ -389,73 +392,95 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
            norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`deepseek_v41.model.hyper.hc_mix` for fp32 streams [B, T, hc, D]: pre [B, T, hc], post [B, T, hc],
-    comb [B, T, hc, hc] fp32. Raises ValueError for hc > MAX_HC."""
+    """:func:`deepseek_v41.model.hyper.hc_mix` for fp32 or bf16 streams [B, T, hc, D] (bf16 widened exactly, as
+    ``upcast`` would) with fp32 ``fn`` / ``base`` / ``scale``: pre [B, T, hc], post [B, T, hc], comb [B, T, hc,
+    hc] fp32. Raises ValueError for hc > MAX_HC."""
     if hc > MAX_HC:
         raise ValueError(f"hc_mix kernel takes hc <= {MAX_HC}, got {hc}")
     B, T, _, D = streams.shape
     pre = torch.empty((B, T, hc), dtype=torch.float32)
     post = torch.empty((B, T, hc), dtype=torch.float32)
     comb = torch.empty((B, T, hc, hc), dtype=torch.float32)
-    # Each token's normalized row: on the kernel's stack up to HC_ROW_ON_STACK floats, else here.
-    scratch = torch.empty((B * T, hc * D) if hc * D > HC_ROW_ON_STACK else (0,), dtype=torch.float32)
-    library().dsv41_hc_mix(streams.data_ptr(), B * T, hc, D, fn.data_ptr(), base.data_ptr(), scale.data_ptr(),
-                           norm_eps, hc_eps, iters, scratch.data_ptr(), pre.data_ptr(), post.data_ptr(),
-                           comb.data_ptr())
+    # Each token's normalized row: on the kernel's stack up to ROW_ON_STACK floats, else here.
+    scratch = torch.empty((B * T, hc * D) if hc * D > ROW_ON_STACK else (0,), dtype=torch.float32)
+    library().dsv41_hc_mix(streams.data_ptr(), streams.dtype == torch.bfloat16, B * T, hc, D, fn.data_ptr(),
+                           base.data_ptr(), scale.data_ptr(), norm_eps, hc_eps, iters, scratch.data_ptr(),
+                           pre.data_ptr(), post.data_ptr(), comb.data_ptr())
     return pre, post, comb
 
 
 def hc_collapse(streams: torch.Tensor, weights: torch.Tensor, norm_weight: torch.Tensor | None = None,
                 eps: float = 0.0) -> torch.Tensor:
-    """``Σ_i w_i R_i`` of fp32 streams [B, T, hc, D] with weights [B, T, hc], RMS-normalised with
-    ``norm_weight`` [D] when given: fp32 [B, T, D]."""
+    """``Σ_i w_i R_i`` of streams [B, T, hc, D] with fp32 weights [B, T, hc], RMS-normalised with
+    ``norm_weight`` [D] when given: [B, T, D] in the streams' dtype. streams and norm_weight are both fp32 or
+    both bf16; the sums are fp32 either way, bf16 rounded once at the end (as casting the fp32 result would).
+    Raises ValueError for bf16 rows wider than ROW_ON_STACK or a norm weight of another dtype."""
     B, T, hc, D = streams.shape
-    out = torch.empty((B, T, D), dtype=torch.float32)
-    library().dsv41_hc_collapse(streams.data_ptr(), weights.data_ptr(), B * T, hc, D, _ptr(norm_weight), eps,
-                                out.data_ptr())
+    _hc_dtypes(streams, D, norm_weight)
+    out = torch.empty((B, T, D), dtype=streams.dtype)
+    library().dsv41_hc_collapse(streams.data_ptr(), streams.dtype == torch.bfloat16, weights.data_ptr(), B * T, hc,
+                                D, _ptr(norm_weight), eps, out.data_ptr())
     return out
 
 
 def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """``R'_j = post_j y + Σ_i comb[i, j] R_i``: fp32 streams [B, T, hc, D], y [B, T, D], post [B, T, hc], comb
-    [B, T, hc, hc] -> fp32 [B, T, hc, D]."""
+    """``R'_j = post_j y + Σ_i comb[i, j] R_i``: streams [B, T, hc, D] and y [B, T, D] both fp32 or both bf16,
+    fp32 post [B, T, hc] and comb [B, T, hc, hc] -> [B, T, hc, D] in the streams' dtype (fp32 sums, bf16 rounded
+    once at the end). Raises ValueError as :func:`hc_collapse` does."""
     B, T, hc, D = streams.shape
+    _hc_dtypes(streams, D, y)
     out = torch.empty_like(streams)
-    library().dsv41_hc_expand(streams.data_ptr(), y.data_ptr(), post.data_ptr(), comb.data_ptr(), B * T, hc, D,
-                              out.data_ptr())
+    library().dsv41_hc_expand(streams.data_ptr(), streams.dtype == torch.bfloat16, y.data_ptr(), post.data_ptr(),
+                              comb.data_ptr(), B * T, hc, D, out.data_ptr())
     return out
+
+
+def _hc_dtypes(streams: torch.Tensor, D: int, other: torch.Tensor | None) -> None:
+    if other is not None and other.dtype != streams.dtype:
+        raise ValueError(f"mHC kernel: {other.dtype} beside {streams.dtype} streams (both fp32 or both bf16)")
+    if streams.dtype == torch.bfloat16 and D > ROW_ON_STACK:
+        raise ValueError(f"mHC kernel: bf16 rows of up to {ROW_ON_STACK} values, got {D}")
 
 
 # --------------------------------------------------------------------------- attention, MoE router, SwiGLU
 def attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, window: int,
                selected: torch.Tensor | None, topk: torch.Tensor | None, sink: torch.Tensor,
                scale: float) -> torch.Tensor:
-    """:func:`deepseek_v41.model.attention._attend_few` in fp32: q [B, T, H, d], q_pos int64 [B, T], keys
-    [B, L, d], key_pos int64 [B, L], selected [B, T, k, d] with topk int64 [B, T, k] (or both None), sink [H]
-    -> [B, T, H, d]."""
+    """:func:`deepseek_v41.model.attention._attend_few` computed in fp32: q [B, T, H, d] fp32 or bf16 (widened
+    exactly inside), q_pos int64 [B, T], fp32 keys [B, L, d], key_pos int64 [B, L], fp32 selected [B, T, k, d]
+    with topk int64 [B, T, k] (or both None), fp32 sink [H] -> [B, T, H, d] in q's dtype (bf16 rounded once at
+    the end, as casting the fp32 result would). Raises ValueError for more than MAX_ATTEND_HEADS heads, a sink
+    that is not fp32, or bf16 queries wider than ROW_ON_STACK (H * d)."""
     B, T, H, d = q.shape
     L = keys.shape[1]
     k = 0 if topk is None else topk.shape[-1]
     out = torch.empty_like(q)
     if H > MAX_ATTEND_HEADS:
         raise ValueError(f"attend_few kernel takes at most {MAX_ATTEND_HEADS} heads, got {H}")
+    if sink.dtype != torch.float32 or (q.dtype == torch.bfloat16 and H * d > ROW_ON_STACK):
+        raise ValueError(f"attend_few kernel: a {sink.dtype} sink beside {q.dtype} queries of {H} x {d} (an fp32 "
+                         f"sink; bf16 queries up to H * d = {ROW_ON_STACK})")
     scratch = torch.empty((B * T, H * (L + k)), dtype=torch.float32)
-    library().dsv41_attend_few(q.data_ptr(), q_pos.data_ptr(), keys.data_ptr(), key_pos.data_ptr(), B, T, H, d, L,
-                               window, _ptr(selected), _ptr(topk), k, sink.data_ptr(), scale, scratch.data_ptr(),
-                               out.data_ptr())
+    library().dsv41_attend_few(q.data_ptr(), q.dtype == torch.bfloat16, q_pos.data_ptr(), keys.data_ptr(),
+                               key_pos.data_ptr(), B, T, H, d, L, window, _ptr(selected), _ptr(topk), k,
+                               sink.data_ptr(), scale, scratch.data_ptr(), out.data_ptr())
     return out
 
 
 def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, norm_topk: bool,
          route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MoE router of :class:`deepseek_v41.model.moe.Gate` for text tokens x fp32 [N, D] with weight [E, D]
-    and bias [E]: ``(indices int64 [N, k], weights fp32 [N, k])``."""
+    """The MoE router of :class:`deepseek_v41.model.moe.Gate` for text tokens x [N, D] with weight [E, D] (each
+    fp32, or bf16 widened exactly inside, as ``upcast`` would: D <= ROW_ON_STACK then) and fp32 bias [E]:
+    ``(indices int64 [N, k], weights fp32 [N, k])``. Raises ValueError for wider bf16 rows."""
     N, D = x.shape
     E = weight.shape[0]
+    if D > ROW_ON_STACK and torch.bfloat16 in (x.dtype, weight.dtype):
+        raise ValueError(f"gate kernel: bf16 rows of up to {ROW_ON_STACK} values, got {D}")
     indices = torch.empty((N, k), dtype=torch.int64)
     weights = torch.empty((N, k), dtype=torch.float32)
     scratch = torch.empty(E, dtype=torch.float32)
-    library().dsv41_gate(x.data_ptr(), N, D, weight.data_ptr(), E, bias.data_ptr(), k, int(norm_topk), route_scale,
+    library().dsv41_gate(x.data_ptr(), x.dtype == torch.bfloat16, N, D, weight.data_ptr(),
+                         weight.dtype == torch.bfloat16, E, bias.data_ptr(), k, int(norm_topk), route_scale,
                          scratch.data_ptr(), indices.data_ptr(), weights.data_ptr())
     return indices, weights
 
@@ -469,17 +494,20 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def moe_bf16(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-             limit: float, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             limit: float, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Routed experts of fp32 or bf16 tokens x [N, D] routed by ``indices`` int64 / ``weights`` fp32 [N, k] with
     bf16 weights ``w13`` [E, 2 * inter, D] and ``w2`` [E, D, inter] (:meth:`deepseek_v41.model.moe.MoE.dispatch`),
     plus the shared expert when ``shared`` = its ``(w1 [s, D], w3 [s, D], w2 [D, s])`` weights (fp32 or bf16) are
-    given: fp32 [N, D], summed in fp32. Raises IndexError for an expert index outside [0, E)."""
-    return _moe(x, indices, weights, 1, (w13, None, w2, None), w2.shape[0], w2.shape[2], limit, shared)
+    given: [N, D] summed in fp32, returned in ``out_dtype`` (fp32, or bf16 rounded once from the fp32 sums).
+    Raises IndexError for an expert index outside [0, E)."""
+    return _moe(x, indices, weights, 1, (w13, None, w2, None), w2.shape[0], w2.shape[2], limit, shared, out_dtype)
 
 
 def moe_fp4(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, codes13: torch.Tensor,
             scales13: torch.Tensor, codes2: torch.Tensor, scales2: torch.Tensor, limit: float,
-            shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """:func:`moe_bf16` with the routed experts in the checkpoint's FP4 format (MODEL_REFERENCE.md §4): E2M1 codes
     uint8 ``codes13`` [E, 2 * inter, D / 2] / ``codes2`` [E, D, inter / 2] with UE8M0 scales per 32 weights
     ``scales13`` [E, 2 * inter, D / 32] / ``scales2`` [E, D, inter / 32] (D and inter multiples of 32): a quarter of
@@ -488,21 +516,25 @@ def moe_fp4(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, codes
     D, inter = x.shape[1], 2 * codes2.shape[2]
     if D % 32 or inter % 32:
         raise ValueError(f"moe_fp4 takes widths D and inter that are multiples of 32, got D={D}, inter={inter}")
-    return _moe(x, indices, weights, 2, (codes13, scales13, codes2, scales2), codes2.shape[0], inter, limit, shared)
+    return _moe(x, indices, weights, 2, (codes13, scales13, codes2, scales2), codes2.shape[0], inter, limit, shared,
+                out_dtype)
 
 
 def _moe(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, kind: int, routed: tuple, E: int,
-         inter: int, limit: float, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+         inter: int, limit: float, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+         out_dtype: torch.dtype) -> torch.Tensor:
     N, D = x.shape
     k = indices.shape[1]
     s_inter = shared[0].shape[0] if shared is not None else 0
-    out = torch.empty((N, D), dtype=torch.float32)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"moe kernel: out_dtype fp32 or bf16, got {out_dtype}")
+    out = torch.empty((N, D), dtype=out_dtype)
     s1, s3, s2 = (None, None, None) if shared is None else (t.data_ptr() for t in shared)
     s_bf16 = shared is not None and shared[0].dtype == torch.bfloat16
     w13, sc13, w2, sc2 = (_ptr(t) for t in routed)
     status = library().dsv41_moe(x.data_ptr(), x.dtype == torch.bfloat16, N, D, indices.data_ptr(),
                                  weights.data_ptr(), k, kind, w13, sc13, w2, sc2, E, inter, limit, s1, s3, s2, s_bf16,
-                                 s_inter, out.data_ptr())
+                                 s_inter, out.data_ptr(), out_dtype == torch.bfloat16)
     if status == -2:
         raise MemoryError("moe kernel: no memory for its scratch")
     if status != 0:

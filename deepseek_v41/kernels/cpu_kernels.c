@@ -40,6 +40,10 @@ static void bf16_row(const uint16_t *w, int64_t n, float *out) {
 }
 
 /* fp32 -> bf16 bits, round to nearest even; NaN -> the quiet NaN 0x7FC0 (c10::BFloat16's conversion). */
+/* Rows of up to this many floats that a kernel widens or builds on its stack (bf16 inputs widened to fp32, a token's
+ * normalized mHC streams, rows rounded to bf16 at the end) instead of going through a caller's scratch. */
+#define ROW_ON_STACK 8192
+
 static uint16_t bf16_round(float f) {
     if (f != f) return 0x7FC0;
     uint32_t b = to_bits(f);
@@ -746,14 +750,15 @@ void dsv41_rms_norm_bf16(const uint16_t *x, int64_t N, int64_t D, const uint16_t
     }
 }
 
-/* mHC coefficients of one site (model/hyper.py hc_mix) from streams [N, hc, D]: mixing logits
+/* mHC coefficients of one site (model/hyper.py hc_mix) from streams [N, hc, D] (fp32, or bf16 bits: bf16): mixing logits
  * rms_normalize(flat) @ fn^T [N, (2 + hc) * hc], scaled per part (pre | post | comb) and shifted by base; then
  * pre = sigmoid + hc_eps [N, hc], post = 2 sigmoid [N, hc], comb = Sinkhorn(softmax(rows) + hc_eps) [N, hc, hc].
  * scratch: hc * D floats. hc <= MAX_HC_MIX. */
 #define MAX_HC_MIX 16
-#define HC_ROW_ON_STACK 8192  /* hc * D up to this many floats: no trip through the caller's scratch */
 typedef struct {
-    const float *streams, *fn, *base, *scale;
+    const void *streams;  /* fp32, or bf16 bits (bf16) */
+    const float *fn, *base, *scale;
+    int bf16;
     int64_t N, hc, D, iters;
     float norm_eps, hc_eps;
     float *scratch, *pre, *post, *comb;
@@ -762,11 +767,16 @@ typedef struct {
 static void hc_mix_item(const void *job, int64_t n) {
     const hc_mix_job *p = job;
     const int64_t hc = p->hc, width = hc * p->D, mixes = (2 + hc) * hc, iters = p->iters;
-    const float *fn = p->fn, *base = p->base, *scale = p->scale, *x = p->streams + n * width;
-    const float hc_eps = p->hc_eps, f = rms_factor(x, width, p->norm_eps);
+    const float *fn = p->fn, *base = p->base, *scale = p->scale;
     float *pre = p->pre, *post = p->post, *comb = p->comb;
-    float mix[MAX_HC_MIX * (MAX_HC_MIX + 2)], row[HC_ROW_ON_STACK];  /* the normalized row, on the stack when short */
-    float *scratch = width <= HC_ROW_ON_STACK ? row : p->scratch + n * width;
+    float mix[MAX_HC_MIX * (MAX_HC_MIX + 2)], row[ROW_ON_STACK];  /* the normalized row, on the stack when short */
+    float *scratch = width <= ROW_ON_STACK ? row : p->scratch + n * width;
+    const float *x = (const float *)p->streams + n * width;
+    if (p->bf16) {  /* widened (exactly) in place of the row, then normalized there */
+        bf16_row((const uint16_t *)p->streams + n * width, width, scratch);
+        x = scratch;
+    }
+    const float hc_eps = p->hc_eps, f = rms_factor(x, width, p->norm_eps);
     for (int64_t i = 0; i < width; i++) scratch[i] = x[i] * f;
     int64_t k = 0;
     for (; k + 4 <= mixes; k += 4) dot4(scratch, fn + k * width, width, width, mix + k);
@@ -820,76 +830,120 @@ static void hc_sinkhorn_item(const void *job, int64_t g) {
 }
 
 /* scratch [N, hc * D]: one row per token, the tokens over the pool. */
-void dsv41_hc_mix(const float *streams, int64_t N, int64_t hc, int64_t D, const float *fn, const float *base,
-                  const float *scale, float norm_eps, float hc_eps, int64_t iters, float *scratch, float *pre,
-                  float *post, float *comb) {
-    hc_mix_job job = {streams, fn, base, scale, N, hc, D, iters, norm_eps, hc_eps, scratch, pre, post, comb};
+void dsv41_hc_mix(const void *streams, int bf16, int64_t N, int64_t hc, int64_t D, const float *fn,
+                  const float *base, const float *scale, float norm_eps, float hc_eps, int64_t iters, float *scratch,
+                  float *pre, float *post, float *comb) {
+    hc_mix_job job = {streams, fn, base, scale, bf16, N, hc, D, iters, norm_eps, hc_eps, scratch, pre, post, comb};
     parallel_for(hc_mix_item, &job, N);
-    parallel_for(hc_sinkhorn_item, &job, (N + 15) / 16);
+    if (N <= 16)
+        hc_sinkhorn_item(&job, 0);
+    else
+        parallel_for(hc_sinkhorn_item, &job, (N + 15) / 16);
 }
 
+#define HC_POOL_ROWS 64  /* from this many tokens collapse / expand split them over the pool */
+
 /* Collapse sum_i w_i R_i of streams [N, hc, D] with weights [N, hc], then RMSNorm (weight [D], eps) when
- * norm_weight is given: out [N, D] (model/hyper.py collapse + the sub-layer's input norm). Tokens over the pool. */
+ * norm_weight is given: out [N, D] (model/hyper.py collapse + the sub-layer's input norm). streams, norm_weight and
+ * out are fp32, or bf16 bits (bf16; out rounded to nearest even, as casting the fp32 result would; D <=
+ * ROW_ON_STACK): the same arithmetic in fp32 either way. Many tokens go over the pool. */
 typedef struct {
-    const float *streams, *w, *norm_weight, *y, *post, *comb;
+    const void *streams, *norm_weight, *y;
+    const float *w, *post, *comb;
+    int bf16;
     int64_t hc, D;
     float eps;
-    float *out;
+    void *out;
 } hc_job;
 
 static void hc_collapse_item(const void *job, int64_t n) {
     const hc_job *j = job;
     const int64_t hc = j->hc, D = j->D;
-    float *o = j->out + n * D;
-    const float *x = j->streams + n * hc * D, *w = j->w + n * hc;
-    for (int64_t k = 0; k < D; k++) o[k] = w[0] * x[k];
+    const int bf16 = j->bf16;
+    const float *w = j->w + n * hc;
+    const void *x = bf16 ? (const void *)((const uint16_t *)j->streams + n * hc * D)
+                         : (const void *)((const float *)j->streams + n * hc * D);
+    float row[ROW_ON_STACK], *o = bf16 ? row : (float *)j->out + n * D;
+    for (int64_t k = 0; k < D; k++) o[k] = w[0] * load_at(x, bf16, k);
     for (int64_t i = 1; i < hc; i++) {
         float wi = w[i];
-        for (int64_t k = 0; k < D; k++) o[k] += wi * x[i * D + k];
+        for (int64_t k = 0; k < D; k++) o[k] += wi * load_at(x, bf16, i * D + k);
     }
-    if (j->norm_weight) dsv41_rms_norm(o, 1, D, j->norm_weight, j->eps, o);
+    if (j->norm_weight) {
+        float f = rms_factor(o, D, j->eps);
+        for (int64_t k = 0; k < D; k++) o[k] = (o[k] * f) * load_at(j->norm_weight, bf16, k);
+    }
+    if (bf16)
+        for (int64_t k = 0; k < D; k++) store_out(j->out, n * D + k, o[k], 1);
 }
 
-void dsv41_hc_collapse(const float *streams, const float *w, int64_t N, int64_t hc, int64_t D,
-                       const float *norm_weight, float eps, float *out) {
-    hc_job job = {streams, w, norm_weight, 0, 0, 0, hc, D, eps, out};
-    parallel_for(hc_collapse_item, &job, N);
+void dsv41_hc_collapse(const void *streams, int bf16, const float *w, int64_t N, int64_t hc, int64_t D,
+                       const void *norm_weight, float eps, void *out) {
+    hc_job job = {streams, norm_weight, 0, w, 0, 0, bf16, hc, D, eps, out};
+    if (N < HC_POOL_ROWS)  /* a few tokens' work is less than waking the pool */
+        for (int64_t n = 0; n < N; n++) hc_collapse_item(&job, n);
+    else
+        parallel_for(hc_collapse_item, &job, N);
 }
 
 /* Expand R'_j = post_j y + sum_i comb[i, j] R_i: streams [N, hc, D], y [N, D], post [N, hc], comb [N, hc, hc]
- * -> out [N, hc, D] (model/hyper.py expand). Tokens over the pool. */
+ * -> out [N, hc, D] (model/hyper.py expand); streams, y and out fp32, or bf16 bits (bf16, as for collapse). Many
+ * tokens go over the pool. */
 static void hc_expand_item(const void *job, int64_t n) {
     const hc_job *e = job;
     const int64_t hc = e->hc, D = e->D;
-    const float *x = e->streams + n * hc * D, *c = e->comb + n * hc * hc, *yn = e->y + n * D;
+    const int bf16 = e->bf16;
+    const float *c = e->comb + n * hc * hc;
+    const void *x = bf16 ? (const void *)((const uint16_t *)e->streams + n * hc * D)
+                         : (const void *)((const float *)e->streams + n * hc * D);
+    const void *yn = bf16 ? (const void *)((const uint16_t *)e->y + n * D) : (const void *)((const float *)e->y + n * D);
+    float row[ROW_ON_STACK];
     for (int64_t j = 0; j < hc; j++) {
-        float *o = e->out + (n * hc + j) * D;
-        for (int64_t k = 0; k < D; k++) o[k] = c[j] * x[k];
+        float *o = bf16 ? row : (float *)e->out + (n * hc + j) * D;
+        for (int64_t k = 0; k < D; k++) o[k] = c[j] * load_at(x, bf16, k);
         for (int64_t i = 1; i < hc; i++) {
             float cij = c[i * hc + j];
-            for (int64_t k = 0; k < D; k++) o[k] += cij * x[i * D + k];
+            for (int64_t k = 0; k < D; k++) o[k] += cij * load_at(x, bf16, i * D + k);
         }
         float p = e->post[n * hc + j];
-        for (int64_t k = 0; k < D; k++) o[k] = p * yn[k] + o[k];
+        for (int64_t k = 0; k < D; k++) o[k] = p * load_at(yn, bf16, k) + o[k];
+        if (bf16)
+            for (int64_t k = 0; k < D; k++) store_out(e->out, (n * hc + j) * D + k, o[k], 1);
     }
 }
 
-void dsv41_hc_expand(const float *streams, const float *y, const float *post, const float *comb, int64_t N,
-                     int64_t hc, int64_t D, float *out) {
-    hc_job job = {streams, 0, 0, y, post, comb, hc, D, 0.0f, out};
-    parallel_for(hc_expand_item, &job, N);
+void dsv41_hc_expand(const void *streams, int bf16, const void *y, const float *post, const float *comb, int64_t N,
+                     int64_t hc, int64_t D, void *out) {
+    hc_job job = {streams, 0, y, 0, post, comb, bf16, hc, D, 0.0f, out};
+    if (N < HC_POOL_ROWS)
+        for (int64_t n = 0; n < N; n++) hc_expand_item(&job, n);
+    else
+        parallel_for(hc_expand_item, &job, N);
 }
 
 /* ------------------------------------------------------------------------- attention, MoE router, SwiGLU */
 
 /* MoE router (model/moe.py Gate, text tokens): scores = sqrt(softplus(x @ W^T)) [N, E] of x [N, D], W [E, D];
  * the k experts of largest score + bias[E] (descending, the lower id first on a tie) into indices [N, k], their
- * scores (divided by their sum + 1e-20 when norm_topk) times route_scale into weights [N, k]. scratch: E floats. */
-void dsv41_gate(const float *x, int64_t N, int64_t D, const float *W, int64_t E, const float *bias, int64_t k,
-                int norm_topk, float route_scale, float *scratch, int64_t *indices, float *weights) {
+ * scores (divided by their sum + 1e-20 when norm_topk) times route_scale into weights [N, k]. x and W are fp32, or
+ * bf16 bits (x_bf16 / w_bf16; widened exactly, D <= ROW_ON_STACK). scratch: E floats. */
+void dsv41_gate(const void *x, int x_bf16, int64_t N, int64_t D, const void *W, int w_bf16, int64_t E,
+                const float *bias, int64_t k, int norm_topk, float route_scale, float *scratch, int64_t *indices,
+                float *weights) {
+    float x_row[ROW_ON_STACK], w_row[ROW_ON_STACK];  /* bf16 rows widened (D <= ROW_ON_STACK then) */
     for (int64_t n = 0; n < N; n++) {
+        const float *xn = (const float *)x + n * D;
+        if (x_bf16) {
+            bf16_row((const uint16_t *)x + n * D, D, x_row);
+            xn = x_row;
+        }
         for (int64_t e = 0; e < E; e++) {
-            float z = dot(x + n * D, W + e * D, D);
+            const float *we = (const float *)W + e * D;
+            if (w_bf16) {
+                bf16_row((const uint16_t *)W + e * D, D, w_row);
+                we = w_row;
+            }
+            float z = dot(xn, we, D);
             scratch[e] = sqrtf(z > 20.0f ? z : log1pf(expf(z)));
         }
         float sum = 0.0f;
@@ -1045,11 +1099,14 @@ static inline float sum16(v16f a) {
 /* ------------------------------------------------------------------------------------ few-query attention */
 
 typedef struct {
-    const float *q, *keys, *selected, *sink;
+    const void *q;  /* fp32, or bf16 bits (bf16), as out */
+    const float *keys, *selected, *sink;
     const int64_t *q_pos, *key_pos, *topk;
+    int bf16;
     int64_t T, H, d, L, window, k;
     float scale;
-    float *scratch, *out;
+    float *scratch;
+    void *out;
 } attend_job;
 
 /* q . key over d values for one head: 16 lanes at a time (each lane adding in order), summed by sum16, then the
@@ -1104,11 +1161,18 @@ WEIGHTED_SUM(128)
 static void attend_item(const void *job, int64_t bt) {
     const attend_job *a = job;
     const int64_t b = bt / a->T, H = a->H, d = a->d, L = a->L, k = a->k, window = a->window, n = L + k;
-    const float *kb = a->keys + b * L * d, *sink = a->sink, scale = a->scale, *qt = a->q + bt * H * d;
+    const float *kb = a->keys + b * L * d, scale = a->scale, *qt = (const float *)a->q + bt * H * d;
     const int64_t *kp = a->key_pos + b * L, p = a->q_pos[bt];
     const float *sel = a->selected ? a->selected + bt * k * d : 0;
     const int64_t *picks = a->topk ? a->topk + bt * k : 0;
-    float *scratch = a->scratch + bt * H * n, *out = a->out + bt * H * d;
+    float *scratch = a->scratch + bt * H * n, *out = (float *)a->out + bt * H * d;
+    const float *sink = a->sink;
+    float q_row[ROW_ON_STACK], out_row[ROW_ON_STACK];  /* bf16: H * d <= ROW_ON_STACK */
+    if (a->bf16) {  /* the query widened exactly, the output rounded to bf16 at the end */
+        bf16_row((const uint16_t *)a->q + bt * H * d, H * d, q_row);
+        qt = q_row;
+        out = out_row;
+    }
     for (int64_t j = 0; j < n; j++) {
         int seen = j < L ? kp[j] >= 0 && kp[j] <= p && kp[j] > p - window : picks[j - L] >= 0;
         const float *v = j < L ? kb + j * d : sel + (j - L) * d;
@@ -1132,17 +1196,23 @@ static void attend_item(const void *job, int64_t bt) {
         float inv = 1.0f / total[h];
         for (int64_t i = 0; i < d; i++) o[i] *= inv;
     }
+    if (a->bf16)
+        for (int64_t i = 0; i < H * d; i++) store_out(a->out, bt * H * d + i, out[i], 1);
 }
 
 /* One softmax with a sink per (query, head) over the window keys and the selected entries (model/attention.py
  * _attend_few): q [B, T, H, d]; keys [B, L, d] with key_pos [B, L] (a key is seen by a query at position p when
  * p - window < key_pos <= p); selected [B, T, k, d] with topk [B, T, k] (-1 = none); sink [H]. out [B, T, H, d]
  * = sum_j softmax_j(s) v_j with the sink in the denominator; masked keys are skipped (their weight is 0).
- * scratch: H * (L + k) floats per query; H <= ATTEND_MAX_HEADS. */
-void dsv41_attend_few(const float *q, const int64_t *q_pos, const float *keys, const int64_t *key_pos, int64_t B,
-                      int64_t T, int64_t H, int64_t d, int64_t L, int64_t window, const float *selected,
-                      const int64_t *topk, int64_t k, const float *sink, float scale, float *scratch, float *out) {
-    attend_job job = {q, keys, selected, sink, q_pos, key_pos, topk, T, H, d, L, window, k, scale, scratch, out};
+ * q and out are fp32, or bf16 bits (bf16: q widened exactly, out rounded to nearest even at the end, as casting the
+ * fp32 result would; H * d <= ROW_ON_STACK); keys, selected and sink fp32. scratch: H * (L + k) floats per query;
+ * H <= ATTEND_MAX_HEADS. */
+void dsv41_attend_few(const void *q, int bf16, const int64_t *q_pos, const float *keys, const int64_t *key_pos,
+                      int64_t B, int64_t T, int64_t H, int64_t d, int64_t L, int64_t window, const float *selected,
+                      const int64_t *topk, int64_t k, const float *sink, float scale, float *scratch, void *out) {
+    attend_job job = {.q = q, .keys = keys, .selected = selected, .sink = sink, .q_pos = q_pos, .key_pos = key_pos,
+                      .topk = topk, .bf16 = bf16, .T = T, .H = H, .d = d, .L = L, .window = window, .k = k,
+                      .scale = scale, .scratch = scratch, .out = out};
     parallel_for(attend_item, &job, B * T);  /* one query token (all its heads) per item; scratch [B * T, H, L + k] */
 }
 
@@ -1584,20 +1654,20 @@ static void moe_out_item(const void *job, int64_t item) {
  * with UE8M0 scales sc13 [E, 2 * inter, D / 32] / sc2 [E, D, inter / 32] (kind W_FP4: the checkpoint's format, a
  * quarter of bf16's bytes; D and inter multiples of 32); shared s1 / s3 [s_inter, D] and s2 [D, s_inter], fp32 or
  * bf16 bits (s_bf16).
- * out [N, D] fp32 = the sum over the picked experts in ascending id of weight * expert(x), then + shared(x) (the
- * order of MoE.forward), in fp32 throughout (no bf16 rounding between the steps; the same values from either kind
+ * out [N, D] (fp32, or bf16 bits rounded to nearest even from the fp32 result: out_bf16) = the sum over the picked
+ * experts in ascending id of weight * expert(x), then + shared(x) (the order of MoE.forward), in fp32 throughout (no bf16 rounding between the steps; the same values from either kind
  * when they hold the same weights). Each expert's weights are read once for all its tokens, split over the pool
  * (moe_job). Returns 0, -1 (nothing computed) when an index is outside [0, E), -2 when memory for the scratch
  * cannot be had. */
 int dsv41_moe(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *indices, const float *weights,
               int64_t k, int kind, const void *w13, const uint8_t *sc13, const void *w2, const uint8_t *sc2, int64_t E,
               int64_t inter, float limit, const void *s1, const void *s3, const void *s2, int s_bf16, int64_t s_inter,
-              float *out) {
+              void *out, int out_bf16) {
     for (int64_t i = 0; i < N * k; i++)
         if (indices[i] < 0 || indices[i] >= E) return -1;
     int64_t M = N * k + (s1 ? N : 0), I = s1 && s_inter > inter ? s_inter : inter;
     int64_t *ints = malloc((size_t)(3 * (E + 2) + M) * sizeof(int64_t));
-    float *floats = malloc((size_t)(M * (1 + D + I) + (x_bf16 ? N * D : 0)) * sizeof(float));
+    float *floats = malloc((size_t)(M * (1 + D + I) + (x_bf16 ? N * D : 0) + (out_bf16 ? N * D : 0)) * sizeof(float));
     if (!ints || !floats) {
         free(ints);
         free(floats);
@@ -1605,6 +1675,7 @@ int dsv41_moe(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *in
     }
     int64_t *experts = ints, *first = experts + E + 2, *item_first = first + E + 2, *tokens = item_first + E + 2;
     float *gain = floats, *xs = gain + M, *hidden = xs + M * D, *xf = hidden + M * I;
+    float *sums = out_bf16 ? xf + (x_bf16 ? N * D : 0) : (float *)out;  /* fp32 sums, rounded into a bf16 out last */
     if (x_bf16) bf16_row((const uint16_t *)x, N * D, xf);
     const float *xr = x_bf16 ? xf : (const float *)x;
     int64_t n = 0, m = 0;
@@ -1632,14 +1703,16 @@ int dsv41_moe(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *in
     }
     for (int64_t i = 0; i < m; i++) memcpy(xs + i * D, xr + tokens[i] * D, (size_t)D * sizeof(float));
     const int s_kind = s_bf16 ? W_BF16 : W_FP32;
-    moe_job job = {D, inter, s1 ? s_inter : 0, I, n, experts, first, tokens, item_first, gain, xs, hidden, out,
+    moe_job job = {D, inter, s1 ? s_inter : 0, I, n, experts, first, tokens, item_first, gain, xs, hidden, sums,
                    {w13, sc13, kind, D}, {w2, sc2, kind, inter}, {s1, 0, s_kind, D}, {s3, 0, s_kind, D},
                    {s2, 0, s_kind, s_inter}, limit};
     for (int64_t i = 0; i < n; i++)
         item_first[i + 1] = item_first[i] + (moe_inter(&job, i) + MOE_ITEM_ROWS - 1) / MOE_ITEM_ROWS;
-    memset(out, 0, (size_t)(N * D) * sizeof(float));
+    memset(sums, 0, (size_t)(N * D) * sizeof(float));
     parallel_for(moe_hidden_item, &job, item_first[n]);
     parallel_for(moe_out_item, &job, (D + MOE_ITEM_ROWS - 1) / MOE_ITEM_ROWS);
+    if (out_bf16)
+        for (int64_t i = 0; i < N * D; i++) ((uint16_t *)out)[i] = bf16_round(sums[i]);
     free(ints);
     free(floats);
     return 0;

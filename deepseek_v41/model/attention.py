@@ -123,6 +123,8 @@ def _attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_po
             selected, topk = cast(gather(topk), torch.float32).contiguous(), topk.contiguous()
         else:
             topk = None
+        if H * d <= kernels.ROW_ON_STACK:  # (bf16 queries read and the output written as they are)
+            return kernels.attend_few(q, q_pos, upcast(keys), key_pos, window, selected, topk, upcast(sink), scale)
         return cast(kernels.attend_few(upcast(q), q_pos, upcast(keys), key_pos, window, selected, topk, upcast(sink),
                                        scale), q.dtype)
     wide = upcast(keys)  # [B, L, d]

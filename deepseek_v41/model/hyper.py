@@ -58,9 +58,9 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     one conversion with :func:`collapse` / :func:`expand`): pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc]
     (all fp32; comb[i, j] moves stream i into stream j). fp32 / bf16 streams on the CPU in inference mode take the
     fused kernel (any row count: its tokens are split over the kernels' pool)."""
-    if hc <= kernels.MAX_HC and fused(streams, fn, base, scale):
-        return kernels.hc_mix(upcast(streams), upcast(fn), upcast(base), upcast(scale), hc, norm_eps, hc_eps, iters)
-    flat = rms_normalize(streams.flatten(-2), norm_eps)  # [B, T, hc*D]
+    if hc <= kernels.MAX_HC and fused(streams, fn, base, scale):  # (bf16 streams widened inside)
+        return kernels.hc_mix(streams, upcast(fn), upcast(base), upcast(scale), hc, norm_eps, hc_eps, iters)
+    flat = rms_normalize(upcast(streams).flatten(-2), norm_eps)  # [B, T, hc*D]
     mix = flat @ cast(fn, flat.dtype).t()  # [B, T, (2+hc)*hc]: pre | post | comb
     mix = mix * cast(scale, flat.dtype)[_part_index(hc, scale.device)] + cast(base, flat.dtype)
     gates = torch.sigmoid(mix[..., : 2 * hc])
@@ -74,10 +74,13 @@ def collapse(streams: torch.Tensor, weights: torch.Tensor, wide: torch.Tensor | 
              norm: RMSNorm | None = None) -> torch.Tensor:
     """``Σ_i w_i R_i``: streams [B, T, hc, D], weights [B, T, hc] -> [B, T, D] in the streams' dtype. ``wide``:
     the streams already upcast (``upcast(streams)``), when the caller has them. ``norm``: returns
-    ``norm(collapse(...))`` (the sub-layer input), fused for fp32 on the CPU."""
+    ``norm(collapse(...))`` (the sub-layer input), fused for fp32 / bf16 on the CPU (bf16 read and written as it
+    is when the norm weight is bf16 too)."""
     if norm is not None and unobserved(norm, RMSNorm) and fused(streams, weights, norm._parameters["weight"]):
-        wide = upcast(streams) if wide is None else wide
         weight = norm._parameters["weight"]  # (not norm.weight: Module.__getattr__ costs ~1 µs a lookup)
+        if weight.dtype == streams.dtype and streams.shape[-1] <= kernels.ROW_ON_STACK:  # bf16 read as it is
+            return kernels.hc_collapse(streams, upcast(weights), weight, norm.eps)
+        wide = upcast(streams) if wide is None else wide
         return cast(kernels.hc_collapse(wide, upcast(weights), upcast(weight), norm.eps), streams.dtype)
     if norm is not None:
         return norm(collapse(streams, weights, wide))
@@ -90,6 +93,8 @@ def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: tor
     """``R'_j = post_j y + Σ_i comb[i, j] R_i``: streams [B, T, hc, D], y [B, T, D] -> [B, T, hc, D] (``wide``
     as in :func:`collapse`)."""
     if fused(streams, y, post, comb):
+        if y.dtype == streams.dtype and streams.shape[-1] <= kernels.ROW_ON_STACK:  # bf16 read as it is
+            return kernels.hc_expand(streams, y, upcast(post), upcast(comb))
         wide = upcast(streams) if wide is None else wide
         return cast(kernels.hc_expand(wide, upcast(y), upcast(post), upcast(comb)), streams.dtype)
     wide = upcast(streams) if wide is None else wide

@@ -22,7 +22,7 @@ from torch import nn
 from deepseek_v41 import kernels
 from deepseek_v41.model.hooks import global_hooks, hooked
 from deepseek_v41.model.linear import linear
-from deepseek_v41.model.norm import cast, fused, upcast
+from deepseek_v41.model.norm import KERNEL_DTYPES, cast, fused, upcast
 from deepseek_v41.quant.weights import FP4_EXPERT_BLOCK
 
 GROUP_ROWS = 32  # bf16 grouped matmuls pad each expert's rows to a multiple of this (MoE._grouped_padded)
@@ -156,8 +156,9 @@ class Gate(nn.Module):
         if (image_mask is None and not self.training and x.dim() == 2 and x.shape[0] <= kernels.SMALL_ROWS
                 and x.shape[1] == weight.shape[1]  # else the matmul below raises (the kernel would read past)
                 and self.topk <= weight.shape[0] and fused(x, weight, bias)):
-            return kernels.gate(upcast(x), upcast(weight), upcast(bias), self.topk, self.norm_topk,
-                                self.route_scale)
+            if x.shape[1] > kernels.ROW_ON_STACK:  # (bf16 rows up to ROW_ON_STACK are widened inside)
+                x, weight = upcast(x), upcast(weight)
+            return kernels.gate(x, weight, upcast(bias), self.topk, self.norm_topk, self.route_scale)
         xf = upcast(x)
         scores = torch.sqrt(F.softplus(xf @ cast(self.weight, xf.dtype).t()))
         bias = cast(self.bias, xf.dtype)
@@ -215,7 +216,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         mask = image_mask.reshape(-1) if image_mask is not None else None
         indices, weights = self._modules["gate"](flat, mask)
-        out = self._fused(flat, indices, weights, with_shared=True)
+        out = self._fused(flat, indices, weights, with_shared=True, out_dtype=x.dtype)
         if out is not None:  # routed and shared experts in one kernel call
             return cast(out, x.dtype).reshape(shape)
         out = self.dispatch(flat, indices, weights)
@@ -224,14 +225,14 @@ class MoE(nn.Module):
         return cast(out, x.dtype).reshape(shape)
 
     def _fused(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-               with_shared: bool) -> torch.Tensor | None:
+               with_shared: bool, out_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """The routed experts (and the shared expert, ``with_shared``) of a few fp32 / bf16 tokens flat [N, D] in
         inference mode on the CPU by :func:`deepseek_v41.kernels.moe_fp4` (the routed experts as FP4 copies, when
         their weights are FP4 values: :meth:`fp4_experts`) or :func:`~deepseek_v41.kernels.moe_bf16` (as bf16:
-        :meth:`bf16_experts`): fp32 [N, D]; None when the kernel
-        does not apply (the caller runs the torch code). The shared expert joins when it is plain (no hooks or
-        wrappers) with fp32 / bf16 weights and the routed experts' SwiGLU limit; otherwise it is left out and
-        None is returned, so the caller runs it as a module."""
+        :meth:`bf16_experts`): [N, D] summed in fp32, returned as ``out_dtype`` when that is fp32 or bf16 (rounded
+        once), else fp32; None when the kernel does not apply (the caller runs the torch code). The shared expert
+        joins when it is plain (no hooks or wrappers) with fp32 / bf16 weights and the routed experts' SwiGLU
+        limit; otherwise it is left out and None is returned, so the caller runs it as a module."""
         # The kernel reads the router weights as fp32 [N, k] (a hook on the gate may have cast them).
         if not (flat.dim() == 2 and flat.shape[0] <= kernels.FEW_ROWS and indices.dtype == torch.int64
                 and weights.dtype == torch.float32 and weights.shape == indices.shape
@@ -251,13 +252,15 @@ class MoE(nn.Module):
                     and s1.shape[1] == D and s2.shape == (D, s1.shape[0]) and fused(*shared)):
                 return None
         picked = set(indices.flatten().tolist())
+        out_dtype = out_dtype if out_dtype in KERNEL_DTYPES else torch.float32
         fp4 = self.fp4_experts(picked)
         if fp4 is not None and fp4[0].shape[2] * 2 == D:
-            return kernels.moe_fp4(flat, indices, weights, *fp4, self.swiglu_limit, shared=shared)
+            return kernels.moe_fp4(flat, indices, weights, *fp4, self.swiglu_limit, shared=shared, out_dtype=out_dtype)
         experts = self.bf16_experts(picked)
         if experts is None or experts[0].shape[2] != D:
             return None
-        return kernels.moe_bf16(flat, indices, weights, *experts, self.swiglu_limit, shared=shared)
+        return kernels.moe_bf16(flat, indices, weights, *experts, self.swiglu_limit, shared=shared,
+                                out_dtype=out_dtype)
 
     def dispatch(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Σ_k w_k E_{idx_k}(x) for flat [N, D], indices/weights [N, k] -> [N, D] in the weights' dtype (fp32, or

@@ -18,7 +18,7 @@ from deepseek_v41.model.context import DenseContext
 from deepseek_v41.model.hyper import collapse, expand, hc_mix
 from deepseek_v41.model.linear import few_token_gemv
 from deepseek_v41.model.moe import MoE
-from deepseek_v41.model.norm import RMSNorm, upcast
+from deepseek_v41.model.norm import RMSNorm, fused, upcast
 from deepseek_v41.plan import LayerSpec, build_layer_plan
 
 
@@ -66,15 +66,23 @@ class Block(nn.Module):
 
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, ctx, image_mask: torch.Tensor | None = None,
                 compress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        wide = upcast(streams)  # one fp32 copy per site for bf16 streams, shared by mix / collapse / expand
         modules = self._modules  # (not self.attn etc.: Module.__getattr__ costs ~1 µs a lookup)
-        a_pre, a_post, a_comb = self.mix("attn", wide)
+        wide = _wide(streams)
+        a_pre, a_post, a_comb = self.mix("attn", streams if wide is None else wide)
         y = modules["attn"](self.attention_input(streams, pre, wide), ctx, compress=compress)
         streams = expand(streams, y, a_post, a_comb, wide)
-        wide = upcast(streams)
-        f_pre, f_post, f_comb = self.mix("ffn", wide)
+        wide = _wide(streams)
+        f_pre, f_post, f_comb = self.mix("ffn", streams if wide is None else wide)
         y = modules["ffn"](collapse(streams, a_pre, wide, norm=modules["ffn_norm"]), image_mask)
         return expand(streams, y, f_post, f_comb, wide), f_pre
+
+
+def _wide(streams: torch.Tensor) -> torch.Tensor | None:
+    """One fp32 copy of bf16 streams per site, shared by the torch code of mix / collapse / expand; None where
+    the mHC kernels read the bf16 streams as they are (each function still widens them if its torch code runs)."""
+    if streams.dtype == torch.bfloat16 and fused(streams):
+        return None
+    return upcast(streams)
 
 
 class Transformer(nn.Module):

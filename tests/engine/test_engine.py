@@ -268,9 +268,7 @@ def test_few_token_kernels_hand_torchs_threads_to_the_kernels_on_cpu_only(two_to
     """Inside, torch runs one thread and the kernels' pool the count torch had; the last one out restores torch's
     count (nested or overlapping forwards, an exception); another device changes nothing."""
     from deepseek_v41 import kernels
-    from deepseek_v41.engine.model_runner import few_token_kernels
-
-    from deepseek_v41.engine.model_runner import POOL_SPIN
+    from deepseek_v41.engine.model_runner import POOL_SPIN, few_token_kernels
 
     cpu = torch.device("cpu")
     for dtype in (torch.float32, torch.bfloat16, torch.float64):

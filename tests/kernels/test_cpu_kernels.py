@@ -566,6 +566,44 @@ def test_collapse_with_norm_and_expand_are_close_in_inference_mode_only(calls, D
     close_in_inference_mode_and_exact_outside(calls, "hc_expand", expand, streams, y, post, comb)
 
 
+@pytest.mark.parametrize("D", [64, 13])
+def test_mhc_kernels_read_and_write_bf16_as_upcast_then_cast_would(calls, D):
+    """bf16 streams (and a bf16 norm weight / sub-layer output) go into the mHC kernels as they are: the same
+    bits as widening them first, running the kernels in fp32 and rounding the result to bf16 (what the callers
+    did before); no conversion op runs outside the kernels."""
+    streams, fn, base, scale = mhc_inputs(2, 3, D=D, seed=13)
+    g = torch.Generator().manual_seed(14)
+    sb = streams.bfloat16()
+    weights, post = torch.rand(2, 3, 4, generator=g), torch.rand(2, 3, 4, generator=g) * 2
+    comb = torch.rand(2, 3, 4, 4, generator=g)
+    y = torch.randn(2, 3, D, generator=g).bfloat16()
+    norm = RMSNorm(D, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+    norm = norm.bfloat16()
+    wide = sb.float()
+    with torch.inference_mode():
+        for got, want in zip(kernels.hc_mix(sb, fn, base, scale, 4, 1e-6, 1e-6, 20),
+                             kernels.hc_mix(wide, fn, base, scale, 4, 1e-6, 1e-6, 20), strict=True):
+            assert_same_bits(got, want)
+        want = kernels.hc_collapse(wide, weights, norm.weight.float(), norm.eps).bfloat16()
+        assert_same_bits(kernels.hc_collapse(sb, weights, norm.weight, norm.eps), want)
+        calls.clear()
+        assert_same_bits(collapse(sb, weights, norm=norm), want)
+        assert calls["hc_collapse"] == 1
+        want = kernels.hc_expand(wide, y.float(), post, comb).bfloat16()
+        assert_same_bits(kernels.hc_expand(sb, y, post, comb), want)
+        assert_same_bits(expand(sb, y, post, comb), want)
+        with pytest.raises(ValueError, match="both fp32 or both bf16"):
+            kernels.hc_expand(sb, y.float(), post, comb)
+        with pytest.raises(ValueError, match="both fp32 or both bf16"):
+            kernels.hc_collapse(sb, weights, norm.weight.float(), norm.eps)
+        with pytest.raises(ValueError, match="bf16 rows of up to"):
+            kernels.hc_expand(torch.zeros(1, 1, 4, kernels.ROW_ON_STACK + 1, dtype=torch.bfloat16),
+                              torch.zeros(1, 1, kernels.ROW_ON_STACK + 1, dtype=torch.bfloat16), post[:1, :1],
+                              comb[:1, :1])
+
+
 def test_a_hooked_norm_passed_to_collapse_is_still_called(calls):
     streams, _, _, _ = mhc_inputs(2, 3, seed=10)
     weights = torch.rand(2, 3, 4, generator=torch.Generator().manual_seed(11))
@@ -852,6 +890,24 @@ def test_gate_picks_the_same_experts_in_order_with_close_weights(calls, norm_top
         assert_same_results(gate(x), (want_idx, want_w))
     assert gate.expert_load.sum() == N * 4
     assert calls["gate"] == 1
+
+
+def test_gate_reads_bf16_tokens_and_weight_as_upcast_would(calls):
+    """A bf16 model's router: bf16 tokens and weight go into the kernel as they are, with the same result, bit for
+    bit, as widening both first (what the caller did before)."""
+    gate = router(16, 4, True, seed=44)
+    gate.weight.data = gate.weight.data.bfloat16()
+    x = (torch.randn(5, 64, generator=torch.Generator().manual_seed(45)) * 3).bfloat16()
+    with torch.inference_mode():
+        got = gate(x)
+        assert calls["gate"] == 1
+        want = kernels.gate(x.float(), gate.weight.float(), gate.bias, 4, True, gate.route_scale)
+        for mixed in ((x, gate.weight.float()), (x.float(), gate.weight)):
+            assert_same_results(kernels.gate(*mixed, gate.bias, 4, True, gate.route_scale), want)
+    assert_same_results(got, want)
+    with pytest.raises(ValueError, match="bf16 rows of up to"):
+        kernels.gate(torch.zeros(1, kernels.ROW_ON_STACK + 1, dtype=torch.bfloat16),
+                     torch.zeros(4, kernels.ROW_ON_STACK + 1), torch.zeros(4), 2, True, 1.0)
 
 
 def test_gate_of_more_than_small_rows_takes_the_torch_code(calls):
@@ -1987,6 +2043,26 @@ def test_bf16_attend_few_takes_the_kernel(calls, T, k, keys_dtype):
     assert_bf16_close(got, want, peak(want), tol=ATTEND_TOL, share=0.9)
     if k is None:  # row 1's queries see no key
         assert (got[1] == 0).all() and (want[1] == 0).all()
+
+
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attend_few_reads_bf16_queries_as_upcast_then_cast_would(calls, sink_dtype):
+    """bf16 queries go into the kernel as they are and the output comes out in bf16: the same bits as widening
+    them, attending in fp32 and rounding the result (what the caller did before); the sink (fp32 in a bf16 model's
+    checkpoint, or bf16) reaches the kernel in fp32."""
+    q, q_pos, keys, key_pos, window, topk, gather, sink, scale = attention_inputs(3, 5, seed=96)
+    qb, sink = q.bfloat16(), sink.to(sink_dtype)
+    with torch.inference_mode():
+        selected = gather(topk).float().contiguous()
+        want = kernels.attend_few(qb.float(), q_pos, keys, key_pos, window, selected, topk, sink.float(), scale)
+        got = kernels.attend_few(qb, q_pos, keys, key_pos, window, selected, topk, sink.float(), scale)
+        assert got.dtype == torch.bfloat16
+        assert_same_bits(got, want.bfloat16())
+        calls.clear()
+        assert_same_bits(_attend_few(qb, q_pos, keys, key_pos, window, topk, gather, sink, scale), want.bfloat16())
+        assert calls["attend_few"] == 1
+        with pytest.raises(ValueError, match="sink beside"):
+            kernels.attend_few(qb, q_pos, keys, key_pos, window, selected, topk, sink.double(), scale)
 
 
 def test_bf16_router_and_swiglu_take_the_kernels(calls):

@@ -245,6 +245,19 @@ def test_moe_bf16_is_the_same_bits_on_any_threads_and_in_any_batch(x_dtype, shar
             assert_same_bits(kernels.moe_bf16(x[:rows], rest[0][:rows], rest[1][:rows], *rest[2:]), alone[:rows])
 
 
+def test_moe_writes_bf16_as_the_fp32_sums_rounded_once():
+    """out_dtype=bf16: the same fp32 sums rounded to nearest even (what casting the fp32 result gave before), on 1
+    and 2 threads; another out_dtype raises ValueError."""
+    x, *rest = moe_inputs(5, torch.bfloat16, torch.bfloat16, seed=22)
+    want = kernels.moe_bf16(x, *rest).bfloat16()
+    for n in (1, 2):
+        assert kernels.set_threads(n) == n
+        got = kernels.moe_bf16(x, *rest, out_dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and same_bits(got, want)
+    with pytest.raises(ValueError, match="out_dtype"):
+        kernels.moe_bf16(x, *rest, out_dtype=torch.float16)
+
+
 def test_mhc_kernels_are_the_same_bits_on_any_threads():
     """hc_mix (tokens over the pool, then Sinkhorn 16 tokens per item), hc_collapse and hc_expand at a
     prefill-sized row count (257: a lone token in the last Sinkhorn group) give the same bits at 1, 2 and 3
