@@ -95,6 +95,7 @@ _SIGNATURES = {
     "dsv41_set_threads": ([ctypes.c_int], ctypes.c_int),
     "dsv41_set_spin": ([ctypes.c_int64], None),
     "dsv41_get_spin": ([], ctypes.c_int64),
+    "dsv41_prefetch": ([_P, _I], None),
     "dsv41_attn_prologue": ([_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_float, _P, _I, _I, _P, _P,
                              ctypes.c_float, _P, _P, _I, _P, _P, _P], ctypes.c_int),
     "dsv41_attn_epilogue": ([_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P], ctypes.c_int),
@@ -225,6 +226,15 @@ def spin() -> float:
     """The pool's spin time in seconds (:func:`set_spin`; 0.002 until it is set, 0.0 when the library is off)."""
     lib = library()
     return 0.0 if lib is None else lib.dsv41_get_spin() / 1e9
+
+
+def prefetch(addresses: torch.Tensor) -> None:
+    """Prefetch hints for the memory at int64 ``addresses`` [n] (two 64-byte lines each; model/warm.py). A
+    prefetch reads nothing and never faults, so stale addresses are harmless. Nothing happens when the library is
+    off."""
+    lib = library()
+    if lib is not None:
+        lib.dsv41_prefetch(addresses.data_ptr(), addresses.numel())
 
 
 def threads() -> int:

@@ -2169,6 +2169,18 @@ int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t page
     return atomic_load(&job.status);
 }
 
+/* -------------------------------------------------------------------------------------- prefetch hints */
+
+/* Prefetches the two cache lines at each of addr [n] (model/warm.py: the Python objects a few-token forward of a
+ * block is about to read, which the previous layers' weights evicted). Only hints: a prefetch reads nothing and
+ * never faults, so a stale or invalid address costs a wasted line at most. */
+void dsv41_prefetch(const int64_t *addr, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        __builtin_prefetch((const char *)(intptr_t)addr[i], 0, 3);
+        __builtin_prefetch((const char *)(intptr_t)addr[i] + 64, 0, 3);
+    }
+}
+
 /* ------------------------------------------------------------------------------------------ indexer top-k */
 
 /* Restores the min-heap h [n] below position i. */

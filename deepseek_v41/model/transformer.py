@@ -19,6 +19,7 @@ from deepseek_v41.model.hyper import collapse, expand, hc_mix
 from deepseek_v41.model.linear import few_token_gemv
 from deepseek_v41.model.moe import MoE
 from deepseek_v41.model.norm import RMSNorm, fused, upcast
+from deepseek_v41.model.warm import warm
 from deepseek_v41.plan import LayerSpec, build_layer_plan
 
 
@@ -176,8 +177,11 @@ class Transformer(nn.Module):
         given, receives each layer's input residual streams (DSpark target features); layers in
         ``skip_compress`` do not run their compressor (CED: it already ran over every token)."""
         blocks = list(self._modules["layers"]._modules.values())  # (indexing a ModuleList costs ~1 µs)
+        few = streams.shape[0] * streams.shape[1] <= kernels.FEW_ROWS and kernels.usable(streams)
         for j in layers:
             block = blocks[j]
+            if few:  # decode / verify: the objects this block reads were evicted since its last step (model/warm.py)
+                warm(block)
             if block.engram is not None:
                 streams = block.engram(streams, engram_rows[j], image_mask)
             if taps is not None:
