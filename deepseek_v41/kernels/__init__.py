@@ -412,9 +412,9 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     post = torch.empty((B, T, hc), dtype=torch.float32)
     comb = torch.empty((B, T, hc, hc), dtype=torch.float32)
     # Each token's normalized row: on the kernel's stack up to ROW_ON_STACK floats, else here.
-    scratch = torch.empty((B * T, hc * D) if hc * D > ROW_ON_STACK else (0,), dtype=torch.float32)
+    scratch = torch.empty((B * T, hc * D), dtype=torch.float32) if hc * D > ROW_ON_STACK else None
     library().dsv41_hc_mix(streams.data_ptr(), streams.dtype == torch.bfloat16, B * T, hc, D, fn.data_ptr(),
-                           base.data_ptr(), scale.data_ptr(), norm_eps, hc_eps, iters, scratch.data_ptr(),
+                           base.data_ptr(), scale.data_ptr(), norm_eps, hc_eps, iters, _ptr(scratch),
                            pre.data_ptr(), post.data_ptr(), comb.data_ptr())
     return pre, post, comb
 

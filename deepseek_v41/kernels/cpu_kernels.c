@@ -750,10 +750,10 @@ void dsv41_rms_norm_bf16(const uint16_t *x, int64_t N, int64_t D, const uint16_t
     }
 }
 
-/* mHC coefficients of one site (model/hyper.py hc_mix) from streams [N, hc, D] (fp32, or bf16 bits: bf16): mixing logits
- * rms_normalize(flat) @ fn^T [N, (2 + hc) * hc], scaled per part (pre | post | comb) and shifted by base; then
+/* mHC coefficients of one site (model/hyper.py hc_mix) from streams [N, hc, D] (fp32, or bf16 bits: bf16): mixing
+ * logits rms_normalize(flat) @ fn^T [N, (2 + hc) * hc], scaled per part (pre | post | comb) and shifted by base; then
  * pre = sigmoid + hc_eps [N, hc], post = 2 sigmoid [N, hc], comb = Sinkhorn(softmax(rows) + hc_eps) [N, hc, hc].
- * scratch: hc * D floats. hc <= MAX_HC_MIX. */
+ * scratch: N * hc * D floats when hc * D > ROW_ON_STACK (else unused, may be NULL). hc <= MAX_HC_MIX. */
 #define MAX_HC_MIX 16
 typedef struct {
     const void *streams;  /* fp32, or bf16 bits (bf16) */

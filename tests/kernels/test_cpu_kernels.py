@@ -537,6 +537,22 @@ def test_hc_mix_is_close_in_inference_mode_only(calls, iters, D):  # step shows;
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
+def test_hc_mix_of_rows_wider_than_its_stack_uses_the_callers_scratch(calls):
+    """hc * D > ROW_ON_STACK: each token's normalized row goes through the scratch the wrapper allocates; fp32 and
+    bf16 streams both close to the torch code."""
+    D = kernels.ROW_ON_STACK // 4 + 3
+    streams, fn, base, scale = mhc_inputs(2, 2, D=D, seed=15)
+    for s in (streams, streams.bfloat16()):
+        calls.clear()
+        with torch.inference_mode():
+            got = hc_mix(s, fn, base, scale, 4, 1e-6, 1e-6, 20)
+        with torch.no_grad(), kernels.disabled():
+            want = hc_mix(s.float(), fn, base, scale, 4, 1e-6, 1e-6, 20)
+        assert calls["hc_mix"] == 1
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
 def test_hc_mix_of_a_token_does_not_depend_on_the_others():
     """Sinkhorn runs on 16 tokens at once, one per vector lane: each token's coefficients are still its own,
     bit for bit, whatever its lane and whichever tokens share its group (here a token alone, and tokens 0, 15,
