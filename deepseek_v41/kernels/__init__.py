@@ -35,6 +35,7 @@ import contextlib
 import ctypes
 import getpass
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -80,7 +81,7 @@ _SIGNATURES = {
     "dsv41_attend_few": ([_P, ctypes.c_int, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P, ctypes.c_float, _P, _P],
                          None),
     "dsv41_gate": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _I, _P, _I, ctypes.c_int, ctypes.c_float, _P, _P, _P],
-                   None),
+                   ctypes.c_int),
     "dsv41_swiglu": ([_P, _P, _I, _I, _I, ctypes.c_float, _P], None),
     "dsv41_index_scores": ([_P, _P, _I, _I, _I, _I, ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I,
                             ctypes.c_int, _P, _P], ctypes.c_int),
@@ -216,7 +217,12 @@ def set_spin(seconds: float) -> None:
     """How long the pool's workers spin for the next job after one before they sleep (a sleeping worker is woken
     by the next job, ~10-50 µs later, while the caller already takes its items). A few-token forward calls the
     pool every ~100 µs and wants them spinning (engine/model_runner.py sets 2 ms there); outside one, torch's own
-    threads need those cores, so it sets 0. Negative counts as 0; nothing happens when the library is off."""
+    threads need those cores, so it sets 0. Negative counts as 0; nothing happens when the library is off. The
+    setting is process-wide: a prefill in one thread sets 0 while another thread's decode may be running (its
+    workers then sleep between its kernels until its next step sets the spin again). Raises ValueError for a
+    time that is not finite."""
+    if not math.isfinite(seconds):
+        raise ValueError(f"spin time must be a finite number of seconds, got {seconds}")
     lib = library()
     if lib is not None:
         lib.dsv41_set_spin(int(max(seconds, 0.0) * 1e9))
@@ -251,6 +257,17 @@ os.register_at_fork(after_in_child=_forked_child)
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _dtypes(kernel: str, wide: tuple[torch.Tensor, ...], fp32: tuple[torch.Tensor | None, ...] = ()) -> None:
+    """Raises ValueError unless each of ``wide`` is fp32 or bf16 and each of ``fp32`` (None skipped) is fp32: the
+    C code reads them as such, and any other dtype would be misread (or overrun a buffer of its size)."""
+    for t in wide:
+        if t.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{kernel} kernel takes fp32 or bf16 tensors here, got {t.dtype}")
+    for t in fp32:
+        if t is not None and t.dtype != torch.float32:
+            raise ValueError(f"{kernel} kernel takes fp32 tensors here, got {t.dtype}")
 
 
 # ---------------------------------------------------------------------------------------------- quantization
@@ -407,6 +424,7 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     hc] fp32. Raises ValueError for hc > MAX_HC."""
     if hc > MAX_HC:
         raise ValueError(f"hc_mix kernel takes hc <= {MAX_HC}, got {hc}")
+    _dtypes("hc_mix", (streams,), (fn, base, scale))
     B, T, _, D = streams.shape
     pre = torch.empty((B, T, hc), dtype=torch.float32)
     post = torch.empty((B, T, hc), dtype=torch.float32)
@@ -426,6 +444,7 @@ def hc_collapse(streams: torch.Tensor, weights: torch.Tensor, norm_weight: torch
     both bf16; the sums are fp32 either way, bf16 rounded once at the end (as casting the fp32 result would).
     Raises ValueError for bf16 rows wider than ROW_ON_STACK or a norm weight of another dtype."""
     B, T, hc, D = streams.shape
+    _dtypes("hc_collapse", (streams,), (weights,))
     _hc_dtypes(streams, D, norm_weight)
     out = torch.empty((B, T, D), dtype=streams.dtype)
     library().dsv41_hc_collapse(streams.data_ptr(), streams.dtype == torch.bfloat16, weights.data_ptr(), B * T, hc,
@@ -438,6 +457,7 @@ def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: 
     fp32 post [B, T, hc] and comb [B, T, hc, hc] -> [B, T, hc, D] in the streams' dtype (fp32 sums, bf16 rounded
     once at the end). Raises ValueError as :func:`hc_collapse` does."""
     B, T, hc, D = streams.shape
+    _dtypes("hc_expand", (streams,), (post, comb))
     _hc_dtypes(streams, D, y)
     out = torch.empty_like(streams)
     library().dsv41_hc_expand(streams.data_ptr(), streams.dtype == torch.bfloat16, y.data_ptr(), post.data_ptr(),
@@ -467,6 +487,7 @@ def attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos
     out = torch.empty_like(q)
     if H > MAX_ATTEND_HEADS:
         raise ValueError(f"attend_few kernel takes at most {MAX_ATTEND_HEADS} heads, got {H}")
+    _dtypes("attend_few", (q,), (keys, selected))
     if sink.dtype != torch.float32 or (q.dtype == torch.bfloat16 and H * d > ROW_ON_STACK):
         raise ValueError(f"attend_few kernel: a {sink.dtype} sink beside {q.dtype} queries of {H} x {d} (an fp32 "
                          f"sink; bf16 queries up to H * d = {ROW_ON_STACK})")
@@ -480,18 +501,21 @@ def attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos
 def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, norm_topk: bool,
          route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE router of :class:`deepseek_v41.model.moe.Gate` for text tokens x [N, D] with weight [E, D] (each
-    fp32, or bf16 widened exactly inside, as ``upcast`` would: D <= ROW_ON_STACK then) and fp32 bias [E]:
-    ``(indices int64 [N, k], weights fp32 [N, k])``. Raises ValueError for wider bf16 rows."""
+    fp32, or bf16 widened exactly inside, as ``upcast`` would: bf16 x up to D = ROW_ON_STACK) and fp32 bias [E]:
+    ``(indices int64 [N, k], weights fp32 [N, k])``. Raises ValueError for other dtypes or wider bf16 tokens,
+    MemoryError when the bf16 weight cannot be widened."""
     N, D = x.shape
     E = weight.shape[0]
-    if D > ROW_ON_STACK and torch.bfloat16 in (x.dtype, weight.dtype):
+    _dtypes("gate", (x, weight), (bias,))
+    if D > ROW_ON_STACK and x.dtype == torch.bfloat16:
         raise ValueError(f"gate kernel: bf16 rows of up to {ROW_ON_STACK} values, got {D}")
     indices = torch.empty((N, k), dtype=torch.int64)
     weights = torch.empty((N, k), dtype=torch.float32)
     scratch = torch.empty(E, dtype=torch.float32)
-    library().dsv41_gate(x.data_ptr(), x.dtype == torch.bfloat16, N, D, weight.data_ptr(),
-                         weight.dtype == torch.bfloat16, E, bias.data_ptr(), k, int(norm_topk), route_scale,
-                         scratch.data_ptr(), indices.data_ptr(), weights.data_ptr())
+    if library().dsv41_gate(x.data_ptr(), x.dtype == torch.bfloat16, N, D, weight.data_ptr(),
+                            weight.dtype == torch.bfloat16, E, bias.data_ptr(), k, int(norm_topk), route_scale,
+                            scratch.data_ptr(), indices.data_ptr(), weights.data_ptr()) != 0:
+        raise MemoryError("gate kernel: no memory to widen the bf16 weight")
     return indices, weights
 
 

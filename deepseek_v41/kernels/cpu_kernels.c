@@ -39,11 +39,11 @@ static void bf16_row(const uint16_t *w, int64_t n, float *out) {
     }
 }
 
-/* fp32 -> bf16 bits, round to nearest even; NaN -> the quiet NaN 0x7FC0 (c10::BFloat16's conversion). */
 /* Rows of up to this many floats that a kernel widens or builds on its stack (bf16 inputs widened to fp32, a token's
  * normalized mHC streams, rows rounded to bf16 at the end) instead of going through a caller's scratch. */
 #define ROW_ON_STACK 8192
 
+/* fp32 -> bf16 bits, round to nearest even; NaN -> the quiet NaN 0x7FC0 (c10::BFloat16's conversion). */
 static uint16_t bf16_round(float f) {
     if (f != f) return 0x7FC0;
     uint32_t b = to_bits(f);
@@ -766,7 +766,7 @@ typedef struct {
 
 static void hc_mix_item(const void *job, int64_t n) {
     const hc_mix_job *p = job;
-    const int64_t hc = p->hc, width = hc * p->D, mixes = (2 + hc) * hc, iters = p->iters;
+    const int64_t hc = p->hc, width = hc * p->D, mixes = (2 + hc) * hc;
     const float *fn = p->fn, *base = p->base, *scale = p->scale;
     float *pre = p->pre, *post = p->post, *comb = p->comb;
     float mix[MAX_HC_MIX * (MAX_HC_MIX + 2)], row[ROW_ON_STACK];  /* the normalized row, on the stack when short */
@@ -788,10 +788,10 @@ static void hc_mix_item(const void *job, int64_t n) {
     }
     float *c = comb + n * hc * hc;
     for (int64_t i = 0; i < hc; i++) {
-        const float *row = mix + 2 * hc + i * hc;
-        float m = row[0], s = 0.0f;
-        for (int64_t j = 1; j < hc; j++) m = row[j] > m ? row[j] : m;
-        for (int64_t j = 0; j < hc; j++) s += (c[i * hc + j] = expf(row[j] - m));
+        const float *logits = mix + 2 * hc + i * hc;
+        float m = logits[0], s = 0.0f;
+        for (int64_t j = 1; j < hc; j++) m = logits[j] > m ? logits[j] : m;
+        for (int64_t j = 0; j < hc; j++) s += (c[i * hc + j] = expf(logits[j] - m));
         for (int64_t j = 0; j < hc; j++) c[i * hc + j] = c[i * hc + j] / s + hc_eps;
     }
 }
@@ -829,7 +829,7 @@ static void hc_sinkhorn_item(const void *job, int64_t g) {
     }
 }
 
-/* scratch [N, hc * D]: one row per token, the tokens over the pool. */
+/* Tokens over the pool, then Sinkhorn 16 tokens per item (one item inline for up to 16 tokens). */
 void dsv41_hc_mix(const void *streams, int bf16, int64_t N, int64_t hc, int64_t D, const float *fn,
                   const float *base, const float *scale, float norm_eps, float hc_eps, int64_t iters, float *scratch,
                   float *pre, float *post, float *comb) {
@@ -896,7 +896,8 @@ static void hc_expand_item(const void *job, int64_t n) {
     const float *c = e->comb + n * hc * hc;
     const void *x = bf16 ? (const void *)((const uint16_t *)e->streams + n * hc * D)
                          : (const void *)((const float *)e->streams + n * hc * D);
-    const void *yn = bf16 ? (const void *)((const uint16_t *)e->y + n * D) : (const void *)((const float *)e->y + n * D);
+    const void *yn = bf16 ? (const void *)((const uint16_t *)e->y + n * D)
+                          : (const void *)((const float *)e->y + n * D);
     float row[ROW_ON_STACK];
     for (int64_t j = 0; j < hc; j++) {
         float *o = bf16 ? row : (float *)e->out + (n * hc + j) * D;
@@ -926,11 +927,16 @@ void dsv41_hc_expand(const void *streams, int bf16, const void *y, const float *
 /* MoE router (model/moe.py Gate, text tokens): scores = sqrt(softplus(x @ W^T)) [N, E] of x [N, D], W [E, D];
  * the k experts of largest score + bias[E] (descending, the lower id first on a tie) into indices [N, k], their
  * scores (divided by their sum + 1e-20 when norm_topk) times route_scale into weights [N, k]. x and W are fp32, or
- * bf16 bits (x_bf16 / w_bf16; widened exactly, D <= ROW_ON_STACK). scratch: E floats. */
-void dsv41_gate(const void *x, int x_bf16, int64_t N, int64_t D, const void *W, int w_bf16, int64_t E,
-                const float *bias, int64_t k, int norm_topk, float route_scale, float *scratch, int64_t *indices,
-                float *weights) {
-    float x_row[ROW_ON_STACK], w_row[ROW_ON_STACK];  /* bf16 rows widened (D <= ROW_ON_STACK then) */
+ * bf16 bits (x_bf16 / w_bf16; widened exactly: a bf16 token on the stack, D <= ROW_ON_STACK then, a bf16 W once
+ * per call on the heap). scratch: E floats. Returns 0, or -2 (nothing computed) when memory for W cannot be had. */
+int dsv41_gate(const void *x, int x_bf16, int64_t N, int64_t D, const void *W, int w_bf16, int64_t E,
+               const float *bias, int64_t k, int norm_topk, float route_scale, float *scratch, int64_t *indices,
+               float *weights) {
+    float x_row[ROW_ON_STACK];  /* a bf16 token widened (D <= ROW_ON_STACK then) */
+    float *wide = w_bf16 ? malloc((size_t)(E * D) * sizeof(float)) : NULL;  /* bf16 W widened once per call */
+    if (w_bf16 && !wide) return -2;
+    if (w_bf16) bf16_row((const uint16_t *)W, E * D, wide);
+    const float *Wf = w_bf16 ? wide : (const float *)W;
     for (int64_t n = 0; n < N; n++) {
         const float *xn = (const float *)x + n * D;
         if (x_bf16) {
@@ -938,12 +944,7 @@ void dsv41_gate(const void *x, int x_bf16, int64_t N, int64_t D, const void *W, 
             xn = x_row;
         }
         for (int64_t e = 0; e < E; e++) {
-            const float *we = (const float *)W + e * D;
-            if (w_bf16) {
-                bf16_row((const uint16_t *)W + e * D, D, w_row);
-                we = w_row;
-            }
-            float z = dot(xn, we, D);
+            float z = dot(xn, Wf + e * D, D);
             scratch[e] = sqrtf(z > 20.0f ? z : log1pf(expf(z)));
         }
         float sum = 0.0f;
@@ -967,6 +968,8 @@ void dsv41_gate(const void *x, int x_bf16, int64_t N, int64_t D, const void *W, 
             weights[n * k + j] = w * route_scale;
         }
     }
+    free(wide);
+    return 0;
 }
 
 /* silu(min(gate, limit)) * clamp(up, -limit, limit) (model/moe.py clamped_swiglu; limit <= 0: no clamping) of
@@ -1109,10 +1112,10 @@ typedef struct {
     void *out;
 } attend_job;
 
-/* q . key over d values for one head: 16 lanes at a time (each lane adding in order), summed by sum16, then the
- * last d % 16 products one by one. */
 #define ATTEND_MAX_HEADS 256  /* heads of one query the kernel keeps on the stack */
 
+/* q . key over d values for one head: 16 lanes at a time (each lane adding in order), summed by sum16, then the
+ * last d % 16 products one by one. */
 static inline float dot16(const float *q, const float *key, int64_t d) {
     v16f acc = {0};
     int64_t i = 0;
@@ -1655,10 +1658,10 @@ static void moe_out_item(const void *job, int64_t item) {
  * quarter of bf16's bytes; D and inter multiples of 32); shared s1 / s3 [s_inter, D] and s2 [D, s_inter], fp32 or
  * bf16 bits (s_bf16).
  * out [N, D] (fp32, or bf16 bits rounded to nearest even from the fp32 result: out_bf16) = the sum over the picked
- * experts in ascending id of weight * expert(x), then + shared(x) (the order of MoE.forward), in fp32 throughout (no bf16 rounding between the steps; the same values from either kind
- * when they hold the same weights). Each expert's weights are read once for all its tokens, split over the pool
- * (moe_job). Returns 0, -1 (nothing computed) when an index is outside [0, E), -2 when memory for the scratch
- * cannot be had. */
+ * experts in ascending id of weight * expert(x), then + shared(x) (the order of MoE.forward), in fp32 throughout
+ * (no bf16 rounding between the steps; the same values from either kind when they hold the same weights). Each
+ * expert's weights are read once for all its tokens, split over the pool (moe_job). Returns 0, -1 (nothing
+ * computed) when an index is outside [0, E), -2 when memory for the scratch cannot be had. */
 int dsv41_moe(const void *x, int x_bf16, int64_t N, int64_t D, const int64_t *indices, const float *weights,
               int64_t k, int kind, const void *w13, const uint8_t *sc13, const void *w2, const uint8_t *sc2, int64_t E,
               int64_t inter, float limit, const void *s1, const void *s3, const void *s2, int s_bf16, int64_t s_inter,

@@ -54,8 +54,9 @@ def _part_index(hc: int, device: torch.device) -> torch.Tensor:
 
 def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
            norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Coefficients of one site from streams [B, T, hc, D] (any float dtype; pass them already upcast to share
-    one conversion with :func:`collapse` / :func:`expand`): pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc]
+    """Coefficients of one site from streams [B, T, hc, D] (any float dtype; the kernel reads fp32 / bf16 ones as
+    they are, the torch code widens them first: callers on that path pass them already upcast, to share one
+    conversion with :func:`collapse` / :func:`expand`): pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc]
     (all fp32; comb[i, j] moves stream i into stream j). fp32 / bf16 streams on the CPU in inference mode take the
     fused kernel (any row count: its tokens are split over the kernels' pool)."""
     if hc <= kernels.MAX_HC and fused(streams, fn, base, scale):  # (bf16 streams widened inside)

@@ -156,8 +156,8 @@ class Gate(nn.Module):
         if (image_mask is None and not self.training and x.dim() == 2 and x.shape[0] <= kernels.SMALL_ROWS
                 and x.shape[1] == weight.shape[1]  # else the matmul below raises (the kernel would read past)
                 and self.topk <= weight.shape[0] and fused(x, weight, bias)):
-            if x.shape[1] > kernels.ROW_ON_STACK:  # (bf16 rows up to ROW_ON_STACK are widened inside)
-                x, weight = upcast(x), upcast(weight)
+            if x.shape[1] > kernels.ROW_ON_STACK:  # (bf16 tokens up to ROW_ON_STACK are widened inside)
+                x = upcast(x)
             return kernels.gate(x, weight, upcast(bias), self.topk, self.norm_topk, self.route_scale)
         xf = upcast(x)
         scores = torch.sqrt(F.softplus(xf @ cast(self.weight, xf.dtype).t()))

@@ -81,7 +81,8 @@ class Block(nn.Module):
 def _wide(streams: torch.Tensor) -> torch.Tensor | None:
     """One fp32 copy of bf16 streams per site, shared by the torch code of mix / collapse / expand; None where
     the mHC kernels read the bf16 streams as they are (each function still widens them if its torch code runs)."""
-    if streams.dtype == torch.bfloat16 and fused(streams):
+    if (streams.dtype == torch.bfloat16 and streams.shape[-2] <= kernels.MAX_HC
+            and streams.shape[-1] <= kernels.ROW_ON_STACK and fused(streams)):
         return None
     return upcast(streams)
 

@@ -620,6 +620,29 @@ def test_mhc_kernels_read_and_write_bf16_as_upcast_then_cast_would(calls, D):
                               comb[:1, :1])
 
 
+def test_kernels_refuse_dtypes_they_would_misread():
+    """fp16 / float64 where a kernel reads fp32 or bf16 (an fp16 hc_collapse wrote 4-byte floats into a 2-byte
+    output before the check), and a non-fp32 tensor where it reads fp32: ValueError, nothing written."""
+    streams, fn, base, scale = mhc_inputs(1, 2, D=64, seed=16)
+    w, post, comb = torch.rand(1, 2, 4), torch.rand(1, 2, 4), torch.rand(1, 2, 4, 4)
+    y, norm = torch.randn(1, 2, 64), torch.ones(64)
+    for dtype in (torch.float16, torch.float64):
+        with pytest.raises(ValueError, match="fp32 or bf16"):
+            kernels.hc_collapse(streams.to(dtype), w, norm.to(dtype), 1e-6)
+        with pytest.raises(ValueError, match="fp32 or bf16"):
+            kernels.hc_expand(streams.to(dtype), y.to(dtype), post, comb)
+        with pytest.raises(ValueError, match="fp32 or bf16"):
+            kernels.hc_mix(streams.to(dtype), fn, base, scale, 4, 1e-6, 1e-6, 20)
+        with pytest.raises(ValueError, match="fp32 or bf16"):
+            kernels.gate(torch.randn(2, 64, dtype=dtype), torch.randn(8, 64), torch.zeros(8), 2, True, 1.0)
+    with pytest.raises(ValueError, match="fp32 tensors"):
+        kernels.hc_mix(streams, fn.bfloat16(), base, scale, 4, 1e-6, 1e-6, 20)
+    with pytest.raises(ValueError, match="fp32 tensors"):
+        kernels.hc_expand(streams, y, post.double(), comb)
+    with pytest.raises(ValueError, match="fp32 tensors"):
+        kernels.gate(torch.randn(2, 64), torch.randn(8, 64), torch.zeros(8).bfloat16(), 2, True, 1.0)
+
+
 def test_a_hooked_norm_passed_to_collapse_is_still_called(calls):
     streams, _, _, _ = mhc_inputs(2, 3, seed=10)
     weights = torch.rand(2, 3, 4, generator=torch.Generator().manual_seed(11))

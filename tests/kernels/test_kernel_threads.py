@@ -134,6 +134,10 @@ def test_set_spin_sets_the_workers_spin_time_and_clamps_below_zero():
             kernels.set_spin(seconds)
             assert kernels.spin() == pytest.approx(kept, abs=1e-9)
             assert same_bits(kernels.linear(x, w), want)
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            with pytest.raises(ValueError, match="finite"):
+                kernels.set_spin(bad)
+            assert kernels.spin() == pytest.approx(2.5e-4, abs=1e-9)
     finally:
         kernels.set_spin(before)
 

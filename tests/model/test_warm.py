@@ -12,7 +12,7 @@ from torch import nn
 
 from deepseek_v41 import kernels
 from deepseek_v41.model import warm as warm_module
-from deepseek_v41.model.warm import REFRESH, object_addresses, warm
+from deepseek_v41.model.warm import MAX_CHILDREN, REFRESH, object_addresses, warm
 
 
 @pytest.fixture
@@ -35,19 +35,37 @@ def test_addresses_cover_every_submodule_its_dicts_and_tensors():
     assert object_addresses(net).dtype == torch.int64
 
 
+def test_a_large_container_is_left_out():
+    """The routed experts of a large MoE: a list of more than MAX_CHILDREN modules is skipped with its contents,
+    a list of MAX_CHILDREN is not."""
+    small = nn.ModuleList(nn.Linear(2, 2) for _ in range(MAX_CHILDREN))
+    large = nn.ModuleList(nn.Linear(2, 2) for _ in range(MAX_CHILDREN + 1))
+    net = nn.Sequential(nn.Linear(2, 2), small, large)
+    got = set(object_addresses(net).tolist())
+    assert id(net[0]) in got and id(small) in got and all(id(m) in got and id(m.weight) in got for m in small)
+    assert id(large) not in got and not any(id(m) in got or id(m.weight) in got for m in large)
+
+
 def test_warm_gathers_again_every_refresh_calls_and_sees_a_replaced_module(library, monkeypatch):
     net = nn.Sequential(nn.Linear(4, 3))
     seen = []
     monkeypatch.setattr(warm_module.kernels, "prefetch", lambda addresses: seen.append(set(addresses.tolist())))
     warm(net)
+    first = net.__dict__["_warm_addresses"][1] - 1  # a block's first count is its own (spreads the gatherings)
+    assert 0 <= first < REFRESH
     old = net[0]
     net[0] = nn.Linear(4, 3)  # the addresses kept still name the old module until the next gathering
-    for _ in range(REFRESH - 1):
+    for _ in range(REFRESH - 1 - first):
         warm(net)
     assert id(old) in seen[-1] and id(net[0]) not in seen[-1]
-    warm(net)  # call REFRESH + 1 gathers them again
+    warm(net)  # this call gathers them again
     assert id(net[0]) in seen[-1] and id(old) not in seen[-1]
-    assert len(seen) == REFRESH + 1
+    for _ in range(REFRESH - 1):  # from then on every REFRESH calls
+        warm(net)
+    net[0] = old
+    assert id(old) not in seen[-1]
+    warm(net)
+    assert id(old) in seen[-1]
 
 
 def test_prefetch_takes_stale_and_wild_addresses(library):
