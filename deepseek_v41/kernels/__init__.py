@@ -259,15 +259,23 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _dtypes(kernel: str, wide: tuple[torch.Tensor, ...], fp32: tuple[torch.Tensor | None, ...] = ()) -> None:
-    """Raises ValueError unless each of ``wide`` is fp32 or bf16 and each of ``fp32`` (None skipped) is fp32: the
-    C code reads them as such, and any other dtype would be misread (or overrun a buffer of its size)."""
+_FP32_BF16 = (torch.float32, torch.bfloat16)
+
+
+def _refuse(kernel: str, wide: tuple[torch.Tensor, ...], fp32: tuple[torch.Tensor | None, ...] = (),
+            same: torch.Tensor | None = None, row: int = 0) -> None:
+    """Raises the ValueError for inputs a kernel would misread (or overrun a buffer of their size with), where its
+    wrapper's one-line check failed: one of ``wide`` not fp32 or bf16, one of ``fp32`` (None skipped) not fp32,
+    ``same`` not of ``wide[0]``'s dtype, or bf16 rows of ``row`` values wider than ROW_ON_STACK."""
     for t in wide:
-        if t.dtype not in (torch.float32, torch.bfloat16):
+        if t.dtype not in _FP32_BF16:
             raise ValueError(f"{kernel} kernel takes fp32 or bf16 tensors here, got {t.dtype}")
     for t in fp32:
         if t is not None and t.dtype != torch.float32:
             raise ValueError(f"{kernel} kernel takes fp32 tensors here, got {t.dtype}")
+    if same is not None and same.dtype != wide[0].dtype:
+        raise ValueError(f"{kernel} kernel: {same.dtype} beside {wide[0].dtype} (both fp32 or both bf16)")
+    raise ValueError(f"{kernel} kernel: bf16 rows of up to {ROW_ON_STACK} values, got {row}")
 
 
 # ---------------------------------------------------------------------------------------------- quantization
@@ -424,7 +432,8 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     hc] fp32. Raises ValueError for hc > MAX_HC."""
     if hc > MAX_HC:
         raise ValueError(f"hc_mix kernel takes hc <= {MAX_HC}, got {hc}")
-    _dtypes("hc_mix", (streams,), (fn, base, scale))
+    if streams.dtype not in _FP32_BF16 or not fn.dtype == base.dtype == scale.dtype == torch.float32:
+        _refuse("hc_mix", (streams,), (fn, base, scale))
     B, T, _, D = streams.shape
     pre = torch.empty((B, T, hc), dtype=torch.float32)
     post = torch.empty((B, T, hc), dtype=torch.float32)
@@ -444,8 +453,10 @@ def hc_collapse(streams: torch.Tensor, weights: torch.Tensor, norm_weight: torch
     both bf16; the sums are fp32 either way, bf16 rounded once at the end (as casting the fp32 result would).
     Raises ValueError for bf16 rows wider than ROW_ON_STACK or a norm weight of another dtype."""
     B, T, hc, D = streams.shape
-    _dtypes("hc_collapse", (streams,), (weights,))
-    _hc_dtypes(streams, D, norm_weight)
+    if (streams.dtype not in _FP32_BF16 or weights.dtype != torch.float32
+            or (norm_weight is not None and norm_weight.dtype != streams.dtype)
+            or (streams.dtype == torch.bfloat16 and D > ROW_ON_STACK)):
+        _refuse("hc_collapse", (streams,), (weights,), norm_weight, D)
     out = torch.empty((B, T, D), dtype=streams.dtype)
     library().dsv41_hc_collapse(streams.data_ptr(), streams.dtype == torch.bfloat16, weights.data_ptr(), B * T, hc,
                                 D, _ptr(norm_weight), eps, out.data_ptr())
@@ -457,19 +468,13 @@ def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: 
     fp32 post [B, T, hc] and comb [B, T, hc, hc] -> [B, T, hc, D] in the streams' dtype (fp32 sums, bf16 rounded
     once at the end). Raises ValueError as :func:`hc_collapse` does."""
     B, T, hc, D = streams.shape
-    _dtypes("hc_expand", (streams,), (post, comb))
-    _hc_dtypes(streams, D, y)
+    if (streams.dtype not in _FP32_BF16 or not post.dtype == comb.dtype == torch.float32 or y.dtype != streams.dtype
+            or (streams.dtype == torch.bfloat16 and D > ROW_ON_STACK)):
+        _refuse("hc_expand", (streams,), (post, comb), y, D)
     out = torch.empty_like(streams)
     library().dsv41_hc_expand(streams.data_ptr(), streams.dtype == torch.bfloat16, y.data_ptr(), post.data_ptr(),
                               comb.data_ptr(), B * T, hc, D, out.data_ptr())
     return out
-
-
-def _hc_dtypes(streams: torch.Tensor, D: int, other: torch.Tensor | None) -> None:
-    if other is not None and other.dtype != streams.dtype:
-        raise ValueError(f"mHC kernel: {other.dtype} beside {streams.dtype} streams (both fp32 or both bf16)")
-    if streams.dtype == torch.bfloat16 and D > ROW_ON_STACK:
-        raise ValueError(f"mHC kernel: bf16 rows of up to {ROW_ON_STACK} values, got {D}")
 
 
 # --------------------------------------------------------------------------- attention, MoE router, SwiGLU
@@ -487,7 +492,9 @@ def attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos
     out = torch.empty_like(q)
     if H > MAX_ATTEND_HEADS:
         raise ValueError(f"attend_few kernel takes at most {MAX_ATTEND_HEADS} heads, got {H}")
-    _dtypes("attend_few", (q,), (keys, selected))
+    if q.dtype not in _FP32_BF16 or keys.dtype != torch.float32 or (selected is not None
+                                                                     and selected.dtype != torch.float32):
+        _refuse("attend_few", (q,), (keys, selected))
     if sink.dtype != torch.float32 or (q.dtype == torch.bfloat16 and H * d > ROW_ON_STACK):
         raise ValueError(f"attend_few kernel: a {sink.dtype} sink beside {q.dtype} queries of {H} x {d} (an fp32 "
                          f"sink; bf16 queries up to H * d = {ROW_ON_STACK})")
@@ -506,9 +513,9 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, norm
     MemoryError when the bf16 weight cannot be widened."""
     N, D = x.shape
     E = weight.shape[0]
-    _dtypes("gate", (x, weight), (bias,))
-    if D > ROW_ON_STACK and x.dtype == torch.bfloat16:
-        raise ValueError(f"gate kernel: bf16 rows of up to {ROW_ON_STACK} values, got {D}")
+    if (x.dtype not in _FP32_BF16 or weight.dtype not in _FP32_BF16 or bias.dtype != torch.float32
+            or (x.dtype == torch.bfloat16 and D > ROW_ON_STACK)):
+        _refuse("gate", (x, weight), (bias,), row=D)
     indices = torch.empty((N, k), dtype=torch.int64)
     weights = torch.empty((N, k), dtype=torch.float32)
     scratch = torch.empty(E, dtype=torch.float32)

@@ -22,7 +22,7 @@ from torch import nn
 from deepseek_v41 import kernels
 from deepseek_v41.model.hooks import global_hooks, hooked
 from deepseek_v41.model.linear import linear
-from deepseek_v41.model.norm import KERNEL_DTYPES, cast, fused, upcast
+from deepseek_v41.model.norm import cast, fused, upcast
 from deepseek_v41.quant.weights import FP4_EXPERT_BLOCK
 
 GROUP_ROWS = 32  # bf16 grouped matmuls pad each expert's rows to a multiple of this (MoE._grouped_padded)
@@ -229,10 +229,11 @@ class MoE(nn.Module):
         """The routed experts (and the shared expert, ``with_shared``) of a few fp32 / bf16 tokens flat [N, D] in
         inference mode on the CPU by :func:`deepseek_v41.kernels.moe_fp4` (the routed experts as FP4 copies, when
         their weights are FP4 values: :meth:`fp4_experts`) or :func:`~deepseek_v41.kernels.moe_bf16` (as bf16:
-        :meth:`bf16_experts`): [N, D] summed in fp32, returned as ``out_dtype`` when that is fp32 or bf16 (rounded
-        once), else fp32; None when the kernel does not apply (the caller runs the torch code). The shared expert
-        joins when it is plain (no hooks or wrappers) with fp32 / bf16 weights and the routed experts' SwiGLU
-        limit; otherwise it is left out and None is returned, so the caller runs it as a module."""
+        :meth:`bf16_experts`): [N, D] summed in fp32, returned as ``out_dtype`` (fp32, or bf16 rounded once; the
+        callers pass fp32 or the tokens' dtype, which ``fused`` keeps to those two); None when the kernel does not
+        apply (the caller runs the torch code). The shared expert joins when it is plain (no hooks or wrappers)
+        with fp32 / bf16 weights and the routed experts' SwiGLU limit; otherwise it is left out and None is
+        returned, so the caller runs it as a module."""
         # The kernel reads the router weights as fp32 [N, k] (a hook on the gate may have cast them).
         if not (flat.dim() == 2 and flat.shape[0] <= kernels.FEW_ROWS and indices.dtype == torch.int64
                 and weights.dtype == torch.float32 and weights.shape == indices.shape
@@ -252,7 +253,6 @@ class MoE(nn.Module):
                     and s1.shape[1] == D and s2.shape == (D, s1.shape[0]) and fused(*shared)):
                 return None
         picked = set(indices.flatten().tolist())
-        out_dtype = out_dtype if out_dtype in KERNEL_DTYPES else torch.float32
         fp4 = self.fp4_experts(picked)
         if fp4 is not None and fp4[0].shape[2] * 2 == D:
             return kernels.moe_fp4(flat, indices, weights, *fp4, self.swiglu_limit, shared=shared, out_dtype=out_dtype)
