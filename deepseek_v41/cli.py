@@ -9,6 +9,7 @@ import typer
 
 from deepseek_v41.config import ConfigError, load_config
 from deepseek_v41.engine.generate_cli import generate
+from deepseek_v41.progress import Progress
 from deepseek_v41.server.cli import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -35,7 +36,8 @@ def report(
     except (ConfigError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    data = build_report(cfg, name=config, flops=flops)
+    with Progress(f"dsv41 report {config}") as progress:  # stderr: a bar on a terminal, else a line every 5 s
+        data = build_report(cfg, name=config, flops=flops, progress=progress)
     if as_json:
         typer.echo(json.dumps(data, indent=2))
     else:
@@ -213,7 +215,8 @@ def eval_(
     from deepseek_v41.train.evaluate import evaluate_files
 
     try:
-        result = evaluate_files(model, data, context, prefill_mode, train, tokenizer, device, progress=True)
+        with Progress("dsv41 eval", unit="tokens") as progress:  # stderr, as for `dsv41 report`
+            result = evaluate_files(model, data, context, prefill_mode, train, tokenizer, device, progress=progress)
     except (FileNotFoundError, ValueError, ConfigError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from deepseek_v41.progress import Progress
+
 
 def measure(model_dir: Path, corpus: Path, context: int = 512, probe_windows: int = 16,
             eval_tokens: int | None = None) -> dict[str, Any]:
@@ -40,7 +42,8 @@ def measure(model_dir: Path, corpus: Path, context: int = 512, probe_windows: in
                 break
         heldout = kept
     train = read_documents(corpus / "train.txt")
-    metrics = evaluate(model, tokenizer, heldout, context, train_texts=train, progress=True)
+    with Progress("held-out evaluation", unit="tokens") as progress:
+        metrics = evaluate(model, tokenizer, heldout, context, train_texts=train, progress=progress)
     stream = encode_documents(tokenizer, heldout)
     with torch.no_grad():
         recall = indexer_recall(model, stream, context, probe_windows)
