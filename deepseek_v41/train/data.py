@@ -184,7 +184,7 @@ def prepare(out: str | Path, heldout_fraction: float = 0.02, min_chars: int = 32
     counts: Counter = Counter()
     docs: list[Document] = []
     if from_dir is not None:
-        sources, downloaded = [user_folder_source(from_dir)], []
+        sources, downloaded = [user_folder_source(from_dir, exclude=out)], []  # never read our own output
     else:
         sources, downloaded = collect_sources(Path(download_dir) if download_dir else out / "downloads", log)
     inputs = {s.name: s.inputs_sha256() for s in sources}

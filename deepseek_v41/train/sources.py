@@ -406,9 +406,10 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def user_folder_source(folder: str | Path) -> Source:
-    """Every text file under ``folder`` (recursively; hidden files and folders and symlinks left out), one document
-    each, for a machine without a package index (``dsv41 data prepare --from DIR``).
+def user_folder_source(folder: str | Path, exclude: str | Path | None = None) -> Source:
+    """Every text file under ``folder`` (recursively; hidden files and folders, symlinks and the folder ``exclude``
+    left out: the corpus output when it lies inside ``folder``), one document each, for a machine without a package
+    index (``dsv41 data prepare --from DIR``).
 
     Read: files named ``*.txt``, ``*.md``, ``*.rst``, ``*.py``, ``*.html`` / ``*.htm`` (converted to text) or
     without a suffix; a file that is not UTF-8 is counted as such and skipped. The license is as supplied by the
@@ -418,9 +419,10 @@ def user_folder_source(folder: str | Path) -> Source:
     root = Path(folder).expanduser().resolve()
     if not root.is_dir():
         raise DataError(f"--from {folder}: not a folder; pass a folder of text files ({_suffixes()})")
+    skip = Path(exclude).expanduser().resolve() if exclude is not None else None
     files = []
     for top, dirs, names in os.walk(root):  # os.walk does not follow symlinked folders
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and Path(top) / d != skip)
         for name in sorted(names):
             path = Path(top) / name
             if not name.startswith(".") and path.suffix.lower() in USER_TEXT_SUFFIXES and not path.is_symlink():

@@ -351,6 +351,11 @@ def test_prepare_from_a_folder_reads_its_text_files_and_runs_nothing(tmp_path, m
     assert (entry["input_files"], entry["not_utf8"], entry["license"]) == (7, 1, "as supplied by the user")
     licenses = (out / "LICENSES.md").read_text(encoding="utf-8")
     assert "as supplied by the user" in licenses and "Do what you like with these texts." in licenses
+    inside = folder / "corpus"  # an output folder inside the input: a rerun must not read its own train.txt
+    for _ in range(2):
+        again = data.prepare(inside, heldout_fraction=0.0, min_chars=10, log=lambda m: None, progress=False,
+                             from_dir=folder)
+        assert again["sources"]["user-files"]["input_files"] == 7
     with pytest.raises(DataError, match="not a folder"):
         data.prepare(out, from_dir=tmp_path / "missing", log=lambda m: None, progress=False)
     (tmp_path / "empty").mkdir()
