@@ -154,9 +154,18 @@ def installed_versions(patterns: list[str]) -> dict[str, str]:
     return out
 
 
+def _apt_cache(*args: str) -> str:
+    """stdout of ``apt-cache ARGS`` (empty when apt knows nothing); DataError when apt is not installed."""
+    try:
+        return subprocess.run(["apt-cache", *args], capture_output=True, text=True, check=False).stdout
+    except FileNotFoundError as exc:
+        raise DataError("apt-cache is not available: the documentation sources come from Debian packages, so this "
+                        "command needs apt (Debian or Ubuntu), or pass --from DIR with a folder of text files") from exc
+
+
 def apt_candidate(name: str) -> str | None:
     """The version ``apt-get download name`` would fetch, or None when apt does not know the package."""
-    out = subprocess.run(["apt-cache", "policy", name], capture_output=True, text=True, check=False).stdout
+    out = _apt_cache("policy", name)
     match = re.search(r"Candidate:\s*(\S+)", out)
     return match.group(1) if match and match.group(1) != "(none)" else None
 
@@ -164,7 +173,7 @@ def apt_candidate(name: str) -> str | None:
 def apt_depends(name: str, pattern: str) -> str | None:
     """The first package ``name`` depends on (``apt-cache depends``) whose name matches ``pattern``: resolves a
     metapackage (``linux-doc`` -> ``linux-doc-6.1``, ``python3-doc`` -> ``python3.11-doc``). None when none does."""
-    out = subprocess.run(["apt-cache", "depends", name], capture_output=True, text=True, check=False).stdout
+    out = _apt_cache("depends", name)
     for match in re.finditer(r"^\s*\|?(?:Pre)?Depends:\s*<?([^\s>]+)>?", out, re.MULTILINE):
         if re.fullmatch(pattern, match.group(1)):
             return match.group(1)

@@ -254,6 +254,22 @@ def test_installed_documentation_is_read_in_place(tmp_path, monkeypatch):
         "python3.11-doc=3.11.2-6"]
 
 
+def test_a_system_without_dpkg_or_apt_points_to_from(tmp_path, monkeypatch):
+    FakeSystem(tmp_path).install(monkeypatch)
+    monkeypatch.setattr(sources.shutil, "which", lambda name, path=None: None)
+    with pytest.raises(DataError, match=r"dpkg-query is not available.*--from DIR"):
+        sources.collect_sources(tmp_path / "downloads", lambda m: None)
+
+    def no_apt(cmd, **kwargs):
+        raise FileNotFoundError(cmd[0])
+
+    FakeSystem(tmp_path).install(monkeypatch)
+    run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: no_apt(cmd) if cmd[0] == "apt-cache" else run(cmd, **kw))
+    with pytest.raises(DataError, match=r"apt-cache is not available.*--from DIR"):
+        sources.collect_sources(tmp_path / "downloads", lambda m: None)
+
+
 def test_missing_package_lists_say_what_to_run(tmp_path, monkeypatch):
     FakeSystem(tmp_path, candidates={}).install(monkeypatch)
     monkeypatch.setattr(sources, "APT_LISTS", tmp_path / "lists")
