@@ -74,7 +74,7 @@ def data_prepare(
     and unpacked into the download folder (no root needed). `--from DIR` uses a folder of text files instead.
     """
     from deepseek_v41.train.data import prepare
-    from deepseek_v41.train.sources import DataError
+    from deepseek_v41.train.fetch import DataError
 
     try:
         manifest = prepare(out, heldout_fraction, min_chars, log=lambda line: typer.echo(line, err=True),

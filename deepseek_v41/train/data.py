@@ -171,7 +171,7 @@ def prepare(out: str | Path, heldout_fraction: float = 0.02, min_chars: int = 32
     network needed). Converts, drops documents under ``min_chars`` characters and documents that are not UTF-8,
     deduplicates, splits and writes. Returns the manifest (also written to ``manifest.json``; its
     ``"downloaded"`` lists the fetched files with their sha256). Raises
-    :class:`~deepseek_v41.train.sources.DataError` (missing package lists, download failure, missing files) and
+    :class:`~deepseek_v41.train.fetch.DataError` (missing package lists, download failure, missing files) and
     ValueError for a bad fraction.
     """
     from rich.console import Console

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 from collections import Counter
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deepseek_v41.chat.tokens import EOS
-from deepseek_v41.train import data, sources
+from deepseek_v41.train import data, fetch, sources
 from deepseek_v41.train.data import (
     SEPARATOR,
     deduplicate,
@@ -204,9 +205,9 @@ class FakeSystem:
         for name in ("Popen", "call", "check_call", "check_output"):
             monkeypatch.setattr(subprocess, name, refuse)
         monkeypatch.setattr(os, "system", refuse)
-        monkeypatch.setattr(sources.shutil, "which", lambda name, path=None: f"/usr/bin/{name}")
-        monkeypatch.setattr(sources, "python_doc_candidates", lambda: ["python3.11-doc", "python3-doc"])
-        monkeypatch.setattr(sources.os, "geteuid", lambda: 0)  # as root: the old code installed here
+        monkeypatch.setattr(shutil, "which", lambda name, path=None: f"/usr/bin/{name}")
+        monkeypatch.setattr(fetch, "python_doc_candidates", lambda: ["python3.11-doc", "python3-doc"])
+        monkeypatch.setattr(os, "geteuid", lambda: 0)  # as root: the old code installed here
         return self
 
 
@@ -242,21 +243,21 @@ def test_installed_documentation_is_read_in_place(tmp_path, monkeypatch):
         path.parent.mkdir(parents=True)
         path.write_text("<p>Some documentation text.</p>", encoding="utf-8")
     system = FakeSystem(tmp_path, installed={"python3.11-doc": [html], "linux-doc-6.1": [rst]}).install(monkeypatch)
-    python, kernel = sources.debian_documentation(tmp_path / "downloads", lambda m: None)
+    python, kernel = fetch.debian_documentation(tmp_path / "downloads", lambda m: None)
     assert (python.name, python.deb, python.files) == ("python3.11-doc", None, (html,))
     assert (kernel[0].name, kernel[0].files) == ("linux-doc-6.1", (rst,))
     assert python.origin == "Debian package python3.11-doc 1.0 (installed)"
     assert not [c for c in system.commands if c[0] == "apt-get"]
     # Installed, but dpkg dropped the documentation (path-exclude=/usr/share/doc/*): downloaded instead.
     system.installed = {"python3.11-doc": [], "linux-doc-6.1": [rst]}
-    python, _ = sources.debian_documentation(tmp_path / "downloads", lambda m: None)
+    python, _ = fetch.debian_documentation(tmp_path / "downloads", lambda m: None)
     assert python.deb is not None and [c[2] for c in system.commands if c[:2] == ["apt-get", "download"]] == [
         "python3.11-doc=3.11.2-6"]
 
 
 def test_a_system_without_dpkg_or_apt_points_to_from(tmp_path, monkeypatch):
     FakeSystem(tmp_path).install(monkeypatch)
-    monkeypatch.setattr(sources.shutil, "which", lambda name, path=None: None)
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: None)
     with pytest.raises(DataError, match=r"dpkg-query is not available.*--from DIR"):
         sources.collect_sources(tmp_path / "downloads", lambda m: None)
 
@@ -272,7 +273,7 @@ def test_a_system_without_dpkg_or_apt_points_to_from(tmp_path, monkeypatch):
 
 def test_missing_package_lists_say_what_to_run(tmp_path, monkeypatch):
     FakeSystem(tmp_path, candidates={}).install(monkeypatch)
-    monkeypatch.setattr(sources, "APT_LISTS", tmp_path / "lists")
+    monkeypatch.setattr(fetch, "APT_LISTS", tmp_path / "lists")
     with pytest.raises(DataError, match=r"package lists are missing.*`sudo apt-get update`.*--from DIR"):
         sources.collect_sources(tmp_path / "downloads", lambda m: None)
     (tmp_path / "lists").mkdir()
@@ -284,7 +285,7 @@ def test_missing_package_lists_say_what_to_run(tmp_path, monkeypatch):
 def test_python_doc_candidates_start_with_the_running_interpreter():
     import sys
 
-    names = sources.python_doc_candidates()
+    names = fetch.python_doc_candidates()
     assert names[0] == f"python3.{sys.version_info.minor}-doc" and names[-1] == "python3-doc"
 
 
