@@ -2,7 +2,11 @@
 
 A port of the official Python encoder (``encoding/encoding.py`` of the release): same bytes for every input
 it accepts, a :class:`ChatFormatError` for every input it rejects, and also for text holding special tokens.
-Tokenize the result with ``add_special_tokens=False``: BOS is already in the text (§0).
+One addition: OpenAI's ``developer`` role, which the V4.1 release encoder does not render (it raises "Unknown
+role", CHAT_FORMAT.md §2), is rendered as DeepSeek's V4 encoder and the SGLang / vLLM V4.1 ports render it: a
+user turn followed by the message's own tools and response format, left out before the last user turn in thinking
+mode with drop on (the release encoder's drop step). Tokenize the result with ``add_special_tokens=False``: BOS is
+already in the text (§0).
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def _render_turn(
             out.append(SYSTEM)
         out.append(effort)
     if turn.role in ("system", "developer"):
-        # A developer message is a user turn carrying its own tools and response format (CHAT_FORMAT.md §2).
+        # A developer message is a user turn carrying its own tools and response format (module docstring).
         if turn.role == "developer":
             out.append(USER)
         elif i > 0:

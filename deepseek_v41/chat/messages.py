@@ -186,7 +186,8 @@ def _read_message(msg: Any, where: str) -> Turn:
         turn.blocks = [ToolResult(call_id, turn.content)]
     elif role in ("system", "developer"):
         if role == "developer" and not turn.content:
-            # The reference renders a developer message as a user turn of its text and requires that text.
+            # DeepSeek's V4 encoder (and the SGLang / vLLM V4.1 ports) render it as a user turn of this text and
+            # require the text.
             raise ChatFormatError(f"{where}.content", "a developer message needs non-empty content")
         if msg.get("tools"):
             turn.tools = _read_tools(msg["tools"], f"{where}.tools")
