@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from deepseek_v41.chat.tokens import EOS
+from deepseek_v41.progress import Progress
 from deepseek_v41.train.sources import Document, Source, collect_sources, user_folder_source
 from deepseek_v41.train.text import exact_key, near_key
 
@@ -174,9 +175,6 @@ def prepare(out: str | Path, heldout_fraction: float = 0.02, min_chars: int = 32
     :class:`~deepseek_v41.train.fetch.DataError` (missing package lists, download failure, missing files) and
     ValueError for a bad fraction.
     """
-    from rich.console import Console
-    from rich.progress import Progress
-
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     out = Path(out)
@@ -188,11 +186,12 @@ def prepare(out: str | Path, heldout_fraction: float = 0.02, min_chars: int = 32
     else:
         sources, downloaded = collect_sources(Path(download_dir) if download_dir else out / "downloads", log)
     inputs = {s.name: s.inputs_sha256() for s in sources}
-    with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
+    total, done = sum(len(s.files) for s in sources), 0
+    with Progress("dsv41 data prepare", total, unit="files", enabled=progress) as bar:  # stderr, see progress.py
         for source in sources:
-            task = bar.add_task(f"reading {source.name}", total=len(source.files))
             for doc in source.documents():
-                bar.advance(task)
+                done += 1
+                bar(done, total, f"reading {source.name}")
                 counts[source.name, "documents_read"] += 1
                 if doc is None:
                     counts[source.name, "not_utf8"] += 1

@@ -391,4 +391,6 @@ def test_cli_data_prepare_from_folder(tmp_path):
                                       str(tmp_path / "in")])
     assert result.exit_code == 0, result.output
     assert read_documents(tmp_path / "out" / "train.txt") == ["Some text long enough to be a document."]
-    assert "user-files: 1 + 0 documents" in result.output
+    assert "user-files: 1 + 0 documents" in result.stdout
+    log = result.stderr.splitlines()  # not a terminal: progress as plain lines on stderr
+    assert log[0] == "dsv41 data prepare: started" and log[-1].startswith("dsv41 data prepare: done, 1/1 files")
