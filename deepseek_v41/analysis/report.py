@@ -13,6 +13,7 @@ from deepseek_v41.analysis.kv import generations_bytes_per_token
 from deepseek_v41.cache.layout import KVLayout
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.plan import build_layer_plan
+from deepseek_v41.progress import ProgressCallback
 
 
 def kv_section(cfg: ModelConfig) -> dict[str, Any]:
@@ -48,14 +49,26 @@ def params_section(model) -> tuple[dict[str, int], dict[str, int]]:
                                  "loaded_bytes_fp32": loaded_bytes(model, 4)}
 
 
-def build_report(cfg: ModelConfig, name: str = "", flops: bool = True) -> dict[str, Any]:
-    """Everything ``dsv41 report`` prints, as a JSON-ready dict (``flops=False`` skips the FLOPs runs)."""
-    from deepseek_v41.analysis.flops import flops_section
+def build_report(cfg: ModelConfig, name: str = "", flops: bool = True,
+                 progress: ProgressCallback | None = None) -> dict[str, Any]:
+    """Everything ``dsv41 report`` prints, as a JSON-ready dict (``flops=False`` skips the FLOPs runs).
+
+    ``progress(done, total, what)`` is called with increasing ``done`` before each step (building the model on
+    meta, then each FLOPs run: together most of the command's time) and once at the end.
+    """
+    from deepseek_v41.analysis.flops import flops_runs, flops_section
     from deepseek_v41.analysis.params import build_on_meta
     from deepseek_v41.cache.kv_cache import PagedKVCache
 
+    def report_step(done: int, total: int, what: str = "") -> None:
+        if progress is not None:
+            progress(done, total, what)
+
     plan = build_layer_plan(cfg)
+    report_step(0, 1, "building the model on meta")
     model = build_on_meta(cfg)
+    total = 1 + (len(flops_runs(model)) if flops else 0)  # the build, then each FLOPs run
+    report_step(1, total, "counting parameters and KV bytes")
     params, memory = params_section(model)
     kv = kv_section(cfg)
     # The engine's own pool tensors, built on meta: the allocated global KV per token is a reading, not a formula.
@@ -69,7 +82,9 @@ def build_report(cfg: ModelConfig, name: str = "", flops: bool = True) -> dict[s
         "memory": memory,
     }
     if flops:
-        report["flops"] = flops_section(model)
+        report["flops"] = flops_section(model, progress=lambda done, _, what="": report_step(
+            1 + done, total, what and f"FLOPs, {what}"))
+    report_step(total, total)
     return report
 
 

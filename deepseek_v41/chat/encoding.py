@@ -2,7 +2,11 @@
 
 A port of the official Python encoder (``encoding/encoding.py`` of the release): same bytes for every input
 it accepts, a :class:`ChatFormatError` for every input it rejects, and also for text holding special tokens.
-Tokenize the result with ``add_special_tokens=False``: BOS is already in the text (§0).
+One addition: OpenAI's ``developer`` role, which the V4.1 release encoder does not render (it raises "Unknown
+role", CHAT_FORMAT.md §2), is rendered as DeepSeek's V4 encoder and the SGLang / vLLM V4.1 ports render it: a
+user turn followed by the message's own tools and response format, left out before the last user turn in thinking
+mode with drop on (the release encoder's drop step). Tokenize the result with ``add_special_tokens=False``: BOS is
+already in the text (§0).
 """
 
 from __future__ import annotations
@@ -61,11 +65,19 @@ def _attach_tools(turns: list[Turn], functions: list[dict[str, Any]]) -> None:
 
 
 def _last_user_index(turns: Sequence[Turn]) -> int:
-    """The last user turn, or system turn after index 0: where the live generation starts (§2 rule 5)."""
+    """The last user or developer turn, or system turn after index 0: where the live generation starts (§2 rule
+    5)."""
     for i in range(len(turns) - 1, -1, -1):
-        if turns[i].role == "user" or (turns[i].role == "system" and i > 0):
+        if turns[i].role in ("user", "developer") or (turns[i].role == "system" and i > 0):
             return i
     return -1
+
+
+def _drop_developer_turns(turns: list[Turn]) -> list[Turn]:
+    """Thinking mode with drop on: developer turns before the last user turn are left out, as the reference's
+    drop step keeps only user / system / tool / latest_reminder turns and assistants there (§2 rule 5)."""
+    last_user = _last_user_index(turns)
+    return [t for i, t in enumerate(turns) if t.role != "developer" or i >= last_user]
 
 
 def _block_text(block: str | ToolResult) -> str:
@@ -85,8 +97,11 @@ def _render_turn(
         if effort or turn.role == "system":
             out.append(SYSTEM)
         out.append(effort)
-    if turn.role == "system":
-        if i > 0:
+    if turn.role in ("system", "developer"):
+        # A developer message is a user turn carrying its own tools and response format (module docstring).
+        if turn.role == "developer":
+            out.append(USER)
+        elif i > 0:
             out.append(SYSTEM)
         out.append(turn.content)
         if turn.tools:
@@ -114,7 +129,7 @@ def _render_turn(
         out.append(ASSISTANT + (THINK_START if thinking else THINK_END) + TASK_TOKENS["action"])
     elif turn.task is not None:
         out.append(TASK_TOKENS[turn.task])
-    elif turn.role == "user" or (turn.role == "system" and i > 0):
+    elif turn.role in ("user", "developer") or (turn.role == "system" and i > 0):
         # Earlier turns of a thinking conversation with drop on are rendered chat-style (§3(b)).
         out.append(ASSISTANT + (THINK_START if thinking and (not drop or i >= last_user) else THINK_END))
     return "".join(out)
@@ -130,7 +145,9 @@ def encode_messages(
     """Render a chat request as the DeepSeek-V4.1 prompt string, generation header included.
 
     messages: OpenAI-shaped messages (see :func:`deepseek_v41.chat.messages.read_messages` for what is
-        accepted); tool messages become ``<tool_result>`` blocks of user turns, sorted by call order.
+        accepted); tool messages become ``<tool_result>`` blocks of user turns, sorted by call order. A
+        ``developer`` message renders as a user turn followed by its own ``tools`` / ``response_format``; in
+        thinking mode with drop on, one before the last user message is left out.
         An assistant message may set ``wo_eos: True`` to leave its turn open (continue_final_message); a
         system message may carry ``response_format``; a user message may carry a quick-instruction ``task``.
     tools: the OpenAI ``tools`` list, rendered into the first system turn (an empty one is inserted at
@@ -155,5 +172,7 @@ def encode_messages(
     turns = merge_tool_results(turns)
     sort_tool_results(turns)
     drop = drop_thinking and not any(t.tools for t in turns)
+    if thinking and drop:
+        turns = _drop_developer_turns(turns)
     last_user = _last_user_index(turns)
     return BOS + "".join(_render_turn(i, turns, thinking, drop, budget, last_user) for i in range(len(turns)))

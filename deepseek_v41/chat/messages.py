@@ -16,7 +16,7 @@ from .dsml import decode_arguments, to_json
 from .errors import ChatFormatError
 from .tokens import IMAGE, RESERVED, RESERVED_IN_VALUES, TASK_TOKENS
 
-Role = Literal["system", "user", "assistant", "tool", "latest_reminder"]
+Role = Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
 ROLES: tuple[str, ...] = get_args(Role)
 _TEXTLESS_ALLOWED = ("system", "assistant")  # roles whose content may be null
 
@@ -43,10 +43,10 @@ class Turn:
     """One message after validation. Fields a role does not use keep their defaults."""
 
     role: Role  # "tool" only before merge_tool_results
-    content: str = ""  # system, assistant, latest_reminder: text parts joined by "\n\n"
+    content: str = ""  # system, developer, assistant, latest_reminder: text parts joined by "\n\n"
     blocks: list[str | ToolResult] = field(default_factory=list)  # user and tool: joined by "\n\n"
-    tools: list[dict[str, Any]] = field(default_factory=list)  # system: OpenAI ``function`` objects
-    response_format: Any = None  # system: schema rendered after the tools block
+    tools: list[dict[str, Any]] = field(default_factory=list)  # system, developer: OpenAI ``function`` objects
+    response_format: Any = None  # system, developer: schema rendered after the tools block
     task: str | None = None  # user: quick-instruction task
     reasoning: str = ""  # assistant: reasoning_content
     tool_calls: list[ToolCall] = field(default_factory=list)  # assistant
@@ -168,11 +168,11 @@ def _read_message(msg: Any, where: str) -> Turn:
         raise ChatFormatError(where, f"is {type(msg).__name__}; a message must be an object with a 'role'")
     role = msg.get("role")
     if role not in ROLES:
-        hint = "; send it as 'system'" if role == "developer" else ""
-        raise ChatFormatError(f"{where}.role", f"unknown role {role!r}; allowed: {', '.join(ROLES)}{hint}")
+        raise ChatFormatError(f"{where}.role", f"unknown role {role!r}; allowed: {', '.join(ROLES)}")
     for key in ("tools", "response_format"):
-        if role != "system" and msg.get(key) is not None:
-            raise ChatFormatError(f"{where}.{key}", f"is only rendered on a system message, not on {role!r}")
+        if role not in ("system", "developer") and msg.get(key) is not None:
+            raise ChatFormatError(f"{where}.{key}", f"is only rendered on a system or developer message, not on "
+                                                    f"{role!r}")
     if msg.get("task") is not None and (role != "user" or msg["task"] not in TASK_TOKENS):
         raise ChatFormatError(f"{where}.task", f"must be on a user message and one of {list(TASK_TOKENS)}")
     parts = _read_parts(msg.get("content"), f"{where}.content", role in _TEXTLESS_ALLOWED)
@@ -184,7 +184,11 @@ def _read_message(msg: Any, where: str) -> Turn:
         if not isinstance(call_id, str):
             raise ChatFormatError(f"{where}.tool_call_id", "must be a string")
         turn.blocks = [ToolResult(call_id, turn.content)]
-    elif role == "system":
+    elif role in ("system", "developer"):
+        if role == "developer" and not turn.content:
+            # DeepSeek's V4 encoder (and the SGLang / vLLM V4.1 ports) render it as a user turn of this text and
+            # require the text.
+            raise ChatFormatError(f"{where}.content", "a developer message needs non-empty content")
         if msg.get("tools"):
             turn.tools = _read_tools(msg["tools"], f"{where}.tools")
         if msg.get("response_format"):
@@ -212,7 +216,7 @@ def _read_message(msg: Any, where: str) -> Turn:
 def read_messages(messages: Any) -> list[Turn]:
     """Validate OpenAI-shaped messages and return one :class:`Turn` each (tool messages not merged yet).
 
-    Accepts roles system / user / assistant / tool / latest_reminder; content as a string or a list of
+    Accepts roles system / developer / user / assistant / tool / latest_reminder; content as a string or a list of
     ``text`` / ``image_url`` / ``image`` parts (null for system and assistant); assistant ``tool_calls``
     with ``function.arguments`` as a JSON string or an object; ``reasoning_content`` (or ``reasoning``).
     Raises ChatFormatError naming the field for anything else (CHAT_FORMAT.md §2, §3(d), §3(h)).

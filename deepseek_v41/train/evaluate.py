@@ -31,6 +31,7 @@ import torch
 
 from deepseek_v41.engine.model_runner import PrefillMode
 from deepseek_v41.model.context import DenseContext
+from deepseek_v41.progress import ProgressCallback
 from deepseek_v41.train.data import SEPARATOR, read_documents
 from deepseek_v41.train.tokenizer import encode_batches, encode_documents
 
@@ -108,13 +109,11 @@ def ced_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def stream_nats(model, stream: np.ndarray, context: int, mode: PrefillMode = PrefillMode.EXACT,
-                progress: bool = False) -> np.ndarray:
+                progress: ProgressCallback | None = None) -> np.ndarray:
     """Negative log-likelihood in nats (float64 [len(stream) - 1]) of ids 1 .. n-1 of ``stream`` (int64 [n]), in
-    windows of ``context`` tokens (:func:`window_spans`). Raises ValueError for ids outside the model's
+    windows of ``context`` tokens (:func:`window_spans`). ``progress(done, total, what)`` is called with the
+    tokens scored so far, before the first window and after each. Raises ValueError for ids outside the model's
     vocabulary or a CED request on a model without the CED layout."""
-    from rich.console import Console
-    from rich.progress import Progress
-
     vocab = model.config.vocab_size
     if stream.size and (stream.min() < 0 or stream.max() >= vocab):
         raise ValueError(f"token ids reach {int(stream.max())}, outside the model's vocabulary of {vocab}: the "
@@ -122,15 +121,16 @@ def stream_nats(model, stream: np.ndarray, context: int, mode: PrefillMode = Pre
     device = next(model.parameters()).device
     ids = torch.from_numpy(stream).to(device)
     nats = []
-    spans = window_spans(len(stream), context)
-    with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"eval ({mode.value})", total=len(stream) - 1)
-        for start, end in spans:
-            inputs = ids[start:end]
-            logits = ced_logits(model, inputs) if mode is PrefillMode.CED else model(inputs[None])[0]
-            logp = torch.log_softmax(logits.double(), dim=-1)
-            nats.append(-logp.gather(-1, ids[start + 1:end + 1, None])[:, 0].cpu().numpy())
-            bar.advance(task, end - start)
+    total = max(len(stream) - 1, 0)
+    for k, (start, end) in enumerate(window_spans(len(stream), context)):
+        if progress is not None:
+            progress(start, total, f"{mode.value} window {k + 1}")
+        inputs = ids[start:end]
+        logits = ced_logits(model, inputs) if mode is PrefillMode.CED else model(inputs[None])[0]
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        nats.append(-logp.gather(-1, ids[start + 1:end + 1, None])[:, 0].cpu().numpy())
+    if progress is not None:
+        progress(total, total)
     return np.concatenate(nats) if nats else np.zeros(0)
 
 
@@ -151,12 +151,13 @@ def token_counts(tokenizer: Any, texts: list[str], vocab: int) -> np.ndarray:
 
 
 def evaluate(model, tokenizer: Any, texts: list[str], context: int, mode: PrefillMode = PrefillMode.EXACT,
-             train_texts: list[str] | None = None, progress: bool = False) -> dict[str, Any]:
+             train_texts: list[str] | None = None, progress: ProgressCallback | None = None) -> dict[str, Any]:
     """Perplexity, bits per byte and the unigram baseline of ``model`` on ``texts`` (see the module docstring).
 
     ``tokenizer`` is a ``tokenizers.Tokenizer``; ``train_texts`` the documents the unigram counts come from
-    (None: ``texts``). Returns a JSON-ready dict: ``perplexity``, ``bits_per_byte``, ``unigram_bits_per_byte``,
-    ``nats``, ``tokens`` (scored), ``bytes``, ``documents``, ``context``, ``prefill_mode``, ``unigram_counted_on``.
+    (None: ``texts``); ``progress`` as :func:`stream_nats` takes it. Returns a JSON-ready dict: ``perplexity``,
+    ``bits_per_byte``, ``unigram_bits_per_byte``, ``nats``, ``tokens`` (scored), ``bytes``, ``documents``,
+    ``context``, ``prefill_mode``, ``unigram_counted_on``.
     Raises ValueError for an empty text, a bad context or ids outside the model's vocabulary.
     """
     stream = encode_documents(tokenizer, texts)
@@ -186,11 +187,12 @@ def evaluate(model, tokenizer: Any, texts: list[str], context: int, mode: Prefil
 def evaluate_files(model_path: str | Path, data: str | Path, context: int | None = None,
                    mode: str | PrefillMode = PrefillMode.EXACT, train: str | Path | None = None,
                    tokenizer_path: str | Path | None = None, device: str = "cpu",
-                   progress: bool = False) -> dict[str, Any]:
+                   progress: ProgressCallback | None = None) -> dict[str, Any]:
     """``dsv41 eval``: load the model (:func:`deepseek_v41.load_model`, float32, reference fake-quant) and its
     tokenizer (``tokenizer_path``, else the model folder's), read ``data`` (and ``train``) with
     :func:`read_texts`, and :func:`evaluate` with ``context`` input tokens per window (None: 1024, at most
-    ``max_position_embeddings``). Adds ``model`` and ``data`` to the result.
+    ``max_position_embeddings``). Adds ``model`` and ``data`` to the result. ``progress(done, total, what)`` hears
+    of the loading and tokenizing (``done`` 0) and then of every window (:func:`stream_nats`).
 
     Raises ValueError for an unknown mode or a context outside [1, max_position_embeddings], FileNotFoundError
     for a missing model, tokenizer or file, and what :func:`evaluate` raises.
@@ -202,12 +204,16 @@ def evaluate_files(model_path: str | Path, data: str | Path, context: int | None
         mode = PrefillMode(mode)
     except ValueError as exc:
         raise ValueError(f"prefill mode must be one of {[m.value for m in PrefillMode]}, got {mode!r}") from exc
+    if progress is not None:
+        progress(0, 0, "loading the model")
     model = load_model(model_path, device=device)
     limit = model.config.max_position_embeddings
     context = min(1024, limit) if context is None else context
     if not 1 <= context <= limit:
         raise ValueError(f"context must be in [1, {limit}] (max_position_embeddings), got {context}")
     tokenizer = load_tokenizer(tokenizer_path if tokenizer_path is not None else model_path)
+    if progress is not None:
+        progress(0, 0, "reading and tokenizing the text")
     texts = read_texts(data)
     train_texts = read_texts(train) if train is not None else None
     result = evaluate(model, tokenizer, texts, context, mode, train_texts, progress)

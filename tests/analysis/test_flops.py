@@ -57,3 +57,17 @@ def test_official_flops():
     assert 0.4 < flops["prefill_per_token"]["ced"] / flops["prefill_per_token"]["exact"] < 0.6  # CED halves
     # About 2 FLOPs per active parameter at 4K (16.1B active -> ~32 GFLOPs, plus attention and indexers).
     assert 2 * 16.1e9 < unweighted["4K"] < 2.5 * 16.1e9
+
+
+def test_progress_hears_each_meta_run_and_the_end():
+    from deepseek_v41.analysis.report import build_report
+
+    model = build_on_meta(tiny_config())
+    calls = []
+    flops_section(model, {"64": 64}, prefill_prompt=32,
+                  progress=lambda done, total, what="": calls.append((done, total, what)))
+    assert calls == [(0, 3, "decode at 64"), (1, 3, "prefill exact"), (2, 3, "prefill ced"), (3, 3, "")]
+    calls.clear()
+    build_report(tiny_config(), "tiny", flops=False, progress=lambda *args: calls.append(args))
+    assert calls == [(0, 1, "building the model on meta"), (1, 1, "counting parameters and KV bytes"),
+                     (1, 1, "")]

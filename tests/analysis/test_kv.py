@@ -23,6 +23,10 @@ def test_report_json_gives_the_papers_numbers(tmp_path):
                                  "deepseek-v4-flash": 3514.25, "deepseek-v4.1-flash": 890}
     assert abs(1 / kv["persistent_ratio_vs_v4"] - 7.9) < 0.05
     assert (tmp_path / "kv_bytes_by_generation.png").stat().st_size > 1000
+    # Not a terminal: progress goes to stderr as plain lines, stdout stays the JSON object (parsed above).
+    log = result.stderr.splitlines()
+    assert log[0] == "dsv41 report flash: started"
+    assert any(line.startswith("dsv41 report flash: done, 1/1 steps (100%)") for line in log)
 
 
 def test_v41_record_agrees_with_the_cache_layout():

@@ -342,3 +342,63 @@ def test_images_in_tool_results_become_placeholders():
     assert encode_messages(messages).endswith(
         "<｜User｜><tool_result><｜deepseek_image｜></tool_result><｜Assistant｜></think>"
     )
+
+
+# --- the developer role: a user turn with its own tools / response format; dropped like an assistant ----------
+# Expected strings follow the reference's rules for a developer message: "<｜User｜>" + its text, then "\n\n" + the
+# tools block and "\n\n" + the response-format block when it carries them; it counts as a user turn for the
+# generation header; in thinking mode with drop on, one before the last user turn is left out.
+TOOLS_BLOCK = EXAMPLE_3[EXAMPLE_3.index("## Tools"):EXAMPLE_3.index("<｜User｜>")]  # §7 example 3, ends with "\n"
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+
+
+def test_developer_renders_as_its_own_user_turn():
+    messages = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    assert encode_messages(messages) == f"{BOS}<｜User｜>Answer in French.<｜User｜>Hi<｜Assistant｜></think>"
+    tool_after = [{"role": "developer", "content": "d"}, {"role": "tool", "tool_call_id": "x", "content": "r"}]
+    expected = f"{BOS}<｜User｜>d<｜User｜><tool_result>r</tool_result><｜Assistant｜></think>"
+    assert encode_messages(tool_after) == expected  # a tool result never joins a developer turn
+
+
+def test_developer_carrying_tools():
+    messages = [{"role": "developer", "content": "Use the tools.", "tools": [WEATHER_TOOL]},
+                {"role": "user", "content": "Weather in Paris?"}]
+    body = f"<｜User｜>Use the tools.\n\n{TOOLS_BLOCK}<｜User｜>Weather in Paris?<｜Assistant｜>"
+    assert encode_messages(messages) == f"{BOS}{body}</think>"
+    # Thinking: the effort line opens the prompt; tools turn the drop off, so the developer turn is kept.
+    assert encode_messages(messages, thinking=True) == f"{BOS}<｜System｜>{EFFORT_75}{body}<think>"
+
+
+def test_request_tools_with_a_developer_message_go_to_an_inserted_system_turn():
+    messages = [{"role": "developer", "content": "d"}, {"role": "user", "content": "q"}]
+    expected = f"{BOS}<｜System｜>\n\n{TOOLS_BLOCK}<｜User｜>d<｜User｜>q<｜Assistant｜></think>"
+    assert encode_messages(messages, tools=[WEATHER_TOOL]) == expected
+
+
+def test_developer_response_format():
+    messages = [{"role": "developer", "content": "Reply in JSON.", "response_format": {"type": "object"}},
+                {"role": "user", "content": "Hi"}]
+    assert encode_messages(messages) == (
+        f"{BOS}<｜User｜>Reply in JSON.\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to "
+        'reply:\n{"type": "object"}<｜User｜>Hi<｜Assistant｜></think>')
+
+
+def test_developer_before_the_last_user_is_dropped_in_thinking_mode():
+    messages = [{"role": "system", "content": "S"}, {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": "Hi"}]
+    head = f"{BOS}<｜System｜>{EFFORT_75}S"
+    assert encode_messages(messages, thinking=True) == f"{head}<｜User｜>Hi<｜Assistant｜><think>"
+    assert encode_messages(messages, thinking=True, drop_thinking=False) == (
+        f"{head}<｜User｜>Be brief.<｜User｜>Hi<｜Assistant｜><think>")
+    assert encode_messages(messages) == f"{BOS}<｜System｜>S<｜User｜>Be brief.<｜User｜>Hi<｜Assistant｜></think>"
+    # A developer message first, then the user: after the drop the user turn is index 0 and carries the effort.
+    assert encode_messages(messages[1:], thinking=True) == (
+        f"{BOS}<｜System｜>{EFFORT_75}<｜User｜>Hi<｜Assistant｜><think>")
+
+
+def test_a_trailing_developer_message_is_the_live_turn():
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "reasoning_content": "r"},
+                {"role": "developer", "content": "Now in French."}]
+    assert encode_messages(messages, thinking=True) == (
+        f"{BOS}<｜System｜>{EFFORT_75}<｜User｜>Hi<｜Assistant｜></think>Hello{EOS}<｜User｜>Now in French."
+        f"<｜Assistant｜><think>")

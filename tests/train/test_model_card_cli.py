@@ -21,3 +21,17 @@ def test_missing_inputs_are_clean_errors(tmp_path):
         assert result.exit_code == 2, result.output
         assert "error:" in result.output and "Traceback" not in result.output
         assert not (tmp_path / "MODEL_CARD.md").exists()
+
+
+def test_card_says_what_the_corpus_is_and_that_the_model_is_not_chat_tuned():
+    import json
+
+    from deepseek_v41.train.model_card import render
+
+    facts = json.loads((BUNDLED / "metrics.json").read_text(encoding="utf-8"))
+    facts["config"] = json.loads((BUNDLED / "config.json").read_text(encoding="utf-8"))
+    card = render(facts)
+    assert "**A plain language model, not chat-tuned.**" in card
+    assert "installs nothing" in card and "`apt-get download`" in card and "| kernel-docs |" in card
+    facts["manifest"] = {"sources": {"user-files": facts["manifest"]["sources"]["python-docs"]}}
+    assert "Text files supplied by the user (`dsv41 data prepare --from DIR`" in render(facts)
