@@ -201,11 +201,13 @@ class _Choice:
         self.parser = StreamingParser(plan.thinking)
         self.pending = self.parser.feed(plan.prefix) if plan.prefix else []
         self.num_tokens = 0
+        self.finished = False
 
     def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
         deltas = self.pending + self.parser.feed(text)
         self.pending = []
         if finished:
+            self.finished = True
             deltas += self.parser.finish()
         return [d for d in (self._filter(d) for d in deltas) if d]
 
@@ -297,6 +299,8 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
         try:
             while True:
                 for i, choice in enumerate(choices):
+                    if choice.finished:  # it finished in an earlier step; the others go on
+                        continue
                     reason = step.finish_reasons[i]
                     new_ids = step.delta_token_ids[i]
                     choice.num_tokens += len(new_ids)

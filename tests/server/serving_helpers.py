@@ -170,3 +170,36 @@ def scripted(live, text: str):
         yield
     finally:
         engine.sampler = original
+
+
+class ScriptedEachSampler:
+    """Like :class:`ScriptedSampler`, with one script per sequence: the k-th sequence the sampler sees (in order of
+    first appearance) emits ``scripts[k % len(scripts)]`` and then EOS, so the choices of one ``n > 1`` request
+    can finish in different steps."""
+
+    def __init__(self, scripts: list[list[int]], eos_token_id: int):
+        self.scripts, self.eos, self.assigned = scripts, eos_token_id, {}
+
+    def sample(self, logits, rows) -> SampleOutput:
+        picked = []
+        for row in rows:
+            ids = self.scripts[self.assigned.setdefault(id(row), len(self.assigned) % len(self.scripts))]
+            done = len(row.output_token_ids)
+            picked.append(ids[done] if done < len(ids) else self.eos)
+        return SampleOutput(torch.tensor(picked, dtype=torch.int64))
+
+
+@contextlib.contextmanager
+def scripted_each(live, texts: list[str]):
+    """Make ``live``'s engine answer with one of ``texts`` per sequence (then EOS) inside the block; use it for
+    one request at a time (sequences are matched to texts in the order the sampler first sees them)."""
+    engine = live.llm.engine
+    scripts = [engine.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+    for text, ids in zip(texts, scripts, strict=True):
+        assert engine.tokenizer.decode(ids, skip_special_tokens=False) == text, "the script must round-trip"
+    original = engine.sampler
+    engine.sampler = ScriptedEachSampler(scripts, engine.config.eos_token_id)
+    try:
+        yield
+    finally:
+        engine.sampler = original
