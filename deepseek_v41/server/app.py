@@ -25,11 +25,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deepseek_v41 import __version__
-from deepseek_v41.engine.async_engine import AsyncLLMEngine
+from deepseek_v41.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineDrainingError
 from deepseek_v41.server.chat import chat_completion, prepare_chat
-from deepseek_v41.server.common import ServerConfig, ServerState, check_common, key_salt, token_text
+from deepseek_v41.server.common import (
+    ServerConfig,
+    ServerState,
+    check_common,
+    engine_unavailable,
+    key_salt,
+    token_text,
+)
 from deepseek_v41.server.completions import completion
-from deepseek_v41.server.errors import APIError, error_body, install_error_handlers, validation_error
+from deepseek_v41.server.errors import (
+    APIError,
+    error_body,
+    error_response,
+    install_error_handlers,
+    validation_error,
+)
 from deepseek_v41.server.metrics import ServerMetrics
 from deepseek_v41.server.protocol import (
     ChatCompletionRequest,
@@ -133,6 +146,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(_Guard, keys=config.api_keys, max_body_bytes=config.max_body_bytes)
 
+    @app.exception_handler(EngineDeadError)
+    @app.exception_handler(EngineDrainingError)
+    async def _unavailable(request: Request, exc: EngineDeadError | EngineDrainingError) -> JSONResponse:
+        return error_response(engine_unavailable(exc))
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
@@ -198,7 +216,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         if engine.errored:
-            raise APIError("the engine stopped after an internal failure", None, "engine_dead", 503)
+            raise engine_unavailable(engine.dead_error())
         if state.draining:
             raise APIError("the server is shutting down", None, "shutting_down", 503)
         return Response(status_code=200)

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 
 from deepseek_v41.chat import ChatFormatError, StreamingParser, encode_messages, merge_deltas
 from deepseek_v41.chat.tokens import CALLS_OPEN, CALLS_SEPARATOR, INVOKE_OPEN
-from deepseek_v41.engine.async_engine import EngineDeadError, StepOutput
+from deepseek_v41.engine.async_engine import EngineDeadError, EngineDrainingError, StepOutput
 from deepseek_v41.server.common import (
     ServerState,
     chat_logprobs,
@@ -41,9 +41,10 @@ from deepseek_v41.server.common import (
     request_salt,
     sampling_params,
     start_generation,
+    stream_error,
     usage,
 )
-from deepseek_v41.server.errors import APIError, error_body
+from deepseek_v41.server.errors import APIError
 from deepseek_v41.server.protocol import ChatCompletionRequest
 from deepseek_v41.server.streaming import SSEResponse
 
@@ -322,8 +323,8 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
                 if step.finished:
                     break
                 step = await anext(stream)
-        except EngineDeadError as exc:
-            yield error_body(f"the engine stopped after an internal failure: {exc}", 503, None, "engine_dead")
+        except (EngineDeadError, EngineDrainingError) as exc:
+            yield stream_error(exc)
             return
     if include_usage:
         yield {**base, "choices": [], "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices), cached)}

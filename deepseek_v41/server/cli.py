@@ -1,7 +1,9 @@
 """``dsv41 serve``: load a model directory and serve the OpenAI-compatible API with uvicorn.
 
 SIGTERM / SIGINT drain: the server stops accepting connections, ``/health`` turns 503, running requests get up to
-``--drain-timeout`` seconds to finish, then the rest are aborted and the process exits. Heavy imports (torch,
+``--drain-timeout`` seconds to finish, then the rest are aborted and the process exits. A failure of the engine
+loop is permanent: every request in flight gets the 503 ``engine_dead``, the cause is logged and the process exits
+with status 1 within seconds, so that a supervisor restarts it (as vLLM does). Heavy imports (torch,
 FastAPI) happen inside the command so that ``dsv41 --help`` stays fast.
 """
 
@@ -207,6 +209,9 @@ def serve(
             server.run()
         finally:
             started = bool(getattr(server, "started", False))
+        if server.exit_code:
+            log.error("exiting with status %d after the engine failure above", server.exit_code)
+            raise typer.Exit(server.exit_code)
     finally:
         if not started:
             _remove_created(created)

@@ -25,7 +25,7 @@ from deepseek_v41.engine.async_engine import (
 )
 from deepseek_v41.engine.sampler import Logprob
 from deepseek_v41.engine.sampling_params import SamplingParams
-from deepseek_v41.server.errors import APIError
+from deepseek_v41.server.errors import APIError, error_body
 
 
 @dataclass
@@ -192,6 +192,22 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int,
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
+def engine_unavailable(exc: EngineDeadError | EngineDrainingError) -> APIError:
+    """The 503 every request gets when the engine cannot serve it: ``engine_dead`` after a failure of the engine
+    loop (the same message for every request, the cause included; the server exits so that its supervisor restarts
+    it), ``shutting_down`` while draining."""
+    if isinstance(exc, EngineDrainingError):
+        return APIError("the server is shutting down; retry on another replica", None, "shutting_down", 503)
+    return APIError(f"the engine stopped after an internal failure and the server is restarting; retry shortly "
+                    f"({exc})", None, "engine_dead", 503)
+
+
+def stream_error(exc: EngineDeadError | EngineDrainingError) -> dict[str, Any]:
+    """The SSE error event of :func:`engine_unavailable` (a stream's status line has already been sent)."""
+    error = engine_unavailable(exc)
+    return error_body(error.message, error.status, error.param, error.code)
+
+
 async def start_generation(state: ServerState, request_id: str, ids: list[int], params: SamplingParams,
                            prompt: str | None, salt: str | None, arrival: float, param: str
                            ) -> tuple[AsyncIterator[StepOutput], StepOutput]:
@@ -204,12 +220,9 @@ async def start_generation(state: ServerState, request_id: str, ids: list[int], 
     except ValueError as exc:
         await stream.aclose()
         raise APIError(str(exc), param, "invalid_value") from exc
-    except EngineDrainingError as exc:
+    except (EngineDrainingError, EngineDeadError) as exc:
         await stream.aclose()
-        raise APIError("the server is shutting down; retry on another replica", None, "shutting_down", 503) from exc
-    except EngineDeadError as exc:
-        await stream.aclose()
-        raise APIError(f"the engine stopped after an internal failure: {exc}", None, "engine_dead", 503) from exc
+        raise engine_unavailable(exc) from exc
     except BaseException:
         await stream.aclose()
         raise

@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from deepseek_v41.engine.async_engine import EngineDeadError, StepOutput
+from deepseek_v41.engine.async_engine import EngineDeadError, EngineDrainingError, StepOutput
 from deepseek_v41.server.common import (
     ServerState,
     check_common,
@@ -29,9 +29,10 @@ from deepseek_v41.server.common import (
     request_salt,
     sampling_params,
     start_generation,
+    stream_error,
     usage,
 )
-from deepseek_v41.server.errors import APIError, error_body
+from deepseek_v41.server.errors import APIError
 from deepseek_v41.server.protocol import CompletionRequest
 from deepseek_v41.server.streaming import SSEResponse
 
@@ -182,8 +183,8 @@ class _Run:
                         if reason is not None:
                             yield chunk({"index": choice_index, "text": "", "logprobs": None,
                                          "finish_reason": reason, "stop_reason": completion.stop_reason})
-            except EngineDeadError as exc:
-                yield error_body(f"the engine stopped after an internal failure: {exc}", 503, None, "engine_dead")
+            except (EngineDeadError, EngineDrainingError) as exc:
+                yield stream_error(exc)
                 return
         if include_usage:
             yield {**self.base, "choices": [], "usage": self._usage(latest, generated)}
