@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel
 
 from deepseek_v41.engine.async_engine import (
     AsyncLLMEngine,
@@ -89,8 +92,34 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(value: Any, path: str = "") -> None:
+    """Every string in ``value`` (a request model, dicts, lists; keys included) is valid Unicode; APIError 400
+    naming the field otherwise. JSON may spell a lone UTF-16 surrogate (``"\\ud800"``), which decodes to a Python
+    string that cannot be encoded as UTF-8, so the tokenizer and the JSON response would fail on it."""
+    if isinstance(value, str):
+        if not value.isascii() and (bad := _SURROGATE.search(value)) is not None:
+            raise APIError(f"{path or 'the request'} contains a lone UTF-16 surrogate (U+{ord(bad.group()):04X}) at "
+                           f"character {bad.start()}: text must be valid Unicode (a high surrogate \\ud800-\\udbff "
+                           f"must be followed by a low one \\udc00-\\udfff)", path or None, "invalid_value")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, f"{path} (a key)" if path else "a key")
+            check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{path}[{i}]")
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            check_unicode(getattr(value, name), f"{path}.{name}" if path else name)
+
+
 def check_common(state: ServerState, req: Any) -> None:
-    """Model name, the declared-but-unsupported fields, and stream_options without stream (as OpenAI and vLLM)."""
+    """Valid Unicode everywhere, the model name, the declared-but-unsupported fields, and stream_options without
+    stream (as OpenAI and vLLM)."""
+    check_unicode(req)
     if getattr(req, "stream_options", None) is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", "stream_options", "invalid_value")
     if req.model is not None and req.model not in state.config.served_model_names:

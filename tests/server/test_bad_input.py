@@ -1,0 +1,43 @@
+"""Input the server must refuse with a clear 400 instead of failing inside: lone UTF-16 surrogates anywhere in a
+request (issue 22 item 14)."""
+
+import httpx
+import pytest
+from serving_helpers import KEYS, MODEL, auth
+
+HEADERS = {**auth(KEYS[0]), "content-type": "application/json"}
+
+
+def post(url: str, raw: str) -> httpx.Response:
+    """POST a raw JSON text (so that it can spell a lone surrogate, which json.dumps would not keep as such)."""
+    return httpx.post(url, content=raw.encode(), headers=HEADERS, timeout=60)
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), [
+    ("/v1/completions", '{"model": "@M", "prompt": ["\\ud800"], "max_tokens": 2}', "prompt[0]"),
+    ("/v1/completions", '{"model": "@M", "prompt": "ab\\udfffc", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"model": "@M", "prompt": "ab", "stop": ["x\\ud800"], "max_tokens": 2}', "stop[0]"),
+    ("/v1/chat/completions", '{"model": "@M", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
+     "messages[0].content"),
+    ("/v1/chat/completions", '{"model": "@M", "messages": [{"role": "user", "content": [{"type": "text", '
+     '"text": "\\udc00"}]}]}', "messages[0].content[0].text"),
+    ("/v1/chat/completions", '{"model": "@M", "messages": [{"role": "user", "content": "hi", "\\ud800": 1}]}',
+     "messages[0] (a key)"),
+    ("/v1/chat/completions", '{"model": "@M", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": '
+     '"function", "function": {"name": "f", "description": "\\ud800"}}]}', "tools[0].function.description"),
+    ("/v1/chat/completions", '{"model": "@M", "messages": [{"role": "user", "content": "hi"}], "user": "\\ud800"}',
+     "user"),
+    ("/tokenize", '{"model": "@M", "prompt": "\\ud800"}', "prompt"),
+    ("/tokenize", '{"model": "@M", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+])
+def test_lone_surrogate_is_a_400(server, path, raw, param):
+    response = post(server.url + path, raw.replace("@M", MODEL))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "lone UTF-16 surrogate" in error["message"], error
+
+
+def test_surrogate_pair_is_fine(server):
+    response = post(server.url + "/v1/completions", '{"model": "@M", "prompt": ["\\ud83d\\ude00 hi"], '
+                    '"max_tokens": 2}'.replace("@M", MODEL))
+    assert response.status_code == 200, response.text
