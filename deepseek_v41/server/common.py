@@ -14,7 +14,7 @@ import hashlib
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,6 +256,33 @@ async def start_generation(state: ServerState, request_id: str, ids: list[int], 
         await stream.aclose()
         raise
     return stream, first
+
+
+async def start_all(starts: list[Coroutine[Any, Any, tuple[AsyncIterator[StepOutput], StepOutput]]]
+                    ) -> list[tuple[AsyncIterator[StepOutput], StepOutput]]:
+    """Run several :func:`start_generation` calls concurrently (their requests reach the engine together) and
+    return their results in order. If any fails, or the caller is cancelled, every stream already started is closed
+    (its request aborted) and the first failure in order is raised."""
+    tasks = [asyncio.ensure_future(start) for start in starts]
+    try:
+        await asyncio.wait(tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close_started(tasks)
+        raise
+    failed = [task.exception() for task in tasks if task.exception() is not None]
+    if failed:
+        await _close_started(tasks)
+        raise failed[0]
+    return [task.result() for task in tasks]
+
+
+async def _close_started(tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is None:
+            await task.result()[0].aclose()
 
 
 async def merged(streams: list[tuple[AsyncIterator[StepOutput], StepOutput]]

@@ -1,10 +1,10 @@
 """``POST /v1/completions``: raw prompts (text or token ids) -> the engine -> OpenAI text completions or SSE.
 
 ``prompt`` takes OpenAI's four forms: a string, a list of strings, a list of token ids, a list of token-id lists.
-Several prompts run concurrently; choice ``index`` is ``prompt_index * n + sample_index``. Token-id prompts work
-on a model without a tokenizer (the text is then empty: use ``return_token_ids``). ``echo`` puts the prompt text
-in front; ``best_of`` must equal ``n`` (no server-side reranking); ``suffix`` is refused. Source: the OpenAI
-completions API; vLLM ``serving_completion.py``.
+Several prompts are submitted together (they share engine steps) and run concurrently; choice ``index`` is
+``prompt_index * n + sample_index``. Token-id prompts work on a model without a tokenizer (the text is then empty:
+use ``return_token_ids``). ``echo`` puts the prompt text in front; ``best_of`` must equal ``n`` (no server-side
+reranking); ``suffix`` is refused. Source: the OpenAI completions API; vLLM ``serving_completion.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from deepseek_v41.server.common import (
     new_id,
     request_salt,
     sampling_params,
+    start_all,
     start_generation,
     stream_error,
     usage,
@@ -75,19 +76,15 @@ async def completion(state: ServerState, req: CompletionRequest, salt: str | Non
                        "unsupported_parameter")
     prompts = await _prompts(state, req)
     request_id = new_id("cmpl")
-    started: list[tuple[AsyncIterator[StepOutput], StepOutput]] = []
-    try:
-        for i, prompt in enumerate(prompts):
-            params = sampling_params(state, req, len(prompt.ids), max_tokens_field="max_tokens",
-                                     logprobs=req.logprobs, logprobs_field="logprobs",
-                                     skip_special_tokens=req.skip_special_tokens)
-            started.append(await start_generation(state, f"{request_id}-{i}", prompt.ids, params, prompt.text,
-                                                  request_salt(salt, req.cache_salt), arrival,
-                                                  "prompt" if len(prompts) == 1 else f"prompt[{i}]"))
-    except BaseException:
-        for stream, _ in started:
-            await stream.aclose()
-        raise
+    salt_ = request_salt(salt, req.cache_salt)
+    params = [sampling_params(state, req, len(p.ids), max_tokens_field="max_tokens", logprobs=req.logprobs,
+                              logprobs_field="logprobs", skip_special_tokens=req.skip_special_tokens)
+              for p in prompts]
+    # All prompts are submitted at once, so they share engine steps (the first token of 32 prompts comes as soon
+    # as one's).
+    started = await start_all([
+        start_generation(state, f"{request_id}-{i}", prompt.ids, params[i], prompt.text, salt_, arrival,
+                         "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, prompt in enumerate(prompts)])
     created = int(time.time())
     run = _Run(state, req, prompts, request_id, created)
     if req.stream:
