@@ -1,7 +1,8 @@
 """What both generation endpoints share: the server's state, request limits -> ``SamplingParams``, usage, logprobs.
 
 Limits (SPEC.md §4.6): a prompt of ``max_model_len`` tokens or more, ``max_tokens`` beyond what is left of
-``max_model_len``, ``n`` outside [1, max_n], bad sampling values -> :class:`APIError` 400 naming the field.
+``max_model_len``, ``n`` outside [1, max_n], more than 4 stop strings or one over 1024 characters, bad sampling
+values -> :class:`APIError` 400 naming the field.
 Usage follows OpenAI (``prompt_tokens_details.cached_tokens``) and the DeepSeek API (``prompt_cache_hit_tokens``,
 ``prompt_cache_miss_tokens``); cached tokens come from ``RequestOutput.num_cached_tokens``.
 """
@@ -29,6 +30,8 @@ from deepseek_v41.engine.async_engine import (
 from deepseek_v41.engine.sampler import Logprob
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.server.errors import APIError, error_body
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit; each string is at most MAX_STOP_STRING_CHARS (SamplingParams)
 
 
 @dataclass
@@ -153,8 +156,9 @@ def sampling_params(state: ServerState, req: Any, prompt_len: int, *, max_tokens
     if req.stop and state.tokenizer is None:
         raise APIError("stop strings need a tokenizer and this model has none; use stop_token_ids", "stop",
                        "invalid_value")
-    if isinstance(req.stop, list) and len(req.stop) > 64:
-        raise APIError("at most 64 stop strings", "stop", "invalid_value")
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
+        raise APIError(f"stop takes at most {MAX_STOP_STRINGS} strings (as OpenAI), got {len(req.stop)}", "stop",
+                       "invalid_value")
     room = state.engine.max_model_len - prompt_len
     requested = getattr(req, max_tokens_field)
     if requested is not None and max_tokens_field not in req.model_fields_set:

@@ -41,3 +41,18 @@ def test_surrogate_pair_is_fine(server):
     response = post(server.url + "/v1/completions", '{"model": "@M", "prompt": ["\\ud83d\\ude00 hi"], '
                     '"max_tokens": 2}'.replace("@M", MODEL))
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stop_is_capped(server, path):
+    """At most 4 stop strings (OpenAI's limit) of at most 1024 characters each (issue 22 item 3)."""
+    base = {"model": MODEL, "max_tokens": 2, **({"prompt": "Hi"} if "chat" not in path else
+                                                 {"messages": [{"role": "user", "content": "Hi"}]})}
+    for stop, message in ((["a", "b", "c", "d", "e"], "at most 4 strings"),
+                          ("x" * 1025, "at most 1024 characters"), (["ok", "y" * 5000], "at most 1024 characters")):
+        response = httpx.post(server.url + path, json={**base, "stop": stop}, headers=HEADERS, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "stop" and message in error["message"], error
+    ok = httpx.post(server.url + path, json={**base, "stop": ["a", "b", "c", "z" * 1024]}, headers=HEADERS, timeout=60)
+    assert ok.status_code == 200, ok.text
