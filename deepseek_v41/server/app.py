@@ -31,9 +31,11 @@ from deepseek_v41.server.common import (
     ServerConfig,
     ServerState,
     check_common,
+    check_text_fits,
+    decode,
+    encode,
     engine_unavailable,
     key_salt,
-    token_text,
 )
 from deepseek_v41.server.completions import completion
 from deepseek_v41.server.errors import (
@@ -192,12 +194,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 raise validation_error(exc) from exc
             ids = (await prepare_chat(state, chat, check_length=False)).ids
         else:
-            encoding = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
-                                               add_special_tokens=body.add_special_tokens)
-            ids = list(encoding.ids)
+            check_text_fits(state, body.prompt, "prompt")
+            (ids,) = await encode(state, [body.prompt], body.add_special_tokens)
         result = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
         if body.return_token_strs:
-            result["token_strs"] = [token_text(state.tokenizer, t) for t in ids]
+            result["token_strs"] = await decode(state, [[t] for t in ids])
         return result
 
     @app.post("/detokenize")
@@ -207,7 +208,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise APIError("this model has no tokenizer.json", "tokens", "invalid_value")
         if body.tokens and max(body.tokens) >= state.vocab_size:
             raise APIError(f"token ids must be in [0, {state.vocab_size})", "tokens", "invalid_value")
-        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        (text,) = await decode(state, [body.tokens])
+        return {"prompt": text}
 
     @app.get("/version")
     async def version():

@@ -20,7 +20,6 @@ only the first call. Images -> 400 "this model does not take images" (the engine
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +36,8 @@ from deepseek_v41.server.common import (
     chat_logprobs,
     check_common,
     check_prompt_ids,
+    check_text_fits,
+    encode,
     new_id,
     request_salt,
     sampling_params,
@@ -151,7 +152,8 @@ def _response_format(messages: list[dict[str, Any]], fmt: dict[str, Any] | None)
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_length: bool = True) -> ChatPlan:
     """Validate and render the request; APIError 400 naming the field for anything that cannot be served.
-    ``check_length=False`` (for /tokenize) lets a prompt over ``max_model_len`` through."""
+    ``check_length=False`` (for /tokenize) lets a prompt over ``max_model_len`` tokens through, but not one whose
+    text cannot fit it (:func:`check_text_fits`)."""
     check_common(state, req)
     if state.tokenizer is None:
         raise APIError("this model has no tokenizer.json, so chat is not available; use /v1/completions with "
@@ -186,8 +188,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_len
     except ChatFormatError as exc:
         raise APIError(str(exc), exc.where, "invalid_value") from exc
     prompt += prefix
-    encoding = await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=False)
-    ids = list(encoding.ids)
+    check_text_fits(state, prompt, "messages")  # the rendered prompt holds every message's text
+    (ids,) = await encode(state, [prompt], add_special_tokens=False)
     if check_length:
         check_prompt_ids(state, ids, "messages")
     return ChatPlan(prompt, ids, thinking and not req.continue_final_message, choice != "none", prefix,

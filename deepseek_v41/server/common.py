@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import re
 import time
 import uuid
@@ -62,6 +63,12 @@ class ServerState:
     metrics: Any
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # Longest prompt text, in UTF-8 bytes, that can fit max_model_len tokens (None: no tokenizer).
+    max_text_bytes: int | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None:
+            self.max_text_bytes = self.engine.max_model_len * max_token_bytes(self.tokenizer)
 
     @property
     def tokenizer(self):
@@ -78,6 +85,46 @@ class ServerState:
     @property
     def vocab_size(self) -> int:
         return self.engine.engine.config.vocab_size
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of input text that one token of ``tokenizer`` covers.
+
+    A token covers at most its own string's bytes (for a byte-level vocabulary, whose token strings spell each byte
+    as one character of one or two UTF-8 bytes, up to twice as many). A normalizer may shrink text before it is
+    split (NFC composes up to three code points into one), so a tokenizer with one gets a factor 4 on top.
+    """
+    longest = max((len(token.encode("utf-8", "surrogatepass")) for i in range(tokenizer.get_vocab_size(True))
+                   if (token := tokenizer.id_to_token(i)) is not None), default=1)
+    normalizer = json.loads(tokenizer.to_str()).get("normalizer") or {}
+    shrinks = bool(normalizer) and normalizer != {"type": "Sequence", "normalizers": []}
+    return max(1, longest) * (4 if shrinks else 1)
+
+
+def check_text_fits(state: ServerState, text: str, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt text too long to fit ``max_model_len`` tokens whatever its
+    tokenization: more UTF-8 bytes than ``max_model_len`` tokens can cover (400 ``context_length_exceeded``). So a
+    huge body costs neither a long tokenization nor the memory of its tokens."""
+    limit = state.max_text_bytes
+    if limit is None or len(text) * 4 <= limit:  # a character is at most 4 UTF-8 bytes
+        return
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise APIError(f"This model's maximum context length is {state.engine.max_model_len} tokens, which cannot "
+                       f"cover more than {limit} bytes of text; your prompt text has {size} bytes.", param,
+                       "context_length_exceeded")
+
+
+async def encode(state: ServerState, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """Tokenize ``texts`` on a worker thread with the GIL released (``encode_batch`` runs in Rust without it;
+    ``encode`` holds it for the whole text), so the event loop keeps answering (``/health``) meanwhile."""
+    encodings = await asyncio.to_thread(state.tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens)
+    return [list(e.ids) for e in encodings]
+
+
+async def decode(state: ServerState, sequences: list[list[int]]) -> list[str]:
+    """Detokenize on a worker thread with the GIL released (``decode_batch``), special tokens kept."""
+    return await asyncio.to_thread(state.tokenizer.decode_batch, sequences, skip_special_tokens=False)
 
 
 def key_salt(api_key: str) -> str:

@@ -9,7 +9,6 @@ reranking); ``suffix`` is refused. Source: the OpenAI completions API; vLLM ``se
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -23,7 +22,9 @@ from deepseek_v41.server.common import (
     ServerState,
     check_common,
     check_prompt_ids,
+    check_text_fits,
     completion_logprobs,
+    encode,
     merged,
     new_id,
     request_salt,
@@ -52,9 +53,10 @@ async def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
         if state.tokenizer is None:
             raise APIError("this model has no tokenizer.json: send the prompt as token ids", "prompt",
                            "invalid_value")
-        encodings = await asyncio.to_thread(state.tokenizer.encode_batch, texts,
-                                            add_special_tokens=req.add_special_tokens)
-        prompts = [_Prompt(t, list(e.ids)) for t, e in zip(texts, encodings, strict=True)]
+        for i, text in enumerate(texts):
+            check_text_fits(state, text, "prompt" if isinstance(raw, str) else f"prompt[{i}]")
+        encoded = await encode(state, texts, req.add_special_tokens)
+        prompts = [_Prompt(t, ids) for t, ids in zip(texts, encoded, strict=True)]
     else:
         lists = [raw] if isinstance(raw[0], int) else raw
         prompts = [_Prompt(None, list(ids)) for ids in lists]
