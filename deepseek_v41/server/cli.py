@@ -143,6 +143,15 @@ def serve(
                                                    "and maximum: the checkpoint's dspark_block_size)."),
     max_body_mb: float = typer.Option(32.0, help="Largest request body, MiB (> 0)."),
     drain_timeout: float = typer.Option(30.0, min=0, help="Seconds running requests get to finish on SIGTERM."),
+    timeout_keep_alive: float = typer.Option(5.0, help="Seconds an idle kept-alive connection stays open (> 0; "
+                                             "uvicorn's default)."),
+    timeout_header: float = typer.Option(10.0, help="Seconds a client has to send a whole request head (> 0); "
+                                         "then 408 and the connection is closed."),
+    timeout_body: float = typer.Option(60.0, help="Seconds a client has to send a whole request body once its "
+                                       "head arrived (> 0); then 408 and the connection is closed."),
+    limit_concurrency: int | None = typer.Option(None, min=1, help="Open connections at most; a new one beyond "
+                                                 "gets a 503 (default: the open-file limit minus 128, at most "
+                                                 "4096)."),
     log_stats_interval: float = typer.Option(10.0, min=0, help="Seconds between throughput log lines (0 = off)."),
     log_level: str = typer.Option("info", help=f"uvicorn / server log level: {', '.join(LOG_LEVELS)}."),
 ) -> None:
@@ -156,6 +165,10 @@ def serve(
         fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
     if not max_body_mb > 0:
         fail(f"--max-body-mb must be > 0, got {max_body_mb}")
+    for flag, value in (("--timeout-keep-alive", timeout_keep_alive), ("--timeout-header", timeout_header),
+                        ("--timeout-body", timeout_body)):
+        if not value > 0:
+            fail(f"{flag} must be > 0 seconds, got {value}")
     if replay not in REPLAY_MODES:
         fail(f"--replay must be one of {', '.join(REPLAY_MODES)}, got {replay!r}")
     if speculative_max_len is not None and speculative is None:
@@ -174,7 +187,7 @@ def serve(
     from deepseek_v41.model.checkpoint import CheckpointError
     from deepseek_v41.server.app import build_app
     from deepseek_v41.server.common import ServerConfig
-    from deepseek_v41.server.launch import make_server
+    from deepseek_v41.server.launch import ConnectionLimits, make_server
 
     logging.basicConfig(level=log_level.upper() if log_level.lower() != "trace" else 5,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
@@ -201,10 +214,12 @@ def serve(
                               api_keys=list(api_key), max_body_bytes=int(max_body_mb * 1024 * 1024),
                               log_stats_interval_s=log_stats_interval, drain_timeout_s=drain_timeout)
         app = build_app(engine, config)
-        server = make_server(app, host, port, drain_timeout, log_level.lower())
-        log.info("serving %s as %s on http://%s:%d (max_model_len %d, %d KV pages, %s, %s; %s, %s)", model,
-                 config.served_model_names, host, port, engine.max_model_len, engine.stats["kv_pages_total"],
-                 torch_dtype, torch_device, _prefix_line(llm, cache_path), _speculative_line(llm))
+        limits = ConnectionLimits(timeout_keep_alive, timeout_header, timeout_body, limit_concurrency)
+        server = make_server(app, host, port, drain_timeout, log_level.lower(), limits)
+        log.info("serving %s as %s on http://%s:%d (max_model_len %d, %d KV pages, %s, %s; %s, %s; at most %d "
+                 "connections)", model, config.served_model_names, host, port, engine.max_model_len,
+                 engine.stats["kv_pages_total"], torch_dtype, torch_device, _prefix_line(llm, cache_path),
+                 _speculative_line(llm), limits.limit_concurrency)
         try:
             server.run()
         finally:
