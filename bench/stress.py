@@ -165,7 +165,7 @@ async def load_request(client, server: Server, phase: Phase, path: str, body: di
                         phase.client_errors += 1
                     phase.fail(f"{path} {response.status_code}: {text}")
                     return
-                events, finishes = 0, 0
+                events, finishes, errored = 0, 0, False
                 async for line in response.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -177,11 +177,12 @@ async def load_request(client, server: Server, phase: Phase, path: str, body: di
                     if payload == "[DONE]":
                         if finishes == choices:
                             phase.ok += 1
-                        else:
+                        elif not errored:  # an error event was already counted
                             phase.fail(f"{path}: [DONE] after {finishes} of {choices} finish chunks")
                         return
                     chunk = json.loads(payload)
                     if "error" in chunk:
+                        errored = True
                         phase.server_errors += 1
                         phase.fail(f"{path}: error event {chunk['error']}")
                         continue
@@ -198,7 +199,7 @@ async def run_load(server: Server, args, rng: random.Random) -> Phase:
     import httpx
 
     phase = Phase("load")
-    # Prefixes of 5% to 35% of max_model_len in words (about a token each with the bundled tokenizer).
+    # Prefixes of 5% to 35% of max_model_len x prompt_scale words, and a tail of up to 5%.
     lengths = [max(1, round(share * args.max_model_len * args.prompt_scale)) for share in (0.05, 0.1, 0.2, 0.35)]
     prefixes = [" ".join(rng.choice(WORDS) for _ in range(length)) for length in lengths]
 
@@ -361,8 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fuzz", type=int, default=200, help="requests in the fuzz round")
     parser.add_argument("--num-kv-pages", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--prompt-scale", type=float, default=1.0, help="prompt words per max_model_len token "
-                        "(lower it for a tokenizer with shorter tokens)")
+    parser.add_argument("--prompt-scale", type=float, default=0.4, help="prompt words per max_model_len token: "
+                        "the longest prompt has 0.4 x max_model_len x this words (~2.4 tokens a word with the "
+                        "bundled tokenizer; lower it for one with shorter tokens)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds before a request counts as a hang")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `dsv41 serve` argument "

@@ -114,8 +114,12 @@ def _state(request: Request) -> ServerState:
 
 
 async def _run(request: Request, work) -> Response:
-    """Refuse while draining; cancel the work when the client goes away."""
+    """Refuse after an engine failure (503 engine_dead) and while draining; cancel the work when the client goes
+    away."""
     state = _state(request)
+    if state.engine.errored:  # the server is going down because of it: say why
+        work.close()
+        raise engine_unavailable(state.engine.dead_error())
     if state.draining:
         work.close()
         raise APIError("the server is shutting down; retry on another replica", None, "shutting_down", 503)

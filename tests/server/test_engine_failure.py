@@ -124,3 +124,27 @@ def test_serve_exits_nonzero_after_engine_failure(model_dir, tmp_path):
             process.wait()
     text = log.read_text()
     assert "simulated engine failure" in text and "exiting with status 1" in text
+
+
+def test_requests_after_the_failure_get_engine_dead_while_shutting_down(model_dir):
+    """Between the failure and the exit the server is draining; new requests still learn why (engine_dead)."""
+    live = start_server(model_dir, max_num_seqs=2, max_model_len=128)
+    state = live.uvicorn_server.config.app.state.server
+    live.engine.on_dead = lambda exc: setattr(state, "draining", True)  # shutting down, not yet gone
+
+    def step():
+        raise RuntimeError("simulated kernel failure")
+
+    live.llm.engine.step = step
+    try:
+        status, error = _answer(live.v1, "/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+        assert status == 503 and error["code"] == "engine_dead"
+        assert state.draining
+        for path, body in (("/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3}),
+                           ("/chat/completions", {"model": MODEL, "messages": HELLO, "stream": True})):
+            status, error = _answer(live.v1, path, body)
+            assert status == 503 and error["code"] == "engine_dead", error
+        health = httpx.get(live.url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+    finally:
+        live.stop()
