@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -112,6 +113,16 @@ class Server:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"dsv41 serve did not answer /health within {timeout_s:.0f}s:\n{self.tail()}")
             time.sleep(0.2)
+
+    def answers(self) -> bool:
+        """Whether the server still answers /health (any status)."""
+        import httpx
+
+        try:
+            httpx.get(self.url + "/health", timeout=5)
+            return True
+        except httpx.HTTPError:
+            return False
 
     def tail(self, lines: int = 15) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -295,6 +306,9 @@ async def run_fuzz(server: Server, args, rng: random.Random) -> Phase:
 
     phase = Phase("fuzz")
     queue = [fuzz_request(rng, args.max_tokens) for _ in range(args.fuzz)]
+    if not server.answers():
+        phase.examples.append("skipped: the server no longer answers")
+        return phase
 
     async def one(client, path: str, raw: bytes, content_type: str) -> None:
         phase.requests += 1
@@ -385,6 +399,9 @@ def main(argv: list[str] | None = None) -> dict:
             fuzz = asyncio.run(run_fuzz(server, args, rng))
             used, total_after = settle(server, 60)
             total = total_after if total_after is not None else total
+            if not server.answers():  # going down (an engine failure exits within seconds): report how it ended
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    server.process.wait(60)
             alive = server.process.poll() is None
             rss = peak_rss_mib(server.process.pid) if alive else float("nan")
             status = "alive" if alive else f"exited with {server.process.returncode}"

@@ -145,25 +145,83 @@ def new_id(prefix: str) -> str:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def check_unicode(value: Any, path: str = "") -> None:
+_KEY = object()  # in a location: "the key of the dict just named"
+_WALKED = {str, dict, list, tuple}  # exact types that may hold a string (and request models, checked apart)
+
+
+def _is_number_list(value: Any) -> bool:
+    """A validated ``list[int]`` / ``list[list[int]]`` field (token ids): pydantic's strict unions keep such lists
+    homogeneous, so one look at the first element tells that no string is inside (and 16M ids are not walked)."""
+    if not isinstance(value, list) or not value:
+        return False
+    first = value[0]
+    return type(first) is int or (type(first) is list and bool(first) and type(first[0]) is int)
+
+
+def _find_surrogate(root: Any) -> tuple[tuple, re.Match] | None:
+    """The location (field names, list indices, _KEY) and match of a lone surrogate in ``root``, or None.
+    Iterative (a deeply nested body cannot overflow the stack); locations are built only along the way down."""
+    stack: list[tuple[Any, tuple]] = [(root, ())]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and (bad := _SURROGATE.search(value)) is not None:
+                return where, bad
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and not key.isascii() and (bad := _SURROGATE.search(key)) is not None:
+                    return (*where, _KEY), bad
+                if type(item) in _WALKED or isinstance(item, BaseModel):
+                    stack.append((item, (*where, key)))
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                if type(item) in _WALKED or isinstance(item, BaseModel):
+                    stack.append((item, (*where, i)))
+        elif isinstance(value, BaseModel):
+            for name in type(value).model_fields:
+                item = getattr(value, name)
+                if not _is_number_list(item):
+                    stack.append((item, (*where, name)))
+    return None
+
+
+def _fields(value: Any) -> Any:
+    """A request model as the list of its field values (validated token-id lists left out), for ``json.dumps``."""
+    if isinstance(value, BaseModel):
+        return [item for name in type(value).model_fields if not _is_number_list(item := getattr(value, name))]
+    return value
+
+
+def _location(where: tuple) -> str | None:
+    """``("messages", 0, "content")`` -> ``messages[0].content``; a _KEY part -> `` (a key)``."""
+    path = ""
+    for part in where:
+        if part is _KEY:
+            path += " (a key)" if path else "a key"
+        elif isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path or None
+
+
+def check_unicode(value: Any) -> None:
     """Every string in ``value`` (a request model, dicts, lists; keys included) is valid Unicode; APIError 400
     naming the field otherwise. JSON may spell a lone UTF-16 surrogate (``"\\ud800"``), which decodes to a Python
-    string that cannot be encoded as UTF-8, so the tokenizer and the JSON response would fail on it."""
-    if isinstance(value, str):
-        if not value.isascii() and (bad := _SURROGATE.search(value)) is not None:
-            raise APIError(f"{path or 'the request'} contains a lone UTF-16 surrogate (U+{ord(bad.group()):04X}) at "
-                           f"character {bad.start()}: text must be valid Unicode (a high surrogate \\ud800-\\udbff "
-                           f"must be followed by a low one \\udc00-\\udfff)", path or None, "invalid_value")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_unicode(key, f"{path} (a key)" if path else "a key")
-            check_unicode(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            check_unicode(item, f"{path}[{i}]")
-    elif isinstance(value, BaseModel):
-        for name in type(value).model_fields:
-            check_unicode(getattr(value, name), f"{path}.{name}" if path else name)
+    string that cannot be encoded as UTF-8, so the tokenizer and the JSON response would fail on it. Linear in the
+    request's strings and containers; validated token-id lists are not walked."""
+    try:  # the fast path (C): UTF-8 encoding the JSON text fails exactly when a lone surrogate is somewhere
+        json.dumps(_fields(value), ensure_ascii=False, check_circular=False, default=_fields).encode("utf-8")
+        return
+    except (UnicodeEncodeError, TypeError, ValueError, RecursionError):
+        pass
+    found = _find_surrogate(value)
+    if found is not None:
+        where, bad = found
+        path = _location(where)
+        raise APIError(f"{path or 'the request'} contains a lone UTF-16 surrogate (U+{ord(bad.group()):04X}) at "
+                       f"character {bad.start()}: text must be valid Unicode (a high surrogate \\ud800-\\udbff "
+                       f"must be followed by a low one \\udc00-\\udfff)", path, "invalid_value")
 
 
 def check_common(state: ServerState, req: Any) -> None:

@@ -56,3 +56,20 @@ def test_stop_is_capped(server, path):
         assert error["param"] == "stop" and message in error["message"], error
     ok = httpx.post(server.url + path, json={**base, "stop": ["a", "b", "c", "z" * 1024]}, headers=HEADERS, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_unicode_check_is_iterative_and_skips_token_ids():
+    """The walk has no recursion limit (a deeply nested message) and does not visit validated token-id lists."""
+    from deepseek_v41.server.common import check_unicode
+    from deepseek_v41.server.errors import APIError
+    from deepseek_v41.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    deep = {"leaf": "bad \ud800"}
+    for _ in range(3000):
+        deep = {"x": [deep]}
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi", "extra": deep}])
+    with pytest.raises(APIError) as caught:
+        check_unicode(request)
+    assert caught.value.param.startswith("messages[0].extra.x[0].x[0]") and caught.value.param.endswith(".leaf")
+    ids = CompletionRequest(prompt=[list(range(3, 200_000))] * 20)
+    check_unicode(ids)  # 4M ids: not walked (this would take seconds)
