@@ -31,9 +31,6 @@ from deepseek_v41.server.common import (
     ServerConfig,
     ServerState,
     check_common,
-    check_text_fits,
-    decode,
-    encode,
     engine_unavailable,
     key_salt,
 )
@@ -53,6 +50,7 @@ from deepseek_v41.server.protocol import (
     TokenizeRequest,
 )
 from deepseek_v41.server.streaming import ClientDisconnected, until_disconnect
+from deepseek_v41.server.text import check_text_fits, decode, encode
 
 logger = logging.getLogger("deepseek_v41.server")
 

@@ -36,8 +36,6 @@ from deepseek_v41.server.common import (
     chat_logprobs,
     check_common,
     check_prompt_ids,
-    check_text_fits,
-    encode,
     new_id,
     request_salt,
     sampling_params,
@@ -48,6 +46,7 @@ from deepseek_v41.server.common import (
 from deepseek_v41.server.errors import APIError
 from deepseek_v41.server.protocol import ChatCompletionRequest
 from deepseek_v41.server.streaming import SSEResponse
+from deepseek_v41.server.text import check_text_fits, encode
 
 _EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "high", "max": "max",
             "ultra": "max"}

@@ -22,9 +22,7 @@ from deepseek_v41.server.common import (
     ServerState,
     check_common,
     check_prompt_ids,
-    check_text_fits,
     completion_logprobs,
-    encode,
     merged,
     new_id,
     request_salt,
@@ -37,6 +35,7 @@ from deepseek_v41.server.common import (
 from deepseek_v41.server.errors import APIError
 from deepseek_v41.server.protocol import CompletionRequest
 from deepseek_v41.server.streaming import SSEResponse
+from deepseek_v41.server.text import check_text_fits, encode
 
 
 @dataclass

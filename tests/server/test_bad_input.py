@@ -60,9 +60,9 @@ def test_stop_is_capped(server, path):
 
 def test_unicode_check_is_iterative_and_skips_token_ids():
     """The walk has no recursion limit (a deeply nested message) and does not visit validated token-id lists."""
-    from deepseek_v41.server.common import check_unicode
     from deepseek_v41.server.errors import APIError
     from deepseek_v41.server.protocol import ChatCompletionRequest, CompletionRequest
+    from deepseek_v41.server.text import check_unicode
 
     deep = {"leaf": "bad \ud800"}
     for _ in range(3000):

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from serving_helpers import KEYS, MODEL, auth
 
-from deepseek_v41.server.common import encode
+from deepseek_v41.server.text import encode
 
 
 class Watched:
