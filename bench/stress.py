@@ -125,7 +125,10 @@ class Server:
             return False
 
     def tail(self, lines: int = 15) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        """The end of the log, or from a crash report (faulthandler's, whose first stack is the crashing thread)."""
+        text = self.log.read_text(errors="replace").splitlines()
+        crash = next((i for i, line in enumerate(text) if line.startswith("Fatal Python error")), None)
+        return "\n".join(text[crash:crash + 2 * lines] if crash is not None else text[-lines:])
 
     def stop(self) -> None:
         if self.process.poll() is None:
