@@ -149,6 +149,8 @@ def serve(
                                          "then 408 and the connection is closed."),
     timeout_body: float = typer.Option(60.0, help="Seconds a client has to send a whole request body once its "
                                        "head arrived (> 0); then 408 and the connection is closed."),
+    timeout_write: float = typer.Option(60.0, help="Seconds a response may stall on a client that reads nothing "
+                                        "(> 0); then the connection is dropped and its request aborted."),
     limit_concurrency: int | None = typer.Option(None, min=1, help="Open connections at most; a new one beyond "
                                                  "gets a 503 (default: the open-file limit minus 128, at most "
                                                  "4096)."),
@@ -166,7 +168,7 @@ def serve(
     if not max_body_mb > 0:
         fail(f"--max-body-mb must be > 0, got {max_body_mb}")
     for flag, value in (("--timeout-keep-alive", timeout_keep_alive), ("--timeout-header", timeout_header),
-                        ("--timeout-body", timeout_body)):
+                        ("--timeout-body", timeout_body), ("--timeout-write", timeout_write)):
         if not value > 0:
             fail(f"{flag} must be > 0 seconds, got {value}")
     if replay not in REPLAY_MODES:
@@ -214,7 +216,7 @@ def serve(
                               api_keys=list(api_key), max_body_bytes=int(max_body_mb * 1024 * 1024),
                               log_stats_interval_s=log_stats_interval, drain_timeout_s=drain_timeout)
         app = build_app(engine, config)
-        limits = ConnectionLimits(timeout_keep_alive, timeout_header, timeout_body, limit_concurrency)
+        limits = ConnectionLimits(timeout_keep_alive, timeout_header, timeout_body, limit_concurrency, timeout_write)
         server = make_server(app, host, port, drain_timeout, log_level.lower(), limits)
         log.info("serving %s as %s on http://%s:%d (max_model_len %d, %d KV pages, %s, %s; %s, %s; at most %d "
                  "connections)", model, config.served_model_names, host, port, engine.max_model_len,

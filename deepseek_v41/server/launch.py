@@ -11,9 +11,11 @@ turns 1 so that ``dsv41 serve`` exits non-zero and a supervisor (systemd, Kubern
 Slow and idle clients cannot hold connections (:class:`ConnectionLimits`, :class:`GuardedH11Protocol`): a request
 head must arrive within ``timeout_header`` seconds of the connection (or of its first byte on a kept-alive one), a
 body within ``timeout_body`` seconds of its head; past either the server answers 408 and closes. An idle kept-alive
-connection is closed after ``timeout_keep_alive`` seconds (uvicorn's own timer). Beyond ``limit_concurrency`` open
-connections a new one gets a 503 and is closed at once, so a flood of connections cannot exhaust the open-file
-limit and the server keeps accepting. A response being sent has no time limit (streams run as long as they run).
+connection is closed after ``timeout_keep_alive`` seconds (uvicorn's own timer). A client that stops reading a
+response (its buffers full, so the server cannot send) is dropped after ``timeout_write`` seconds without progress,
+which aborts its request. Beyond ``limit_concurrency`` open connections a new one gets a 503 and is closed at once,
+so a flood of connections cannot exhaust the open-file limit and the server keeps accepting. A response that keeps
+flowing has no time limit (streams run as long as they run).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class ConnectionLimits:
     ``timeout_header``: seconds to receive a whole request head, from the connection (or the first byte of a
     request on a kept-alive connection); then 408 and close.
     ``timeout_body``: seconds to receive a whole request body once its head arrived; then 408 and close.
+    ``timeout_write``: seconds a response may stall on a client that reads nothing (writing paused: the transport's
+    buffer is full); then the connection is dropped and its request aborted.
     ``limit_concurrency``: open connections at most; a new one beyond gets a 503 and is closed. None = the process's
     open-file limit minus :data:`FD_RESERVE`, at most :data:`MAX_DEFAULT_CONNECTIONS`.
     """
@@ -54,9 +58,10 @@ class ConnectionLimits:
     timeout_header: float = 10.0
     timeout_body: float = 60.0
     limit_concurrency: int | None = None
+    timeout_write: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("timeout_keep_alive", "timeout_header", "timeout_body"):
+        for name in ("timeout_keep_alive", "timeout_header", "timeout_body", "timeout_write"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
@@ -95,6 +100,7 @@ class GuardedH11Protocol(H11Protocol):
         self.limits = limits
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: str | None = None  # "head" or "body" while a deadline runs
+        self._stalled: asyncio.TimerHandle | None = None  # runs while writing is paused
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -123,7 +129,27 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stalled is None:
+            self._stalled = self.loop.call_later(self.limits.timeout_write, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _write_stalled(self) -> None:
+        self._stalled = None
+        logger.info("dropping %s: it read nothing of its response for %gs (--timeout-write)", self.client,
+                    self.limits.timeout_write)
+        self.transport.abort()  # close() would wait for a buffer that never drains
 
     def _arm(self, phase: str) -> None:
         if self._phase == phase:

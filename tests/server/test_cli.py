@@ -111,6 +111,7 @@ def bad_device() -> str:
     (["--timeout-header", "0"], "--timeout-header must be > 0 seconds"),
     (["--timeout-body", "-1"], "--timeout-body must be > 0 seconds"),
     (["--timeout-keep-alive", "0"], "--timeout-keep-alive must be > 0 seconds"),
+    (["--timeout-write", "0"], "--timeout-write must be > 0 seconds"),
     (["--limit-concurrency", "0"], "'--limit-concurrency'"),
     (["--log-level", "loud"], "--log-level must be one of critical, error"),
     (["--replay", "sometimes"], "--replay must be one of bounded, exact"),

@@ -1,5 +1,6 @@
 """Slow and idle clients cannot hold the server (issue 22 item 8): slowloris heads and bodies get a 408 and are
-closed at their deadline however slowly they trickle, idle kept-alive connections are closed, connections beyond
+closed at their deadline however slowly they trickle, idle kept-alive connections are closed, a client that reads
+nothing of a large response is dropped, connections beyond
 ``--limit-concurrency`` get a 503 at once while the server keeps accepting, and responses that take longer than
 every timeout still complete. Raw sockets against a real server on 127.0.0.1; every wait is bounded."""
 
@@ -21,7 +22,8 @@ BOUND = 10.0  # no wait in these tests may exceed this
 @pytest.fixture(scope="module")
 def live(model_dir):
     server = start_server(model_dir, max_num_seqs=4, max_model_len=256, limits=ConnectionLimits(
-        timeout_keep_alive=TIMEOUT, timeout_header=TIMEOUT, timeout_body=TIMEOUT, limit_concurrency=LIMIT))
+        timeout_keep_alive=TIMEOUT, timeout_header=TIMEOUT, timeout_body=TIMEOUT, limit_concurrency=LIMIT,
+        timeout_write=TIMEOUT))
     yield server
     server.stop()
 
@@ -161,3 +163,57 @@ def test_many_slowloris_connections_do_not_stop_the_server(live):
     assert len(results) == 2 * LIMIT
     assert all(r.startswith((b"HTTP/1.1 408", b"HTTP/1.1 503")) for r in results), results
     assert httpx.get(live.url + "/health", timeout=BOUND).status_code == 200
+
+
+class FakeTransport:
+    """Just enough of an asyncio transport for a protocol that never sees a byte."""
+
+    def __init__(self):
+        self.aborted = self.closed = False
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": ("127.0.0.1", 5), "sockname": ("127.0.0.1", 6)}.get(name, default)
+
+    def is_closing(self):
+        return self.aborted or self.closed
+
+    def abort(self):
+        self.aborted = True
+
+    def close(self):
+        self.closed = True
+
+    def write(self, data):
+        pass
+
+
+def test_client_that_reads_nothing_is_dropped():
+    """Writing paused (the client reads nothing, the buffers are full) for ``timeout_write`` seconds: the
+    connection is dropped (aborted: a close would wait for the buffer to drain); resumed in time, it is kept.
+    Loopback buffers absorb several MB, so this drives the protocol's flow-control hooks directly."""
+    import asyncio
+    import functools
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from deepseek_v41.server.launch import GuardedH11Protocol
+
+    async def app(scope, receive, send):
+        pass
+
+    async def run():
+        limits = ConnectionLimits(timeout_header=30, timeout_write=0.05, limit_concurrency=8)
+        config = uvicorn.Config(app, http=functools.partial(GuardedH11Protocol, limits=limits), log_level="warning")
+        config.load()
+        stalled, resumed = FakeTransport(), FakeTransport()
+        for transport in (stalled, resumed):
+            protocol = GuardedH11Protocol(config=config, server_state=ServerState(), app_state={}, limits=limits)
+            protocol.connection_made(transport)
+            protocol.pause_writing()
+            if transport is resumed:
+                protocol.resume_writing()
+        await asyncio.sleep(0.5)
+        return stalled.aborted, resumed.aborted
+
+    assert asyncio.run(run()) == (True, False)
