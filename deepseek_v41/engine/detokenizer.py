@@ -130,7 +130,7 @@ class StopMatcher:
         return self._depth[self._hold[state]]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)  # at most 16 x 4 x 1024 characters of automata kept (~16 MB)
 def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
     """The (immutable) matcher of ``stops``, shared by the sequences that stop on the same strings (the ``n``
     samples of a request, repeated requests)."""
