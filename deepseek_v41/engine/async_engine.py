@@ -87,16 +87,21 @@ class AsyncLLMEngine:
         engine: the engine to drive; from now on only this object's worker thread may call it.
         idle_sleep_s: pause after a step that produced nothing while work is queued (e.g. every waiting request is
             blocked on free pages), so such a state does not spin a core.
+        on_dead: called once on the event loop with the exception after the loop failed and every open request got
+            :class:`EngineDeadError` (the server exits non-zero from it, so that a supervisor restarts it, as vLLM
+            does); settable later as the ``on_dead`` attribute.
 
     ``stats`` is a snapshot of ``engine.stats`` taken after the latest step, plus ``num_running`` and
     ``num_waiting`` (safe to read from the event loop at any time).
     """
 
-    def __init__(self, engine: LLMEngine, idle_sleep_s: float = 0.002):
+    def __init__(self, engine: LLMEngine, idle_sleep_s: float = 0.002,
+                 on_dead: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.idle_sleep_s = idle_sleep_s
+        self.on_dead = on_dead
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-engine")
         self._streams: dict[str, _Stream] = {}
         self._adds: list[tuple[str, dict[str, Any]]] = []
@@ -166,7 +171,7 @@ class AsyncLLMEngine:
         EngineDeadError after a failure of the loop. Leaving the iteration early aborts the request.
         """
         if self._dead is not None:
-            raise EngineDeadError(f"the engine loop failed: {self._dead!r}")
+            raise self.dead_error()
         if self._draining:
             raise EngineDrainingError("the server is shutting down")
         if request_id in self._streams:
@@ -239,11 +244,20 @@ class AsyncLLMEngine:
         if isinstance(item, BaseException) or item.finished:
             self._streams.pop(request_id, None)
 
+    def dead_error(self) -> EngineDeadError:
+        """The error every request gets once the loop failed (one message, naming the cause)."""
+        return EngineDeadError(f"the engine loop failed: {self._dead!r}")
+
     def _fail_all(self, exc: BaseException) -> None:
         self._dead = exc
-        error = EngineDeadError(f"the engine loop failed: {exc!r}")
+        error = self.dead_error()
         for request_id in list(self._streams):
             self._deliver(request_id, error)
+        if self.on_dead is not None:
+            try:
+                self.on_dead(exc)
+            except Exception:  # the requests already have their error; the hook must not hide it
+                logger.exception("on_dead hook %r failed", self.on_dead)
 
     # ------------------------------------------------------------------ worker thread
     def _work(self, adds: list[tuple[str, dict[str, Any]]], aborts: list[str]

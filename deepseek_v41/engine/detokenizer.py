@@ -13,8 +13,12 @@ A stop wins over "length" on the same token, as in current vLLM. Tokens after th
 (``kept`` < ``len(token_ids)``).
 
 Cost per call is O(new tokens): text comes from decoding a small window of ids (vLLM's prefix/read offsets:
-``decode(window + new)`` minus ``decode(window)``), stop strings are searched only in the new text plus the
-last ``max(len(stop)) - 1`` characters, and emitted text is kept as a list of chunks.
+``decode(window + new)`` minus ``decode(window)``), and emitted text is kept as a list of chunks. Stop strings are
+matched by one Aho-Corasick automaton (:class:`StopMatcher`) over all of them, fed each new character once: memory
+linear in the stop strings' total length, time linear in the text produced (amortised O(1) per character), however
+long the stop strings. (Searching the last ``max(len(stop)) - 1`` characters again at every token, and a set of
+every prefix of every stop string, cost O(L) per token and O(L^2) memory: a 60 KB stop string took 1.7 GB.) Text
+held back is kept as pieces, so a long held prefix is not copied again at every token.
 
 Streaming rules: a token whose text ends in U+FFFD (an incomplete UTF-8 sequence split over byte tokens) emits
 nothing until a later token completes the character; text that could still be the start of a stop string is held
@@ -30,6 +34,8 @@ Source: SPEC.md §4.4; vLLM ``vllm/v1/engine/detokenizer.py``, ``vllm/v1/core/sc
 
 from __future__ import annotations
 
+import functools
+from collections import deque
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
@@ -52,6 +58,83 @@ class DetokenizerUpdate(NamedTuple):
     finished: bool
     finish_reason: FinishReason | None  # "stop" or "length" once finished
     kept: int  # how many of the appended tokens belong to the output (the rest come after the finish)
+
+
+class StopMatcher:
+    """Aho-Corasick automaton over a request's stop strings: finds the first stop string completed in a text fed
+    one character at a time, and the longest suffix of that text that could still become one.
+
+    A state is a trie node: the longest suffix of the text fed so far that is a prefix of some stop string. Memory
+    is O(total length of the stop strings) (one dict entry and four list slots per trie node); :meth:`step` costs
+    O(1) amortised per character (each failure-link hop undoes an earlier one-character descent).
+
+    Args:
+        stops: the stop strings (non-empty strings; duplicates allowed).
+
+    Attributes:
+        stops: as given.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = list(stops)
+        self._goto: dict[tuple[int, str], int] = {}
+        depth, parent, last_char, own = [0], [0], [""], [-1]  # per node
+        for index, stop in enumerate(self.stops):
+            node = 0
+            for ch in stop:
+                child = self._goto.get((node, ch))
+                if child is None:
+                    child = len(depth)
+                    self._goto[(node, ch)] = child
+                    depth.append(depth[node] + 1)
+                    parent.append(node)
+                    last_char.append(ch)
+                    own.append(-1)
+                node = child
+            if own[node] < 0:
+                own[node] = index
+        count = len(depth)
+        has_child = [False] * count
+        for node in range(1, count):
+            has_child[parent[node]] = True
+        self._fail = [0] * count
+        self._match = [-1] * count  # the longest stop string ending here (index into stops), or -1
+        self._hold = [0] * count  # the deepest node on the failure chain that is a proper prefix of a stop string
+        self._depth = depth
+        # Nodes in order of depth, so a node's failure target (shallower) is done before the node.
+        for node in sorted(range(1, count), key=depth.__getitem__):
+            up, ch = parent[node], last_char[node]
+            if up:
+                f = self._fail[up]
+                while f and (f, ch) not in self._goto:
+                    f = self._fail[f]
+                self._fail[node] = self._goto.get((f, ch), 0)
+            fail = self._fail[node]
+            self._match[node] = own[node] if own[node] >= 0 else self._match[fail]
+            self._hold[node] = node if has_child[node] else self._hold[fail]
+
+    def step(self, state: int, ch: str) -> int:
+        """The state after feeding ``ch`` in ``state`` (0 = the start: nothing fed, or no prefix pending)."""
+        goto, fail = self._goto, self._fail
+        while state and (state, ch) not in goto:
+            state = fail[state]
+        return goto.get((state, ch), 0)
+
+    def match(self, state: int) -> str | None:
+        """The longest stop string ending at the last character fed, or None."""
+        index = self._match[state]
+        return self.stops[index] if index >= 0 else None
+
+    def held(self, state: int) -> int:
+        """Length of the longest suffix of the text fed that is a proper prefix of a stop string."""
+        return self._depth[self._hold[state]]
+
+
+@functools.lru_cache(maxsize=16)  # at most 16 x 4 x 1024 characters of automata kept (~16 MB)
+def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
+    """The (immutable) matcher of ``stops``, shared by the sequences that stop on the same strings (the ``n``
+    samples of a request, repeated requests)."""
+    return StopMatcher(stops)
 
 
 class IncrementalDetokenizer:
@@ -85,20 +168,19 @@ class IncrementalDetokenizer:
         self.max_tokens = min(caps) if caps else None
         self._eos = None if params.ignore_eos else eos_token_id
         self._stop_ids = frozenset(params.stop_token_ids)
-        self._stops: list[str] = list(params.stop)
-        self._stop_window = max((len(s) for s in self._stops), default=1) - 1
-        self._stop_prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
+        self._stops = stop_matcher(tuple(params.stop)) if params.stop else None
+        self._stop_state = 0  # the matcher's state after all text decoded so far
         # With the stop string kept in the output the cut is at its end, after all text already streamed,
         # so nothing needs holding back.
-        self._hold_back = bool(self._stops) and not params.include_stop_str_in_output
+        self._hold_back = self._stops is not None and not params.include_stop_str_in_output
 
         self.output_token_ids: list[int] = []
         self.finished = False
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self._chunks: list[str] = []  # text streamed so far
-        self._pending = ""  # decoded text held back: it could still begin a stop string
-        self._recent = ""  # the last _stop_window characters of all decoded text, where a new match may start
+        self._pending: deque[str] = deque()  # decoded text held back (pieces): it could still begin a stop string
+        self._pending_len = 0  # characters in _pending
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]) if tokenizer is not None else []
         self._prefix_offset = 0  # _ids[prefix_offset:read_offset] is the decoding context
         self._read_offset = len(self._ids)  # ids from here on have not produced text yet
@@ -109,7 +191,7 @@ class IncrementalDetokenizer:
         if len(self._chunks) > 1:
             # Collapse the chunks so that calling this every step joins only what arrived since the last call.
             self._chunks = ["".join(self._chunks)]
-        return (self._chunks[0] if self._chunks else "") + self._pending
+        return (self._chunks[0] if self._chunks else "") + "".join(self._pending)
 
     def append(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
         """Add the tokens accepted in one step; returns ``(new_text, finished, finish_reason, kept)``.
@@ -175,38 +257,48 @@ class IncrementalDetokenizer:
         """Add decoded text; returns (text to stream now, the stop string that ended the output or None)."""
         if not text:
             return "", None
-        window = self._recent + text
-        base = len(self._recent)
-        if check and self._stops:
-            match: tuple[int, int, str] | None = None  # (end, start, stop string) of the winning match
-            for stop in self._stops:
-                # A match must end inside the new text; it may start up to len(stop) - 1 characters before it.
-                start = window.find(stop, max(0, base - len(stop) + 1))
-                end = start + len(stop)
-                if start >= 0 and (match is None or end < match[0] or (end == match[0] and start < match[1])):
-                    match = (end, start, stop)
-            if match is not None:
-                end, start, stop = match
-                cut = end if self.params.include_stop_str_in_output else start
-                # Held-back text starts at base - len(pending); a match starting in older text would have been
-                # a held-back prefix, so the cut never falls inside text already streamed.
-                out = window[base - len(self._pending):cut]
-                self._pending = ""
-                self._chunks.append(out)
+        if self._stops is None:
+            self._chunks.append(text)
+            return text, None
+        matcher, state = self._stops, self._stop_state
+        for j, ch in enumerate(text):
+            state = matcher.step(state, ch)
+            stop = matcher.match(state) if check else None
+            if stop is not None:
+                # The first stop string completed (the longest of those ending on this character). Its start lies
+                # in held-back text or in ``text``: a prefix of it was held back, so nothing streamed is cut.
+                self._stop_state = state
+                end = j + 1 if self.params.include_stop_str_in_output else j + 1 - len(stop)
+                out = self._release(max(0, self._pending_len + end), text[:max(0, end)])
+                self._pending.clear()
+                self._pending_len = 0
                 return out, stop
-        pending = self._pending + text
-        self._recent = window[max(0, len(window) - self._stop_window):] if self._stop_window else ""
-        hold = self._held_suffix(pending) if self._hold_back else 0
-        out, self._pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
-        self._chunks.append(out)
-        return out, None
+        self._stop_state = state
+        self._pending.append(text)
+        self._pending_len += len(text)
+        hold = min(matcher.held(state), self._pending_len) if self._hold_back else 0
+        return self._release(self._pending_len - hold), None
 
-    def _held_suffix(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        for length in range(min(len(text), self._stop_window), 0, -1):
-            if text[-length:] in self._stop_prefixes:
-                return length
-        return 0
+    def _release(self, count: int, extra: str = "") -> str:
+        """Stream the first ``count`` characters of (held-back text + ``extra``), ``extra`` not yet in ``_pending``
+        (it is all released only when ``count`` reaches it); O(released characters)."""
+        parts = []
+        while count > 0 and self._pending:
+            piece = self._pending[0]
+            if len(piece) <= count:
+                parts.append(self._pending.popleft())
+                self._pending_len -= len(piece)
+                count -= len(piece)
+            else:
+                parts.append(piece[:count])
+                self._pending[0] = piece[count:]
+                self._pending_len -= count
+                count = 0
+        if count > 0:
+            parts.append(extra[:count])
+        out = "".join(parts)
+        self._chunks.append(out)
+        return out
 
     def _flush(self) -> str:
         """At finish: release held-back text and any incomplete character (decoded as U+FFFD)."""
@@ -215,7 +307,8 @@ class IncrementalDetokenizer:
             prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
             tail = self._decode(self._ids[self._prefix_offset:])[len(prefix):]
             self._read_offset = len(self._ids)
-        out = self._pending + tail
-        self._pending = ""
+        out = "".join(self._pending) + tail
+        self._pending.clear()
+        self._pending_len = 0
         self._chunks.append(out)
         return out

@@ -7,9 +7,10 @@ so a user's vLLM call works here unchanged for the fields we support. Validation
 Normalisation done at construction (as vLLM does): ``stop`` becomes a list of strings, ``stop_token_ids`` a list
 of unique ints, ``top_k=-1`` becomes 0 (off), ``seed=-1`` becomes None.
 
-Differences from vLLM: no upper bound on ``temperature`` (recent vLLM refuses > 2, the OpenAI range; the reference
-sampler takes any T), and temperatures in (0, 0.01) are used as given rather than raised to 0.01: the sampler
-subtracts the row maximum inside ``softmax``, so small T cannot overflow.
+Differences from vLLM: each stop string is at most ``MAX_STOP_STRING_CHARS`` (1024) characters; no upper bound on
+``temperature`` (recent vLLM refuses > 2, the OpenAI range; the reference sampler takes any T), and temperatures in
+(0, 0.01) are used as given rather than raised to 0.01: the sampler subtracts the row maximum inside ``softmax``,
+so small T cannot overflow.
 
 Source: SPEC.md §4.4; MODEL_REFERENCE.md §7 (greedy when T = 0).
 """
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 
 # Below this temperature a request is greedy (vLLM's ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
+# Longest stop string, in characters. Stop strings in use are words or short markers; the limit bounds the matcher's
+# memory (linear in the stop strings' total length, a few hundred bytes per character) for every sequence.
+MAX_STOP_STRING_CHARS = 1024
 
 
 @dataclass
@@ -40,7 +44,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from the logit of every token present in the output; [-2, 2]
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output; [-2, 2]
     repetition_penalty: float = 1.0  # > 0; tokens seen in prompt or output: positive logits / r, negative * r
-    stop: str | list[str] | None = None  # stop strings; the output text ends before the first one
+    stop: str | list[str] | None = None  # stop strings (<= MAX_STOP_STRING_CHARS each); the text ends before the first
     stop_token_ids: list[int] | None = None  # token ids that end the output (the token is kept in the ids)
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token text) in the output text
     ignore_eos: bool = False  # EOS is an ordinary token: it neither stops nor is masked by min_tokens
@@ -102,6 +106,10 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            longest = max(len(s) for s in self.stop)
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long, got one of "
+                             f"{longest}.")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must contain only non-negative integers, got {self.stop_token_ids}.")
         if self.is_greedy and self.n > 1:

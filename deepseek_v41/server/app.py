@@ -25,11 +25,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deepseek_v41 import __version__
-from deepseek_v41.engine.async_engine import AsyncLLMEngine
+from deepseek_v41.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineDrainingError
 from deepseek_v41.server.chat import chat_completion, prepare_chat
-from deepseek_v41.server.common import ServerConfig, ServerState, check_common, key_salt, token_text
+from deepseek_v41.server.common import (
+    ServerConfig,
+    ServerState,
+    check_common,
+    engine_unavailable,
+    key_salt,
+)
 from deepseek_v41.server.completions import completion
-from deepseek_v41.server.errors import APIError, error_body, install_error_handlers, validation_error
+from deepseek_v41.server.errors import (
+    APIError,
+    error_body,
+    error_response,
+    install_error_handlers,
+    validation_error,
+)
 from deepseek_v41.server.metrics import ServerMetrics
 from deepseek_v41.server.protocol import (
     ChatCompletionRequest,
@@ -38,6 +50,7 @@ from deepseek_v41.server.protocol import (
     TokenizeRequest,
 )
 from deepseek_v41.server.streaming import ClientDisconnected, until_disconnect
+from deepseek_v41.server.text import check_text_fits, decode, encode
 
 logger = logging.getLogger("deepseek_v41.server")
 
@@ -99,8 +112,12 @@ def _state(request: Request) -> ServerState:
 
 
 async def _run(request: Request, work) -> Response:
-    """Refuse while draining; cancel the work when the client goes away."""
+    """Refuse after an engine failure (503 engine_dead) and while draining; cancel the work when the client goes
+    away."""
     state = _state(request)
+    if state.engine.errored:  # the server is going down because of it: say why
+        work.close()
+        raise engine_unavailable(state.engine.dead_error())
     if state.draining:
         work.close()
         raise APIError("the server is shutting down; retry on another replica", None, "shutting_down", 503)
@@ -132,6 +149,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(_Guard, keys=config.api_keys, max_body_bytes=config.max_body_bytes)
+
+    @app.exception_handler(EngineDeadError)
+    @app.exception_handler(EngineDrainingError)
+    async def _unavailable(request: Request, exc: EngineDeadError | EngineDrainingError) -> JSONResponse:
+        return error_response(engine_unavailable(exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -174,12 +196,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 raise validation_error(exc) from exc
             ids = (await prepare_chat(state, chat, check_length=False)).ids
         else:
-            encoding = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
-                                               add_special_tokens=body.add_special_tokens)
-            ids = list(encoding.ids)
+            check_text_fits(state, body.prompt, "prompt")
+            (ids,) = await encode(state, [body.prompt], body.add_special_tokens)
         result = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
         if body.return_token_strs:
-            result["token_strs"] = [token_text(state.tokenizer, t) for t in ids]
+            result["token_strs"] = await decode(state, [[t] for t in ids])
         return result
 
     @app.post("/detokenize")
@@ -189,7 +210,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise APIError("this model has no tokenizer.json", "tokens", "invalid_value")
         if body.tokens and max(body.tokens) >= state.vocab_size:
             raise APIError(f"token ids must be in [0, {state.vocab_size})", "tokens", "invalid_value")
-        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        (text,) = await decode(state, [body.tokens])
+        return {"prompt": text}
 
     @app.get("/version")
     async def version():
@@ -198,7 +220,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         if engine.errored:
-            raise APIError("the engine stopped after an internal failure", None, "engine_dead", 503)
+            raise engine_unavailable(engine.dead_error())
         if state.draining:
             raise APIError("the server is shutting down", None, "shutting_down", 503)
         return Response(status_code=200)

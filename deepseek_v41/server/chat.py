@@ -20,7 +20,6 @@ only the first call. Images -> 400 "this model does not take images" (the engine
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -31,7 +30,7 @@ from fastapi.responses import JSONResponse
 
 from deepseek_v41.chat import ChatFormatError, StreamingParser, encode_messages, merge_deltas
 from deepseek_v41.chat.tokens import CALLS_OPEN, CALLS_SEPARATOR, INVOKE_OPEN
-from deepseek_v41.engine.async_engine import EngineDeadError, StepOutput
+from deepseek_v41.engine.async_engine import EngineDeadError, EngineDrainingError, StepOutput
 from deepseek_v41.server.common import (
     ServerState,
     chat_logprobs,
@@ -41,11 +40,13 @@ from deepseek_v41.server.common import (
     request_salt,
     sampling_params,
     start_generation,
+    stream_error,
     usage,
 )
-from deepseek_v41.server.errors import APIError, error_body
+from deepseek_v41.server.errors import APIError
 from deepseek_v41.server.protocol import ChatCompletionRequest
 from deepseek_v41.server.streaming import SSEResponse
+from deepseek_v41.server.text import check_text_fits, encode
 
 _EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "high", "max": "max",
             "ultra": "max"}
@@ -150,7 +151,8 @@ def _response_format(messages: list[dict[str, Any]], fmt: dict[str, Any] | None)
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_length: bool = True) -> ChatPlan:
     """Validate and render the request; APIError 400 naming the field for anything that cannot be served.
-    ``check_length=False`` (for /tokenize) lets a prompt over ``max_model_len`` through."""
+    ``check_length=False`` (for /tokenize) lets a prompt over ``max_model_len`` tokens through, but not one whose
+    text cannot fit it (:func:`check_text_fits`)."""
     check_common(state, req)
     if state.tokenizer is None:
         raise APIError("this model has no tokenizer.json, so chat is not available; use /v1/completions with "
@@ -185,8 +187,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_len
     except ChatFormatError as exc:
         raise APIError(str(exc), exc.where, "invalid_value") from exc
     prompt += prefix
-    encoding = await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=False)
-    ids = list(encoding.ids)
+    check_text_fits(state, prompt, "messages")  # the rendered prompt holds every message's text
+    (ids,) = await encode(state, [prompt], add_special_tokens=False)
     if check_length:
         check_prompt_ids(state, ids, "messages")
     return ChatPlan(prompt, ids, thinking and not req.continue_final_message, choice != "none", prefix,
@@ -201,11 +203,13 @@ class _Choice:
         self.parser = StreamingParser(plan.thinking)
         self.pending = self.parser.feed(plan.prefix) if plan.prefix else []
         self.num_tokens = 0
+        self.finished = False
 
     def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
         deltas = self.pending + self.parser.feed(text)
         self.pending = []
         if finished:
+            self.finished = True
             deltas += self.parser.finish()
         return [d for d in (self._filter(d) for d in deltas) if d]
 
@@ -297,6 +301,8 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
         try:
             while True:
                 for i, choice in enumerate(choices):
+                    if choice.finished:  # it finished in an earlier step; the others go on
+                        continue
                     reason = step.finish_reasons[i]
                     new_ids = step.delta_token_ids[i]
                     choice.num_tokens += len(new_ids)
@@ -318,8 +324,8 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
                 if step.finished:
                     break
                 step = await anext(stream)
-        except EngineDeadError as exc:
-            yield error_body(f"the engine stopped after an internal failure: {exc}", 503, None, "engine_dead")
+        except (EngineDeadError, EngineDrainingError) as exc:
+            yield stream_error(exc)
             return
     if include_usage:
         yield {**base, "choices": [], "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices), cached)}

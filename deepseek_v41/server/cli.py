@@ -1,7 +1,9 @@
 """``dsv41 serve``: load a model directory and serve the OpenAI-compatible API with uvicorn.
 
 SIGTERM / SIGINT drain: the server stops accepting connections, ``/health`` turns 503, running requests get up to
-``--drain-timeout`` seconds to finish, then the rest are aborted and the process exits. Heavy imports (torch,
+``--drain-timeout`` seconds to finish, then the rest are aborted and the process exits. A failure of the engine
+loop is permanent: every request in flight gets the 503 ``engine_dead``, the cause is logged and the process exits
+with status 1 within seconds, so that a supervisor restarts it (as vLLM does). Heavy imports (torch,
 FastAPI) happen inside the command so that ``dsv41 --help`` stays fast.
 """
 
@@ -141,6 +143,17 @@ def serve(
                                                    "and maximum: the checkpoint's dspark_block_size)."),
     max_body_mb: float = typer.Option(32.0, help="Largest request body, MiB (> 0)."),
     drain_timeout: float = typer.Option(30.0, min=0, help="Seconds running requests get to finish on SIGTERM."),
+    timeout_keep_alive: float = typer.Option(5.0, help="Seconds an idle kept-alive connection stays open (> 0; "
+                                             "uvicorn's default)."),
+    timeout_header: float = typer.Option(10.0, help="Seconds a client has to send a whole request head (> 0); "
+                                         "then 408 and the connection is closed."),
+    timeout_body: float = typer.Option(60.0, help="Seconds a client has to send a whole request body once its "
+                                       "head arrived (> 0); then 408 and the connection is closed."),
+    timeout_write: float = typer.Option(60.0, help="Seconds a response may stall on a client that reads nothing "
+                                        "(> 0); then the connection is dropped and its request aborted."),
+    limit_concurrency: int | None = typer.Option(None, min=1, help="Open connections at most; a new one beyond "
+                                                 "gets a 503 (default: the open-file limit minus 128, at most "
+                                                 "4096)."),
     log_stats_interval: float = typer.Option(10.0, min=0, help="Seconds between throughput log lines (0 = off)."),
     log_level: str = typer.Option("info", help=f"uvicorn / server log level: {', '.join(LOG_LEVELS)}."),
 ) -> None:
@@ -154,6 +167,10 @@ def serve(
         fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
     if not max_body_mb > 0:
         fail(f"--max-body-mb must be > 0, got {max_body_mb}")
+    for flag, value in (("--timeout-keep-alive", timeout_keep_alive), ("--timeout-header", timeout_header),
+                        ("--timeout-body", timeout_body), ("--timeout-write", timeout_write)):
+        if not value > 0:
+            fail(f"{flag} must be > 0 seconds, got {value}")
     if replay not in REPLAY_MODES:
         fail(f"--replay must be one of {', '.join(REPLAY_MODES)}, got {replay!r}")
     if speculative_max_len is not None and speculative is None:
@@ -172,7 +189,7 @@ def serve(
     from deepseek_v41.model.checkpoint import CheckpointError
     from deepseek_v41.server.app import build_app
     from deepseek_v41.server.common import ServerConfig
-    from deepseek_v41.server.launch import make_server
+    from deepseek_v41.server.launch import ConnectionLimits, make_server
 
     logging.basicConfig(level=log_level.upper() if log_level.lower() != "trace" else 5,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
@@ -199,14 +216,19 @@ def serve(
                               api_keys=list(api_key), max_body_bytes=int(max_body_mb * 1024 * 1024),
                               log_stats_interval_s=log_stats_interval, drain_timeout_s=drain_timeout)
         app = build_app(engine, config)
-        server = make_server(app, host, port, drain_timeout, log_level.lower())
-        log.info("serving %s as %s on http://%s:%d (max_model_len %d, %d KV pages, %s, %s; %s, %s)", model,
-                 config.served_model_names, host, port, engine.max_model_len, engine.stats["kv_pages_total"],
-                 torch_dtype, torch_device, _prefix_line(llm, cache_path), _speculative_line(llm))
+        limits = ConnectionLimits(timeout_keep_alive, timeout_header, timeout_body, limit_concurrency, timeout_write)
+        server = make_server(app, host, port, drain_timeout, log_level.lower(), limits)
+        log.info("serving %s as %s on http://%s:%d (max_model_len %d, %d KV pages, %s, %s; %s, %s; at most %d "
+                 "connections)", model, config.served_model_names, host, port, engine.max_model_len,
+                 engine.stats["kv_pages_total"], torch_dtype, torch_device, _prefix_line(llm, cache_path),
+                 _speculative_line(llm), limits.limit_concurrency)
         try:
             server.run()
         finally:
             started = bool(getattr(server, "started", False))
+        if server.exit_code:
+            log.error("exiting with status %d after the engine failure above", server.exit_code)
+            raise typer.Exit(server.exit_code)
     finally:
         if not started:
             _remove_created(created)

@@ -1,7 +1,8 @@
 """What both generation endpoints share: the server's state, request limits -> ``SamplingParams``, usage, logprobs.
 
 Limits (SPEC.md §4.6): a prompt of ``max_model_len`` tokens or more, ``max_tokens`` beyond what is left of
-``max_model_len``, ``n`` outside [1, max_n], bad sampling values -> :class:`APIError` 400 naming the field.
+``max_model_len``, ``n`` outside [1, max_n], more than 4 stop strings or one over 1024 characters, bad sampling
+values -> :class:`APIError` 400 naming the field.
 Usage follows OpenAI (``prompt_tokens_details.cached_tokens``) and the DeepSeek API (``prompt_cache_hit_tokens``,
 ``prompt_cache_miss_tokens``); cached tokens come from ``RequestOutput.num_cached_tokens``.
 """
@@ -13,7 +14,7 @@ import contextlib
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,10 @@ from deepseek_v41.engine.async_engine import (
 )
 from deepseek_v41.engine.sampler import Logprob
 from deepseek_v41.engine.sampling_params import SamplingParams
-from deepseek_v41.server.errors import APIError
+from deepseek_v41.server.errors import APIError, error_body
+from deepseek_v41.server.text import check_unicode, max_token_bytes
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit; each string is at most MAX_STOP_STRING_CHARS (SamplingParams)
 
 
 @dataclass
@@ -56,6 +60,12 @@ class ServerState:
     metrics: Any
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # Longest prompt text, in UTF-8 bytes, that can fit max_model_len tokens (None: no tokenizer).
+    max_text_bytes: int | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None:
+            self.max_text_bytes = self.engine.max_model_len * max_token_bytes(self.tokenizer)
 
     @property
     def tokenizer(self):
@@ -90,7 +100,9 @@ def new_id(prefix: str) -> str:
 
 
 def check_common(state: ServerState, req: Any) -> None:
-    """Model name, the declared-but-unsupported fields, and stream_options without stream (as OpenAI and vLLM)."""
+    """Valid Unicode everywhere, the model name, the declared-but-unsupported fields, and stream_options without
+    stream (as OpenAI and vLLM)."""
+    check_unicode(req)
     if getattr(req, "stream_options", None) is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", "stream_options", "invalid_value")
     if req.model is not None and req.model not in state.config.served_model_names:
@@ -124,8 +136,9 @@ def sampling_params(state: ServerState, req: Any, prompt_len: int, *, max_tokens
     if req.stop and state.tokenizer is None:
         raise APIError("stop strings need a tokenizer and this model has none; use stop_token_ids", "stop",
                        "invalid_value")
-    if isinstance(req.stop, list) and len(req.stop) > 64:
-        raise APIError("at most 64 stop strings", "stop", "invalid_value")
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
+        raise APIError(f"stop takes at most {MAX_STOP_STRINGS} strings (as OpenAI), got {len(req.stop)}", "stop",
+                       "invalid_value")
     room = state.engine.max_model_len - prompt_len
     requested = getattr(req, max_tokens_field)
     if requested is not None and max_tokens_field not in req.model_fields_set:
@@ -192,6 +205,22 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int,
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
+def engine_unavailable(exc: EngineDeadError | EngineDrainingError) -> APIError:
+    """The 503 every request gets when the engine cannot serve it: ``engine_dead`` after a failure of the engine
+    loop (the same message for every request, the cause included; the server exits so that its supervisor restarts
+    it), ``shutting_down`` while draining."""
+    if isinstance(exc, EngineDrainingError):
+        return APIError("the server is shutting down; retry on another replica", None, "shutting_down", 503)
+    return APIError(f"the engine stopped after an internal failure and the server is restarting; retry shortly "
+                    f"({exc})", None, "engine_dead", 503)
+
+
+def stream_error(exc: EngineDeadError | EngineDrainingError) -> dict[str, Any]:
+    """The SSE error event of :func:`engine_unavailable` (a stream's status line has already been sent)."""
+    error = engine_unavailable(exc)
+    return error_body(error.message, error.status, error.param, error.code)
+
+
 async def start_generation(state: ServerState, request_id: str, ids: list[int], params: SamplingParams,
                            prompt: str | None, salt: str | None, arrival: float, param: str
                            ) -> tuple[AsyncIterator[StepOutput], StepOutput]:
@@ -204,16 +233,40 @@ async def start_generation(state: ServerState, request_id: str, ids: list[int], 
     except ValueError as exc:
         await stream.aclose()
         raise APIError(str(exc), param, "invalid_value") from exc
-    except EngineDrainingError as exc:
+    except (EngineDrainingError, EngineDeadError) as exc:
         await stream.aclose()
-        raise APIError("the server is shutting down; retry on another replica", None, "shutting_down", 503) from exc
-    except EngineDeadError as exc:
-        await stream.aclose()
-        raise APIError(f"the engine stopped after an internal failure: {exc}", None, "engine_dead", 503) from exc
+        raise engine_unavailable(exc) from exc
     except BaseException:
         await stream.aclose()
         raise
     return stream, first
+
+
+async def start_all(starts: list[Coroutine[Any, Any, tuple[AsyncIterator[StepOutput], StepOutput]]]
+                    ) -> list[tuple[AsyncIterator[StepOutput], StepOutput]]:
+    """Run several :func:`start_generation` calls concurrently (their requests reach the engine together) and
+    return their results in order. If any fails, or the caller is cancelled, every stream already started is closed
+    (its request aborted) and the first failure in order is raised."""
+    tasks = [asyncio.ensure_future(start) for start in starts]
+    try:
+        await asyncio.wait(tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close_started(tasks)
+        raise
+    failed = [task.exception() for task in tasks if task.exception() is not None]
+    if failed:
+        await _close_started(tasks)
+        raise failed[0]
+    return [task.result() for task in tasks]
+
+
+async def _close_started(tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is None:
+            await task.result()[0].aclose()
 
 
 async def merged(streams: list[tuple[AsyncIterator[StepOutput], StepOutput]]

@@ -1,15 +1,14 @@
 """``POST /v1/completions``: raw prompts (text or token ids) -> the engine -> OpenAI text completions or SSE.
 
 ``prompt`` takes OpenAI's four forms: a string, a list of strings, a list of token ids, a list of token-id lists.
-Several prompts run concurrently; choice ``index`` is ``prompt_index * n + sample_index``. Token-id prompts work
-on a model without a tokenizer (the text is then empty: use ``return_token_ids``). ``echo`` puts the prompt text
-in front; ``best_of`` must equal ``n`` (no server-side reranking); ``suffix`` is refused. Source: the OpenAI
-completions API; vLLM ``serving_completion.py``.
+Several prompts are submitted together (they share engine steps) and run concurrently; choice ``index`` is
+``prompt_index * n + sample_index``. Token-id prompts work on a model without a tokenizer (the text is then empty:
+use ``return_token_ids``). ``echo`` puts the prompt text in front; ``best_of`` must equal ``n`` (no server-side
+reranking); ``suffix`` is refused. Source: the OpenAI completions API; vLLM ``serving_completion.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -18,7 +17,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from deepseek_v41.engine.async_engine import EngineDeadError, StepOutput
+from deepseek_v41.engine.async_engine import EngineDeadError, EngineDrainingError, StepOutput
 from deepseek_v41.server.common import (
     ServerState,
     check_common,
@@ -28,12 +27,15 @@ from deepseek_v41.server.common import (
     new_id,
     request_salt,
     sampling_params,
+    start_all,
     start_generation,
+    stream_error,
     usage,
 )
-from deepseek_v41.server.errors import APIError, error_body
+from deepseek_v41.server.errors import APIError
 from deepseek_v41.server.protocol import CompletionRequest
 from deepseek_v41.server.streaming import SSEResponse
+from deepseek_v41.server.text import check_text_fits, encode
 
 
 @dataclass
@@ -50,9 +52,10 @@ async def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
         if state.tokenizer is None:
             raise APIError("this model has no tokenizer.json: send the prompt as token ids", "prompt",
                            "invalid_value")
-        encodings = await asyncio.to_thread(state.tokenizer.encode_batch, texts,
-                                            add_special_tokens=req.add_special_tokens)
-        prompts = [_Prompt(t, list(e.ids)) for t, e in zip(texts, encodings, strict=True)]
+        for i, text in enumerate(texts):
+            check_text_fits(state, text, "prompt" if isinstance(raw, str) else f"prompt[{i}]")
+        encoded = await encode(state, texts, req.add_special_tokens)
+        prompts = [_Prompt(t, ids) for t, ids in zip(texts, encoded, strict=True)]
     else:
         lists = [raw] if isinstance(raw[0], int) else raw
         prompts = [_Prompt(None, list(ids)) for ids in lists]
@@ -74,19 +77,15 @@ async def completion(state: ServerState, req: CompletionRequest, salt: str | Non
                        "unsupported_parameter")
     prompts = await _prompts(state, req)
     request_id = new_id("cmpl")
-    started: list[tuple[AsyncIterator[StepOutput], StepOutput]] = []
-    try:
-        for i, prompt in enumerate(prompts):
-            params = sampling_params(state, req, len(prompt.ids), max_tokens_field="max_tokens",
-                                     logprobs=req.logprobs, logprobs_field="logprobs",
-                                     skip_special_tokens=req.skip_special_tokens)
-            started.append(await start_generation(state, f"{request_id}-{i}", prompt.ids, params, prompt.text,
-                                                  request_salt(salt, req.cache_salt), arrival,
-                                                  "prompt" if len(prompts) == 1 else f"prompt[{i}]"))
-    except BaseException:
-        for stream, _ in started:
-            await stream.aclose()
-        raise
+    salt_ = request_salt(salt, req.cache_salt)
+    params = [sampling_params(state, req, len(p.ids), max_tokens_field="max_tokens", logprobs=req.logprobs,
+                              logprobs_field="logprobs", skip_special_tokens=req.skip_special_tokens)
+              for p in prompts]
+    # All prompts are submitted at once, so they share engine steps (the first token of 32 prompts comes as soon
+    # as one's).
+    started = await start_all([
+        start_generation(state, f"{request_id}-{i}", prompt.ids, params[i], prompt.text, salt_, arrival,
+                         "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, prompt in enumerate(prompts)])
     created = int(time.time())
     run = _Run(state, req, prompts, request_id, created)
     if req.stream:
@@ -182,8 +181,8 @@ class _Run:
                         if reason is not None:
                             yield chunk({"index": choice_index, "text": "", "logprobs": None,
                                          "finish_reason": reason, "stop_reason": completion.stop_reason})
-            except EngineDeadError as exc:
-                yield error_body(f"the engine stopped after an internal failure: {exc}", 503, None, "engine_dead")
+            except (EngineDeadError, EngineDrainingError) as exc:
+                yield stream_error(exc)
                 return
         if include_usage:
             yield {**self.base, "choices": [], "usage": self._usage(latest, generated)}

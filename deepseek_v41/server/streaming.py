@@ -3,8 +3,10 @@
 ``SSEResponse`` streams an async iterator of JSON-able chunks as ``data: {...}\\n\\n`` lines, ends with
 ``data: [DONE]``, and watches the connection: when the client goes away the stream is cancelled and the iterator
 closed, which aborts the engine request (``AsyncLLMEngine.generate`` aborts on close) and frees its pages at the
-next step. ``until_disconnect`` does the same for a non-streaming handler. Source: SPEC.md §4.6; the SSE format
-of the OpenAI streaming API; vLLM ``with_cancellation``.
+next step. A chunk generator that fails mid-stream (a bug) still ends its stream: an OpenAI-shaped error event
+(500 ``internal_error``, the failure logged), then ``data: [DONE]``. ``until_disconnect`` cancels a non-streaming
+handler whose client went away. Source: SPEC.md §4.6; the SSE format of the OpenAI streaming API; vLLM
+``with_cancellation``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -19,7 +22,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from deepseek_v41.server.errors import error_body
+
 T = TypeVar("T")
+logger = logging.getLogger("deepseek_v41.server")
 DONE = b"data: [DONE]\n\n"
 
 
@@ -56,8 +62,15 @@ class SSEResponse(Response):
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]})
-            async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": sse_event(chunk), "more_body": True})
+            try:
+                async for chunk in self.chunks:
+                    await send({"type": "http.response.body", "body": sse_event(chunk), "more_body": True})
+            except (OSError, ClientDisconnected):
+                raise
+            except Exception as exc:  # a bug in a chunk generator: the client still gets an error and [DONE]
+                logger.exception("a streamed response failed")
+                error = error_body(f"internal error: {type(exc).__name__}", 500, None, "internal_error")
+                await send({"type": "http.response.body", "body": sse_event(error), "more_body": True})
             await send({"type": "http.response.body", "body": DONE, "more_body": False})
 
         sender = asyncio.ensure_future(stream())

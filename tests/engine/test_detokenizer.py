@@ -5,12 +5,15 @@ the GPT-2 byte-to-unicode table (independent of our code) to build single-byte t
 """
 
 import random
+import tracemalloc
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from optional_deps import require
 
-from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
+from deepseek_v41.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from deepseek_v41.engine.sampling_params import SamplingParams
 
 EOS = 1
@@ -215,3 +218,85 @@ def test_decodes_a_small_window_per_token(tok):
     stream(d, ids, 3)
     assert len(ids) > 1000 and max(sizes) <= 8
     assert d.output_text == tok.decode(ids)
+
+
+def _first_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    """Oracle: (end, stop) of the first stop string completed at or after character ``start`` (the longest of those
+    ending on that character), by brute force."""
+    for end in range(start + 1, len(text) + 1):
+        ending = [s for s in stops if text.endswith(s, 0, end)]
+        if ending:
+            return end, max(ending, key=len)
+    return None
+
+
+def _held(text: str, stops: list[str]) -> int:
+    """Oracle: the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    return max((k for k in range(1, len(text) + 1) for s in stops if len(s) > k and s.startswith(text[-k:])),
+               default=0)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(stops=st.lists(st.text("abc", min_size=1, max_size=6), min_size=1, max_size=4),
+       text=st.text("abc", max_size=40))
+def test_stop_matcher_against_brute_force(stops, text):
+    matcher = StopMatcher(stops)
+    state = 0
+    for i, ch in enumerate(text):
+        state = matcher.step(state, ch)
+        found = _first_stop(text[:i + 1], stops, i)
+        assert matcher.match(state) == (found[1] if found else None)
+        assert matcher.held(state) == _held(text[:i + 1], stops)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(stops=st.lists(st.text("ab ", min_size=1, max_size=5), min_size=1, max_size=3),
+       pieces=st.lists(st.text("ab ", min_size=1, max_size=4), min_size=1, max_size=12),
+       include=st.booleans())
+def test_stop_strings_against_brute_force(stops, pieces, include):
+    """The detokenizer's cut and stop reason on text arriving in arbitrary pieces (a fake tokenizer: one token per
+    piece), against a search of the whole text."""
+
+    class PieceTokenizer:
+        def decode(self, ids, skip_special_tokens):
+            return "".join(pieces[i - 1000] for i in ids if i >= 1000)
+
+    d = IncrementalDetokenizer(PieceTokenizer(), [], SamplingParams(stop=stops, include_stop_str_in_output=include,
+                                                                    max_tokens=None))
+    streamed = "".join(stream(d, [1000 + i for i in range(len(pieces))]))
+    text = "".join(pieces)
+    found = _first_stop(text, stops, 0)
+    if found is None:
+        # Only what could still begin a stop string is held back.
+        assert d.finish_reason is None and d.output_text == text and text.startswith(streamed)
+        assert len(text) - len(streamed) == (0 if include else _held(text, stops))
+        return
+    end, stop = found
+    assert (d.finish_reason, d.stop_reason) == ("stop", stop)
+    assert streamed == d.output_text == text[:end if include else end - len(stop)]
+    assert len("".join(pieces[:len(d.output_token_ids)])) >= end > len("".join(pieces[:len(d.output_token_ids) - 1]))
+
+
+def test_long_stop_strings_cost_linear_memory_and_time():
+    """A 30,000-character stop string that the output keeps almost completing: memory stays linear in its length
+    (a set of all its prefixes took L^2 / 2 = 450 MB) and each token costs the same however long it is."""
+
+    class CharTokenizer:
+        def decode(self, ids, skip_special_tokens):
+            return "".join(chr(i) for i in ids)
+
+    length = 30_000
+    params = SamplingParams(stop=["x"], max_tokens=None)
+    params.stop = ["a" * length + "b"]  # past the per-string limit, to measure the matcher itself
+    tracemalloc.start()
+    try:
+        d = IncrementalDetokenizer(CharTokenizer(), [], params)
+        deltas = [d.append([ord("a")]).new_text for _ in range(2 * length)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 40 * 2**20, f"{peak / 2**20:.0f} MiB for a {length}-character stop string"
+    # Everything but the last `length` characters, which could still begin the stop string, was streamed.
+    assert "".join(deltas) == "a" * length and d.finish_reason is None
+    d.append([ord("b")])
+    assert d.stop_reason == params.stop[0] and d.output_text == "a" * length

@@ -21,6 +21,7 @@ def test_normalisation():
     assert p.top_k == 0
     assert p.seed is None
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop="x" * 1024).stop == ["x" * 1024]  # the longest allowed
     assert SamplingParams(max_tokens=None).max_tokens is None
 
 
@@ -51,6 +52,7 @@ def test_greedy_threshold():
     ({"logprobs": -1}, r"logprobs must be non-negative, got -1"),
     ({"stop": ["ok", ""]}, r"stop cannot contain an empty string"),
     ({"stop": [3]}, r"stop must be a string or a list of strings"),
+    ({"stop": ["ok", "x" * 1025]}, r"stop strings must be at most 1024 characters long, got one of 1025"),
     ({"stop_token_ids": [1, -4]}, r"stop_token_ids must contain only non-negative integers"),
     ({"seed": 2**64}, r"seed must be None or an integer in \[-2\*\*63, 2\*\*64\)"),
     ({"n": 2, "temperature": 0.0}, r"n must be 1 when using greedy sampling, got 2"),

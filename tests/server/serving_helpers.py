@@ -94,15 +94,17 @@ class LiveServer:
         self.thread.join(timeout)
 
 
-def start_server(model_dir, api_keys=KEYS, drain_timeout_s: float = 10.0, **engine_args) -> LiveServer:
-    """Load ``model_dir`` and serve it on a free loopback port from a daemon thread."""
+def start_server(model_dir, api_keys=KEYS, drain_timeout_s: float = 10.0, limits=None, **engine_args) -> LiveServer:
+    """Load ``model_dir`` and serve it on a free loopback port from a daemon thread (``limits``: the server's
+    ``ConnectionLimits``, default its defaults)."""
     args = dict(max_num_seqs=40, max_model_len=MAX_MODEL_LEN)
     args.update(engine_args)
     llm = LLM(model_dir, **args)
     engine = AsyncLLMEngine(llm.engine)
     config = ServerConfig(served_model_names=[MODEL], model_path=str(model_dir), api_keys=list(api_keys),
                           max_body_bytes=MAX_BODY_BYTES, log_stats_interval_s=0, drain_timeout_s=drain_timeout_s)
-    server = make_server(build_app(engine, config), "127.0.0.1", 0, drain_timeout_s, log_level="warning")
+    server = make_server(build_app(engine, config), "127.0.0.1", 0, drain_timeout_s, log_level="warning",
+                         limits=limits)
     thread = threading.Thread(target=server.run, name="dsv41-test-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -166,6 +168,39 @@ def scripted(live, text: str):
     assert engine.tokenizer.decode(ids, skip_special_tokens=False) == text, "the script must round-trip"
     original = engine.sampler
     engine.sampler = ScriptedSampler(ids, engine.config.eos_token_id)
+    try:
+        yield
+    finally:
+        engine.sampler = original
+
+
+class ScriptedEachSampler:
+    """Like :class:`ScriptedSampler`, with one script per sequence: the k-th sequence the sampler sees (in order of
+    first appearance) emits ``scripts[k % len(scripts)]`` and then EOS, so the choices of one ``n > 1`` request
+    can finish in different steps."""
+
+    def __init__(self, scripts: list[list[int]], eos_token_id: int):
+        self.scripts, self.eos, self.assigned = scripts, eos_token_id, {}
+
+    def sample(self, logits, rows) -> SampleOutput:
+        picked = []
+        for row in rows:
+            ids = self.scripts[self.assigned.setdefault(id(row), len(self.assigned) % len(self.scripts))]
+            done = len(row.output_token_ids)
+            picked.append(ids[done] if done < len(ids) else self.eos)
+        return SampleOutput(torch.tensor(picked, dtype=torch.int64))
+
+
+@contextlib.contextmanager
+def scripted_each(live, texts: list[str]):
+    """Make ``live``'s engine answer with one of ``texts`` per sequence (then EOS) inside the block; use it for
+    one request at a time (sequences are matched to texts in the order the sampler first sees them)."""
+    engine = live.llm.engine
+    scripts = [engine.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+    for text, ids in zip(texts, scripts, strict=True):
+        assert engine.tokenizer.decode(ids, skip_special_tokens=False) == text, "the script must round-trip"
+    original = engine.sampler
+    engine.sampler = ScriptedEachSampler(scripts, engine.config.eos_token_id)
     try:
         yield
     finally:

@@ -1,0 +1,115 @@
+"""Huge prompts neither freeze the event loop nor get tokenized when they cannot fit (issue 22 item 4): a text with
+more bytes than ``max_model_len`` tokens can cover is refused before tokenizing, and tokenization runs on a worker
+thread with the GIL released, so ``/health`` answers while a large one runs."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from serving_helpers import KEYS, MODEL, auth
+
+from deepseek_v41.server.text import encode
+
+
+class Watched:
+    """Wraps the server's tokenizer: records what it tokenizes and when a tokenization starts and ends."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.texts = tokenizer, []
+        self.started, self.done = threading.Event(), threading.Event()
+
+    def _run(self, fn, texts, *args, **kwargs):
+        self.texts.extend([texts] if isinstance(texts, str) else texts)
+        self.started.set()
+        try:
+            return fn(texts, *args, **kwargs)
+        finally:
+            self.done.set()
+
+    def encode(self, text, *args, **kwargs):
+        return self._run(self.tokenizer.encode, text, *args, **kwargs)
+
+    def encode_batch(self, texts, *args, **kwargs):
+        return self._run(self.tokenizer.encode_batch, texts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.fixture
+def watched(server):
+    original = server.engine.tokenizer
+    server.engine.tokenizer = Watched(original)
+    try:
+        yield server.engine.tokenizer
+    finally:
+        server.engine.tokenizer = original
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(server, watched):
+    state = server.uvicorn_server.config.app.state.server
+    limit = state.max_text_bytes
+    assert limit is not None and limit < 300_000
+    big = "ka lo " * (limit // 6 + 1)
+    assert len(big.encode()) > limit
+    cases = [("/tokenize", {"model": MODEL, "prompt": big}, "prompt"),
+             ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": big}]}, "messages"),
+             ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": big}]}, "messages"),
+             ("/v1/completions", {"model": MODEL, "prompt": ["Hi", big]}, "prompt[1]")]
+    for path, body, param in cases:
+        response = httpx.post(server.url + path, json=body, headers=auth(KEYS[0]), timeout=60)
+        assert response.status_code == 400, response.text[:300]
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", param), error
+        assert f"cannot cover more than {limit} bytes" in error["message"]
+    assert watched.texts == []  # nothing was tokenized
+    # Text that may fit is tokenized as before, also when it is over max_model_len tokens (/tokenize says so).
+    fits = "ka lo " * 2000
+    assert len(fits.encode()) <= limit
+    response = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": fits}, timeout=60).json()
+    assert response["count"] > response["max_model_len"] and watched.texts == [fits]
+
+
+def test_health_answers_while_a_large_tokenize_runs(server, watched):
+    """By structure, not by timing: /health must answer before the tokenization it runs beside has finished. With
+    the GIL held for the whole tokenization (``Tokenizer.encode``) it could only answer afterwards."""
+    state = server.uvicorn_server.config.app.state.server
+    limit, state.max_text_bytes = state.max_text_bytes, None  # as if max_model_len could take it
+    try:
+        big = "Hello world, the city is Paris. " * 28_000  # ~0.9 MB: about a second of tokenizing here
+        with ThreadPoolExecutor(1) as pool:
+            job = pool.submit(httpx.post, server.url + "/tokenize", json={"model": MODEL, "prompt": big}, timeout=120)
+            assert watched.started.wait(60)
+            health = httpx.get(server.url + "/health", timeout=60)
+            answered_during = not watched.done.is_set()
+            assert job.result().status_code == 200
+    finally:
+        state.max_text_bytes = limit
+    assert health.status_code == 200 and answered_during, "/health waited for the tokenization to end"
+
+
+def test_encode_releases_the_gil(server):
+    """The helper every route tokenizes with lets other Python threads run meanwhile."""
+    import asyncio
+    import time
+
+    tokenizer = server.engine.tokenizer
+    text = "Hello world, the city is Paris. " * 28_000
+    done, ticks = threading.Event(), [0]
+
+    def count():
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        (ids,) = asyncio.run(encode(SimpleNamespace(tokenizer=tokenizer), [text], False))
+    finally:
+        done.set()
+        counter.join()
+    assert ids == tokenizer.encode(text, add_special_tokens=False).ids
+    assert ticks[0] > 20, f"another thread ran only {ticks[0]} times during the tokenization"
