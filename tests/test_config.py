@@ -190,3 +190,20 @@ def test_gate_temp_nan_and_infinity_in_config_json_are_refused(tmp_path):
                                                                               f'{literal}, ', 1))
         with pytest.raises(ConfigError, match=r"gate_temp must be a finite number > 0 \(the router divides"):
             ModelConfig.from_pretrained(tmp_path)
+
+
+def test_dsv41_report_takes_a_config_with_gate_temp_and_refuses_a_bad_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from deepseek_v41.cli import app
+
+    tiny_config().replace(gate_temp=2.0).save(tmp_path)
+    result = CliRunner().invoke(app, ["report", "--config", str(tmp_path), "--json", "--no-flops"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["layers"]["num_hidden_layers"] == 8
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["text_config"]["gate_temp"] = -2.0
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    result = CliRunner().invoke(app, ["report", "--config", str(tmp_path), "--json", "--no-flops"])
+    assert result.exit_code == 2
+    assert "gate_temp must be a finite number > 0" in result.output
