@@ -1,8 +1,9 @@
 """Model configuration: the official ``config.json`` keys as a dataclass, presets and validation.
 
 Field names are the official ``text_config`` keys of DeepSeek-V4.1-Flash (MODEL_REFERENCE.md §2.1), plus the
-top-level token ids, ``vision_config`` and ``quantization_config``. Size keys default to the official values;
-keys that switch a feature on mean "off" when absent: ``compress_ratios`` (no compression),
+top-level token ids, ``vision_config`` and ``quantization_config``, and ``gate_temp`` of the reference
+``ModelArgs`` (absent from the release's JSON: 1.0 when absent, written only when not 1.0). Size keys default
+to the official values; keys that switch a feature on mean "off" when absent: ``compress_ratios`` (no compression),
 ``kv_source_layer_ids`` / ``index_source_layer_ids`` (none), ``candidate_source_layer_id`` (-1: no candidate
 pool), ``engram_layer_ids`` ([]), ``num_nextn_predict_layers`` (0: no DSpark draft), no ``vision_config`` (no
 vision path), no ``quantization_config`` (each tensor used as stored, decided by its dtype).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,10 @@ from typing import Any
 MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 ALLOWED_COMPRESS_RATIOS = (0, 1, 2)
 # Keys Hugging Face and the official release put in a config that carry no model math.
+# Keys of the reference ``ModelArgs`` that the release's config.json leaves out, with their defaults: read when
+# present, written only when they differ from the default (a default config keeps the release layout, and with it
+# the prefix cache's digest of the config and the model cards' config).
+ARGS_ONLY_DEFAULTS: dict[str, Any] = {"gate_temp": 1.0}
 _METADATA_KEYS = {
     "architectures", "transformers_version", "dtype", "torch_dtype", "auto_map", "_name_or_path",
     "use_cache", "attention_bias", "attention_dropout", "initializer_range", "output_attentions",
@@ -110,6 +116,9 @@ class ModelConfig:
     topk_method: str = "noaux_tc"  # selection with a correction bias, no group limit
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.5
+    # Router temperature: logits are divided by it before sqrt(softplus) (MODEL_REFERENCE.md §3.14, §9 item 3).
+    # A reference ``ModelArgs`` key, absent from the release's config.json; mlx-lm's port reads and writes it.
+    gate_temp: float = 1.0
     # --- attention: sliding window and CSA2
     sliding_window: int = 128  # window keys per query, own token included
     compress_ratios: list[int] = field(default_factory=list)  # per layer: 0 window-only, 1 or 2 compressed
@@ -240,13 +249,17 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The official multimodal wrapper layout: token ids, ``text_config``, ``vision_config`` and
-        ``quantization_config`` (the last two only when present)."""
+        ``quantization_config`` (the last two only when present). ``ModelArgs``-only keys (``gate_temp``) are
+        written only when they differ from their default (:data:`ARGS_ONLY_DEFAULTS`)."""
         top_keys = ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id")
         text = {}
         for f in dataclasses.fields(self):
             if f.name in top_keys or f.name in ("model_type", "vision_config", "quantization_config"):
                 continue
             text[f.name] = getattr(self, f.name)
+        for key, default in ARGS_ONLY_DEFAULTS.items():
+            if text[key] == default:
+                del text[key]
         text["model_type"] = "deepseek_v41_text"
         out: dict[str, Any] = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41"}
         for key in top_keys:
@@ -341,6 +354,10 @@ def validate(cfg: ModelConfig) -> list[str]:
         p.append(f"topk_method must be 'noaux_tc', got {cfg.topk_method!r}")
     if cfg.rms_norm_eps < 0 or cfg.hc_eps < 0:
         p.append("rms_norm_eps and hc_eps must be >= 0")
+    g = cfg.gate_temp
+    if isinstance(g, bool) or not isinstance(g, int | float) or not (math.isfinite(g) and g > 0):
+        p.append(f"gate_temp must be a finite number > 0 (the router divides its logits by it; 1.0 = no "
+                 f"change), got {g!r}")
     if cfg.num_experts_per_tok > cfg.n_routed_experts > 0:
         p.append(f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds n_routed_experts "
                  f"({cfg.n_routed_experts})")

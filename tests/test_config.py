@@ -143,3 +143,67 @@ def test_bad_json_is_a_config_error(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_gate_temp_is_read_and_written_only_when_not_the_default(tmp_path):
+    """``gate_temp`` (a reference ModelArgs key that mlx-lm's port writes) is accepted in the wrapper's
+    text_config and in a flat config; 1.0 is the default and is left out of the written JSON, so a default
+    config keeps the release layout; another value round-trips through config.json."""
+    assert flash_config().gate_temp == 1.0
+    data = released_wrapper()
+    data["text_config"]["gate_temp"] = 2.0
+    cfg = ModelConfig.from_dict(data)
+    assert cfg.gate_temp == 2.0 and cfg == flash_config().replace(gate_temp=2.0)
+    flat = {**RELEASED, "model_type": "deepseek_v41_text", "gate_temp": 0.5}
+    assert ModelConfig.from_dict(flat).gate_temp == 0.5
+    data["text_config"]["gate_temp"] = 1.0
+    assert ModelConfig.from_dict(data) == flash_config()
+    assert "gate_temp" not in flash_config().to_dict()["text_config"]
+    assert "gate_temp" not in tiny_config().to_dict()["text_config"]
+    hot = tiny_config().replace(gate_temp=2.0)
+    assert hot.to_dict()["text_config"]["gate_temp"] == 2.0
+    hot.save(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["text_config"]["gate_temp"] == 2.0
+    assert ModelConfig.from_pretrained(tmp_path) == hot
+
+
+@pytest.mark.parametrize("value, fragment", [
+    (0, "gate_temp must be a finite number > 0"),
+    (-1.0, "gate_temp must be a finite number > 0"),
+    (float("nan"), "gate_temp must be a finite number > 0"),
+    (float("inf"), "gate_temp must be a finite number > 0"),
+    ("2.0", "gate_temp must be a number"),
+    (True, "gate_temp must be a number"),
+])
+def test_bad_gate_temp_is_refused_with_its_message(value, fragment):
+    problems = broken(gate_temp=value)
+    assert any(fragment in p for p in problems), problems
+    if "finite" in fragment:
+        with pytest.raises(ConfigError, match="gate_temp must be a finite number > 0"):
+            tiny_config().replace(gate_temp=value)
+
+
+def test_gate_temp_nan_and_infinity_in_config_json_are_refused(tmp_path):
+    for literal in ("NaN", "Infinity", "-Infinity"):
+        text = json.dumps(tiny_config().to_dict())
+        (tmp_path / "config.json").write_text(text.replace('"text_config": {', f'"text_config": {{"gate_temp": '
+                                                                              f'{literal}, ', 1))
+        with pytest.raises(ConfigError, match=r"gate_temp must be a finite number > 0 \(the router divides"):
+            ModelConfig.from_pretrained(tmp_path)
+
+
+def test_dsv41_report_takes_a_config_with_gate_temp_and_refuses_a_bad_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from deepseek_v41.cli import app
+
+    tiny_config().replace(gate_temp=2.0).save(tmp_path)
+    result = CliRunner().invoke(app, ["report", "--config", str(tmp_path), "--json", "--no-flops"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["layers"]["num_hidden_layers"] == 8
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["text_config"]["gate_temp"] = -2.0
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    result = CliRunner().invoke(app, ["report", "--config", str(tmp_path), "--json", "--no-flops"])
+    assert result.exit_code == 2
+    assert "gate_temp must be a finite number > 0" in result.output

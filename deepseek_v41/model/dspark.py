@@ -66,7 +66,9 @@ class ConfidenceHead(nn.Module):
 class DSparkBlock(Block):
     """Draft stage ``mtp.k``: a window-only backbone block with the draft's MoE (``dspark_n_routed_experts``,
     top ``dspark_num_experts_per_tok``). The first stage also owns ``main_proj`` [D, n_taps * D] and
-    ``main_norm``; the last ``norm``, ``markov_head`` and ``confidence_head`` (MODEL_REFERENCE.md §8 names)."""
+    ``main_norm``; the last ``norm``, ``markov_head`` and ``confidence_head`` (MODEL_REFERENCE.md §8 names). Its
+    router is the backbone's gate function, ``gate_temp`` included: DSPARK.md §10 item 4 reuses the backbone's
+    gate function for the draft [I]; mlx-lm's port drops ``mtp.*`` and cannot confirm either way."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, first: bool, last: bool):
         super().__init__(cfg, spec, cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok)

@@ -1,8 +1,12 @@
 """DeepSeekMoE with noaux_tc routing, clamped SwiGLU experts and a shared expert (MODEL_REFERENCE.md §3.14).
 
-Routing: ``s = sqrt(softplus(x W_g^T))`` (fp32); the top-k experts are *selected* on ``s + bias`` (the
+Routing: ``s = sqrt(softplus(x W_g^T / gate_temp))`` (fp32); the top-k experts are *selected* on ``s + bias`` (the
 aux-loss-free correction bias; image tokens use ``bias_vl``) and *weighted* by ``s`` renormalised over the
-chosen k, times ``routed_scaling_factor``.
+chosen k, times ``routed_scaling_factor``. ``gate_temp`` (the reference ``ModelArgs`` key, default 1.0) divides
+the logits before the score function, as mlx-lm's port does; MODEL_REFERENCE.md §9 item 3 notes the placement
+is unverified against the official code. At 1.0 nothing is divided (the same bits as without the key). The C
+router kernel (``kernels.gate``) has no temperature: with ``gate_temp != 1`` the router runs the torch code; the
+fused expert kernels take the router's indices and weights, so they need no change.
 
 The expert dispatch sorts (token, slot) pairs by expert and runs each expert on its contiguous segment, so the
 work is T*k expert applications. It has no ``nonzero`` / ``bincount`` / ``unique`` / ``.item()`` on tensors
@@ -130,13 +134,16 @@ class Gate(nn.Module):
     """Router: ``weight`` [E, D], correction ``bias`` [E] fp32 and optional ``bias_vl`` [E] fp32 for image tokens.
 
     ``forward(x [N, D], image_mask [N] bool | None) -> (indices [N, k] long, weights [N, k] fp32)``.
-    Without a ``bias_vl`` tensor, image tokens use ``bias`` (logged once).
+    Without a ``bias_vl`` tensor, image tokens use ``bias`` (logged once). ``gate_temp`` (> 0, finite: the config
+    checks it) divides the logits before ``sqrt(softplus(.))``; with ``gate_temp != 1`` the torch route runs (the
+    C router kernel has no temperature).
     """
 
     def __init__(self, dim: int, n_experts: int, topk: int, route_scale: float, norm_topk: bool,
-                 with_bias_vl: bool):
+                 with_bias_vl: bool, gate_temp: float = 1.0):
         super().__init__()
         self.topk = topk
+        self.gate_temp = gate_temp
         self.route_scale = route_scale
         self.norm_topk = norm_topk
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
@@ -153,14 +160,18 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         weight, bias = self._parameters["weight"], self._parameters["bias"]  # (Module.__getattr__: ~1 µs a lookup)
-        if (image_mask is None and not self.training and x.dim() == 2 and x.shape[0] <= kernels.SMALL_ROWS
+        if (image_mask is None and not self.training and self.gate_temp == 1.0 and x.dim() == 2
+                and x.shape[0] <= kernels.SMALL_ROWS
                 and x.shape[1] == weight.shape[1]  # else the matmul below raises (the kernel would read past)
                 and self.topk <= weight.shape[0] and fused(x, weight, bias)):
             if x.shape[1] > kernels.ROW_ON_STACK:  # (bf16 tokens up to ROW_ON_STACK are widened inside)
                 x = upcast(x)
             return kernels.gate(x, weight, upcast(bias), self.topk, self.norm_topk, self.route_scale)
         xf = upcast(x)
-        scores = torch.sqrt(F.softplus(xf @ cast(self.weight, xf.dtype).t()))
+        logits = xf @ cast(self.weight, xf.dtype).t()
+        if self.gate_temp != 1.0:
+            logits = logits / self.gate_temp
+        scores = torch.sqrt(F.softplus(logits))
         bias = cast(self.bias, xf.dtype)
         if image_mask is not None:
             if self.bias_vl is None:
@@ -196,13 +207,14 @@ def expert_segments(flat_idx: torch.Tensor, n_experts: int) -> list[int]:
 
 
 class MoE(nn.Module):
-    """Routed experts + shared expert: x [B, T, D] (+ image_mask [B, T]) -> [B, T, D] in x's dtype."""
+    """Routed experts + shared expert: x [B, T, D] (+ image_mask [B, T]) -> [B, T, D] in x's dtype.
+    ``gate_temp``: the router temperature (:class:`Gate`)."""
 
     def __init__(self, dim: int, inter_dim: int, n_experts: int, topk: int, n_shared: int, swiglu_limit: float,
-                 route_scale: float, norm_topk: bool, with_bias_vl: bool):
+                 route_scale: float, norm_topk: bool, with_bias_vl: bool, gate_temp: float = 1.0):
         super().__init__()
         self.n_experts = n_experts
-        self.gate = Gate(dim, n_experts, topk, route_scale, norm_topk, with_bias_vl)
+        self.gate = Gate(dim, n_experts, topk, route_scale, norm_topk, with_bias_vl, gate_temp)
         self.experts = nn.ModuleList(Expert(dim, inter_dim, swiglu_limit) for _ in range(n_experts))
         self.shared_experts = Expert(dim, inter_dim * n_shared, swiglu_limit) if n_shared else None
         self.inter_dim, self.swiglu_limit = inter_dim, swiglu_limit

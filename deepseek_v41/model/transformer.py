@@ -43,7 +43,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.ffn = MoE(D, cfg.moe_intermediate_size, n_experts or cfg.n_routed_experts,
                        topk or cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.swiglu_limit,
-                       cfg.routed_scaling_factor, cfg.norm_topk_prob, cfg.vision_config is not None)
+                       cfg.routed_scaling_factor, cfg.norm_topk_prob, cfg.vision_config is not None,
+                       gate_temp=cfg.gate_temp)
         mix = (2 + hc) * hc
         for site in ("attn", "ffn"):
             self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, hc * D, dtype=torch.float32)))

@@ -247,3 +247,27 @@ def test_fake_quant_functions_equal_the_ports(monkeypatch):
     }
     for kind, value in theirs.items():
         assert torch.equal(ours[kind], torch.from_numpy(np.array(value))), kind
+
+
+def test_gate_temp_matches_mlx_port(monkeypatch):
+    """``gate_temp`` 2.0 (the port's ``ModelArgs`` key: logits / gate_temp before the score function): logits
+    and top-k sets agree with the port, and differ from the same weights at 1.0 (the temperature does route)."""
+    cfg = make_config("flat6").replace(gate_temp=2.0)
+    model = random_model(cfg, seed=SEEDS["flat6"])
+    model.fake_quant = False
+    T = 3 * cfg.sliding_window + 3
+    ids = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(7))
+    cold = random_model(make_config("flat6"), seed=SEEDS["flat6"])  # the same weights at gate_temp 1.0
+    cold.fake_quant = False
+    with torch.no_grad():
+        cold_logits = cold(ids)
+    mx, port, net = mlx_model(cfg, model, False, monkeypatch)
+    assert net.args.gate_temp == 2.0
+    ours_topk, their_topk = record_topk(monkeypatch, port)
+    with torch.no_grad():
+        ours = model(ids)
+    theirs = torch.from_numpy(np.array(net(mx.array(ids.numpy())).astype(mx.float32)))
+    assert (ours - theirs).abs().max().item() < 1e-4
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    assert_same_topk_sets(ours_topk, their_topk, T)
+    assert (ours - cold_logits).abs().max().item() > 1e-2
