@@ -24,12 +24,10 @@ every layer's window rows); without one the prompt is a miss.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import queue
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,28 +37,7 @@ from deepseek_v41.cache.kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 1
 REPLAY_MODES = ("bounded", "exact")
-
-
-def model_fingerprint(model: torch.nn.Module, path: str | Path | None = None) -> str:
-    """sha256 of config.json, the safetensors headers and file sizes and the cache format version (a model
-    directory), or of the config and every parameter's bytes (a model built in memory)."""
-    digest = hashlib.sha256(f"deepseek_v41 prefix cache v{CACHE_FORMAT_VERSION}".encode())
-    if path is not None:
-        path = Path(path)
-        digest.update((path / "config.json").read_bytes())
-        for file in sorted(path.glob("*.safetensors")):
-            with file.open("rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                digest.update(f.read(size))
-            digest.update(str(file.stat().st_size).encode())
-        return digest.hexdigest()
-    digest.update(json.dumps(model.config.to_dict(), sort_keys=True).encode())
-    for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def chain_hashes(root: str, tokens: list[int], block_size: int, start: list[str] | None = None) -> list[str]:

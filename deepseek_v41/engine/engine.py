@@ -171,7 +171,8 @@ class LLMEngine:
         return default_swa_pool_bytes() if args.swa_pool_bytes is None else args.swa_pool_bytes
 
     def _prefix_cache(self, args: EngineArgs, swa_bytes: int, model_path: str | Path | None):
-        from deepseek_v41.cache.prefix_cache import PrefixCache, model_fingerprint
+        from deepseek_v41.cache.fingerprint import model_fingerprint
+        from deepseek_v41.cache.prefix_cache import PrefixCache
 
         if args.replay not in ("bounded", "exact"):
             raise ValueError(f"replay must be 'bounded' or 'exact', got {args.replay!r}")

@@ -69,3 +69,26 @@ def test_two_engines_share_snapshots_through_redis(model64, redis_url, tmp_path)
     hit = run(second, prompt + [9])
     assert hit.num_cached_tokens == 64 and hit.num_replayed_tokens == 0  # pages from disk, snapshot from Redis
     assert hit.outputs[0].token_ids == cold
+
+
+def test_a_checkpoint_of_the_same_shape_with_other_weights_never_reads_the_pages(model64, tmp_path, monkeypatch):
+    """Issue 22 item 5: the fingerprint hashed config.json, the safetensors headers and the file sizes, so a
+    fine-tuned checkpoint of the same shape hit the base model's pages and produced wrong tokens."""
+    from engine_oracles import tiny_model
+
+    monkeypatch.setenv("DSV41_CACHE_HOME", str(tmp_path / "digests"))
+    model64.save_pretrained(tmp_path / "base")
+    tiny_model(torch.float64, seed=1).save_pretrained(tmp_path / "tuned")
+    assert (tmp_path / "base" / "model.safetensors").stat().st_size == \
+        (tmp_path / "tuned" / "model.safetensors").stat().st_size
+    prompt = tokens(80, 5)
+    cache = str(tmp_path / "cache")
+    base = LLM(str(tmp_path / "base"), dtype=torch.float64, max_model_len=1024, cache_dir=cache, swa_pool_bytes=0)
+    run(base, prompt)
+    assert run(LLM(str(tmp_path / "base"), dtype=torch.float64, max_model_len=1024, cache_dir=cache,
+                   swa_pool_bytes=0), prompt + [7]).num_cached_tokens == 80  # the same checkpoint still hits
+    tuned = LLM(str(tmp_path / "tuned"), dtype=torch.float64, max_model_len=1024, cache_dir=cache, swa_pool_bytes=0)
+    cold = run(LLM(str(tmp_path / "tuned"), dtype=torch.float64, max_model_len=1024, enable_prefix_caching=False),
+               prompt + [7]).outputs[0].token_ids
+    out = run(tuned, prompt + [7])
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == cold
