@@ -34,7 +34,7 @@ def redis_url(tmp_path_factory):
         port = _free_port()
         proc = subprocess.Popen(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--daemonize", "no"],
+             "--dir", str(workdir), "--daemonize", "no", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         url = f"redis://127.0.0.1:{port}/0"
@@ -53,6 +53,43 @@ def redis_url(tmp_path_factory):
             yield url
         finally:
             proc.terminate()
+            proc.wait(timeout=10)
+        return
+    pytest.fail("redis-server did not start on a free port in 3 tries")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """(process, url) of a redis-server of this test alone (one the test may stop with SIGSTOP); killed after."""
+    client = require("redis")
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("redis-server is not installed; .ci/run installs it")
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    for _ in range(3):
+        port = _free_port()
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(tmp_path), "--daemonize", "no", "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10.0
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                client.Redis.from_url(url, socket_connect_timeout=0.2).ping()
+                break
+            except client.ConnectionError:
+                time.sleep(0.02)
+        else:
+            proc.kill()
+            proc.wait()
+            continue
+        try:
+            yield proc, url
+        finally:
+            proc.kill()
             proc.wait(timeout=10)
         return
     pytest.fail("redis-server did not start on a free port in 3 tries")

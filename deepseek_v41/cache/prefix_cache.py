@@ -24,12 +24,11 @@ every layer's window rows); without one the prompt is a miss.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,28 +38,7 @@ from deepseek_v41.cache.kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 1
 REPLAY_MODES = ("bounded", "exact")
-
-
-def model_fingerprint(model: torch.nn.Module, path: str | Path | None = None) -> str:
-    """sha256 of config.json, the safetensors headers and file sizes and the cache format version (a model
-    directory), or of the config and every parameter's bytes (a model built in memory)."""
-    digest = hashlib.sha256(f"deepseek_v41 prefix cache v{CACHE_FORMAT_VERSION}".encode())
-    if path is not None:
-        path = Path(path)
-        digest.update((path / "config.json").read_bytes())
-        for file in sorted(path.glob("*.safetensors")):
-            with file.open("rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                digest.update(f.read(size))
-            digest.update(str(file.stat().st_size).encode())
-        return digest.hexdigest()
-    digest.update(json.dumps(model.config.to_dict(), sort_keys=True).encode())
-    for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def chain_hashes(root: str, tokens: list[int], block_size: int, start: list[str] | None = None) -> list[str]:
@@ -96,16 +74,18 @@ class PrefixCache:
     ``exact_prefill``: the engine prefills in ``exact`` mode (a hit then needs a snapshot of every layer's
     window). ``page_store``: a :class:`~deepseek_v41.cache.store.PageStore` (persistent tier) or None;
     ``swa_pool``: a :class:`~deepseek_v41.cache.swa_pool.SwaPool` / :class:`~deepseek_v41.cache.redis_store.
-    RedisStore` or None; ``page_index``: a RedisStore whose shared page index records the pages on disk.
+    RedisStore` or None; ``remote_pages``: a :class:`~deepseek_v41.cache.redis_store.RedisPages` (global KV pages
+    shared through Redis: read after the disk, written with it) or None. With a page store or remote pages, the
+    page-writer thread starts here, with the engine.
     """
 
     def __init__(self, cache: PagedKVCache, fingerprint: str, exact_prefill: bool, replay: str = "bounded",
-                 page_store: Any | None = None, swa_pool: Any | None = None, page_index: Any | None = None):
+                 page_store: Any | None = None, swa_pool: Any | None = None, remote_pages: Any | None = None):
         if replay not in REPLAY_MODES:
             raise ValueError(f"replay must be one of {REPLAY_MODES}, got {replay!r}")
         self.cache, self.fingerprint = cache, fingerprint
         self.exact_prefill, self.replay = exact_prefill, replay
-        self.page_store, self.swa_pool, self.page_index = page_store, swa_pool, page_index
+        self.page_store, self.swa_pool, self.remote_pages = page_store, swa_pool, remote_pages
         self.block_size = cache.block_size
         cfg, plan = cache.config, cache.plan
         self.window = cfg.sliding_window
@@ -113,12 +93,18 @@ class PrefixCache:
         self.snapshot_layers = list(range(n)) if exact_prefill or not plan.ced else list(plan.encoder_layers)
         self.receptive_field = len(self.snapshot_layers) * (self.window - 1)
         self.counters = {"device_pages_hit": 0, "disk_pages_read": 0, "disk_pages_written": 0,
-                         "snapshots_hit": 0, "snapshots_written": 0, "cached_tokens": 0, "replayed_tokens": 0}
-        # Disk writes (an fsync each) run on a background thread, off the request path; the store is used
-        # under one lock from both threads.
+                         "remote_pages_read": 0, "snapshots_hit": 0, "snapshots_written": 0, "cached_tokens": 0,
+                         "replayed_tokens": 0}
+        # Page writes (an fsync each; encoding for Redis) run on a background thread started with the engine, off
+        # the request path; the store is used under one lock from both threads.
         self._store_lock = threading.Lock()
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
+        if page_store is not None or remote_pages is not None:
+            self._writer = threading.Thread(target=_page_writer, args=(weakref.ref(self), self._writes),
+                                            name="dsv41-page-writer", daemon=True)
+            weakref.finalize(self, self._writes.put, None)  # the thread ends with the prefix cache
+            self._writer.start()
 
     def root(self, salt: str | None) -> str:
         """The chain's root: the model fingerprint and the request's cache salt."""
@@ -164,54 +150,59 @@ class PrefixCache:
         return Hit(cached, start, pages, None)
 
     def _from_disk(self, block_hash: str) -> int | None:
-        store = self.page_store
-        if store is None or not self.cache.blocks.free:
+        """Load the page of ``block_hash`` into a new device page from the disk store, else from Redis (then it is
+        also written to the disk store); None on a miss or without a free device page."""
+        store, remote = self.page_store, self.remote_pages
+        if (store is None and remote is None) or not self.cache.blocks.free:
             return None
-        with self._store_lock:
-            tensors = store.get(block_hash)
+        tensors = None
+        if store is not None:
+            with self._store_lock:
+                tensors = store.get(block_hash)
+            self.counters["disk_pages_read"] += tensors is not None
+        if tensors is None and remote is not None:
+            tensors = remote.get(block_hash)
+            if tensors is None:
+                return None
+            self.counters["remote_pages_read"] += 1
+            if store is not None:
+                self._writes.put((block_hash, tensors, False))
         if tensors is None:
             return None
         page = self.cache.blocks.allocate()
         self.cache.write_page(page, tensors)
         self.cache.blocks.register(page, block_hash)
-        self.counters["disk_pages_read"] += 1
         return page
 
     # ------------------------------------------------------------------ writes
     def register(self, table: list[int], hashes: list[str], first: int, upto: int) -> None:
-        """Record the full pages ``first .. upto - 1`` of a sequence (device index; disk when configured)."""
+        """Record the full pages ``first .. upto - 1`` of a sequence (device index; disk and Redis when
+        configured, written by the page-writer thread)."""
         for i in range(first, upto):
             page = table[i]
             self.cache.blocks.register(page, hashes[i])
-            if self.page_store is not None:
-                self._write_later(hashes[i], self.cache.read_page(page))
-        if self.page_index is not None and upto > first:
-            self.page_index.add_pages(hashes[first:upto])
+            if self._writer is not None:
+                self._writes.put((hashes[i], self.cache.read_page(page), True))
 
-    def _write_later(self, block_hash: str, tensors: dict[str, torch.Tensor]) -> None:
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_loop, name="dsv41-page-writer", daemon=True)
-            self._writer.start()
-        self._writes.put((block_hash, tensors))
-
-    def _write_loop(self) -> None:
-        while True:
-            block_hash, tensors = self._writes.get()
-            try:
-                with self._store_lock:
-                    # Count files written, not pages found already stored (after a restart, or by another
-                    # process): the same figure as the store's own pages_written.
-                    before = self.page_store.stats["pages_written"]
-                    self.page_store.put(block_hash, tensors)
-                    self.counters["disk_pages_written"] += self.page_store.stats["pages_written"] - before
-            except Exception:  # noqa: BLE001 - a failed write is a cache miss later, never a crash of the engine
-                log.exception("writing prefix-cache page %s failed", block_hash)
-            finally:
-                self._writes.task_done()
+    def _write(self, block_hash: str, tensors: dict[str, torch.Tensor], to_remote: bool) -> None:
+        """Write one page to the disk store and (``to_remote``) queue it for Redis; on the page-writer thread."""
+        if self.page_store is not None:
+            with self._store_lock:
+                # Count files written, not pages found already stored (after a restart, or by another
+                # process): the same figure as the store's own pages_written.
+                before = self.page_store.stats["pages_written"]
+                self.page_store.put(block_hash, tensors)
+                self.counters["disk_pages_written"] += self.page_store.stats["pages_written"] - before
+        if to_remote and self.remote_pages is not None:
+            self.remote_pages.put(block_hash, tensors)
 
     def flush(self) -> None:
-        """Wait until every page queued for the persistent store is written."""
+        """Wait until every page queued for the persistent store is written, and (a bounded wait) until the pages
+        and snapshots queued for Redis are sent."""
         self._writes.join()
+        stores = (getattr(self.remote_pages, "store", None), self.swa_pool)
+        for store in {id(s): s for s in stores if hasattr(s, "flush")}.values():
+            store.flush()
 
     def take_snapshot(self, slot: int, boundary: int, hashes: list[str]) -> bool:
         """Copy the window rows (and decoder inputs) of [boundary - w, boundary) of slot ``slot`` into the SWA
@@ -238,3 +229,20 @@ class PrefixCache:
         """Put a hit's snapshot into the sequence's slot."""
         if hit.snapshot is not None:
             self.cache.restore(slot, hit.snapshot, self.snapshot_layers)
+
+
+def _page_writer(ref: weakref.ref, writes: queue.Queue) -> None:
+    """The page-writer thread: holds the prefix cache only while it writes, so a dropped engine is collected (a
+    None job, queued when it is, ends the thread)."""
+    while True:
+        job = writes.get()
+        try:
+            cache = ref() if job is not None else None
+            if cache is None:
+                return
+            cache._write(*job)
+        except Exception:  # noqa: BLE001 - a failed write is a cache miss later, never a crash of the engine
+            log.exception("writing prefix-cache page %s failed", job[0])
+        finally:
+            cache = None
+            writes.task_done()

@@ -1,30 +1,45 @@
-"""Redis-backed SWA pool and page index, shared by the engine processes of one model (SPEC.md §4.3).
+"""Redis-backed SWA pool and page tier, shared by the engine processes of one model (SPEC.md §4.3).
 
-Same snapshot API as :class:`~deepseek_v41.cache.swa_pool.SwaPool` (``put / get / contains / stats /
-occupancy_bytes``), with the snapshots in Redis instead of host memory: serialized as safetensors bytes (no
-pickle), expiring through Redis' own TTL (``SET ... PX``, refreshed on a hit with ``GETEX ... PX``); capacity and
-eviction are Redis' ``maxmemory`` policy. The page index says which global KV pages some process has persisted,
-so that processes sharing a cache directory need not stat files to know.
+:class:`RedisStore` has the snapshot API of :class:`~deepseek_v41.cache.swa_pool.SwaPool` (``put / get /
+contains / stats / occupancy_bytes``) with the snapshots in Redis instead of host memory: serialized as
+safetensors bytes (no pickle), expiring through Redis' own TTL (``SET ... PX``, refreshed on a hit with ``GETEX ...
+PX``). It also holds global KV pages (:class:`RedisPages`): the bytes of a page file (checksummed, with the model
+fingerprint, the layout and the block hash in its header; :class:`~deepseek_v41.cache.store.PageCodec`), so that
+an engine on another cache directory — another machine — hits the pages an engine wrote. Capacity and eviction
+are Redis' ``maxmemory`` and ``maxmemory-policy`` (a warning at start when Redis has no ``maxmemory``).
 
-Keys: ``dsv41:<namespace>:swa:<key>`` (a string per snapshot) and ``dsv41:<namespace>:pages`` (a sorted set of
-block hashes scored by the time they were added). The namespace must contain the model fingerprint: snapshots of
-different models must never mix.
+Keys: ``dsv41:<namespace>:swa:<key>`` and ``dsv41:<namespace>:page:<block hash>``. The namespace must contain the
+model fingerprint: entries of different models must never mix (a page's header is checked against the full
+fingerprint too).
 
-Redis is a cache here: a connection error, a timeout or an error reply is a miss (or a refused put) with one
-warning per outage; after an error the store does not try Redis again for ``RETRY_SECONDS``, so a dead server
-costs the engine nothing per request.
+Redis never blocks the engine thread for long, and a Redis that does not answer is a miss:
+
+- writes (snapshots, pages, deletions) go to a bounded queue (``max_pending_bytes``) served by a background
+  thread; a full queue or a Redis marked down drops the write (``stats["dropped"]``);
+- reads run on a background thread too; the caller waits at most ``read_timeout`` seconds, then the read is a
+  miss and Redis is marked down;
+- every connection has connect and read timeouts (``CONNECT_TIMEOUT_SECONDS``, ``SOCKET_TIMEOUT_SECONDS``);
+- after a failure (an error, a timeout) Redis is marked down: reads are misses without asking
+  (``stats["unavailable"]``), writes are dropped, and every ``RETRY_SECONDS`` one background PING checks whether it
+  is back. One warning per outage; ``stats["errors"]`` counts the failed commands.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import redis
 import safetensors
 import safetensors.torch
+import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -32,22 +47,103 @@ from deepseek_v41.cache.swa_pool import Snapshot, copy_snapshot, snapshot_nbytes
 
 log = logging.getLogger(__name__)
 
-# Seconds without trying Redis after a failed command.
+# Seconds between checks whether a Redis marked down is back.
 RETRY_SECONDS = 5.0
+# Socket timeouts of every Redis connection (on the background threads).
+CONNECT_TIMEOUT_SECONDS = 0.5
+SOCKET_TIMEOUT_SECONDS = 1.0
+# The longest a caller (the engine thread) waits for a read.
+READ_TIMEOUT_SECONDS = 0.5
+# Bytes of writes waiting for Redis at most; beyond, writes are dropped.
+MAX_PENDING_BYTES = 256 << 20
+# Seconds a measured snapshot occupancy is reused.
+OCCUPANCY_REFRESH_SECONDS = 1.0
+# Redis URLs already warned about (once per process).
+_WARNED_MAXMEMORY: set[str] = set()
+
+
+class _Jobs:
+    """A FIFO of write jobs bounded in bytes, with join (``queue.Queue`` bounds items, not bytes)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.items: collections.deque = collections.deque()
+        self.bytes = 0
+        self.unfinished = 0
+        self.closed = False
+        self.cond = threading.Condition()
+
+    def put(self, job: tuple, nbytes: int) -> bool:
+        with self.cond:
+            if self.closed or (self.items and self.bytes + nbytes > self.max_bytes):
+                return False
+            self.items.append((job, nbytes))
+            self.bytes += nbytes
+            self.unfinished += 1
+            self.cond.notify_all()
+            return True
+
+    def take(self) -> tuple | None:
+        """The next job (blocking), or None once closed."""
+        with self.cond:
+            while not self.items and not self.closed:
+                self.cond.wait()
+            if not self.items:
+                return None
+            job, nbytes = self.items.popleft()
+            self.bytes -= nbytes
+            return job
+
+    def done(self) -> None:
+        with self.cond:
+            self.unfinished -= 1
+            self.cond.notify_all()
+
+    def join(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.unfinished:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(left)
+            return True
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+def _write_loop(ref: weakref.ref, jobs: _Jobs) -> None:
+    """The writer thread: holds the store only while it runs a job, so a dropped store is collected."""
+    while True:
+        job = jobs.take()
+        if job is None:
+            return
+        store = ref()
+        if store is None:
+            return
+        try:
+            store._write(job)
+        finally:
+            jobs.done()
+            del store
 
 
 class RedisStore:
-    """Snapshots and a page index in Redis (SPEC.md §4.3).
+    """Snapshots and pages in Redis, off the caller's thread (SPEC.md §4.3; see the module docstring).
 
     Args:
         url: ``redis://host:port/db``.
         namespace: key prefix shared by the processes that may see each other's entries; must contain the model
             fingerprint (and nothing that differs between those processes).
         ttl_seconds: a snapshot not accessed (put or hit) for this many seconds expires (Redis ``PX``).
-        page_ttl_seconds: a page index entry not re-added for this long is no longer reported (72 h, the
-            persistent store's TTL).
-        clock: seconds since the epoch, for the page index scores and the retry delay (injectable for tests);
-            it must agree between processes, so it is wall-clock time.
+        page_ttl_seconds: a page not accessed (put or hit) for this long expires (72 h, the persistent store's
+            TTL; Redis' ``maxmemory`` policy may evict it earlier).
+        clock: seconds since the epoch, for the retry delay (injectable for tests).
+        read_timeout: seconds a read may keep its caller waiting before it is a miss.
+        max_pending_bytes: bytes of queued writes at most.
 
     Never raises for Redis failures. ``put`` raises TypeError when ``snapshot`` is not a dict of tensors.
     """
@@ -59,43 +155,53 @@ class RedisStore:
         ttl_seconds: float = 300.0,
         page_ttl_seconds: float = 72 * 3600,
         clock: Callable[[], float] = time.time,
+        read_timeout: float = READ_TIMEOUT_SECONDS,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
     ):
         if not namespace or any(c.isspace() for c in namespace):
             raise ValueError(f"namespace must be non-empty without whitespace (include the model fingerprint), "
                              f"got {namespace!r}")
-        if ttl_seconds <= 0 or page_ttl_seconds <= 0:
-            raise ValueError(f"ttl_seconds and page_ttl_seconds must be > 0, got {ttl_seconds}, {page_ttl_seconds}")
+        if ttl_seconds <= 0 or page_ttl_seconds <= 0 or read_timeout <= 0:
+            raise ValueError(f"ttl_seconds, page_ttl_seconds and read_timeout must be > 0, got {ttl_seconds}, "
+                             f"{page_ttl_seconds}, {read_timeout}")
         self.url = url
         self.namespace = namespace
         self.ttl_seconds = ttl_seconds
         self.page_ttl_seconds = page_ttl_seconds
         self.clock = clock
-        # Short timeouts and one immediate retry (a pooled connection may be stale after a server restart): a slow
-        # cache must not stall a request longer than recomputing would.
-        self._redis = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=2.0,
-                                           retry=Retry(NoBackoff(), 1))
+        self.read_timeout = read_timeout
+        # One immediate retry: a pooled connection may be stale after a server restart.
+        self._redis = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_SECONDS,
+                                           socket_timeout=SOCKET_TIMEOUT_SECONDS, retry=Retry(NoBackoff(), 1))
         self._prefix = f"dsv41:{namespace}:"
         self._lock = threading.Lock()
-        self._down_until = float("-inf")
         self._down = False
-        self._stats = dict(hits=0, misses=0, puts=0, errors=0)
+        self._down_until = float("-inf")
+        self._probing = False
+        self._stats = dict(hits=0, misses=0, puts=0, errors=0, dropped=0, unavailable=0, pages_read=0,
+                           pages_written=0)
+        self._occupancy, self._occupancy_at, self._occupancy_queued = 0, float("-inf"), False
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="dsv41-redis-read")
+        self._jobs = _Jobs(max_pending_bytes)
+        self._writer = threading.Thread(target=_write_loop, args=(weakref.ref(self), self._jobs),
+                                        name="dsv41-redis-write", daemon=True)
+        weakref.finalize(self, self._jobs.close)
+        self._writer.start()
+        self._jobs.put(("check",), 0)
 
     # ----------------------------------------------------------------------------------------- snapshots
 
     def put(self, key: str, snapshot: Snapshot) -> bool:
-        """Store ``snapshot`` under ``key`` with the TTL; False when Redis is unreachable or refuses it."""
-        snapshot_nbytes(snapshot)  # type check before any I/O
-        data = safetensors.torch.save(copy_snapshot(snapshot))
-        ok = self._call(lambda r: r.set(self._swa_key(key), data, px=self._ttl_ms(self.ttl_seconds)))
-        if ok:
-            self._count("puts")
-        return bool(ok)
+        """Queue ``snapshot`` for Redis under ``key`` with the TTL; False when it is dropped (Redis down, queue
+        full)."""
+        nbytes = snapshot_nbytes(snapshot)  # type check before any I/O
+        return self._enqueue(("snapshot", key, copy_snapshot(snapshot)), nbytes)
 
     def get(self, key: str) -> Snapshot | None:
-        """The snapshot under ``key`` (fresh CPU tensors), or None when absent, expired, unreadable (then deleted)
-        or Redis fails. A hit restarts the TTL."""
+        """The snapshot under ``key`` (fresh CPU tensors), or None when absent, expired, unreadable (then deleted),
+        Redis fails or does not answer within ``read_timeout``. A hit restarts the TTL."""
         name = self._swa_key(key)
-        data = self._call(lambda r: r.getex(name, px=self._ttl_ms(self.ttl_seconds)))
+        data = self._read(lambda r: r.getex(name, px=self._ttl_ms(self.ttl_seconds)))
         if data is None:
             self._count("misses")
             return None
@@ -103,7 +209,7 @@ class RedisStore:
             snapshot = safetensors.torch.load(data)
         except (safetensors.SafetensorError, ValueError) as exc:
             log.warning("prefix cache: unreadable snapshot %s in Redis (%s); deleted", name, exc)
-            self._call(lambda r: r.delete(name))
+            self._enqueue(("delete", name), 0)
             self._count("misses")
             return None
         self._count("hits")
@@ -111,60 +217,57 @@ class RedisStore:
 
     def contains(self, key: str) -> bool:
         """True when an unexpired snapshot is stored under ``key`` (not an access: the TTL is unchanged)."""
-        return bool(self._call(lambda r: r.exists(self._swa_key(key))))
+        return bool(self._read(lambda r: r.exists(self._swa_key(key))))
 
     @property
     def occupancy_bytes(self) -> int:
-        """Bytes of this namespace's serialized snapshots in Redis (a SCAN: O(keys), for metrics, not per
-        request); 0 when Redis fails."""
-
-        def total(r: redis.Redis) -> int:
-            keys = list(r.scan_iter(match=self._escape(self._prefix) + "swa:*", count=1000))
-            pipe = r.pipeline(transaction=False)
-            for k in keys:
-                pipe.strlen(k)
-            return sum(pipe.execute()) if keys else 0
-
-        return self._call(total) or 0
+        """Bytes of this namespace's serialized snapshots in Redis, as last measured (0 before the first
+        measurement). The engine reads it after every step, so it never waits: a value older than
+        ``OCCUPANCY_REFRESH_SECONDS`` queues a new measurement (a SCAN, O(keys)) on the writer thread."""
+        with self._lock:
+            stale = not self._occupancy_queued and time.monotonic() - self._occupancy_at > OCCUPANCY_REFRESH_SECONDS
+            self._occupancy_queued |= stale
+        if stale and not (self._available() and self._jobs.put(("occupancy",), 0)):
+            with self._lock:
+                self._occupancy_queued = False
+        return self._occupancy
 
     @property
     def stats(self) -> dict:
-        """Counters of this client: hits, misses, puts, errors (failed Redis commands)."""
+        """Counters of this client: hits, misses (snapshots), puts (snapshots written), pages_read, pages_written,
+        errors (failed or timed-out Redis commands), dropped (writes not sent: Redis down or the queue full),
+        unavailable (reads answered as misses without asking, Redis being down)."""
         with self._lock:
             return dict(self._stats)
 
-    # ----------------------------------------------------------------------------------------- page index
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait up to ``timeout`` seconds until the queued writes are sent (or dropped); True when none is left."""
+        return self._jobs.join(timeout)
 
-    def add_pages(self, hashes: Iterable[str]) -> None:
-        """Record that the pages ``hashes`` are persisted (now); drops index entries older than the page TTL."""
-        now = self.clock()
-        mapping = dict.fromkeys(hashes, now)
-        if not mapping:
-            return
-        key = self._prefix + "pages"
+    # ----------------------------------------------------------------------------------------- pages
 
-        def add(r: redis.Redis) -> None:
-            pipe = r.pipeline(transaction=False)
-            pipe.zadd(key, mapping)
-            pipe.zremrangebyscore(key, "-inf", f"({now - self.page_ttl_seconds}")
-            pipe.pexpire(key, self._ttl_ms(self.page_ttl_seconds))  # an abandoned namespace disappears
-            pipe.execute()
+    def put_page(self, block_hash: str, data: bytes) -> bool:
+        """Queue the page bytes ``data`` under ``block_hash`` with the page TTL; False when dropped."""
+        return self._enqueue(("page", block_hash, data), len(data))
 
-        self._call(add)
+    def get_page(self, block_hash: str) -> bytes | None:
+        """The page bytes under ``block_hash`` (the TTL restarts), or None (absent, Redis down or slow)."""
+        data = self._read(lambda r: r.getex(self._page_key(block_hash), px=self._ttl_ms(self.page_ttl_seconds)))
+        if data is not None:
+            self._count("pages_read")
+        return data
 
-    def has_page(self, block_hash: str) -> bool:
-        """True when some process recorded ``block_hash`` within the page TTL; False too when Redis fails."""
-        score = self._call(lambda r: r.zscore(self._prefix + "pages", block_hash))
-        return score is not None and self.clock() - score <= self.page_ttl_seconds
-
-    def remove_page(self, block_hash: str) -> None:
-        """Forget ``block_hash`` (its file was evicted or rejected)."""
-        self._call(lambda r: r.zrem(self._prefix + "pages", block_hash))
+    def delete_page(self, block_hash: str) -> None:
+        """Queue the deletion of the page under ``block_hash`` (it failed validation)."""
+        self._enqueue(("delete", self._page_key(block_hash)), 0)
 
     # ----------------------------------------------------------------------------------------- internals
 
     def _swa_key(self, key: str) -> str:
         return self._prefix + "swa:" + key
+
+    def _page_key(self, block_hash: str) -> str:
+        return self._prefix + "page:" + block_hash
 
     @staticmethod
     def _ttl_ms(seconds: float) -> int:
@@ -175,26 +278,167 @@ class RedisStore:
         # A namespace may contain glob characters; SCAN MATCH must take them literally.
         return "".join("\\" + c if c in "*?[]\\" else c for c in pattern)
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            self._stats[name] += 1
+            self._stats[name] += n
 
-    def _call(self, command: Callable[[redis.Redis], object]):
-        """Run ``command`` on the client; None when Redis is down (warning once per outage)."""
-        if self.clock() < self._down_until:
-            return None
+    def _available(self) -> bool:
+        """False while Redis is marked down; then, once per RETRY_SECONDS, a PING on the background reader
+        checks whether it is back (the caller never waits for it)."""
+        with self._lock:
+            if not self._down:
+                return True
+            if self._probing or self.clock() < self._down_until:
+                return False
+            self._probing = True
+            self._down_until = self.clock() + RETRY_SECONDS
+        self._reader.submit(self._probe)
+        return False
+
+    def _probe(self) -> None:
         try:
-            result = command(self._redis)
+            self._redis.ping()
         except (redis.RedisError, OSError) as exc:
             with self._lock:
-                self._stats["errors"] += 1
-                self._down_until = self.clock() + RETRY_SECONDS
-                warn, self._down = not self._down, True
-            if warn:
-                log.warning("prefix cache: Redis at %s failed (%s); snapshots there are misses, retrying every %.0f s",
-                            self.url, exc, RETRY_SECONDS)
+                self._probing = False
+            self._fail(exc)
+            return
+        with self._lock:
+            self._probing, self._down = False, False
+        log.info("prefix cache: Redis at %s is back", self.url)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self._stats["errors"] += 1
+            self._down_until = self.clock() + RETRY_SECONDS
+            warn, self._down = not self._down, True
+        if warn:
+            log.warning("prefix cache: Redis at %s failed (%s); its snapshots and pages are misses, checking again "
+                        "every %.0f s", self.url, exc, RETRY_SECONDS)
+
+    def _read(self, command: Callable[[redis.Redis], Any]) -> Any:
+        """Run ``command`` on the background reader and wait at most ``read_timeout``; None when Redis is down,
+        fails or does not answer in time (then it is marked down)."""
+        if not self._available():
+            self._count("unavailable")
             return None
-        if self._down:
-            self._down = False
-            log.info("prefix cache: Redis at %s is back", self.url)
-        return result
+        future = self._reader.submit(command, self._redis)
+        try:
+            return future.result(timeout=self.read_timeout)
+        except FutureTimeout:
+            self._fail(TimeoutError(f"no answer within {self.read_timeout} s"))
+        except (redis.RedisError, OSError) as exc:
+            self._fail(exc)
+        return None
+
+    def _enqueue(self, job: tuple, nbytes: int) -> bool:
+        if not self._available() or not self._jobs.put(job, nbytes):
+            self._count("dropped")
+            return False
+        return True
+
+    def _write(self, job: tuple) -> None:
+        """Run one queued write on the writer thread (dropped while Redis is down)."""
+        kind = job[0]
+        if kind == "check":
+            self._check_maxmemory()
+            return
+        if kind == "occupancy":
+            self._measure_occupancy()
+            return
+        with self._lock:
+            down = self._down
+        if down:
+            self._count("dropped")
+            return
+        try:
+            if kind == "snapshot":
+                _, key, snapshot = job
+                data = safetensors.torch.save(snapshot)
+                self._redis.set(self._swa_key(key), data, px=self._ttl_ms(self.ttl_seconds))
+                self._count("puts")
+            elif kind == "page":
+                _, block_hash, data = job
+                self._redis.set(self._page_key(block_hash), data, px=self._ttl_ms(self.page_ttl_seconds))
+                self._count("pages_written")
+            else:
+                self._redis.delete(job[1])
+        except (redis.RedisError, OSError) as exc:
+            self._fail(exc)
+
+    def _measure_occupancy(self) -> None:
+        try:
+            with self._lock:
+                down = self._down
+            if down:
+                return
+            keys = list(self._redis.scan_iter(match=self._escape(self._prefix) + "swa:*", count=1000))
+            pipe = self._redis.pipeline(transaction=False)
+            for k in keys:
+                pipe.strlen(k)
+            total = sum(pipe.execute()) if keys else 0
+            with self._lock:
+                self._occupancy, self._occupancy_at = total, time.monotonic()
+        except (redis.RedisError, OSError) as exc:
+            self._fail(exc)
+        finally:
+            with self._lock:
+                self._occupancy_queued = False
+
+    def _check_maxmemory(self) -> None:
+        """Warn once when Redis has no memory bound (pages and snapshots then leave only through their TTL)."""
+        try:
+            limit = int(self._redis.config_get("maxmemory").get("maxmemory", 0))
+        except (redis.RedisError, OSError, ValueError):
+            return  # CONFIG may be disabled; a dead Redis shows at the first real command
+        if limit == 0 and self.url not in _WARNED_MAXMEMORY:
+            _WARNED_MAXMEMORY.add(self.url)
+            log.warning("prefix cache: Redis at %s has no maxmemory: snapshots and pages leave it only through "
+                        "their TTL; set maxmemory and maxmemory-policy allkeys-lru to bound it", self.url)
+
+
+class RedisPages:
+    """Global KV pages in Redis, in the page file format (SPEC.md §4.3): what lets an engine on another cache
+    directory hit the prefixes an engine wrote.
+
+    ``store``: the :class:`RedisStore` (its namespace contains the fingerprint); ``codec``: the
+    :class:`~deepseek_v41.cache.store.PageCodec` of the model and layout. A value that fails validation
+    (corrupted, another model, another layout, another hash) is a miss and is deleted, with one warning per kind.
+    """
+
+    def __init__(self, store: RedisStore, codec: Any):
+        self.store, self.codec = store, codec
+        self._warned: set[str] = set()
+        self.rejected = 0
+
+    def get(self, block_hash: str) -> dict[str, torch.Tensor] | None:
+        """The page under ``block_hash`` (fresh CPU tensors of the layout), or None."""
+        data = self.store.get_page(block_hash)
+        if data is None:
+            return None
+        page, kind = self.codec.decode(block_hash, data) if len(data) <= self.codec.size(block_hash) \
+            else (None, "oversize")
+        if page is None:
+            self.rejected += 1
+            if kind not in self._warned:
+                self._warned.add(kind)
+                log.warning("prefix cache: rejected page %s from Redis (%s), deleted; further rejections of this "
+                            "kind are only counted", block_hash, kind)
+            self.store.delete_page(block_hash)
+        return page
+
+    def put(self, block_hash: str, page: dict[str, torch.Tensor]) -> bool:
+        """Encode ``page`` and queue it for Redis; False when dropped. Raises ValueError for a page that does not
+        match the layout."""
+        self.codec.check_page(page)
+        return self.store.put_page(block_hash, self.codec.encode(block_hash, page))
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until the queued pages are sent (see :meth:`RedisStore.flush`)."""
+        return self.store.flush(timeout)
+
+    @property
+    def stats(self) -> dict:
+        """The store's counters and ``rejected`` (pages that failed validation)."""
+        return {**self.store.stats, "rejected": self.rejected}
+

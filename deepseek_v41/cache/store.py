@@ -17,8 +17,12 @@ File format (``<directory>/<block_hash>.page``, little-endian)::
 
 Writes go to a temp file in the same directory, are fsynced, stamped and renamed over the final name
 (``os.replace``), so a reader sees either the old file, the new one or none — never a partial page. A file that
-fails validation (truncated, corrupted, other format version, other model fingerprint, other layout, other hash)
-is moved to ``quarantine/`` and the read is a miss.
+fails validation (truncated, oversize, corrupted, other format version, other model fingerprint, other layout,
+other hash) is moved to ``quarantine/`` and the read is a miss. Only regular files are opened, and never through a
+symlink (``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``): a FIFO, a device, a directory or a symlink named like a page
+is quarantined without being read, and no read goes past the exact size a valid page of that hash has. A ``put``
+over an existing file checks it like a read does and replaces it when it is bad, so a damaged directory heals as
+pages are written again.
 
 The access order survives restarts through the files' mtime, which the store sets itself (to its clock) on write
 and on every hit: a new store sorts the files by mtime. The TTL counts from the last access.
@@ -32,6 +36,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -73,6 +78,102 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+class PageCodec:
+    """The page file format of the module docstring, for one model and layout (SPEC.md §4.3).
+
+    Shared by :class:`PageStore` (files) and the Redis page tier (values): the same bytes, checked the same way.
+
+    Args:
+        fingerprint: the model fingerprint written into (and required in) every page.
+        layout: name -> (shape, dtype string) of every tensor of a page.
+        format_version: written into each page; pages of another version are rejected.
+    """
+
+    def __init__(self, fingerprint: str, layout: Layout, format_version: int = 1):
+        self.fingerprint = fingerprint
+        self.layout = {name: (tuple(int(d) for d in shape), str(_torch_dtype(dt)).removeprefix("torch."))
+                       for name, (shape, dt) in layout.items()}
+        self.format_version = format_version
+        self._header_layout = [[name, list(shape), dt] for name, (shape, dt) in self.layout.items()]
+        self._dtypes = {name: _torch_dtype(dt) for name, (_, dt) in self.layout.items()}
+        self.payload_bytes = sum(self._dtypes[name].itemsize * _numel(shape)
+                                 for name, (shape, _) in self.layout.items())
+        self._header_bytes_without_hash = len(self._header(""))
+
+    def size(self, block_hash: str) -> int:
+        """The exact byte size of a valid page stored under ``block_hash`` (the JSON header is fixed but for the
+        hash's length)."""
+        return _PREFIX.size + self._header_bytes_without_hash + len(block_hash) + self.payload_bytes
+
+    def check_page(self, page: dict[str, torch.Tensor]) -> None:
+        """Raise ValueError when ``page``'s names, shapes or dtypes differ from the layout."""
+        if set(page) != set(self.layout):
+            raise ValueError(f"page tensors {sorted(page)} differ from the layout {sorted(self.layout)}")
+        for name, (shape, _) in self.layout.items():
+            t = page[name]
+            if tuple(t.shape) != shape or t.dtype != self._dtypes[name]:
+                raise ValueError(f"page tensor {name!r} is {tuple(t.shape)} {t.dtype}, the layout says "
+                                 f"{shape} {self._dtypes[name]}")
+
+    def _header(self, block_hash: str) -> bytes:
+        return json.dumps({"block_hash": block_hash, "fingerprint": self.fingerprint,
+                           "layout": self._header_layout}, separators=(",", ":")).encode()
+
+    def encode(self, block_hash: str, page: dict[str, torch.Tensor]) -> bytes:
+        """The page's bytes (prefix, header, payload). The page must match the layout (see ``check_page``)."""
+        header = self._header(block_hash)
+        payload = b"".join(page[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                           for name in self.layout)
+        digest = hashlib.sha256(header + payload).digest()
+        return _PREFIX.pack(MAGIC, self.format_version, len(header), len(payload), digest) + header + payload
+
+    def verify(self, block_hash: str, data: bytes) -> str:
+        """"" when ``data`` is a valid page of ``block_hash``, else the rejection kind ("truncated", "oversize",
+        "bad magic", "other format version", "checksum mismatch", "bad header", "other model fingerprint",
+        "other layout", "other block hash"). Checks run from the cheapest and most specific to the payload."""
+        if len(data) < _PREFIX.size:
+            return "truncated"
+        magic, version, header_len, payload_len, digest = _PREFIX.unpack_from(data)
+        if magic != MAGIC:
+            return "bad magic"
+        if version != self.format_version:
+            return "other format version"
+        end = _PREFIX.size + header_len + payload_len
+        if len(data) < end:
+            return "truncated"
+        if len(data) > end or hashlib.sha256(memoryview(data)[_PREFIX.size :]).digest() != digest:
+            return "checksum mismatch"
+        try:
+            header = json.loads(data[_PREFIX.size : _PREFIX.size + header_len])
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return "bad header"
+        if not isinstance(header, dict):
+            return "bad header"
+        if header.get("fingerprint") != self.fingerprint:
+            return "other model fingerprint"
+        if header.get("layout") != self._header_layout or payload_len != self.payload_bytes:
+            return "other layout"
+        if header.get("block_hash") != block_hash:
+            return "other block hash"
+        return ""
+
+    def decode(self, block_hash: str, data: bytes) -> tuple[dict[str, torch.Tensor] | None, str]:
+        """(page, "") with fresh CPU tensors the caller owns, or (None, rejection kind) (see ``verify``)."""
+        kind = self.verify(block_hash, data)
+        if kind:
+            return None, kind
+        page, offset = {}, _PREFIX.size + _PREFIX.unpack_from(data)[2]
+        for name, (shape, _) in self.layout.items():
+            dtype = self._dtypes[name]
+            nbytes = dtype.itemsize * _numel(shape)
+            # bytearray: a private, aligned copy per tensor, so callers may write into what they get.
+            raw = bytearray(data[offset : offset + nbytes])
+            page[name] = (torch.frombuffer(raw, dtype=dtype).reshape(shape) if nbytes
+                          else torch.empty(shape, dtype=dtype))
+            offset += nbytes
+        return page, ""
+
+
 class PageStore:
     """Global KV pages on local disk, keyed by the prefix hash chain's block hash (SPEC.md §4.3).
 
@@ -105,15 +206,11 @@ class PageStore:
         if max_bytes < 0 or ttl_seconds <= 0:
             raise ValueError(f"max_bytes must be >= 0 and ttl_seconds > 0, got {max_bytes}, {ttl_seconds}")
         self.directory = Path(directory)
-        self.fingerprint = fingerprint
-        self.layout = {name: (tuple(int(d) for d in shape), str(_torch_dtype(dt)).removeprefix("torch."))
-                       for name, (shape, dt) in layout.items()}
+        self.codec = PageCodec(fingerprint, layout, format_version)
+        self.fingerprint, self.layout, self.format_version = fingerprint, self.codec.layout, format_version
         self.max_bytes = max_bytes
         self.ttl_seconds = ttl_seconds
-        self.format_version = format_version
         self.clock = clock
-        self._header_layout = [[name, list(shape), dt] for name, (shape, dt) in self.layout.items()]
-        self._dtypes = {name: _torch_dtype(dt) for name, (_, dt) in self.layout.items()}
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # block hash -> file bytes, least recent first
         self._last_stamp_ns = 0
@@ -131,29 +228,35 @@ class PageStore:
     def put(self, block_hash: str, page: dict[str, torch.Tensor]) -> bool:
         """Persist ``page`` under ``block_hash``; True when it is on disk afterwards.
 
-        A page already stored is only marked as recently used (pages are content-addressed). False when the store
-        is disabled, the hash is not lowercase hex, the page alone exceeds ``max_bytes`` or the write fails.
-        Raises ValueError when the page's names, shapes or dtypes differ from the layout.
+        A valid page already stored (here or by another process) is only marked as recently used: pages are
+        content-addressed. A file there that fails the checks of ``get`` (corrupt, truncated, expired, not a
+        regular file) is quarantined and replaced. False when the store is disabled, the hash is not lowercase
+        hex, the page alone exceeds ``max_bytes`` or the write fails. Raises ValueError when the page's names,
+        shapes or dtypes differ from the layout.
         """
-        self._check_page(page)
+        self.codec.check_page(page)
         if not self._valid_hash(block_hash):
             return False
         with self._lock:
             if self._stats["disabled"]:
                 return False
             path = self._path(block_hash)
-            # Content-addressed: a page already on disk (written here or by another process) is only marked used.
-            if self._touch(path):
-                try:
-                    self._remember(block_hash, os.stat(path).st_size)
-                except FileNotFoundError:
-                    self._forget(block_hash)
-                    return False
-                return True
-            if self._stats["disabled"]:  # the touch may have found the directory read-only
-                return False
-            data = self._encode(block_hash, page)
+            data, st, kind = self._read_file(path, block_hash)
+            if not kind:
+                kind = "expired" if self._expired(st.st_mtime_ns) else self.codec.verify(block_hash, data)
+                if not kind:
+                    if not self._touch(path):
+                        self._forget(block_hash)
+                        return False
+                    self._remember(block_hash, st.st_size)
+                    return True
+            if kind == "expired":
+                self._stats["expired"] += 1
+            elif kind != "missing":
+                self._quarantine(path, st.st_ino, block_hash, kind)
+            data = self.codec.encode(block_hash, page)
             if len(data) > self.max_bytes:
+                self._forget(block_hash)
                 return False
             try:
                 self._write_atomic(path, data)
@@ -167,31 +270,23 @@ class PageStore:
     def get(self, block_hash: str) -> dict[str, torch.Tensor] | None:
         """The page stored under ``block_hash`` (fresh CPU tensors of the layout), or None on a miss.
 
-        Misses: no file, an expired file (deleted), a file that fails validation (quarantined), an I/O error.
+        Misses: no file, an expired file (deleted), a file that is not a regular file, is larger than a valid page
+        or fails validation (quarantined, one warning per kind), an I/O error.
         """
         if not self._valid_hash(block_hash):
             return None
         with self._lock:
             path = self._path(block_hash)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
+            data, st, kind = self._read_file(path, block_hash)
+            if kind == "missing":
                 self._forget(block_hash)
                 return None
-            try:
-                st = os.fstat(fd)
-                data = self._read_all(fd, st.st_size)
-            except OSError:
-                self._forget(block_hash)
-                return None
-            finally:
-                os.close(fd)
-            if self._expired(st.st_mtime_ns):
+            if not kind and self._expired(st.st_mtime_ns):
                 self._remove(path, st.st_ino)
                 self._forget(block_hash)
                 self._stats["expired"] += 1
                 return None
-            page, kind = self._decode(block_hash, data)
+            page, kind = (None, kind) if kind else self.codec.decode(block_hash, data)
             if page is None:
                 self._quarantine(path, st.st_ino, block_hash, kind)
                 return None
@@ -202,17 +297,15 @@ class PageStore:
             return page
 
     def contains(self, block_hash: str) -> bool:
-        """True when an unexpired file exists for ``block_hash`` (not validated: ``get`` may still reject it).
-
-        Does not count as an access for LRU.
-        """
+        """True when an unexpired regular file exists for ``block_hash`` (not validated: ``get`` may still reject
+        it). Does not count as an access for LRU."""
         if not self._valid_hash(block_hash):
             return False
         try:
-            st = os.stat(self._path(block_hash))
+            st = os.lstat(self._path(block_hash))
         except OSError:
             return False
-        return not self._expired(st.st_mtime_ns)
+        return stat.S_ISREG(st.st_mode) and not self._expired(st.st_mtime_ns)
 
     @property
     def stats(self) -> dict:
@@ -238,63 +331,8 @@ class PageStore:
 
     # ----------------------------------------------------------------------------------------- encoding
 
-    def _check_page(self, page: dict[str, torch.Tensor]) -> None:
-        if set(page) != set(self.layout):
-            raise ValueError(f"page tensors {sorted(page)} differ from the layout {sorted(self.layout)}")
-        for name, (shape, _) in self.layout.items():
-            t = page[name]
-            if tuple(t.shape) != shape or t.dtype != self._dtypes[name]:
-                raise ValueError(f"page tensor {name!r} is {tuple(t.shape)} {t.dtype}, the layout says "
-                                 f"{shape} {self._dtypes[name]}")
-
     def _encode(self, block_hash: str, page: dict[str, torch.Tensor]) -> bytes:
-        header = json.dumps({"block_hash": block_hash, "fingerprint": self.fingerprint,
-                             "layout": self._header_layout}, separators=(",", ":")).encode()
-        payload = b"".join(page[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                           for name in self.layout)
-        digest = hashlib.sha256(header + payload).digest()
-        return _PREFIX.pack(MAGIC, self.format_version, len(header), len(payload), digest) + header + payload
-
-    def _decode(self, block_hash: str, data: bytes) -> tuple[dict[str, torch.Tensor] | None, str]:
-        """(page, "") or (None, rejection kind). Checks run from the cheapest and most specific to the payload."""
-        if len(data) < _PREFIX.size:
-            return None, "truncated"
-        magic, version, header_len, payload_len, digest = _PREFIX.unpack_from(data)
-        if magic != MAGIC:
-            return None, "bad magic"
-        if version != self.format_version:
-            return None, "other format version"
-        end = _PREFIX.size + header_len + payload_len
-        if len(data) < end:
-            return None, "truncated"
-        if len(data) > end or hashlib.sha256(memoryview(data)[_PREFIX.size :]).digest() != digest:
-            return None, "checksum mismatch"
-        try:
-            header = json.loads(data[_PREFIX.size : _PREFIX.size + header_len])
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return None, "bad header"
-        if not isinstance(header, dict):
-            return None, "bad header"
-        if header.get("fingerprint") != self.fingerprint:
-            return None, "other model fingerprint"
-        if header.get("layout") != self._header_layout:
-            return None, "other layout"
-        if header.get("block_hash") != block_hash:
-            return None, "other block hash"
-        page, offset = {}, _PREFIX.size + header_len
-        for name, (shape, _) in self.layout.items():
-            dtype = self._dtypes[name]
-            nbytes = dtype.itemsize * _numel(shape)
-            if offset + nbytes > end:
-                return None, "other layout"
-            # bytearray: a private, aligned copy per tensor, so callers may write into what they get.
-            raw = bytearray(data[offset : offset + nbytes])
-            page[name] = (torch.frombuffer(raw, dtype=dtype).reshape(shape) if nbytes
-                          else torch.empty(shape, dtype=dtype))
-            offset += nbytes
-        if offset != end:
-            return None, "other layout"
-        return page, ""
+        return self.codec.encode(block_hash, page)
 
     # ----------------------------------------------------------------------------------------- files
 
@@ -305,6 +343,42 @@ class PageStore:
 
     def _path(self, block_hash: str) -> Path:
         return self.directory / f"{block_hash}{PAGE_SUFFIX}"
+
+    def _read_file(self, path: Path, block_hash: str) -> tuple[bytes, os.stat_result | None, str]:
+        """(bytes, stat, "") of the regular file at ``path``, at most the size of a valid page of ``block_hash``;
+        else (b"", stat, kind) with kind "missing" (gone, unreadable), "symlink", "not a regular file" or
+        "oversize" — without reading the file or opening what it is not.
+
+        The file is opened without following a symlink and without blocking (a FIFO would block ``open`` until a
+        writer comes), and checked again through ``fstat`` (it may have been replaced since ``lstat``).
+        """
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return b"", None, "missing"
+        if stat.S_ISLNK(st.st_mode):
+            return b"", st, "symlink"
+        if not stat.S_ISREG(st.st_mode):
+            return b"", st, "not a regular file"
+        expected = self.codec.size(block_hash)
+        if st.st_size > expected:
+            return b"", st, "oversize"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return b"", None, "missing"  # replaced since the lstat: the next access sees what is there now
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return b"", st, "not a regular file"
+            data = self._read_all(fd, expected + 1)
+        except OSError:
+            return b"", None, "missing"
+        finally:
+            os.close(fd)
+        if len(data) > expected:  # grew since the fstat
+            return b"", st, "oversize"
+        return data, st, ""
 
     def _stamp_ns(self) -> int:
         # Strictly increasing within a process so that a restart recovers the exact access order from mtimes.
@@ -333,20 +407,23 @@ class PageStore:
             raise
 
     @staticmethod
-    def _read_all(fd: int, size: int) -> bytes:
+    def _read_all(fd: int, limit: int) -> bytes:
+        """Up to ``limit`` bytes from ``fd`` (fewer at end of file)."""
         chunks, total = [], 0
-        while True:
-            chunk = os.read(fd, max(size - total, 1 << 16))
+        while total < limit:
+            chunk = os.read(fd, limit - total)
             if not chunk:
-                return b"".join(chunks)
+                break
             chunks.append(chunk)
             total += len(chunk)
+        return b"".join(chunks)
 
     def _touch(self, path: Path) -> bool:
-        """Stamp ``path`` as just used; False when it is gone."""
+        """Stamp ``path`` as just used; False when it is gone. Never follows a symlink (one swapped in since the
+        checks would otherwise stamp its target)."""
         stamp = self._stamp_ns()
         try:
-            os.utime(path, ns=(stamp, stamp))
+            os.utime(path, ns=(stamp, stamp), follow_symlinks=False)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -359,7 +436,7 @@ class PageStore:
         """Delete ``path``, tolerating that it is gone; with ``inode``, only if it is still that file (another
         process may have replaced it with a good page in the meantime)."""
         try:
-            if inode is not None and os.stat(path).st_ino != inode:
+            if inode is not None and os.lstat(path).st_ino != inode:
                 return
             os.unlink(path)
         except OSError:
@@ -386,20 +463,24 @@ class PageStore:
 
     def _scan(self) -> None:
         """Index the page files already in the directory, least recently used first; delete expired pages and
-        stale temp files."""
+        stale temp files; quarantine what is named like a page but is not a regular file."""
         found = []
         for entry in os.scandir(self.directory):
             name = entry.name
+            is_page = name.endswith(PAGE_SUFFIX) and self._valid_hash(name[: -len(PAGE_SUFFIX)])
             try:
-                if not entry.is_file(follow_symlinks=False):
-                    continue
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue  # deleted under us
+            if not stat.S_ISREG(st.st_mode):
+                if is_page:
+                    kind = "symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+                    self._quarantine(Path(entry.path), st.st_ino, name[: -len(PAGE_SUFFIX)], kind)
+                continue
             if name.endswith(".tmp"):
                 if self.clock() - st.st_mtime_ns / 1e9 > STALE_TEMP_SECONDS:
                     self._remove(entry.path)
-            elif name.endswith(PAGE_SUFFIX) and self._valid_hash(name[: -len(PAGE_SUFFIX)]):
+            elif is_page:
                 if self._expired(st.st_mtime_ns):
                     self._remove(entry.path)
                     self._stats["expired"] += 1
@@ -412,6 +493,8 @@ class PageStore:
         self._evict_to_budget()
 
     def _quarantine(self, path: Path, inode: int, block_hash: str, kind: str) -> None:
+        """Move the rejected ``path`` (a file, a symlink itself, a FIFO, a directory) to ``quarantine/``, or delete
+        it when it cannot be moved; log the first rejection of each kind."""
         self._forget(block_hash)
         self._stats["rejected"] += 1
         if kind not in self._warned:
@@ -420,11 +503,12 @@ class PageStore:
                         "counted", path, kind, QUARANTINE)
         folder = self.directory / QUARANTINE
         try:
-            if os.stat(path).st_ino != inode:
+            if os.lstat(path).st_ino != inode:
                 return  # replaced by another process since we read it: leave the new file alone
             folder.mkdir(exist_ok=True)
             os.replace(path, folder / f"{block_hash}.{kind.replace(' ', '-')}.{uuid.uuid4().hex[:8]}")
-            kept = sorted(os.scandir(folder), key=lambda e: e.stat(follow_symlinks=False).st_mtime_ns)
+            kept = sorted((e for e in os.scandir(folder) if not e.is_dir(follow_symlinks=False)),
+                          key=lambda e: e.stat(follow_symlinks=False).st_mtime_ns)
             for entry in kept[:-QUARANTINE_MAX_FILES]:
                 self._remove(entry.path)
         except OSError:

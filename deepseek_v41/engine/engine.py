@@ -45,7 +45,7 @@ class EngineArgs:
     (device tier); ``swa_pool_bytes`` sizes the in-memory SWA snapshot pool (default 10% of RAM; 0 disables
     snapshots); ``cache_dir`` keeps global KV pages on disk across restarts (``cache_max_bytes`` budget, 72 h TTL;
     default None: no persistence); ``replay`` is "bounded" (default) or "exact" for hits without a snapshot;
-    ``redis_url`` shares the SWA pool and the page index between engine processes.
+    ``redis_url`` shares the SWA snapshots and the global KV pages between engine processes (any ``cache_dir``).
 
     Speculative decoding (SPEC.md §4.4, DSPARK.md): ``speculative="dspark"`` (default None: off) drafts with the
     checkpoint's DSpark draft and verifies at most ``speculative_max_len`` drafts per step (default and maximum:
@@ -171,7 +171,8 @@ class LLMEngine:
         return default_swa_pool_bytes() if args.swa_pool_bytes is None else args.swa_pool_bytes
 
     def _prefix_cache(self, args: EngineArgs, swa_bytes: int, model_path: str | Path | None):
-        from deepseek_v41.cache.prefix_cache import PrefixCache, model_fingerprint
+        from deepseek_v41.cache.fingerprint import model_fingerprint
+        from deepseek_v41.cache.prefix_cache import PrefixCache
 
         if args.replay not in ("bounded", "exact"):
             raise ValueError(f"replay must be 'bounded' or 'exact', got {args.replay!r}")
@@ -180,22 +181,26 @@ class LLMEngine:
                              f"{args.window_slack_rows}: the rings must still hold the window before the last page "
                              f"boundary (or set swa_pool_bytes=0)")
         fingerprint = model_fingerprint(self.model, model_path)
-        page_store = swa_pool = page_index = None
+        page_store = swa_pool = remote_pages = None
         if args.cache_dir is not None:
             from deepseek_v41.cache.store import PageStore
 
             page_store = PageStore(Path(args.cache_dir).expanduser() / fingerprint[:16], fingerprint,
                                    self.cache.page_layout(), args.cache_max_bytes)
         if args.redis_url is not None:
-            from deepseek_v41.cache.redis_store import RedisStore
+            # Redis shares the pages (any cache_dir, or none) and, unless swa_pool_bytes=0, the SWA snapshots.
+            from deepseek_v41.cache.redis_store import RedisPages, RedisStore
+            from deepseek_v41.cache.store import PageCodec
 
-            swa_pool = page_index = RedisStore(args.redis_url, namespace=fingerprint[:32])
+            redis_store = RedisStore(args.redis_url, namespace=fingerprint[:32])
+            remote_pages = RedisPages(redis_store, PageCodec(fingerprint, self.cache.page_layout()))
+            swa_pool = redis_store if swa_bytes else None
         elif swa_bytes:
             from deepseek_v41.cache.swa_pool import SwaPool
 
             swa_pool = SwaPool(swa_bytes)
         return PrefixCache(self.cache, fingerprint, self.prefill_mode is PrefillMode.EXACT, args.replay, page_store,
-                           swa_pool, page_index)
+                           swa_pool, remote_pages)
 
     def _admit(self, seq: Sequence) -> None:
         """Prefix-cache lookup for a sequence that just got its slot: take the cached pages, restore or plan the
@@ -468,6 +473,8 @@ class LLMEngine:
             out["swa_pool"] = dict(pc.swa_pool.stats)
         if pc.page_store is not None:
             out["disk"] = dict(pc.page_store.stats)
+        if pc.remote_pages is not None:
+            out["remote"] = dict(pc.remote_pages.stats)
         return out
 
 

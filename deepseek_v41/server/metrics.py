@@ -233,11 +233,22 @@ class _EngineCollector:
                 family.add_metric([name, key], value)
             return family
 
+        remote = pc.get("remote") or {}
         yield counter("dsv41:prefix_cache_page_hits", "Pages of matched prefixes by tier: device = shared from the "
-                      "KV pool, disk = loaded from the persistent store.", "tier",
-                      {"device": pc.get("device_pages_hit", 0), "disk": pc.get("disk_pages_read", 0)})
-        yield counter("dsv41:prefix_cache_pages_written", "Pages written to the persistent store.", "tier",
-                      {"disk": pc.get("disk_pages_written", 0)})
+                      "KV pool, disk = loaded from the persistent store, remote = loaded from Redis.", "tier",
+                      {"device": pc.get("device_pages_hit", 0), "disk": pc.get("disk_pages_read", 0),
+                       "remote": pc.get("remote_pages_read", 0)})
+        yield counter("dsv41:prefix_cache_pages_written", "Pages written to the persistent store (disk) and to "
+                      "Redis (remote).", "tier",
+                      {"disk": pc.get("disk_pages_written", 0), "remote": remote.get("pages_written", 0)})
+        errors = CounterMetricFamily("dsv41:prefix_cache_remote_errors", "Redis commands of the prefix cache that "
+                                     "failed or got no answer in time; each makes its lookup a miss and marks Redis "
+                                     "down until a background check finds it back.", labels=["model_name"])
+        errors.add_metric([name], remote.get("errors", 0))
+        yield errors
+        yield counter("dsv41:prefix_cache_remote_skipped", "Redis work skipped while Redis was down: read = lookups "
+                      "answered as misses without asking, write = writes dropped (also when the write queue was "
+                      "full).", "op", {"read": remote.get("unavailable", 0), "write": remote.get("dropped", 0)})
         yield counter("dsv41:swa_pool_snapshots", "SWA window snapshots: hit = restored for a prefix-cache hit, "
                       "written = taken at a page boundary.", "event",
                       {"hit": pc.get("snapshots_hit", 0), "written": pc.get("snapshots_written", 0)})

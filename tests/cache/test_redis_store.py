@@ -1,10 +1,12 @@
-"""RedisStore against a real redis-server: sharing by namespace, TTL through Redis, the page index, failures
-(SPEC.md §4.3)."""
+"""RedisStore against a real redis-server: sharing by namespace, TTL through Redis, pages, failures, a Redis that
+does not answer (SPEC.md §4.3, issue 22 items 9 and 11)."""
 
+import contextlib
 import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -47,24 +49,27 @@ def same(a: dict, b: dict) -> bool:
 def test_same_namespace_shares_snapshots_and_pages(redis_url, store_cls, namespace):
     a, b = store_cls(redis_url, namespace), store_cls(redis_url, namespace)
     snap = snapshot(1)
-    assert a.put("blk", snap)
+    assert a.put("blk", snap) and a.flush()
     assert b.contains("blk") and same(b.get("blk"), snap)
     assert b.get("other") is None
-    assert a.put("blk", snapshot(2)) and same(b.get("blk"), snapshot(2))  # a put replaces
-    assert a.put("empty", {}) and b.get("empty") == {}
-    a.add_pages(["ab" * 32, "cd" * 32])
-    assert b.has_page("ab" * 32) and b.has_page("cd" * 32) and not b.has_page("ef" * 32)
-    b.remove_page("ab" * 32)
-    assert not a.has_page("ab" * 32) and a.has_page("cd" * 32)
-    assert a.stats == dict(hits=0, misses=0, puts=3, errors=0)
-    assert b.stats == dict(hits=3, misses=1, puts=0, errors=0)
+    assert a.put("blk", snapshot(2)) and a.flush() and same(b.get("blk"), snapshot(2))  # a put replaces
+    assert a.put("empty", {}) and a.flush() and b.get("empty") == {}
+    assert a.put_page("ab" * 32, b"page ab") and a.put_page("cd" * 32, b"page cd") and a.flush()
+    assert b.get_page("ab" * 32) == b"page ab" and b.get_page("cd" * 32) == b"page cd"
+    assert b.get_page("ef" * 32) is None
+    b.delete_page("ab" * 32)
+    assert b.flush() and a.get_page("ab" * 32) is None and a.get_page("cd" * 32) == b"page cd"
+    zero = dict(hits=0, misses=0, puts=0, errors=0, dropped=0, unavailable=0, pages_read=0, pages_written=0)
+    assert a.stats == {**zero, "puts": 3, "pages_written": 2, "pages_read": 1}
+    assert b.stats == {**zero, "hits": 3, "misses": 1, "pages_read": 2}
 
 
 def test_other_namespace_sees_nothing(redis_url, store_cls, namespace):
     a, b = store_cls(redis_url, namespace), store_cls(redis_url, namespace + "-other-model")
     a.put("blk", snapshot(1))
-    a.add_pages(["ab" * 32])
-    assert b.get("blk") is None and not b.contains("blk") and not b.has_page("ab" * 32)
+    a.put_page("ab" * 32, b"page")
+    a.flush()
+    assert b.get("blk") is None and not b.contains("blk") and b.get_page("ab" * 32) is None
     assert b.occupancy_bytes == 0
     glob = store_cls(redis_url, "fp*")  # glob characters in a namespace are literal
     assert glob.occupancy_bytes == 0
@@ -82,6 +87,8 @@ def test_occupancy_counts_serialized_bytes(redis_url, store_cls, namespace):
     s = store_cls(redis_url, namespace)
     for i in range(3):
         s.put(f"k{i}", snapshot(i))
+    assert s.occupancy_bytes == 0  # not measured yet: the first read queues a measurement, never waits for it
+    s.flush()
     raw = redis.Redis.from_url(redis_url)
     assert s.occupancy_bytes == sum(len(raw.get(f"dsv41:{namespace}:swa:k{i}")) for i in range(3))
     # The stored value is a plain safetensors file: no pickle on the wire.
@@ -94,6 +101,7 @@ def test_ttl_through_redis_expire(redis_url, store_cls, namespace):
     raw = redis.Redis.from_url(redis_url)
     s = store_cls(redis_url, namespace, ttl_seconds=0.8)
     s.put("k", snapshot(1))
+    s.flush()
     key = f"dsv41:{namespace}:swa:k"
     assert 0 < raw.pttl(key) <= 800
     time.sleep(0.4)
@@ -105,20 +113,16 @@ def test_ttl_through_redis_expire(redis_url, store_cls, namespace):
     assert s.get("k") is None and not s.contains("k")
 
 
-def test_page_index_ttl(redis_url, store_cls, namespace):
+def test_page_ttl_through_redis_expire(redis_url, store_cls, namespace):
     import redis
 
-    t = [1000.0]
-    s = store_cls(redis_url, namespace, page_ttl_seconds=100.0, clock=lambda: t[0])
-    s.add_pages(["01"])
-    t[0] += 60
-    s.add_pages(["02"])
-    assert s.has_page("01") and s.has_page("02")
-    t[0] += 60
-    assert not s.has_page("01") and s.has_page("02")
-    s.add_pages(["03"])  # trims entries older than the TTL
-    assert redis.Redis.from_url(redis_url).zcard(f"dsv41:{namespace}:pages") == 2
-    s.add_pages([])
+    raw = redis.Redis.from_url(redis_url)
+    s = store_cls(redis_url, namespace, page_ttl_seconds=100.0)
+    s.put_page("01", b"x")
+    s.flush()
+    assert 99_000 < raw.pttl(f"dsv41:{namespace}:page:01") <= 100_000
+    raw.pexpire(f"dsv41:{namespace}:page:01", 5000)
+    assert s.get_page("01") == b"x" and raw.pttl(f"dsv41:{namespace}:page:01") > 99_000  # a hit restarts it
 
 
 def test_unreadable_value_is_a_miss_and_deleted(redis_url, store_cls, namespace, caplog):
@@ -129,6 +133,7 @@ def test_unreadable_value_is_a_miss_and_deleted(redis_url, store_cls, namespace,
     s = store_cls(redis_url, namespace)
     with caplog.at_level(logging.WARNING, logger="deepseek_v41.cache.redis_store"):
         assert s.get("k") is None
+    s.flush()
     assert raw.exists(f"dsv41:{namespace}:swa:k") == 0
     assert len(caplog.records) == 1
 
@@ -139,31 +144,37 @@ def test_connection_refused_is_a_miss_with_one_warning(store_cls, caplog):
         port = sock.getsockname()[1]
     s = store_cls(f"redis://127.0.0.1:{port}/0", "fp")
     with caplog.at_level(logging.WARNING, logger="deepseek_v41.cache.redis_store"):
-        assert not s.put("k", snapshot(1))
-        assert s.get("k") is None and not s.contains("k")
-        s.add_pages(["ab"])
-        assert not s.has_page("ab")
-        s.remove_page("ab")
-        assert s.occupancy_bytes == 0
-    assert len(caplog.records) == 1 and "Redis" in caplog.records[0].getMessage()
-    assert s.stats["errors"] == 1  # later calls skip Redis until the retry delay has passed
-    assert s.stats["misses"] == 1
+        assert s.get("k") is None
+        assert not s.put("k", snapshot(1)) and not s.contains("k")
+        assert not s.put_page("ab", b"x") and s.get_page("ab") is None
+        s.delete_page("ab")
+        assert s.occupancy_bytes == 0 and s.flush()
+    assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1
+    # Later calls skip Redis until a background check finds it back.
+    assert (s.stats["errors"], s.stats["misses"], s.stats["unavailable"], s.stats["dropped"]) == (1, 1, 2, 3)
 
 
-def test_reconnects_after_the_retry_delay(redis_url, store_cls, namespace, caplog, monkeypatch):
+def test_reconnects_after_the_retry_delay(redis_url, store_cls, namespace, caplog):
     import deepseek_v41.cache.redis_store as redis_store_mod
 
     t = [0.0]
     s = store_cls(redis_url, namespace, clock=lambda: t[0])
+    s.flush()
     good = s._redis
     s._redis = redis_store_mod.redis.Redis.from_url("redis://127.0.0.1:1/0")
     with caplog.at_level(logging.WARNING, logger="deepseek_v41.cache.redis_store"):
-        assert not s.put("k", snapshot(1))
+        assert s.get("k") is None
         s._redis = good  # the server is back
-        assert not s.put("k", snapshot(1))  # still inside the retry delay
+        assert not s.put("k", snapshot(1))  # still inside the retry delay: not even checked
+        assert s.get("k") is None
         t[0] += redis_store_mod.RETRY_SECONDS + 1
-        assert s.put("k", snapshot(1)) and s.get("k") is not None
-    assert len(caplog.records) == 1
+        assert s.get("k") is None  # starts one background check, answers a miss at once
+        deadline = time.monotonic() + 10
+        while not s.put("k", snapshot(1)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert s.flush() and s.get("k") is not None
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
 
 
 def test_two_processes_share_one_redis(redis_url, store_cls, namespace):
@@ -172,18 +183,19 @@ def test_two_processes_share_one_redis(redis_url, store_cls, namespace):
         "s = RedisStore(sys.argv[1], sys.argv[2]); "
         "x = {'x': torch.arange(5, dtype=torch.int32), 'y': torch.ones(2, dtype=torch.bfloat16)}; "
         "assert s.put('from-child', x); "
-        "s.add_pages(['0a0b']); "
+        "assert s.put_page('0a0b', b'page'); assert s.flush(); "
         "got = s.get('from-parent'); print(got['z'].tolist())"
     )
     parent = store_cls(redis_url, namespace)
     parent.put("from-parent", {"z": torch.tensor([1.5, -2.0], dtype=torch.float64)})
+    parent.flush()
     out = subprocess.run([sys.executable, "-c", code, redis_url, namespace], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[1.5, -2.0]"
     assert same(parent.get("from-child"), {"x": torch.arange(5, dtype=torch.int32),
                                            "y": torch.ones(2, dtype=torch.bfloat16)})
-    assert parent.has_page("0a0b")
+    assert parent.get_page("0a0b") == b"page"
 
 
 def test_namespace_is_required(store_cls):
@@ -191,3 +203,131 @@ def test_namespace_is_required(store_cls):
         store_cls("redis://127.0.0.1:1/0", "")
     with pytest.raises(ValueError):
         store_cls("redis://127.0.0.1:1/0", "fp x")
+
+
+# ------------------------------------------------------------------------------------------------ a frozen Redis
+
+
+class SilentServer:
+    """A TCP server that accepts connections and never answers: a frozen Redis (SIGSTOPped, or a stuck host)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"redis://127.0.0.1:{self.sock.getsockname()[1]}/0"
+        self.conns = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self):
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone does not)
+        self.sock.close()
+        self.thread.join(5)
+        for c in self.conns:
+            c.close()
+
+
+@pytest.fixture
+def silent():
+    server = SilentServer()
+    yield server
+    server.close()
+
+
+def test_a_frozen_redis_costs_one_bounded_wait_then_nothing(silent, store_cls, caplog):
+    s = store_cls(silent.url, "fp", read_timeout=0.3)
+    with caplog.at_level(logging.WARNING, logger="deepseek_v41.cache.redis_store"):
+        start = time.monotonic()
+        assert s.get("k") is None
+        assert time.monotonic() - start < 1.0  # one read waits read_timeout, not the socket timeouts
+        start = time.monotonic()
+        for i in range(200):  # marked down: no more waiting
+            assert s.get(f"k{i}") is None and s.get_page(f"{i:x}") is None and not s.contains("k")
+            assert not s.put(f"k{i}", snapshot(1)) and not s.put_page(f"{i:x}", b"x")
+        assert time.monotonic() - start < 0.5
+    assert s.stats["errors"] >= 1 and s.stats["unavailable"] == 600 and s.stats["dropped"] == 400
+    assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1
+
+
+def test_writes_to_a_frozen_redis_never_block_the_caller_and_are_bounded(silent, store_cls, monkeypatch):
+    import deepseek_v41.cache.redis_store as redis_store_mod
+
+    monkeypatch.setattr(redis_store_mod, "SOCKET_TIMEOUT_SECONDS", 0.3)
+    s = store_cls(silent.url, "fp", max_pending_bytes=1000)
+    start = time.monotonic()
+    queued = [s.put_page(f"{i:x}", b"x" * 300) for i in range(50)]
+    assert time.monotonic() - start < 0.2
+    assert 1 <= sum(queued) <= 4  # the queue holds 1000 bytes (and the one being sent)
+    assert s.flush(timeout=10)  # the stuck write times out on the socket, the rest is dropped
+    assert s.stats["errors"] >= 1 and s.stats["pages_written"] == 0
+
+
+def test_a_redis_stopped_mid_run_is_a_miss_and_comes_back(redis_server, store_cls, monkeypatch):
+    import signal
+
+    import deepseek_v41.cache.redis_store as redis_store_mod
+
+    monkeypatch.setattr(redis_store_mod, "RETRY_SECONDS", 0.5)
+    proc, url = redis_server
+    s = store_cls(url, "fp", read_timeout=0.3)
+    assert s.put_page("0a", b"page") and s.flush()
+    assert s.get_page("0a") == b"page"
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert s.get_page("0a") is None and s.get_page("0a") is None
+        assert time.monotonic() - start < 1.0 and s.stats["errors"] == 1 and s.stats["unavailable"] == 1
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + redis_store_mod.RETRY_SECONDS + 10
+    while s.get_page("0a") is None:  # a background check finds it back after RETRY_SECONDS
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------------------ pages
+
+
+def test_pages_round_trip_and_bad_values_are_deleted(redis_url, store_cls, namespace, caplog):
+    import redis
+
+    from deepseek_v41.cache.redis_store import RedisPages
+    from deepseek_v41.cache.store import PageCodec
+
+    layout = {"main.0": ((4, 72), "uint8"), "index.0": ((4, 36), "uint8")}
+    g = torch.Generator().manual_seed(0)
+    page = {"main.0": torch.randint(0, 256, (4, 72), dtype=torch.uint8, generator=g),
+            "index.0": torch.randint(0, 256, (4, 36), dtype=torch.uint8, generator=g)}
+    a = RedisPages(store_cls(redis_url, namespace), PageCodec("f" * 64, layout))
+    b = RedisPages(store_cls(redis_url, namespace), PageCodec("f" * 64, layout))
+    other_model = RedisPages(store_cls(redis_url, namespace), PageCodec("e" * 64, layout))
+    hashes = [f"{i:064x}" for i in range(4)]
+    for h in hashes:
+        assert a.put(h, page)
+    assert a.flush()
+    assert same(b.get(hashes[0]), page)
+    raw = redis.Redis.from_url(redis_url)
+    key = f"dsv41:{namespace}:page:"
+    data = raw.get(key + hashes[1])
+    raw.set(key + hashes[1], data[:-1] + bytes([data[-1] ^ 1]))  # a flipped payload bit
+    raw.set(key + hashes[2], data + b"\0" * 10)  # oversize
+    with caplog.at_level(logging.WARNING, logger="deepseek_v41.cache.redis_store"):
+        assert b.get(hashes[1]) is None and b.get(hashes[2]) is None
+        assert other_model.get(hashes[3]) is None  # a page of another model (same namespace, by mistake)
+    b.flush()
+    other_model.flush()
+    assert raw.exists(key + hashes[1], key + hashes[2], key + hashes[3]) == 0
+    assert b.stats["rejected"] == 2 and other_model.stats["rejected"] == 1
+    assert len(caplog.records) == 3
+    with pytest.raises(ValueError, match="layout"):
+        a.put(hashes[0], {"main.0": page["main.0"]})

@@ -5,6 +5,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import struct
 import tempfile
 import threading
@@ -130,7 +131,7 @@ def test_not_hex_hash_is_refused(tmp_path, bad):
 
 def test_partial_temp_file_is_never_a_page(tmp_path):
     s = new_store(tmp_path)
-    full = s._encode(h(7), make_page(7))
+    full = s.codec.encode(h(7), make_page(7))
     # A writer killed mid-write leaves only its temp file: the page name never existed.
     tmp = tmp_path / f".{h(7)}.12345.deadbeef.tmp"
     tmp.write_bytes(full[: len(full) // 2])
@@ -179,7 +180,7 @@ def _edit_header(edit):
         n = _header_len(data)
         header = json.loads(data[56 : 56 + n])
         edit(header)
-        new = json.dumps(header).encode()
+        new = json.dumps(header, separators=(",", ":")).encode()  # as compact as the store writes it
         payload = data[56 + n :]
         prefix = struct.pack("<8sIIQ32s", data[:8], struct.unpack_from("<I", data, 8)[0], len(new), len(payload),
                              hashlib.sha256(new + payload).digest())
@@ -196,7 +197,7 @@ CORRUPTIONS = {
     "flipped header byte": (_flip(lambda d: 56 + _header_len(d) // 2), "checksum mismatch"),
     "flipped checksum byte": (_flip(lambda d: 30), "checksum mismatch"),
     "flipped magic": (_flip(lambda d: 0), "bad magic"),
-    "extra bytes": (lambda d: d + b"\0", "checksum mismatch"),
+    "extra bytes": (lambda d: d + b"\0", "oversize"),
     "other fingerprint": (_edit_header(lambda hd: hd.update(fingerprint="0" * 64)), "other model fingerprint"),
     "other layout": (_edit_header(lambda hd: hd["layout"][0][1].__setitem__(0, 8)), "other layout"),
     "header without fields": (_edit_header(lambda hd: hd.clear()), "other model fingerprint"),
@@ -270,6 +271,168 @@ def test_quarantine_is_bounded(tmp_path, monkeypatch):
     assert len(list((tmp_path / "quarantine").iterdir())) == 3
 
 
+def _in_thread(fn, seconds: float = 10.0):
+    """``fn()``'s result, failing (not hanging) when it does not return within ``seconds``."""
+    result = []
+    worker = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"did not return within {seconds} s"
+    return result[0]
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _symlink_to_dev_zero(path: Path) -> None:
+    path.symlink_to("/dev/zero")
+
+
+def _directory(path: Path) -> None:
+    path.mkdir()
+    (path / "inside").write_text("x")
+
+
+def _sparse_huge(path: Path) -> None:
+    with path.open("wb") as f:
+        f.truncate(64 << 30)  # 64 GiB of holes: reading it whole would exhaust memory
+
+
+ODD_FILES = {
+    "fifo": (_fifo, "not a regular file"),
+    "symlink to /dev/zero": (_symlink_to_dev_zero, "symlink"),
+    "directory": (_directory, "not a regular file"),
+    "sparse 64 GiB file": (_sparse_huge, "oversize"),
+}
+
+
+@pytest.mark.parametrize("name", list(ODD_FILES))
+def test_odd_file_named_like_a_page_is_a_quarantined_miss(tmp_path, caplog, name):
+    make, kind = ODD_FILES[name]
+    s = new_store(tmp_path)
+    path = tmp_path / f"{h(1)}.page"
+    make(path)
+    assert not s.contains(h(1)) or kind == "oversize"
+    with caplog.at_level(logging.WARNING, logger="deepseek_v41.cache.store"):
+        assert _in_thread(lambda: s.get(h(1))) is None
+    assert not os.path.lexists(path)
+    assert [p.name.split(".")[:2] for p in (tmp_path / "quarantine").iterdir()] == [[h(1), kind.replace(" ", "-")]]
+    assert s.stats["rejected"] == 1 and any(kind in r.getMessage() for r in caplog.records)
+    # The hash can be stored again, as a regular file.
+    assert s.put(h(1), make_page(1)) and same_bytes(s.get(h(1)), make_page(1))
+    assert stat.S_ISREG(os.lstat(path).st_mode)
+
+
+@pytest.mark.parametrize("name", list(ODD_FILES))
+def test_put_replaces_an_odd_file_without_opening_it(tmp_path, name):
+    make, _ = ODD_FILES[name]
+    s = new_store(tmp_path)
+    path = tmp_path / f"{h(2)}.page"
+    make(path)
+    assert _in_thread(lambda: s.put(h(2), make_page(2)))
+    assert stat.S_ISREG(os.lstat(path).st_mode) and same_bytes(s.get(h(2)), make_page(2))
+    assert s.stats["rejected"] == 1 and s.stats["pages_written"] == 1
+
+
+def test_symlink_to_a_valid_page_elsewhere_is_not_followed(tmp_path):
+    elsewhere = new_store(tmp_path / "elsewhere")
+    elsewhere.put(h(3), make_page(3))
+    target = tmp_path / "elsewhere" / f"{h(3)}.page"
+    os.utime(target, ns=(1, 1))
+    before = target.read_bytes()
+    s = new_store(tmp_path / "s")
+    link = tmp_path / "s" / f"{h(3)}.page"
+    link.symlink_to(target)
+    assert not s.contains(h(3))
+    assert s.get(h(3)) is None
+    assert not os.path.lexists(link)
+    assert next((tmp_path / "s" / "quarantine").iterdir()).name.startswith(f"{h(3)}.symlink.")
+    assert target.read_bytes() == before and target.stat().st_mtime_ns == 1  # neither read as a page nor touched
+    link.symlink_to(target)
+    assert s.put(h(3), make_page(3))  # the link is replaced by a file of its own; the target is left alone
+    assert not link.is_symlink() and target.stat().st_mtime_ns == 1
+
+
+def test_start_quarantines_odd_entries_named_like_pages(tmp_path):
+    s = new_store(tmp_path)
+    s.put(h(1), make_page(1))
+    os.mkfifo(tmp_path / f"{h(2)}.page")
+    (tmp_path / f"{h(3)}.page").symlink_to("/dev/zero")
+    (tmp_path / f"{h(4)}.page").mkdir()
+    os.mkfifo(tmp_path / "unrelated-fifo")  # not named like a page: left alone
+    s = _in_thread(lambda: new_store(tmp_path))
+    assert s.stats["rejected"] == 3 and s.stats["bytes_used"] == (tmp_path / f"{h(1)}.page").stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{h(1)}.page", "quarantine", "unrelated-fifo"])
+
+
+def test_oversize_file_is_never_read(tmp_path, monkeypatch):
+    s = new_store(tmp_path)
+    s.put(h(1), make_page(1))
+    path = tmp_path / f"{h(1)}.page"
+    with path.open("ab") as f:
+        f.truncate(1 << 30)
+    reads = []
+    real_read = os.read
+    monkeypatch.setattr(store_mod.os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
+    assert s.get(h(1)) is None
+    assert reads == []
+
+
+def test_read_stops_at_the_size_of_a_valid_page(tmp_path, monkeypatch):
+    """A file that grows between the size check and the read (another writer appending) is still read no further
+    than one byte past a valid page."""
+    s = new_store(tmp_path)
+    s.put(h(1), make_page(1))
+    size = (tmp_path / f"{h(1)}.page").stat().st_size
+    reads = []
+    real_read = os.read
+
+    def growing_read(fd, n):
+        reads.append(n)
+        return b"\0" * n  # an endless file
+
+    monkeypatch.setattr(store_mod.os, "read", growing_read)
+    assert s.get(h(1)) is None
+    monkeypatch.setattr(store_mod.os, "read", real_read)
+    assert sum(reads) == size + 1
+    assert next((tmp_path / "quarantine").iterdir()).name.startswith(f"{h(1)}.oversize.")
+
+
+@pytest.mark.parametrize("name", ["flipped payload byte", "truncated in the payload", "other fingerprint",
+                                  "extra bytes", "empty file"])
+def test_put_replaces_a_corrupt_page(tmp_path, name):
+    corrupt, kind = CORRUPTIONS[name]
+    s = new_store(tmp_path)
+    s.put(h(9), make_page(9))
+    path = tmp_path / f"{h(9)}.page"
+    _rewrite(path, corrupt)
+    s = new_store(tmp_path)  # a restart: the store knows the file only from the directory
+    assert s.put(h(9), make_page(9))
+    assert s.stats["pages_written"] == 1 and s.stats["rejected"] == 1
+    assert [p.name.split(".")[:2] for p in (tmp_path / "quarantine").iterdir()] == [[h(9), kind.replace(" ", "-")]]
+    assert same_bytes(new_store(tmp_path).get(h(9)), make_page(9))
+
+
+def test_put_over_a_valid_page_neither_rewrites_nor_rejects(tmp_path):
+    s = new_store(tmp_path)
+    s.put(h(9), make_page(9))
+    inode = (tmp_path / f"{h(9)}.page").stat().st_ino
+    s = new_store(tmp_path)
+    assert s.put(h(9), make_page(9))
+    assert (s.stats["pages_written"], s.stats["rejected"]) == (0, 0)
+    assert (tmp_path / f"{h(9)}.page").stat().st_ino == inode
+
+
+def test_put_replaces_an_expired_page(tmp_path):
+    clock = Clock()
+    s = new_store(tmp_path, ttl_seconds=100.0, clock=clock)
+    s.put(h(9), make_page(9))
+    clock.t += 200
+    assert s.put(h(9), make_page(9)) and s.stats["pages_written"] == 2 and s.stats["expired"] == 1
+    assert s.get(h(9)) is not None
+
+
 # ------------------------------------------------------------------------------------------------ LRU, budget, TTL
 
 
@@ -278,7 +441,7 @@ def test_quarantine_is_bounded(tmp_path, monkeypatch):
        capacity=st.integers(0, 4), extra=st.integers(0, 100))
 def test_lru_matches_a_model(ops, capacity, extra):
     with tempfile.TemporaryDirectory() as d:
-        size = len(new_store(Path(d) / "probe")._encode(h(0), make_page(0)))
+        size = len(new_store(Path(d) / "probe").codec.encode(h(0), make_page(0)))
         clock = Clock()
         s = new_store(Path(d) / "s", max_bytes=capacity * size + min(extra, size - 1), clock=clock)
         model: OrderedDict[int, None] = OrderedDict()
