@@ -12,9 +12,10 @@ core that is left. So each engine step runs on the cores that are actually free 
   up as the JVM and Go do);
 - less the cores other processes kept busy over the last reading: the busy time ``/proc/stat`` counts on those
   CPUs (user, nice, system, irq, softirq and a VM's steal) less this process's own CPU time, per second of wall
-  time, read at most every :data:`INTERVAL` seconds at a step's start (~20 µs a reading); a core counts as taken
-  from :data:`TAKEN` of it on (a busy process that shares the machine with two of our threads gets about 2/3 of a
-  core, a background process that wakes now and then much less);
+  time, read at most every :data:`INTERVAL` seconds at a step's start (~50-200 µs a reading; the quota every
+  :data:`QUOTA_EVERY` readings); a core counts as taken from :data:`TAKEN` of it on (a busy process that shares
+  the machine with two of our threads gets about 2/3 of a core, a background process that wakes now and then
+  much less);
 - at least one thread, and at most the count torch was given (``OMP_NUM_THREADS``, ``torch.set_num_threads``,
   ``dsv41 serve --threads``), which stays the ceiling.
 
@@ -34,6 +35,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 INTERVAL = 0.2  # seconds between readings: ~50 scheduler ticks of 2 CPUs at HZ=250, enough to tell 1 busy core
+QUOTA_EVERY = 50  # readings between two reads of the cgroup quota (~10 s)
 TAKEN = 0.4  # busy cores of other processes from which one core counts as taken (then 1.4, 2.4, ...)
 PROC_STAT = Path("/proc/stat")
 PROC_CGROUP = Path("/proc/self/cgroup")
@@ -156,6 +158,8 @@ class CpuShare:
         self.last: tuple[frozenset[int], float, float] | None = None  # its CPUs, their busy seconds, our CPU seconds
         self.free = 0  # cores free at the last reading (0: none taken yet)
         self.others = 0.0  # busy cores of other processes at the last reading
+        self.readings = 0
+        self.cgroup_cores: float | None = None  # the quota, read every QUOTA_EVERY readings
 
     def threads(self, ceiling: int) -> int:
         """Threads for the next step: ``ceiling`` at most, lowered to the cores free at the last reading (taken
@@ -174,7 +178,10 @@ class CpuShare:
         except (OSError, ValueError):
             busy = None
         own = self.own()
-        quota = self.quota()
+        if self.readings % QUOTA_EVERY == 0:  # the cgroup files cost ~10x /proc/stat, and a quota rarely changes
+            self.cgroup_cores = self.quota()
+        self.readings += 1
+        quota = self.cgroup_cores
         free = len(cpus) if quota is None else min(len(cpus), math.ceil(quota))
         if busy is not None and self.last is not None and self.last[0] == cpus and now > self.at:
             self.others = max(0.0, (busy - self.last[1]) - (own - self.last[2])) / (now - self.at)
@@ -189,7 +196,7 @@ SHARE = CpuShare()
 
 def _forked_child() -> None:
     """A forked child reads afresh: the parent's last reading counted the parent's CPU time as its own."""
-    SHARE.at, SHARE.last, SHARE.free, SHARE.others = -math.inf, None, 0, 0.0
+    SHARE.at, SHARE.last, SHARE.free, SHARE.others, SHARE.readings = -math.inf, None, 0, 0.0, 0
     SHARE.lock = threading.Lock()
 
 

@@ -166,3 +166,19 @@ def test_the_process_share_reads_this_machine():
     share = CpuShare()
     for ceiling in (1, 2, 64):
         assert 1 <= share.threads(ceiling) <= min(ceiling, available_cpus())
+
+
+def test_the_quota_is_read_again_every_quota_every_readings():
+    m = Machine(quota=3.0)
+    reads = []
+    share = CpuShare(stat=m.stat, own=lambda: m.own, clock=lambda: m.now, cpus=lambda: m.affinity,
+                     quota=lambda: reads.append(m.quota) or m.quota)
+    for _ in range(cpu_share.QUOTA_EVERY + 1):
+        share.threads(8)
+        m.run(1.0, ours=1.0, others={})
+    assert len(reads) == 2 and share.threads(8) == 3
+    m.quota = 1.0  # lowered: seen at the next read of the files
+    for _ in range(cpu_share.QUOTA_EVERY):
+        share.threads(8)
+        m.run(1.0, ours=1.0, others={})
+    assert len(reads) == 3 and share.threads(8) == 1
