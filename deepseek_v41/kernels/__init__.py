@@ -244,10 +244,8 @@ def pool_sleeps() -> int:
 
 def prefetch(addresses: torch.Tensor) -> None:
     """Prefetch hints for the memory at int64 ``addresses`` [n] (two 64-byte lines each; model/warm.py). A
-    prefetch reads nothing and never faults, so stale addresses are harmless. Nothing happens when the library is
-    off."""
-    if not addresses.numel():
-        _empty("prefetch", addresses=addresses)
+    prefetch reads nothing and never faults, so stale addresses are harmless, and no addresses (n = 0) are no
+    hints: the one wrapper that takes an empty tensor. Nothing happens when the library is off."""
     lib = library()
     if lib is not None:
         lib.dsv41_prefetch(addresses.data_ptr(), addresses.numel())
