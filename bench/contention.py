@@ -6,10 +6,10 @@ turn (which condition goes first rotates by round): ``quiet``; ``quiet fixed``, 
 at torch's whatever the load (as before kernels/cpu_share.py: the paired cost of adapting); ``busy N``, N pure
 CPU spinners, for each N given; ``engine``, a second engine in its own process doing the same work in a loop. The
 load processes are started once, before the rounds, and kept stopped (SIGSTOP) except while their condition is
-measured: then they run (SIGCONT) for a settling time first, with this engine working untimed, so that both
-sides' thread counts have adapted before the timed run. Each is started in a session of its own, as a program
-launched on its own would be (with the kernel's autogroups the scheduler shares the cores between sessions); a
-load process leaves when this one is gone.
+measured: then they run (SIGCONT). Under every condition this engine first works untimed for a settling time, so
+that both sides' thread counts have adapted (to the load, or back to a quiet machine) before the timed run. Each
+load is started in a session of its own, as a program launched on its own would be (with the kernel's autogroups
+the scheduler shares the cores between sessions); a load process leaves when this one is gone.
 
 Prints, per measure and condition, the median over rounds of quiet time / time under the condition (the share of
 its quiet speed a run keeps: 1.0 = unaffected, 0.5 = half of it, a fair share of 2 cores beside one busy
@@ -33,7 +33,7 @@ import engine  # noqa: E402 (bench/engine.py: the model, engines and prompts of 
 
 TARGET = 0.4  # loaded speed / quiet speed the issue asks for with one or two busy processes
 DECODE_STEPS = 16  # timed decode steps per measurement
-SETTLE = 0.6  # seconds a load runs, with this engine working untimed, before a timed run
+SETTLE = 0.6  # seconds this engine works untimed under a condition (a load running) before its timed run
 # A spinner that leaves when its parent is gone (getppid changes), so no spinner outlives the benchmark.
 SPINNER = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
 
@@ -195,7 +195,7 @@ def measure(model_dir: Path, dtype: str, busy: list[int], rounds: int, prefill: 
                 try:
                     with _fixed_threads() if name == "quiet fixed" else contextlib.nullcontext():
                         for measure_name, (run, _) in work.measures().items():
-                            settle_until = _now() + (SETTLE if name in loads else 0.0)
+                            settle_until = _now() + SETTLE
                             while _now() < settle_until:
                                 run()
                             times[measure_name][name] = run()
