@@ -13,6 +13,10 @@ process per measurement, so peaks do not mix). Prompts prefill in chunks of 2048
 timings hold decode steps only. ``--dtype`` fp32 (default) or bf16. The table prints each number with the issue's
 target.
 
+``--contention 1,2`` measures instead a 1K prefill and decode at batch 1 and 8 while 1 and then 2 busy processes,
+and separately a second engine doing the same work, share the machine, as ratios to the quiet speed measured in
+the same rounds (``bench/contention.py``).
+
 ``--peers mlx,transformers`` runs the same measurements with ``bench/peers.py`` (mlx-lm's ``deepseek_v41`` on the
 same weights, transformers' ``DeepseekV4`` at the closest config; optional extras, never in CI), one peer at a time
 in their own processes, and prints each peer's numbers with ``ours / peer`` (> 1 means ours is better; for
@@ -20,7 +24,7 @@ milliseconds, the long-context ratio and RSS the quotient is inverted so that > 
 
     python bench/engine.py [--dtype fp32|bf16] [--repeat 3] [--threads N] [--only prefill,decode,long,rss]
                            [--peers mlx,transformers | --peer-json mlx=FILE ...] [--model-dir DIR]
-                           [--plot engine.png] [--save-json results.json]
+                           [--plot engine.png] [--save-json results.json] [--contention 1,2 [--rounds 5]]
 """
 
 from __future__ import annotations
@@ -211,9 +215,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="a saved bench/peers.py result (its last stdout line) to compare with instead")
     parser.add_argument("--plot", type=Path, default=None, help="also draw ours / peer and ours / target (PNG)")
     parser.add_argument("--save-json", type=Path, default=None, help="also write ours and the peers' numbers")
+    parser.add_argument("--contention", default=None, metavar="N[,N...]",
+                        help="instead: speed beside N busy processes (and beside a second engine) over quiet speed")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of --contention measurements")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     families = parse_families(parser, args.only)
+    busy = parse_contention(parser, args.contention, args.rounds) if args.contention is not None else None
     if args.child:
         import torch
 
@@ -224,8 +232,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_dir is None:  # a temporary bench model, removed afterwards
         with tempfile.TemporaryDirectory(prefix="dsv41-bench8m-") as tmp:
             args.model_dir = make_model_dir(Path(tmp))
-            return _compare(args, families)
-    return _compare(args, families)
+            return _contention(args, busy) if busy is not None else _compare(args, families)
+    return _contention(args, busy) if busy is not None else _compare(args, families)
+
+
+def parse_contention(parser: argparse.ArgumentParser, value: str, rounds: int) -> list[int]:
+    """The ``--contention`` counts of busy processes, comma-separated, each >= 1; a parser error otherwise."""
+    try:
+        busy = [int(v) for v in value.split(",")]
+    except ValueError:
+        busy = []
+    if not busy or min(busy) < 1:
+        parser.error(f"--contention takes counts of busy processes >= 1, comma-separated (1,2), got {value!r}")
+    if rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {rounds}")
+    return sorted(set(busy))
+
+
+def _contention(args: argparse.Namespace, busy: list[int]) -> int:
+    import contention
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return contention.report(args.model_dir, args.dtype, busy, args.rounds)
 
 
 def _compare(args: argparse.Namespace, families: list[str]) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
-from deepseek_v41.engine.model_runner import ModelRunner, PrefillMode, few_token_kernels
+from deepseek_v41.engine.model_runner import ModelRunner, PrefillMode, few_token_kernels, step_threads
 from deepseek_v41.engine.sampler import Sampler, SamplingState
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.scheduler import Scheduler
@@ -338,8 +338,9 @@ class LLMEngine:
         """Run one scheduler step; returns the outputs of the requests that advanced.
 
         The step runs under ``torch.inference_mode`` (no autograd bookkeeping: a few µs less per op, and an
-        engine step is thousands of small ops); nothing it returns holds a tensor."""
-        with torch.inference_mode():
+        engine step is thousands of small ops) on the cores other processes leave free (``step_threads``); nothing
+        it returns holds a tensor."""
+        with torch.inference_mode(), step_threads(self.runner.device):
             return self._step()
 
     def _step(self) -> list[RequestOutput]:

@@ -32,6 +32,7 @@ from deepseek_v41 import kernels
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.engine.sequence import Sequence
+from deepseek_v41.kernels import cpu_share
 
 
 class PrefillMode(str, enum.Enum):
@@ -78,6 +79,29 @@ _ONEDNN = _Handover()  # oneDNN turned off for bf16
 _THREAD_DEPTH = threading.local()  # few-token forwards open in this thread, torch's count to restore
 # Seconds the kernels' pool workers spin for the next job from a few-token forward on (a prefill chunk sets 0).
 POOL_SPIN = 0.002
+
+
+@contextlib.contextmanager
+def step_threads(device: torch.device, share: cpu_share.CpuShare | None = None):
+    """An engine step's threads on a machine other processes share (kernels/cpu_share.py): torch's count in this
+    thread stays the ceiling, and the step runs on the cores ``share`` (default: the process's
+    :data:`~deepseek_v41.kernels.cpu_share.SHARE`) finds free, at least one: torch's count and, when larger, the
+    kernels' pool lowered meanwhile, torch's count restored after. On CUDA (or any other device) nothing changes."""
+    if device.type != "cpu":
+        yield
+        return
+    ceiling = torch.get_num_threads()
+    threads = (share or cpu_share.SHARE).threads(ceiling) if ceiling > 1 else 1
+    if kernels.threads() > threads:
+        kernels.set_threads(threads)
+    if threads == ceiling:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(ceiling)
 
 
 @contextlib.contextmanager

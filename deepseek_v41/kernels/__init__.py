@@ -96,6 +96,7 @@ _SIGNATURES = {
     "dsv41_set_threads": ([ctypes.c_int], ctypes.c_int),
     "dsv41_set_spin": ([ctypes.c_int64], None),
     "dsv41_get_spin": ([], ctypes.c_int64),
+    "dsv41_pool_sleeps": ([], ctypes.c_long),
     "dsv41_prefetch": ([_P, _I], None),
     "dsv41_attn_prologue": ([_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_float, _P, _I, _I, _P, _P,
                              ctypes.c_float, _P, _P, _I, _P, _P, _P], ctypes.c_int),
@@ -234,10 +235,17 @@ def spin() -> float:
     return 0.0 if lib is None else lib.dsv41_get_spin() / 1e9
 
 
+def pool_sleeps() -> int:
+    """How many times the pool's workers went to sleep (their spin time over, or descheduled while spinning) since
+    the library loaded; 0 when it is off. For tests and diagnostics."""
+    lib = library()
+    return 0 if lib is None else lib.dsv41_pool_sleeps()
+
+
 def prefetch(addresses: torch.Tensor) -> None:
     """Prefetch hints for the memory at int64 ``addresses`` [n] (two 64-byte lines each; model/warm.py). A
-    prefetch reads nothing and never faults, so stale addresses are harmless. Nothing happens when the library is
-    off."""
+    prefetch reads nothing and never faults, so stale addresses are harmless, and no addresses (n = 0) are no
+    hints: the one wrapper that takes an empty tensor. Nothing happens when the library is off."""
     lib = library()
     if lib is not None:
         lib.dsv41_prefetch(addresses.data_ptr(), addresses.numel())
@@ -262,6 +270,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 _FP32_BF16 = (torch.float32, torch.bfloat16)
 
 
+def _empty(kernel: str, **inputs: torch.Tensor | None) -> None:
+    """Raises the ValueError for an empty input (a dimension of size 0) handed to a kernel, where its wrapper's
+    one-line check failed: the C code would read through the tensor's NULL or dangling data pointer, or index the
+    other inputs with counts derived from it (a zero-length prefill chunk reached ``window_step`` and crashed)."""
+    empty = ", ".join(f"{name} {tuple(t.shape)}" for name, t in inputs.items() if t is not None and not t.numel())
+    raise ValueError(f"{kernel} kernel: empty input {empty}; every tensor it takes needs at least one element")
+
+
 def _refuse(kernel: str, wide: tuple[torch.Tensor, ...], fp32: tuple[torch.Tensor | None, ...] = (),
             same: torch.Tensor | None = None, row: int = 0) -> None:
     """Raises the ValueError for inputs a kernel would misread (or overrun a buffer of their size with), where its
@@ -282,6 +298,8 @@ def _refuse(kernel: str, wide: tuple[torch.Tensor, ...], fp32: tuple[torch.Tenso
 def fp8_quantize_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 E4M3FN blocks of 32 with UE8M0 scales of fp32 ``x`` [..., n]: ``(codes uint8 [..., n], scales uint8
     [..., n / 32], values fp32 [..., n])``, the bits of :func:`deepseek_v41.quant.quantize_fp8_values`."""
+    if not x.numel():
+        _empty("fp8_quantize", x=x)
     n = x.shape[-1]
     codes = torch.empty(x.shape, dtype=torch.uint8)
     scales = torch.empty((*x.shape[:-1], n // 32), dtype=torch.uint8)
@@ -293,6 +311,8 @@ def fp8_quantize_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
 
 def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """fp32 [..., n] of FP8 ``codes`` uint8 [..., n] and UE8M0 ``scales`` [..., n / 32]."""
+    if not (codes.numel() and scales.numel()):
+        _empty("fp8_dequantize", codes=codes, scales=scales)
     n = codes.shape[-1]
     out = torch.empty(codes.shape, dtype=torch.float32)
     library().dsv41_fp8_dequantize(codes.data_ptr(), scales.data_ptr(), codes.numel() // max(n, 1), n, out.data_ptr())
@@ -304,6 +324,8 @@ def fp4_quantize(x: torch.Tensor, block: int, fmt: str, codes: bool = True, valu
     """FP4 E2M1 blocks of fp32 ``x`` [..., n]: ``(codes uint8 [..., n / 2], scales uint8 [..., n / block],
     values fp32 [..., n])``, each None unless asked for (scales come with codes); the bits of
     :func:`deepseek_v41.quant.quantize_fp4` / ``fake_quant_fp4``."""
+    if not x.numel():
+        _empty("fp4_quantize", x=x)
     n = x.shape[-1]
     c = torch.empty((*x.shape[:-1], n // 2), dtype=torch.uint8) if codes else None
     s = torch.empty((*x.shape[:-1], n // block), dtype=torch.uint8) if codes else None
@@ -315,6 +337,8 @@ def fp4_quantize(x: torch.Tensor, block: int, fmt: str, codes: bool = True, valu
 
 def fp4_dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str) -> torch.Tensor:
     """fp32 [..., n] of packed FP4 ``codes`` uint8 [..., n / 2] and ``scales`` uint8 [..., n / block]."""
+    if not (codes.numel() and scales.numel()):
+        _empty("fp4_dequantize", codes=codes, scales=scales)
     n = codes.shape[-1] * 2
     out = torch.empty((*codes.shape[:-1], n), dtype=torch.float32)
     library().dsv41_fp4_dequantize(codes.data_ptr(), scales.data_ptr(), codes.numel() // max(n // 2, 1), n, block,
@@ -328,6 +352,8 @@ def fp4_gather(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str, 
     """Entries ``idx`` int64 [B, ...] (-1 = none: zeros) of an FP4 pool (codes uint8 [pages, per_page, w / 2],
     scales [pages, per_page, w / block]) through block tables int64 [B, width], decoded: fp32 [B, ..., w].
     Raises IndexError when an entry lies past its block table."""
+    if not (tables.numel() and idx.numel()):
+        _empty("fp4_gather", tables=tables, idx=idx)
     pages, per_page, half = codes.shape
     width = 2 * half
     out = torch.empty((*idx.shape, width), dtype=torch.float32)
@@ -345,6 +371,8 @@ def fp4_scatter(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str,
     """Quantize entries ``x`` fp32 [B, G, w] of groups ``group`` int64 [B, G] into an FP4 pool (as
     :func:`fp4_gather` reads it), skipping groups below 0 or whose position ``g * ratio`` is below
     ``write_from`` int64 [B]. Returns the number of entries written. Raises IndexError as :func:`fp4_gather`."""
+    if not (tables.numel() and group.numel() and write_from.numel() and x.numel()):
+        _empty("fp4_scatter", tables=tables, group=group, write_from=write_from, x=x)
     pages, per_page, half = codes.shape
     B, G = group.shape
     written = library().dsv41_fp4_scatter(codes.data_ptr(), scales.data_ptr(), pages, per_page, 2 * half, block,
@@ -361,6 +389,8 @@ def window_step(ring_codes: torch.Tensor, ring_scales: torch.Tensor, ring_pos: t
     int32 [S, L, R]) for rows ``slots`` int64 [B] with new rows ``kv`` fp32 [B, T, d] at ``positions`` int64
     [B, T]: returns ``(keys fp32 [B, R + T, d], key_pos int64 [B, R + T])`` as
     :meth:`~deepseek_v41.cache.paged_context.PagedContext.window` does, and stores the new rows in the rings."""
+    if not (slots.numel() and positions.numel() and kv.numel()):
+        _empty("window_step", slots=slots, positions=positions, kv=kv)
     S, L, R, d = ring_codes.shape
     B, T, _ = kv.shape
     keys = torch.empty((B, R + T, d), dtype=torch.float32)
@@ -381,6 +411,8 @@ def index_scores(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str
     decoded on the fly; with ``visible`` int64 [B, c], -inf from each query's visible count on
     (:func:`~deepseek_v41.model.indexer.mask_invisible`). Raises IndexError when an entry lies past its block
     table."""
+    if not (tables.numel() and q.numel() and w.numel() and (visible is None or visible.numel())):
+        _empty("index_scores", tables=tables, q=q, w=w, visible=visible)
     pages, per_page, half = codes.shape
     B, c, H, di = q.shape
     out = torch.empty((B, c, n), dtype=torch.float32)
@@ -402,6 +434,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -
     """RoPE on the last ``r`` dims of fp32 or bf16 ``x`` [B, T, d] or [B, T, H, d] with phases ``cos`` / ``sin``
     fp32 [B, T, r] (:meth:`~deepseek_v41.model.rope.RotaryEmbedding.phases`), in x's dtype (bf16: rotated in fp32
     and rounded, as the torch code does); the bits of the torch code."""
+    if not (x.numel() and cos.numel() and sin.numel()):
+        _empty("rope", x=x, cos=cos, sin=sin)
     B, T = x.shape[:2]
     H = x.shape[2] if x.dim() == 4 else 1
     out = torch.empty_like(x)
@@ -414,6 +448,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) (* weight)`` over the last dim of ``x`` [..., D] with weight [D] (or None), both
     fp32 or both bf16: in x's dtype (bf16: normalised in fp32 and rounded once)."""
+    if not x.numel():
+        _empty("rms_norm", x=x)
     D = x.shape[-1]
     out = torch.empty_like(x)
     if x.dtype == torch.bfloat16:
@@ -430,6 +466,8 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     """:func:`deepseek_v41.model.hyper.hc_mix` for fp32 or bf16 streams [B, T, hc, D] (bf16 widened exactly, as
     ``upcast`` would) with fp32 ``fn`` / ``base`` / ``scale``: pre [B, T, hc], post [B, T, hc], comb [B, T, hc,
     hc] fp32. Raises ValueError for hc > MAX_HC."""
+    if not streams.numel():
+        _empty("hc_mix", streams=streams)
     if hc > MAX_HC:
         raise ValueError(f"hc_mix kernel takes hc <= {MAX_HC}, got {hc}")
     if streams.dtype not in _FP32_BF16 or not fn.dtype == base.dtype == scale.dtype == torch.float32:
@@ -452,6 +490,8 @@ def hc_collapse(streams: torch.Tensor, weights: torch.Tensor, norm_weight: torch
     ``norm_weight`` [D] when given: [B, T, D] in the streams' dtype. streams and norm_weight are both fp32 or
     both bf16; the sums are fp32 either way, bf16 rounded once at the end (as casting the fp32 result would).
     Raises ValueError for bf16 rows wider than ROW_ON_STACK or a norm weight of another dtype."""
+    if not (streams.numel() and weights.numel()):
+        _empty("hc_collapse", streams=streams, weights=weights)
     B, T, hc, D = streams.shape
     if (streams.dtype not in _FP32_BF16 or weights.dtype != torch.float32
             or (norm_weight is not None and norm_weight.dtype != streams.dtype)
@@ -467,6 +507,8 @@ def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: 
     """``R'_j = post_j y + Σ_i comb[i, j] R_i``: streams [B, T, hc, D] and y [B, T, D] both fp32 or both bf16,
     fp32 post [B, T, hc] and comb [B, T, hc, hc] -> [B, T, hc, D] in the streams' dtype (fp32 sums, bf16 rounded
     once at the end). Raises ValueError as :func:`hc_collapse` does."""
+    if not (streams.numel() and y.numel() and post.numel() and comb.numel()):
+        _empty("hc_expand", streams=streams, y=y, post=post, comb=comb)
     B, T, hc, D = streams.shape
     if (streams.dtype not in _FP32_BF16 or not post.dtype == comb.dtype == torch.float32 or y.dtype != streams.dtype
             or (streams.dtype == torch.bfloat16 and D > ROW_ON_STACK)):
@@ -486,6 +528,9 @@ def attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos
     with topk int64 [B, T, k] (or both None), fp32 sink [H] -> [B, T, H, d] in q's dtype (bf16 rounded once at
     the end, as casting the fp32 result would). Raises ValueError for more than MAX_ATTEND_HEADS heads, a sink
     that is not fp32, or bf16 queries wider than ROW_ON_STACK (H * d)."""
+    if not (q.numel() and q_pos.numel() and keys.numel()
+            and key_pos.numel() and (selected is None or selected.numel()) and (topk is None or topk.numel())):
+        _empty("attend_few", q=q, q_pos=q_pos, keys=keys, key_pos=key_pos, selected=selected, topk=topk)
     B, T, H, d = q.shape
     L = keys.shape[1]
     k = 0 if topk is None else topk.shape[-1]
@@ -511,6 +556,8 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, norm
     fp32, or bf16 widened exactly inside, as ``upcast`` would: bf16 x up to D = ROW_ON_STACK) and fp32 bias [E]:
     ``(indices int64 [N, k], weights fp32 [N, k])``. Raises ValueError for other dtypes or wider bf16 tokens,
     MemoryError when the bf16 weight cannot be widened."""
+    if not x.numel():
+        _empty("gate", x=x)
     N, D = x.shape
     E = weight.shape[0]
     if (x.dtype not in _FP32_BF16 or weight.dtype not in _FP32_BF16 or bias.dtype != torch.float32
@@ -528,6 +575,8 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, norm
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """:func:`deepseek_v41.model.moe.clamped_swiglu` of contiguous fp32 gate / up [N, inter] -> fp32 [N, inter]."""
+    if not (gate.numel() and up.numel()):
+        _empty("swiglu", gate=gate, up=up)
     N, inter = gate.shape
     out = torch.empty((N, inter), dtype=torch.float32)
     library().dsv41_swiglu(gate.data_ptr(), up.data_ptr(), N, inter, inter, limit, out.data_ptr())
@@ -564,6 +613,8 @@ def moe_fp4(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, codes
 def _moe(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, kind: int, routed: tuple, E: int,
          inter: int, limit: float, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
          out_dtype: torch.dtype) -> torch.Tensor:
+    if not (x.numel() and indices.numel() and weights.numel()):
+        _empty("moe", x=x, indices=indices, weights=weights)
     N, D = x.shape
     k = indices.shape[1]
     s_inter = shared[0].shape[0] if shared is not None else 0
@@ -593,6 +644,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tens
     rounds its fp32 sums): [..., O]. ``groups`` G > 1: x [..., G * K_g] and weight [G * O_g, K_g], group g's
     outputs from group g's inputs (``GroupedLinear``). ATen's bf16 GEMV costs ~20 µs at decode size here against
     a few µs for this (bench/README.md)."""
+    if not (x.numel() and weight.numel()):
+        _empty("linear", x=x, weight=weight)
     K = x.shape[-1] // groups
     O = weight.shape[0] // groups
     N = x.shape[:-1].numel()  # not x.numel() // K: that is 0 for K = 0, leaving the output unwritten
@@ -610,6 +663,8 @@ def attn_prologue(x: torch.Tensor, wq_a: torch.Tensor, q_norm: torch.Tensor, q_e
     D] and the weights (``wq_a`` [qr, D], ``q_norm`` [qr], ``wq_b`` [H * d, qr], ``wkv`` [d, D], ``kv_norm`` [d])
     all fp32 or all bf16, RoPE phases ``cos`` / ``sin`` fp32 [B, T, r] -> ``(q_lat [B, T, qr], q [B, T, H, d], kv
     [B, T, d])`` in x's dtype (bf16: rounded where the torch code rounds)."""
+    if not (x.numel() and cos.numel() and sin.numel()):
+        _empty("attn_prologue", x=x, cos=cos, sin=sin)
     B, T, D = x.shape
     qr, d = wq_a.shape[0], wkv.shape[0]
     q_lat = torch.empty((B, T, qr), dtype=x.dtype)
@@ -628,6 +683,8 @@ def attn_epilogue(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: t
     """``wo_b(wo_a(inverse RoPE of o))`` of :meth:`deepseek_v41.model.attention.Attention.forward` in one call: o
     [B, T, H, d], ``wo_a`` [G * rank, H * d / G] (grouped), ``wo_b`` [D, G * rank], all fp32 or all bf16, phases
     as in :func:`attn_prologue` -> [B, T, D] in o's dtype."""
+    if not (o.numel() and cos.numel() and sin.numel()):
+        _empty("attn_epilogue", o=o, cos=cos, sin=sin)
     B, T, H, d = o.shape
     D, rank = wo_b.shape[0], wo_a.shape[0] // groups
     y = torch.empty((B, T, D), dtype=o.dtype)
@@ -658,6 +715,8 @@ def compress(x: torch.Tensor, positions: torch.Tensor, ratio: int, pending: tupl
     ``phases``), in x's dtype. bf16: the same bits as the module calls wherever those run their projections in
     this library's GEMV (ratio 1's ``wkv``, ``wk``), else to rounding. Raises MemoryError when the scratch
     cannot be had."""
+    if not (x.numel() and positions.numel()):
+        _empty("compress", x=x, positions=positions)
     B, T, D = x.shape
     d, di = wkv.shape[0], wk.shape[0]
     G = (T + 1) // 2 if ratio == 2 else T
@@ -688,6 +747,8 @@ def indexer_queries(q_lat: torch.Tensor, x: torch.Tensor, wq_b: torch.Tensor, he
     heads])`` fp32. RoPE and the FP4 (UE8M0 / 32) fake quant give the torch code's bits; the projections are rounded
     as in :func:`attn_prologue`, and w is scaled by ``di ** -0.5 * heads ** -0.5`` after them (MODEL_REFERENCE.md
     §3.9). Raises MemoryError when the kernel's scratch cannot be allocated."""
+    if not (q_lat.numel() and x.numel() and cos.numel() and sin.numel()):
+        _empty("indexer_queries", q_lat=q_lat, x=x, cos=cos, sin=sin)
     B, T, qr = q_lat.shape
     di = wq_b.shape[0] // heads
     q = torch.empty((B, T, heads, di), dtype=torch.float32)
@@ -706,6 +767,8 @@ def topk_set(scores: torch.Tensor, k: int, drop_neg_inf: bool = False) -> torch.
     largest, ascending, ties at the k-th value to the lowest indices (exactly the torch code's result);
     ``drop_neg_inf``: -1 where the picked score is -inf (``topk_entries``). None when a row holds a NaN or
     k > N (the caller takes the torch code, which ranks NaN first / raises)."""
+    if not scores.numel():
+        _empty("topk_set", scores=scores)
     N = scores.shape[-1]
     out = torch.empty((*scores.shape[:-1], k), dtype=torch.int64)
     rows = scores.numel() // max(N, 1)
@@ -719,6 +782,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.max(dim=-1).indices`` of contiguous fp32 rows x [..., V] (V >= 1): int64 [...], the first index of each
     row's largest value, NaN counting as the largest; exactly torch's indices. ATen's takes ~40-90 µs for 8 x 8192
     on one thread (its max-with-index reduction is not vectorized), this ~15 with its Python."""
+    if not x.numel():
+        _empty("argmax", x=x)
     out = torch.empty(x.shape[:-1], dtype=torch.int64)
     library().dsv41_argmax(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
     return out
@@ -728,6 +793,8 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block: int, ke
     """:func:`deepseek_v41.model.indexer.candidate_blocks` of fp32 ``scores`` [B, c, N] (-inf where not visible)
     with visible counts int64 [B, c]: the candidate pool's block mask bool [B, c, nblocks], exactly the torch
     code's. None when a row holds a NaN (the caller takes the torch code)."""
+    if not (scores.numel() and visible.numel()):
+        _empty("candidate_blocks", scores=scores, visible=visible)
     B, c, N = scores.shape
     mask = torch.empty((B, c, -(-N // block)), dtype=torch.bool)
     status = library().dsv41_candidate_blocks(scores.data_ptr(), visible.data_ptr(), B * c, N, block, keep,
@@ -748,6 +815,8 @@ def pool_select(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str,
     top ``k`` (<= min(keep, nblocks) * pool_block) by the top-k rule: global entry ids int64 [B, c, k], ascending
     among the pool's positions, -1 where fewer are valid. None when a score is NaN (the caller takes the torch
     code). Raises IndexError as :func:`fp4_gather`."""
+    if not (tables.numel() and q.numel() and w.numel() and blocks.numel() and visible.numel()):
+        _empty("pool_select", tables=tables, q=q, w=w, blocks=blocks, visible=visible)
     pages, per_page, half = codes.shape
     B, c, H, _ = q.shape
     out = torch.empty((B, c, k), dtype=torch.int64)

@@ -133,9 +133,11 @@ static float abs_max(const float *x, int64_t n) {
  * at a time: a caller that finds the pool busy (a kernel called from a second Python thread: ctypes lets go of
  * the GIL) runs its items itself. A worker spins for pool_spin_ns after a job, then sleeps: Python sets 2 ms for a
  * few-token forward (it calls the pool every ~100 µs) and 0 outside one, so that between the kernels of a prefill
- * chunk no worker spins on a core torch's own threads need (dsv41_set_spin). */
+ * chunk no worker spins on a core torch's own threads need (dsv41_set_spin). A spinning worker that finds it was
+ * descheduled (another process wants its core) sleeps at once. */
 #define POOL_MAX_WORKERS 63
 #define POOL_OPEN ((uint64_t)1 << 63)
+#define POOL_DESCHEDULED_NS 1000000  /* a gap between two clock reads of a spinning worker that means descheduled */
 
 static _Atomic int64_t pool_spin_ns = 2000000;
 
@@ -153,6 +155,7 @@ static struct {
     int workers;                     /* running workers */
     int keep;                        /* workers with index >= keep leave (set_threads) */
     int sleepers;
+    long sleeps;                     /* times a worker went to sleep (dsv41_pool_sleeps) */
     _Atomic long generation;         /* bumped per job */
     _Atomic uint64_t joined;         /* POOL_OPEN while the job takes workers, plus the number that joined it */
     _Atomic int done;                /* workers that joined and finished */
@@ -187,21 +190,27 @@ static void *pool_worker(void *arg) {
     int index = (int)(intptr_t)arg;
     long seen = pool.born[index], g;
     for (;;) {
-        int64_t since = 0;
+        int64_t since = 0, last = 0;
         for (unsigned spins = 1; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen;
              spins++) {
             cpu_relax();
             if (spins % 256) continue;
-            if (!since) {
-                since = now_ns();
-            } else if (now_ns() - since >= atomic_load_explicit(&pool_spin_ns, memory_order_relaxed)) {
+            int64_t now = now_ns();
+            if (!since) since = now;
+            /* Sleep once the spin time is over, or at once when this thread was descheduled between two looks at
+             * the clock (256 pauses take ~5-40 µs): another thread or process wants this core, and spinning on it
+             * would take the time slices of the thread it waits for (issue 22). */
+            if (now - since >= atomic_load_explicit(&pool_spin_ns, memory_order_relaxed)
+                || (last && now - last >= POOL_DESCHEDULED_NS)) {
                 pthread_mutex_lock(&pool.lock);
                 pool.sleepers++;
+                pool.sleeps++;
                 while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen)
                     pthread_cond_wait(&pool.wake, &pool.lock);
                 pool.sleepers--;
                 pthread_mutex_unlock(&pool.lock);
             }
+            last = now;
         }
         seen = g;
         if (index >= pool.keep) return NULL;  /* set_threads bumps the generation (no job) to say so */
@@ -243,6 +252,14 @@ static void parallel_for(pool_fn fn, const void *job, int64_t items) {
     int joined = (int)(atomic_fetch_and_explicit(&pool.joined, ~POOL_OPEN, memory_order_acq_rel) & ~POOL_OPEN);
     while (atomic_load_explicit(&pool.done, memory_order_acquire) < joined) cpu_relax();
     pthread_mutex_unlock(&pool.busy);
+}
+
+/* How many times the pool's workers went to sleep since the library loaded (tests). */
+long dsv41_pool_sleeps(void) {
+    pthread_mutex_lock(&pool.lock);
+    long sleeps = pool.sleeps;
+    pthread_mutex_unlock(&pool.lock);
+    return sleeps;
 }
 
 static void pool_after_fork(void) {  /* the child has no workers (only the forking thread survives a fork) */

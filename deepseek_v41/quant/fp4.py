@@ -70,7 +70,7 @@ def dequantize_fp4(
     """
     fmt = check_scale_format(scale_format)
     n = check_codes(codes, scales, block_size, elements_per_byte=2)
-    if block_size % 2 == 0 and kernels.usable(codes, scales):
+    if block_size % 2 == 0 and codes.numel() > 0 and kernels.usable(codes, scales):
         return kernels.fp4_dequantize(codes, scales, block_size, fmt).to(dtype)
     values = _decode_bytes(codes).unflatten(-1, (n // block_size, block_size))
     scale = e4m3_decode(scales) if fmt == "e4m3" else ue8m0_decode(scales)
@@ -114,10 +114,11 @@ def _quantize_blocks(x: Tensor, block_size: int, scale_format: ScaleFormat) -> t
 
 def _fast(x: Tensor, block_size: int, scale_format: ScaleFormat) -> bool:
     """Whether the fused CPU kernel quantizes ``x`` (after the torch code's checks, so errors are the same): a
-    float dtype that widens exactly to fp32 (the torch code rounds in fp32 too)."""
+    float dtype that widens exactly to fp32 (the torch code rounds in fp32 too), at least one element (the kernels
+    refuse empty tensors; the torch code takes them)."""
     check_scale_format(scale_format)
     check_blocks(x, block_size, pairs=True)
-    return block_size % 2 == 0 and x.dtype in kernels.WIDENS_TO_FP32 and kernels.usable(x)
+    return block_size % 2 == 0 and x.dtype in kernels.WIDENS_TO_FP32 and x.numel() > 0 and kernels.usable(x)
 
 
 def _round_e2m1(y: Tensor) -> Tensor:

@@ -69,7 +69,7 @@ def dequantize_fp8(
     """
     _check_ue8m0(scale_format)
     n = check_codes(codes, scales, block_size, elements_per_byte=1)
-    if block_size == 32 and kernels.usable(codes, scales):
+    if block_size == 32 and codes.numel() > 0 and kernels.usable(codes, scales):
         return kernels.fp8_dequantize(codes, scales).to(dtype)
     values = e4m3_decode(codes).unflatten(-1, (n // block_size, block_size))
     return (values * ue8m0_decode(scales).unsqueeze(-1)).flatten(-2).to(dtype)
@@ -102,10 +102,11 @@ def _quantize_blocks(x: Tensor, block_size: int, scale_format: str) -> tuple[Ten
 
 def _fast(x: Tensor, block_size: int, scale_format: str) -> bool:
     """Whether the fused CPU kernel quantizes ``x`` (after the same checks as the torch code, so errors are the
-    same): blocks of 32, a float dtype that widens exactly to fp32 (the torch code rounds in fp32 too)."""
+    same): blocks of 32, a float dtype that widens exactly to fp32 (the torch code rounds in fp32 too), at least one
+    element (the kernels refuse empty tensors; the torch code takes them)."""
     _check_ue8m0(scale_format)
     check_blocks(x, block_size, pairs=False)
-    return block_size == 32 and x.dtype in kernels.WIDENS_TO_FP32 and kernels.usable(x)
+    return block_size == 32 and x.dtype in kernels.WIDENS_TO_FP32 and x.numel() > 0 and kernels.usable(x)
 
 
 def _check_ue8m0(scale_format: str) -> None:

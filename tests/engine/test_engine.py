@@ -245,12 +245,17 @@ def test_few_token_kernels_turn_onednn_off_for_bf16_cpu_only():
 
 
 @pytest.fixture
-def two_torch_threads():
-    """Torch at two intra-op threads (any machine takes that) with the fused kernels built; afterwards torch's
-    count and the kernels' one thread come back. Without the kernels the test skips, but fails under CI=true."""
+def two_torch_threads(monkeypatch):
+    """Torch at two intra-op threads (any machine takes that) with the fused kernels built, and engine steps that
+    see a quiet machine (their thread count is not lowered for the other processes on this one:
+    tests/engine/test_step_threads.py); afterwards torch's count and the kernels' one thread come back. Without the
+    kernels the test skips, but fails under CI=true."""
     import os
 
     from deepseek_v41 import kernels
+    from deepseek_v41.kernels import cpu_share
+
+    monkeypatch.setattr(cpu_share.SHARE, "threads", lambda ceiling: ceiling)
 
     if kernels.library() is None:
         message = "the fused CPU kernels could not be built or were turned off (DSV41_CPU_KERNELS=0)"

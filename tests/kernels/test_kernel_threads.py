@@ -142,6 +142,68 @@ def test_set_spin_sets_the_workers_spin_time_and_clamps_below_zero():
         kernels.set_spin(before)
 
 
+def test_a_worker_sleeps_once_its_spin_time_is_over():
+    """Spin 0: after a job the worker goes to sleep (counted by pool_sleeps), and the next job still runs on the
+    pool with the same bits. No timing: the count is polled until it moves (bounded)."""
+    before = kernels.spin()
+    try:
+        assert kernels.set_threads(2) == 2
+        x, w = torch.randn(2, 256), torch.randn(256, 256)
+        kernels.set_spin(0.0)
+        slept = kernels.pool_sleeps()
+        want = kernels.linear(x, w)
+        deadline = time.monotonic() + 30
+        while kernels.pool_sleeps() == slept and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert kernels.pool_sleeps() > slept
+        assert same_bits(kernels.linear(x, w), want)
+    finally:
+        kernels.set_spin(before)
+
+
+DESCHEDULED = """
+import sys, time, torch
+from deepseek_v41 import kernels
+kernels.set_threads(2)
+kernels.set_spin(1000.0)  # by its spin time alone the worker would not sleep for 1000 s
+x, w = torch.randn(2, 256), torch.randn(256, 256)
+slept = kernels.pool_sleeps()
+kernels.linear(x, w)  # the worker ran a job (woken if it slept) and now spins
+print("spinning", flush=True)
+sys.stdin.readline()  # the parent stops this process for a while, lets it go on, then writes a line
+deadline = time.monotonic() + 20
+while kernels.pool_sleeps() == slept and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(kernels.pool_sleeps() - slept, flush=True)
+"""
+
+
+def test_a_spinning_worker_that_was_descheduled_sleeps():
+    """A worker spinning for the next job (spin time 1000 s) in a process that is stopped (SIGSTOP) for 0.2 s
+    finds a gap in its clock reads when it runs again, as when another process took its core: it sleeps rather
+    than spin on (issue 22). Run in a child process, which this test stops and continues."""
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", DESCHEDULED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "spinning"
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        child.send_signal(signal.SIGCONT)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert int(child.stdout.readline()) >= 1
+        assert child.wait(60) == 0
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGCONT)
+            child.kill()
+            child.wait()
+
+
 def test_set_threads_up_and_down_returns_the_count_and_keeps_the_results():
     """Workers started and stopped in any order: the count comes back, ``threads()`` reports it, and a split
     projection and MoE give the same bits as on one thread. A request beyond the pool's limit gets what it
