@@ -254,6 +254,8 @@ async def start_generation(state: ServerState, request_id: str, ids: list[int], 
     except BaseException:
         await stream.aclose()
         raise
+    if params.max_tokens is not None:
+        state.metrics.request_started(params.max_tokens, params.n)
     return stream, first
 
 

@@ -159,3 +159,35 @@ def test_browser_preflight_against_live_server(server):
     posted = httpx.post(server.v1 + "/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
                         headers={"Origin": "http://localhost:3000", **auth(KEYS[0])}, timeout=60)
     assert posted.status_code == 200 and posted.headers["access-control-allow-origin"] == "*"
+
+
+# ---------------------------------------------------------------- vLLM's request metrics
+
+
+def test_request_phase_and_size_metrics(llm):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with client_for(llm) as client:
+        body = {**CHAT, "max_tokens": 4, "n": 2}
+        reply = client.post("/v1/chat/completions", json=body, headers=auth(KEYS[0]))
+        assert reply.status_code == 200, reply.text
+        prompt_tokens = reply.json()["usage"]["prompt_tokens"]
+        samples = {}
+        for family in text_string_to_metric_families(client.get("/metrics").text):
+            for sample in family.samples:
+                assert sample.labels.get("model_name") == MODEL, sample
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    value = {name: v for (name, _), v in samples.items()}
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert value[f"dsv41:request_{phase}_time_seconds_count"] == 1, phase
+        assert value[f"dsv41:request_{phase}_time_seconds_sum"] >= 0, phase
+    assert value["dsv41:request_inference_time_seconds_sum"] >= value["dsv41:request_decode_time_seconds_sum"]
+    assert value["dsv41:request_prompt_tokens_sum"] == prompt_tokens
+    assert value["dsv41:request_generation_tokens_sum"] == 8  # both samples
+    assert value["dsv41:request_params_max_tokens_count"] == 2 and value["dsv41:request_params_max_tokens_sum"] == 8
+    # every computed token is in some step: the prompt (prefilled once per sample or shared) and 3 decode steps
+    assert value["dsv41:iteration_tokens_total_count"] >= 4
+    assert value["dsv41:iteration_tokens_total_sum"] >= prompt_tokens + 2 * 3
+    info = [labels for (name, labels), v in samples.items() if name == "dsv41:cache_config_info" and v == 1]
+    assert len(info) == 1 and dict(info[0])["block_size"] == "16" and dict(info[0])["cache_dtype"] == "auto"
+    assert dict(info[0])["enable_prefix_caching"] == "False"
