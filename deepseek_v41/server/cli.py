@@ -175,6 +175,8 @@ def serve(
                                           "'auto' = the model's generation_config.json (temperature, top_p, top_k, "
                                           "min_p, repetition_penalty, max_new_tokens -> max_tokens), 'vllm' = none, "
                                           "or a folder holding a generation_config.json."),
+    override_generation_config: str | None = typer.Option(None, help="JSON object over the generation config, "
+                                                          "e.g. '{\"temperature\": 0.6}' (vLLM's)."),
     allowed_origins: str = typer.Option('["*"]', help="CORS: allowed origins, a JSON list or one value."),
     allowed_methods: str = typer.Option('["*"]', help="CORS: allowed methods, a JSON list or one value."),
     allowed_headers: str = typer.Option('["*"]', help="CORS: allowed headers, a JSON list or one value."),
@@ -194,6 +196,12 @@ def serve(
                                                 "are always parsed)."),
     chat_template: str | None = typer.Option(None, help="Refused: V4.1 prompts come from the official encoder, "
                                              "not a Jinja template."),
+    disable_log_stats: bool = typer.Option(False, "--disable-log-stats", help="No throughput log lines (as "
+                                           "--log-stats-interval 0)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="Only 1: the engine runs "
+                                             "on one device."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Accepted for vLLM scripts: no "
+                                           "code from the model directory is ever run."),
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, tokenize, metrics) for a model directory.
 
@@ -221,6 +229,11 @@ def serve(
             ("allow_headers", allowed_headers, "--allowed-headers"))}
     except ValueError as exc:
         fail(str(exc))
+    if tensor_parallel_size != 1:
+        fail(f"--tensor-parallel-size {tensor_parallel_size}: this engine runs on one device (no tensor "
+             f"parallelism); give 1 or leave the flag out")
+    if disable_log_stats:
+        log_stats_interval = 0.0
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
         fail(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     if not max_body_mb > 0:
@@ -239,7 +252,7 @@ def serve(
     from deepseek_v41.server.generation_config import GenerationConfigError, describe, load_sampling_defaults
 
     try:
-        defaults, defaults_origin = load_sampling_defaults(generation_config, model)
+        defaults, defaults_origin = load_sampling_defaults(generation_config, model, override_generation_config)
     except GenerationConfigError as exc:
         fail(str(exc))
 

@@ -46,15 +46,34 @@ def _check(key: str, value: Any, path: Path) -> float | int:
     return value
 
 
-def load_sampling_defaults(source: str, model_dir: str | Path) -> tuple[dict[str, float | int], str]:
-    """The sampling defaults of ``--generation-config source`` for ``model_dir`` and where they come from.
+def load_sampling_defaults(source: str, model_dir: str | Path, override: str | None = None
+                           ) -> tuple[dict[str, float | int], str]:
+    """The sampling defaults of ``--generation-config source`` for ``model_dir`` and where they come from, with
+    ``override`` (``--override-generation-config``: a JSON object of the same keys, vLLM's) on top.
 
     Returns ``({field: value}, origin)`` with fields among temperature, top_p, top_k, min_p, repetition_penalty,
     max_tokens (only those the file sets) and ``origin`` a phrase for the log ("vLLM's defaults", or the file).
     ``auto`` without a file in the model directory gives no defaults. Raises GenerationConfigError for a folder
     that does not exist or has no ``generation_config.json``, a file that is not a JSON object, or a value outside
-    what a request may give.
+    what a request may give, and for an override that is not such a JSON object (unknown keys included).
     """
+    defaults, origin = _from_source(source, model_dir)
+    if override is None:
+        return defaults, origin
+    flag = "--override-generation-config"
+    try:
+        data = json.loads(override)
+    except json.JSONDecodeError as exc:
+        raise GenerationConfigError(f"{flag} must be a JSON object, e.g. '{{\"temperature\": 0.6}}': {exc}") from exc
+    if not isinstance(data, dict):
+        raise GenerationConfigError(f"{flag} must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(KEYS))
+    if unknown:
+        raise GenerationConfigError(f"{flag}: unknown keys {unknown}; known: {', '.join(KEYS)}")
+    return {**defaults, **{KEYS[k]: _check(k, v, Path(flag)) for k, v in data.items()}}, f"{origin} and {flag}"
+
+
+def _from_source(source: str, model_dir: str | Path) -> tuple[dict[str, float | int], str]:
     if source == "vllm":
         return {}, "vLLM's defaults (--generation-config vllm)"
     folder = Path(model_dir) if source == "auto" else Path(source)

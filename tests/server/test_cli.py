@@ -35,7 +35,7 @@ def test_serve_drains_on_sigterm(model_dir, tmp_path):
                "--threads", "1", "--generation-config", str(generation), "--enforce-eager", "--disable-log-requests",
                "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v41", "--kv-cache-dtype", "auto",
                "--gpu-memory-utilization", "0.01", "--uvicorn-log-level", "warning",
-               "--allowed-origins", '["http://localhost:3000"]']
+               "--allowed-origins", '["http://localhost:3000"]', "--trust-remote-code", "--tensor-parallel-size", "1"]
     with open(log, "wb") as out:
         # One OpenMP thread: on a shared 2-core machine spinning OpenMP workers slow a tiny model 10x.
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ,
@@ -147,6 +147,9 @@ def bad_device() -> str:
     (["--gpu-memory-utilization", "1e-12"], "(the budget of --gpu-memory-utilization)"),
     (["--allowed-origins", '{"a": 1}'], "--allowed-origins takes a JSON list of strings"),
     (["--generation-config", "/nonexistent-dir"], "no generation_config.json in that folder"),
+    (["--override-generation-config", "[1]"], "--override-generation-config must be a JSON object"),
+    (["--override-generation-config", '{"temp": 1}'], "--override-generation-config: unknown keys ['temp']"),
+    (["-tp", "2"], "this engine runs on one device (no tensor parallelism)"),
 ])
 def test_serve_refuses_bad_settings_cleanly(model_dir, tmp_path, monkeypatch, flags, message):
     """Exit 2 with the message on stderr (no traceback, no silent default), and no cache directory created."""

@@ -51,6 +51,11 @@ def test_generation_config_sources(tmp_path):
     assert load_sampling_defaults("vllm", model)[0] == {}
     assert load_sampling_defaults(str(other), model)[0] == {"temperature": 0.7}
     assert load_sampling_defaults("auto", tmp_path / "other-model-without-one")[0] == {}
+    override = load_sampling_defaults("auto", model, '{"temperature": 0.6, "max_new_tokens": 32}')[0]
+    assert override == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 32}
+    assert load_sampling_defaults("vllm", model, '{"top_k": 5}')[0] == {"top_k": 5}
+    with pytest.raises(GenerationConfigError, match="top_p must be a number in"):
+        load_sampling_defaults("auto", model, '{"top_p": 2}')
     with pytest.raises(GenerationConfigError, match="no generation_config.json in that folder"):
         load_sampling_defaults(str(tmp_path / "missing"), model)
     for bad in ({"top_p": 0}, {"max_new_tokens": 0}, {"temperature": "hot"}, {"top_k": 2.5}):
