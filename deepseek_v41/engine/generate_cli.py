@@ -28,7 +28,7 @@ from deepseek_v41.server.generation_config import GenerationConfigError, load_sa
 FALLBACK_SAMPLING = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
 JSON_HELP = ("Print exactly one JSON object: the last turn's text, token_ids and stats at the top level, and "
-             "'turns', a list with one such object per turn (one entry without --follow-up, two with it).")
+             "'turns', a list with one such object per turn (two with --follow-up, else one).")
 
 
 def generate(

@@ -170,7 +170,8 @@ def serve(
                                                  "4096)."),
     log_stats_interval: float = typer.Option(10.0, min=0, help="Seconds between throughput log lines (0 = off)."),
     log_level: str = typer.Option("info", help=f"uvicorn / server log level: {', '.join(LOG_LEVELS)}."),
-    uvicorn_log_level: str | None = typer.Option(None, help="uvicorn's log level alone (default: --log-level)."),
+    uvicorn_log_level: str | None = typer.Option(None, help="Log level of uvicorn alone (default: the one of "
+                                                 "--log-level)."),
     generation_config: str = typer.Option("auto", help="Sampling defaults for requests that do not set them: "
                                           "'auto' = the model's generation_config.json (temperature, top_p, top_k, "
                                           "min_p, repetition_penalty, max_new_tokens -> max_tokens), 'vllm' = none, "
@@ -196,8 +197,8 @@ def serve(
                                                 "are always parsed)."),
     chat_template: str | None = typer.Option(None, help="Refused: V4.1 prompts come from the official encoder, "
                                              "not a Jinja template."),
-    disable_log_stats: bool = typer.Option(False, "--disable-log-stats", help="No throughput log lines (as "
-                                           "--log-stats-interval 0)."),
+    disable_log_stats: bool = typer.Option(False, "--disable-log-stats", help="Same as --log-stats-interval 0 (no "
+                                           "throughput log lines)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="Only 1: the engine runs "
                                              "on one device."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Accepted for vLLM scripts: no "

@@ -201,8 +201,11 @@ def test_help_at_80_columns_shows_every_flag_whole(command):
     params = typer.main.get_command(app).commands[command].params
     flags = [opt for p in params for opt in (*p.opts, *p.secondary_opts) if opt.startswith("-")]
     assert "--max-num-batched-tokens" in flags or command == "generate"
+    joined = re.sub(r"-\n\s+", "-", text)  # a flag named in a help text must not be split at a line end either
     for flag in flags:
-        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), flag
+        pattern = rf"(?<![\w-]){re.escape(flag)}(?![\w-])"
+        assert re.search(pattern, text), flag
+        assert len(re.findall(pattern, joined)) == len(re.findall(pattern, text)), f"{flag} split across lines"
 
 
 def test_default_served_model_name_is_the_directory_name(tmp_path):
