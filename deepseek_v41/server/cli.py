@@ -210,7 +210,7 @@ def serve(
     stderr, and leaves no cache directory behind (one the start created is removed again if the start fails).
     """
     # Checks that need no heavy import come first, so that a typo fails fast.
-    if model_tag is not None and model is not None and model_tag != model:
+    if model_tag is not None and model is not None and model_tag.resolve() != model.resolve():
         fail(f"the model is given twice and differently: MODEL {model_tag} and --model {model}; give one")
     model = model_tag if model_tag is not None else model
     if model is None:
@@ -302,8 +302,9 @@ def serve(
         try:
             llm = LLM(model, dtype=torch_dtype, device=str(torch_device), **engine_args)
         except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as exc:
-            why = " (the budget of --gpu-memory-utilization)" if gpu_memory_utilization is not None else ""
-            fail(f"{exc}{why}")
+            from_utilization = gpu_memory_utilization is not None and "kv_cache_memory_bytes=" in str(exc) \
+                and num_kv_pages is None
+            fail(f"{exc}{' (the budget of --gpu-memory-utilization)' if from_utilization else ''}")
         engine = AsyncLLMEngine(llm.engine)
         config = ServerConfig(served_model_names=served_model_name or [default_model_name(model)],
                               model_path=str(model), api_keys=list(api_key),

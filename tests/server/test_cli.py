@@ -171,7 +171,7 @@ def test_serve_model_positional_or_option(model_dir, tmp_path):
     missing = run_serve("--port", "8001")
     assert missing.exit_code == 2 and "give the model directory: dsv41 serve MODEL" in missing.stderr
     for flags in ([str(tmp_path / "none")], ["--model", str(tmp_path / "none")],
-                  [str(tmp_path / "none"), "--model", str(tmp_path / "none")]):
+                  [str(tmp_path / "none"), "--model", str(tmp_path / "none" / ".")]):  # the same directory
         result = run_serve(*flags)
         assert result.exit_code == 2 and "not found" in result.stderr, flags
 
