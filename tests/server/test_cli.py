@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from typer.testing import CliRunner
 
@@ -57,9 +58,10 @@ def test_serve_drains_on_sigterm(model_dir, tmp_path):
             "Access-Control-Request-Headers": "authorization, content-type"})
         assert preflight.status_code == 200
         assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
-        chat = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer k1"}, timeout=60,
-                          json={"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True})
-        assert chat.json()["usage"]["completion_tokens"] == 7  # max_new_tokens of --generation-config
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k1", max_retries=0, timeout=60)
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                              extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 7  # max_new_tokens of --generation-config, not the context
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True}
         lines = []
         with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": "Bearer k2"},

@@ -196,3 +196,13 @@ def test_request_phase_and_size_metrics(llm):
     info = [labels for (name, labels), v in samples.items() if name == "dsv41:cache_config_info" and v == 1]
     assert len(info) == 1 and dict(info[0])["block_size"] == "16" and dict(info[0])["cache_dtype"] == "auto"
     assert dict(info[0])["enable_prefix_caching"] == "False"
+
+
+def test_openai_client_gets_a_400_for_temperature_above_2(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.v1, api_key=KEYS[0], max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=2.5,
+                                       max_tokens=1)
+    assert caught.value.body["param"] == "temperature"
