@@ -189,8 +189,10 @@ def serve(
     kv_cache_dtype: str = typer.Option("auto", help="Only 'auto': the KV format is fixed by the model."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Accepted for vLLM scripts: the engine "
                                        "always runs eagerly (no CUDA graphs)."),
+    enable_log_requests: bool = typer.Option(False, "--enable-log-requests", help="Log one line per request "
+                                             "(id, prompt tokens, sampling parameters; never the prompt)."),
     disable_log_requests: bool = typer.Option(False, "--disable-log-requests", help="Accepted for vLLM "
-                                              "scripts: request contents are never logged."),
+                                              "scripts: requests are not logged unless --enable-log-requests."),
     enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice", help="Accepted for vLLM "
                                                  "scripts: tool_choice 'auto' is always served."),
     tool_call_parser: str | None = typer.Option(None, help="Only 'deepseek_v41' (the model's DSML tool calls "
@@ -230,6 +232,8 @@ def serve(
             ("allow_headers", allowed_headers, "--allowed-headers"))}
     except ValueError as exc:
         fail(str(exc))
+    if enable_log_requests and disable_log_requests:
+        fail("--enable-log-requests and --disable-log-requests contradict each other; give one")
     if tensor_parallel_size != 1:
         fail(f"--tensor-parallel-size {tensor_parallel_size}: this engine runs on one device (no tensor "
              f"parallelism); give 1 or leave the flag out")
@@ -310,7 +314,7 @@ def serve(
                               model_path=str(model), api_keys=list(api_key),
                               max_body_bytes=int(max_body_mb * 1024 * 1024), log_stats_interval_s=log_stats_interval,
                               drain_timeout_s=drain_timeout, sampling_defaults=defaults, **cors,
-                              allow_credentials=allow_credentials)
+                              allow_credentials=allow_credentials, log_requests=enable_log_requests)
         app = build_app(engine, config)
         limits = ConnectionLimits(timeout_keep_alive, timeout_header, timeout_body, limit_concurrency, timeout_write)
         server = make_server(app, host, port, drain_timeout, (uvicorn_log_level or log_level).lower(), limits)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -29,6 +30,8 @@ from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.server.errors import APIError, error_body
 from deepseek_v41.server.text import check_unicode, max_token_bytes
 
+logger = logging.getLogger("deepseek_v41.server")
+
 MAX_STOP_STRINGS = 4  # OpenAI's limit; each string is at most MAX_STOP_STRING_CHARS (SamplingParams)
 
 
@@ -44,7 +47,8 @@ class ServerConfig:
     max_tokens gets (from the checkpoint's ``generation_config.json``, see
     :mod:`deepseek_v41.server.generation_config`; empty = vLLM's defaults); ``allow_origins``,
     ``allow_methods``, ``allow_headers``, ``allow_credentials``: CORS (vLLM's defaults: any origin, method and
-    header, no credentials).
+    header, no credentials); ``log_requests``: log one line per request (id, prompt tokens, sampling parameters;
+    never the prompt text), vLLM's ``--enable-log-requests``.
     """
 
     served_model_names: list[str]
@@ -59,6 +63,7 @@ class ServerConfig:
     allow_methods: list[str] = field(default_factory=lambda: ["*"])
     allow_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    log_requests: bool = False
 
 
 @dataclass
@@ -256,6 +261,8 @@ async def start_generation(state: ServerState, request_id: str, ids: list[int], 
         raise
     if params.max_tokens is not None:
         state.metrics.request_started(params.max_tokens, params.n)
+    if state.config.log_requests:
+        logger.info("Received request %s: %d prompt tokens, %s", request_id, len(ids), params)
     return stream, first
 
 

@@ -152,6 +152,7 @@ def bad_device() -> str:
     (["--override-generation-config", "[1]"], "--override-generation-config must be a JSON object"),
     (["--override-generation-config", '{"temp": 1}'], "--override-generation-config: unknown keys ['temp']"),
     (["-tp", "2"], "this engine runs on one device (no tensor parallelism)"),
+    (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
 ])
 def test_serve_refuses_bad_settings_cleanly(model_dir, tmp_path, monkeypatch, flags, message):
     """Exit 2 with the message on stderr (no traceback, no silent default), and no cache directory created."""

@@ -206,3 +206,16 @@ def test_openai_client_gets_a_400_for_temperature_above_2(server):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=2.5,
                                        max_tokens=1)
     assert caught.value.body["param"] == "temperature"
+
+
+def test_enable_log_requests(llm, caplog):
+    with client_for(llm, log_requests=True) as client, caplog.at_level("INFO", logger="deepseek_v41.server"):
+        reply = client.post("/v1/completions", json={"model": MODEL, "prompt": "secret words", "max_tokens": 2},
+                            headers=auth(KEYS[0]))
+        assert reply.status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request cmpl-")]
+    assert len(lines) == 1 and "max_tokens=2" in lines[0] and "secret" not in lines[0], lines
+    caplog.clear()
+    with client_for(llm) as client, caplog.at_level("INFO", logger="deepseek_v41.server"):
+        client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, headers=auth(KEYS[0]))
+    assert not [r for r in caplog.records if r.getMessage().startswith("Received request")]
