@@ -12,12 +12,23 @@ from deepseek_v41.engine.generate_cli import generate
 from deepseek_v41.progress import Progress
 from deepseek_v41.server.cli import serve
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# Plain click help (no rich panels): rich cuts long flag names at 80 columns; -h as vLLM and argparse.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="DeepSeek-V4.1-Flash: model, inference engine and accounting.")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from deepseek_v41 import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
     """DeepSeek-V4.1-Flash in PyTorch."""
 
 

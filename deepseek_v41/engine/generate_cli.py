@@ -7,8 +7,9 @@ turn's ``RequestOutput``, not the engine's running totals).
 
 Output: each turn's text on stdout and its stats line on stderr; before the second turn's text a line
 ``--- turn 2 (...) ---`` on stderr. With ``--json`` exactly one JSON object on stdout (see :func:`json_result`).
-A bad option, an unreadable prompt file, a device this machine lacks or a model that cannot be loaded exit with
-status 2 and an ``error: ...`` line on stderr.
+Sampling defaults come from the model's ``generation_config.json`` (``--generation-config``, as ``dsv41 serve``);
+an option given on the command line wins. A bad option, an unreadable prompt file, a device this machine lacks or a
+model that cannot be loaded exit with status 2 and an ``error: ...`` line on stderr.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ from typing import Any
 import typer
 
 from deepseek_v41.server.cli import DTYPES, check_device, fail, resolve_dtype
+from deepseek_v41.server.generation_config import GenerationConfigError, load_sampling_defaults
+
+# Sampling without an option and without a generation config: greedy, 128 tokens per turn.
+FALLBACK_SAMPLING = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
 JSON_HELP = ("Print exactly one JSON object: the last turn's text, token_ids and stats at the top level, and "
-             "'turns', a list with one such object per turn (one entry without --follow-up, two with it).")
+             "'turns', a list with one such object per turn (two with --follow-up, else one).")
 
 
 def generate(
@@ -32,10 +37,15 @@ def generate(
     prompt_file: Path | None = typer.Option(None, help="Read the prompt from this UTF-8 file."),
     chat: bool = typer.Option(False, help="Render the prompt as one user turn with the official chat encoder."),
     thinking: bool = typer.Option(False, help="With --chat: thinking mode."),
-    max_tokens: int = typer.Option(128, min=1, help="Tokens to generate at most (per turn)."),
-    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling, in (0, 1]."),
-    top_k: int = typer.Option(0, min=0, help="0 = off."),
+    max_tokens: int | None = typer.Option(None, min=1, help="Tokens to generate at most (per turn; default: the "
+                                          "generation config's max_new_tokens, else 128)."),
+    temperature: float | None = typer.Option(None, min=0.0, help="0 = greedy (default: the generation config's, "
+                                             "else 0)."),
+    top_p: float | None = typer.Option(None, help="Nucleus sampling, in (0, 1] (default: the generation "
+                                       "config's, else 1)."),
+    top_k: int | None = typer.Option(None, min=0, help="0 = off (default: the generation config's, else 0)."),
+    generation_config: str = typer.Option("auto", help="Sampling defaults, as dsv41 serve: 'auto' = the model's "
+                                          "generation_config.json, 'vllm' = none, or a folder holding one."),
     seed: int | None = typer.Option(None),
     prefill_mode: str | None = typer.Option(None, help="ced | exact (default: ced when the layout allows)."),
     dtype: str = typer.Option("float32", help=f"Weights dtype: {', '.join(DTYPES)} (as dsv41 serve; auto = "
@@ -64,10 +74,18 @@ def generate(
     text = prompt if prompt is not None else _read_prompt(prompt_file)
     if not model.is_dir():
         fail(f"model directory {model} not found")
+    try:
+        defaults, _ = load_sampling_defaults(generation_config, model)
+    except GenerationConfigError as exc:
+        fail(str(exc))
     torch_device = check_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    # An option given wins, then the generation config, then this command's own defaults (greedy, 128 tokens).
+    sampling = {**FALLBACK_SAMPLING, **defaults}
+    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    sampling.update({name: value for name, value in given.items() if value is not None})
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        params = SamplingParams(**sampling, seed=seed)
         llm = LLM(model, dtype=torch_dtype, device=str(torch_device), prefill_mode=prefill_mode,
                   speculative=speculative, speculative_max_len=speculative_max_len)
         prompts = [text] if follow_up is None else [text, None]

@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics``. As in vLLM, the
-API keys guard the ``/v1`` routes only; each key gets its own prefix-cache salt, so no prompt of one key can hit
-another key's cache. Bodies over ``max_body_bytes`` get a 413; every refusal is an OpenAI-shaped error.
+API keys guard the ``/v1`` routes only (a CORS preflight needs none); each key gets its own prefix-cache salt, so
+no prompt of one key can hit another key's cache. Bodies over ``max_body_bytes`` get a 413; every refusal is an
+OpenAI-shaped error. CORS follows ``ServerConfig.allow_*`` (FastAPI's ``CORSMiddleware``, vLLM's defaults).
 A client that disconnects cancels its request (see :mod:`deepseek_v41.server.streaming`).
 """
 
@@ -18,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -149,6 +151,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(_Guard, keys=config.api_keys, max_body_bytes=config.max_body_bytes)
+    # Added last, so outermost: a browser's preflight (OPTIONS, no API key) is answered here, and every response,
+    # a 401 or 413 of the guard included, carries the CORS headers the browser needs to read it (vLLM's setup).
+    app.add_middleware(CORSMiddleware, allow_origins=config.allow_origins, allow_methods=config.allow_methods,
+                       allow_headers=config.allow_headers, allow_credentials=config.allow_credentials)
 
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(EngineDrainingError)

@@ -17,6 +17,8 @@ from typing import NoReturn
 
 import typer
 
+from deepseek_v41.server import options
+
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "deepseek_v41" / "prefix-cache"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -103,14 +105,26 @@ def _remove_created(dirs: list[Path]) -> None:
             os.rmdir(root)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from deepseek_v41 import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
 def serve(
-    model: Path = typer.Option(..., "--model", help="Model directory (config.json, safetensors, tokenizer.json)."),
+    model_tag: Path | None = typer.Argument(None, metavar="MODEL", show_default=False, help="Model directory "
+                                           "(config.json, safetensors, tokenizer.json), as `vllm serve MODEL`."),
+    model: Path | None = typer.Option(None, "--model", help="The model directory, as the positional MODEL."),
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
     api_key: list[str] = typer.Option([], "--api-key", help="Accepted bearer key (repeat for several); none = "
                                       "no auth. Each key gets its own prefix-cache salt."),
     served_model_name: list[str] = typer.Option([], "--served-model-name", help="Name(s) clients use as 'model' "
-                                                "(repeatable; default: the --model path)."),
+                                                "(repeatable; default: the model directory's name)."),
     max_model_len: int | None = typer.Option(None, min=1, help="Prompt + output tokens at most (default: the "
                                              "model's, capped at 32768)."),
     cache_dir: Path | None = typer.Option(None, help="Directory of the persistent prefix cache (default "
@@ -156,6 +170,41 @@ def serve(
                                                  "4096)."),
     log_stats_interval: float = typer.Option(10.0, min=0, help="Seconds between throughput log lines (0 = off)."),
     log_level: str = typer.Option("info", help=f"uvicorn / server log level: {', '.join(LOG_LEVELS)}."),
+    uvicorn_log_level: str | None = typer.Option(None, help="Log level of uvicorn alone (default: the one of "
+                                                 "--log-level)."),
+    generation_config: str = typer.Option("auto", help="Sampling defaults for requests that do not set them: "
+                                          "'auto' = the model's generation_config.json (temperature, top_p, top_k, "
+                                          "min_p, repetition_penalty, max_new_tokens -> max_tokens), 'vllm' = none, "
+                                          "or a folder holding a generation_config.json."),
+    override_generation_config: str | None = typer.Option(None, help="JSON object over the generation config, "
+                                                          "e.g. '{\"temperature\": 0.6}' (vLLM's)."),
+    allowed_origins: str = typer.Option('["*"]', help="CORS: allowed origins, a JSON list or one value."),
+    allowed_methods: str = typer.Option('["*"]', help="CORS: allowed methods, a JSON list or one value."),
+    allowed_headers: str = typer.Option('["*"]', help="CORS: allowed headers, a JSON list or one value."),
+    allow_credentials: bool = typer.Option(False, "--allow-credentials", help="CORS: allow credentials."),
+    gpu_memory_utilization: float | None = typer.Option(None, help="Fraction of the memory free once the weights "
+                                                        "are loaded (device memory; RAM on CPU) the KV pool may "
+                                                        "take, in (0, 1] (default: the pool holds max_num_seqs "
+                                                        "sequences, at most 1 GiB)."),
+    kv_cache_dtype: str = typer.Option("auto", help="Only 'auto': the KV format is fixed by the model."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Accepted for vLLM scripts: the engine "
+                                       "always runs eagerly (no CUDA graphs)."),
+    enable_log_requests: bool = typer.Option(False, "--enable-log-requests", help="Log one line per request "
+                                             "(id, prompt tokens, sampling parameters; never the prompt)."),
+    disable_log_requests: bool = typer.Option(False, "--disable-log-requests", help="Accepted for vLLM "
+                                              "scripts: requests are not logged unless --enable-log-requests."),
+    enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice", help="Accepted for vLLM "
+                                                 "scripts: tool_choice 'auto' is always served."),
+    tool_call_parser: str | None = typer.Option(None, help="Only 'deepseek_v41' (the model's DSML tool calls "
+                                                "are always parsed)."),
+    chat_template: str | None = typer.Option(None, help="Refused: V4.1 prompts come from the official encoder, "
+                                             "not a Jinja template."),
+    disable_log_stats: bool = typer.Option(False, "--disable-log-stats", help="Same as --log-stats-interval 0 (no "
+                                           "throughput log lines)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="Only 1: the engine runs "
+                                             "on one device."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Accepted for vLLM scripts: no "
+                                           "code from the model directory is ever run."),
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, tokenize, metrics) for a model directory.
 
@@ -163,8 +212,35 @@ def serve(
     stderr, and leaves no cache directory behind (one the start created is removed again if the start fails).
     """
     # Checks that need no heavy import come first, so that a typo fails fast.
-    if log_level.lower() not in LOG_LEVELS:
-        fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    if model_tag is not None and model is not None and model_tag.resolve() != model.resolve():
+        fail(f"the model is given twice and differently: MODEL {model_tag} and --model {model}; give one")
+    model = model_tag if model_tag is not None else model
+    if model is None:
+        fail("give the model directory: dsv41 serve MODEL (or --model MODEL)")
+    for flag, level in (("--log-level", log_level), ("--uvicorn-log-level", uvicorn_log_level)):
+        if level is not None and level.lower() not in LOG_LEVELS:
+            fail(f"{flag} must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    if chat_template is not None:
+        fail(options.chat_template_refusal(chat_template))
+    for why in (options.check_tool_call_parser(tool_call_parser), options.check_kv_cache_dtype(kv_cache_dtype)):
+        if why is not None:
+            fail(why)
+    try:
+        cors = {name: options.json_list(value, flag) for name, value, flag in (
+            ("allow_origins", allowed_origins, "--allowed-origins"),
+            ("allow_methods", allowed_methods, "--allowed-methods"),
+            ("allow_headers", allowed_headers, "--allowed-headers"))}
+    except ValueError as exc:
+        fail(str(exc))
+    if enable_log_requests and disable_log_requests:
+        fail("--enable-log-requests and --disable-log-requests contradict each other; give one")
+    if tensor_parallel_size != 1:
+        fail(f"--tensor-parallel-size {tensor_parallel_size}: this engine runs on one device (no tensor "
+             f"parallelism); give 1 or leave the flag out")
+    if disable_log_stats:
+        log_stats_interval = 0.0
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        fail(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     if not max_body_mb > 0:
         fail(f"--max-body-mb must be > 0, got {max_body_mb}")
     for flag, value in (("--timeout-keep-alive", timeout_keep_alive), ("--timeout-header", timeout_header),
@@ -177,6 +253,13 @@ def serve(
         fail("--speculative-max-len needs --speculative dspark (speculative decoding is off)")
     if not model.is_dir():
         fail(f"model directory {model} not found")
+
+    from deepseek_v41.server.generation_config import GenerationConfigError, describe, load_sampling_defaults
+
+    try:
+        defaults, defaults_origin = load_sampling_defaults(generation_config, model, override_generation_config)
+    except GenerationConfigError as exc:
+        fail(str(exc))
 
     import torch
 
@@ -197,6 +280,19 @@ def serve(
     if threads is not None:
         torch.set_num_threads(threads)
     cache_path = (cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    if gpu_memory_utilization is not None:
+        if num_kv_pages is not None or kv_cache_memory_bytes is not None:  # as vLLM: an explicit size wins
+            log.warning("--gpu-memory-utilization is ignored: --num-kv-pages / --kv-cache-memory-bytes size the KV "
+                        "pool")
+        else:
+            try:
+                weights = options.weight_bytes(model, torch_dtype)
+            except (FileNotFoundError, ConfigError) as exc:
+                fail(str(exc))
+            free = options.free_memory_bytes(torch_device)
+            kv_cache_memory_bytes = options.kv_budget_bytes(gpu_memory_utilization, free, weights)
+            log.info("--gpu-memory-utilization %g: KV pool budget %.0f MiB (%.0f MiB free, %.0f MiB of weights)",
+                     gpu_memory_utilization, kv_cache_memory_bytes / 2**20, free / 2**20, weights / 2**20)
     engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, max_model_len=max_model_len, num_kv_pages=num_kv_pages,
                        kv_cache_memory_bytes=kv_cache_memory_bytes, prefill_mode=prefill_mode, seed=seed,
@@ -210,18 +306,23 @@ def serve(
         try:
             llm = LLM(model, dtype=torch_dtype, device=str(torch_device), **engine_args)
         except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as exc:
-            fail(str(exc))
+            from_utilization = gpu_memory_utilization is not None and "kv_cache_memory_bytes=" in str(exc) \
+                and num_kv_pages is None
+            fail(f"{exc}{' (the budget of --gpu-memory-utilization)' if from_utilization else ''}")
         engine = AsyncLLMEngine(llm.engine)
-        config = ServerConfig(served_model_names=served_model_name or [str(model)], model_path=str(model),
-                              api_keys=list(api_key), max_body_bytes=int(max_body_mb * 1024 * 1024),
-                              log_stats_interval_s=log_stats_interval, drain_timeout_s=drain_timeout)
+        config = ServerConfig(served_model_names=served_model_name or [default_model_name(model)],
+                              model_path=str(model), api_keys=list(api_key),
+                              max_body_bytes=int(max_body_mb * 1024 * 1024), log_stats_interval_s=log_stats_interval,
+                              drain_timeout_s=drain_timeout, sampling_defaults=defaults, **cors,
+                              allow_credentials=allow_credentials, log_requests=enable_log_requests)
         app = build_app(engine, config)
         limits = ConnectionLimits(timeout_keep_alive, timeout_header, timeout_body, limit_concurrency, timeout_write)
-        server = make_server(app, host, port, drain_timeout, log_level.lower(), limits)
+        server = make_server(app, host, port, drain_timeout, (uvicorn_log_level or log_level).lower(), limits)
         log.info("serving %s as %s on http://%s:%d (max_model_len %d, %d KV pages, %s, %s; %s, %s; at most %d "
                  "connections)", model, config.served_model_names, host, port, engine.max_model_len,
                  engine.stats["kv_pages_total"], torch_dtype, torch_device, _prefix_line(llm, cache_path),
                  _speculative_line(llm), limits.limit_concurrency)
+        log.info("%s; CORS origins %s", describe(defaults, defaults_origin), cors["allow_origins"])
         try:
             server.run()
         finally:
@@ -232,6 +333,12 @@ def serve(
     finally:
         if not started:
             _remove_created(created)
+
+
+def default_model_name(model: Path) -> str:
+    """The served model name when ``--served-model-name`` is not given: the model directory's name (``v41-tiny``
+    for ``checkpoints/v41-tiny/``), not its path."""
+    return model.expanduser().resolve().name or str(model)
 
 
 def _prefix_line(llm, cache_path: Path) -> str:

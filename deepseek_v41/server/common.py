@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -29,6 +30,8 @@ from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.server.errors import APIError, error_body
 from deepseek_v41.server.text import check_unicode, max_token_bytes
 
+logger = logging.getLogger("deepseek_v41.server")
+
 MAX_STOP_STRINGS = 4  # OpenAI's limit; each string is at most MAX_STOP_STRING_CHARS (SamplingParams)
 
 
@@ -39,7 +42,13 @@ class ServerConfig:
     ``served_model_names``: the names ``model`` may take (the first is reported); ``api_keys``: accepted bearer
     keys (none = no auth); ``max_body_bytes``: request body limit (32 MiB); ``max_n``: largest ``n`` (default: the
     engine's ``max_num_seqs``); ``log_stats_interval_s``: period of the throughput log line (0 = off);
-    ``drain_timeout_s``: on shutdown, how long running requests may finish before they are aborted.
+    ``drain_timeout_s``: on shutdown, how long running requests may finish before they are aborted;
+    ``sampling_defaults``: what a request that does not set temperature, top_p, top_k, min_p, repetition_penalty or
+    max_tokens gets (from the checkpoint's ``generation_config.json``, see
+    :mod:`deepseek_v41.server.generation_config`; empty = vLLM's defaults); ``allow_origins``,
+    ``allow_methods``, ``allow_headers``, ``allow_credentials``: CORS (vLLM's defaults: any origin, method and
+    header, no credentials); ``log_requests``: log one line per request (id, prompt tokens, sampling parameters;
+    never the prompt text), vLLM's ``--enable-log-requests``.
     """
 
     served_model_names: list[str]
@@ -49,6 +58,12 @@ class ServerConfig:
     max_n: int | None = None
     log_stats_interval_s: float = 10.0
     drain_timeout_s: float = 30.0
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    allow_origins: list[str] = field(default_factory=lambda: ["*"])
+    allow_methods: list[str] = field(default_factory=lambda: ["*"])
+    allow_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    log_requests: bool = False
 
 
 @dataclass
@@ -140,22 +155,27 @@ def sampling_params(state: ServerState, req: Any, prompt_len: int, *, max_tokens
         raise APIError(f"stop takes at most {MAX_STOP_STRINGS} strings (as OpenAI), got {len(req.stop)}", "stop",
                        "invalid_value")
     room = state.engine.max_model_len - prompt_len
+    defaults = state.config.sampling_defaults
     requested = getattr(req, max_tokens_field)
-    if requested is not None and max_tokens_field not in req.model_fields_set:
-        requested = min(requested, room)  # a default (completions' 16) shrinks to fit; a value the client set never
+    if requested is None or max_tokens_field not in req.model_fields_set:
+        # Not set by the client: the smallest of the field's default (completions' 16), the checkpoint's
+        # max_new_tokens and what is left of the context; a value the client set is never shrunk.
+        requested = min(v for v in (room, requested, defaults.get("max_tokens")) if v is not None)
     if requested is not None and requested > room:
         raise APIError(f"This model's maximum context length is {state.engine.max_model_len} tokens. However, you "
                        f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for "
                        f"the completion). Please reduce the length of the prompt or {max_tokens_field}.",
                        max_tokens_field, "context_length_exceeded")
     names = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
+    # The checkpoint's defaults fill the sampling fields the client did not set (vLLM's --generation-config).
+    sampling = {name: defaults[name] if name in defaults and name not in req.model_fields_set else getattr(req, name)
+                for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     try:
         return SamplingParams(
-            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            n=req.n, **sampling, seed=req.seed, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
-            max_tokens=requested if requested is not None else room, min_tokens=req.min_tokens, logprobs=logprobs,
+            max_tokens=requested, min_tokens=req.min_tokens, logprobs=logprobs,
             skip_special_tokens=skip_special_tokens)
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0]
@@ -239,6 +259,10 @@ async def start_generation(state: ServerState, request_id: str, ids: list[int], 
     except BaseException:
         await stream.aclose()
         raise
+    if params.max_tokens is not None:
+        state.metrics.request_started(params.max_tokens, params.n)
+    if state.config.log_requests:
+        logger.info("Received request %s: %d prompt tokens, %s", request_id, len(ids), params)
     return stream, first
 
 

@@ -20,6 +20,14 @@ counters ``prefix_cache_page_hits_total{tier}`` (pages shared on the ``device`` 
 ``swa_pool_evictions_total``; gauges ``swa_pool_used_bytes``, ``swa_pool_capacity_bytes``,
 ``swa_pool_occupancy`` (used / capacity, 0..1; 0 without a pool or with the Redis pool, which has no capacity)
 and ``prefix_cache_disk_bytes``.
+Per finished request, as vLLM (histograms): ``request_queue_time_seconds`` (arrival -> first scheduled),
+``request_prefill_time_seconds`` (first scheduled -> first token), ``request_decode_time_seconds`` (first token ->
+last), ``request_inference_time_seconds`` (first scheduled -> last), ``request_prompt_tokens``,
+``request_generation_tokens`` (all samples of the request); ``request_params_max_tokens`` (per sample, when the
+request starts); ``iteration_tokens_total`` (tokens the model computed per engine step: the largest per-layer
+count, so prefill chunks, replay and speculative verification included; when one observer call spans several
+steps, their tokens are spread evenly over them). ``cache_config_info`` (gauge 1) carries the KV cache settings as
+labels (vLLM's ``block_size``, ``num_gpu_blocks``, ``cache_dtype``, ``enable_prefix_caching``, and ``replay``).
 Source: SPEC.md §4.6; vLLM ``vllm/v1/metrics/loggers.py``.
 """
 
@@ -42,6 +50,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0)
+_PHASE_BUCKETS = _E2E_BUCKETS  # vLLM uses its request-latency buckets for the queue / prefill / decode phases
 FINISH_REASONS = ("stop", "length", "abort")
 PREFIX_HIT_PATHS = ("snapshot", "replay")
 
@@ -87,13 +96,79 @@ class ServerMetrics:
                        "state was rebuilt: snapshot (restored from the SWA pool) or replay (recomputed).",
                        labels + ["path"], registry=reg)
         self.prefix_hits = {path: hits.labels(model_name, path) for path in PREFIX_HIT_PATHS}
+        self._request_histograms(reg, labels)
         reg.register(_EngineCollector(self))
         self._last_token: dict[str, float] = {}
         self.interval = _Interval()
         engine.add_observer(self.observe)
 
+    def _request_histograms(self, reg: CollectorRegistry, labels: list[str]) -> None:
+        """vLLM's per-request phase and size histograms and ``iteration_tokens_total``."""
+        name = self.model_name
+        args = self.engine.engine.args
+        max_len = self.engine.max_model_len
+
+        def histogram(metric: str, doc: str, buckets) -> Any:
+            return Histogram(metric, doc, labels, buckets=buckets, registry=reg).labels(name)
+
+        self.queue_time = histogram("dsv41:request_queue_time_seconds", "Time a request waited before it was first "
+                                    "scheduled, seconds.", _PHASE_BUCKETS)
+        self.prefill_time = histogram("dsv41:request_prefill_time_seconds", "Time from a request's first "
+                                      "scheduling to its first token, seconds.", _PHASE_BUCKETS)
+        self.decode_time = histogram("dsv41:request_decode_time_seconds", "Time from a request's first token to "
+                                     "its last, seconds.", _PHASE_BUCKETS)
+        self.inference_time = histogram("dsv41:request_inference_time_seconds", "Time from a request's first "
+                                        "scheduling to its last token, seconds.", _PHASE_BUCKETS)
+        sizes = _one_two_five(max_len)
+        self.request_prompt_tokens = histogram("dsv41:request_prompt_tokens", "Prompt tokens of finished "
+                                               "requests.", sizes)
+        self.request_generation_tokens = histogram("dsv41:request_generation_tokens", "Generated tokens of "
+                                                   "finished requests (all samples).", sizes)
+        self.request_max_tokens = histogram("dsv41:request_params_max_tokens", "The max_tokens of each sample "
+                                            "when its request starts.", sizes)
+        self.iteration_tokens = histogram("dsv41:iteration_tokens_total", "Tokens the model computed per engine "
+                                          "step (prefill chunks, decode, replay and verification).",
+                                          _powers_of_two(args.max_num_batched_tokens))
+        start = self.engine.stats  # the counts before this server's first step
+        self._last_layer_tokens: list[int] | None = list(start["layer_tokens"]) if "layer_tokens" in start else None
+        self._last_steps = start.get("num_steps", 0)
+
+    def request_started(self, max_tokens: int, n: int) -> None:
+        """Record a request's ``max_tokens`` for each of its ``n`` samples (the server calls it once the engine
+        took the request)."""
+        for _ in range(n):
+            self.request_max_tokens.observe(max_tokens)
+
+    def _observe_iterations(self, stats: dict[str, Any]) -> None:
+        """``iteration_tokens_total`` from the growth of the per-layer token counts since the last call."""
+        layers, steps = stats.get("layer_tokens"), stats.get("num_steps")
+        if layers is None or steps is None:
+            return
+        if self._last_layer_tokens is not None and steps > self._last_steps:
+            tokens = max((now - before for now, before in zip(layers, self._last_layer_tokens, strict=False)),
+                         default=0)
+            count = steps - self._last_steps
+            for _ in range(min(count, 1024)):  # bounded work however long the loop slept
+                self.iteration_tokens.observe(tokens / count)
+        self._last_layer_tokens, self._last_steps = list(layers), steps
+
+    def _observe_finished(self, out: Any, end: float) -> None:
+        """The phase and size histograms of a finished request (phases it never reached are not observed)."""
+        m = out.metrics
+        last = m.finished_time or end
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            self.inference_time.observe(max(0.0, last - m.first_scheduled_time))
+            if m.first_token_time is not None:
+                self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        if m.first_token_time is not None:
+            self.decode_time.observe(max(0.0, last - m.first_token_time))
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
+
     def observe(self, outputs: list[StepOutput], stats: dict[str, Any]) -> None:
         """Update counters and histograms from one step's outputs (called by the engine loop)."""
+        self._observe_iterations(stats)
         for step in outputs:
             out = step.output
             new = sum(len(ids) for ids in step.delta_token_ids)
@@ -122,6 +197,7 @@ class ServerMetrics:
                     self.finished[reason if reason in self.finished else "stop"].inc()
             if step.finished:
                 self.e2e.observe(max(0.0, step.time - arrival))
+                self._observe_finished(out, step.time)
                 self._last_token.pop(step.request_id, None)
 
     def log_throughput(self) -> str | None:
@@ -131,6 +207,26 @@ class ServerMetrics:
         if line is not None:
             logger.info(line)
         return line
+
+
+def _one_two_five(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's ``build_1_2_5_buckets``)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
+def _powers_of_two(limit: int) -> list[float]:
+    """1, 2, 4, ... below ``limit``, then ``limit`` (the largest step the scheduler builds, drafts aside)."""
+    out, value = [], 1
+    while value < limit:
+        out.append(float(value))
+        value *= 2
+    return [*out, float(limit)]
 
 
 class _Interval:
@@ -177,6 +273,13 @@ class _EngineCollector:
             family.add_metric([name, *labels.values()], value)
             return family
 
+        args = m.engine.engine.args
+        info = GaugeMetricFamily("dsv41:cache_config_info", "KV cache settings (labels); the value is 1.",
+                                 labels=["model_name", "block_size", "num_gpu_blocks", "cache_dtype",
+                                         "enable_prefix_caching", "replay"])
+        info.add_metric([name, str(args.block_size), str(stats["kv_pages_total"]), "auto",
+                         str(m.prefix_caching), args.replay], 1.0)
+        yield info
         yield gauge("dsv41:num_requests_running", "Sequences in the running batch.", stats["num_running"])
         yield gauge("dsv41:num_requests_waiting", "Sequences waiting to be scheduled.", stats["num_waiting"])
         yield gauge("dsv41:kv_pages_used", "KV pages in use (global KV pool, the null page excluded).",

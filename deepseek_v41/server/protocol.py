@@ -45,7 +45,7 @@ class _Sampling(_Strict):
     frequency_penalty: Penalty = 0.0
     presence_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
-    temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0  # OpenAI's range (the LLM API takes any T >= 0)
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0

@@ -116,3 +116,23 @@ def test_generate_refuses_bad_input_cleanly(model_dir, tmp_path, flags, message)
 def test_generate_missing_model(tmp_path):
     result = generate(tmp_path / "none", "--prompt", "x")
     assert result.exit_code == 2 and "not found" in result.stderr
+
+
+def test_generate_takes_sampling_defaults_from_the_generation_config(model_dir, tmp_path):
+    """``--generation-config`` as ``dsv41 serve``: the file's max_new_tokens is the default --max-tokens (not 128);
+    an option given wins; 'vllm' ignores the file."""
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 2}))
+
+    def run(*flags):
+        result = generate(model_dir, "--prompt", "Hello world", "--json", *flags)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    first = run("--generation-config", str(folder))
+    assert (first["generated_tokens"], first["finish_reason"]) == (2, "length")
+    assert run("--generation-config", str(folder), "--max-tokens", "3")["generated_tokens"] == 3
+    assert run("--generation-config", "vllm", "--max-tokens", "4")["generated_tokens"] == 4
+    missing = generate(model_dir, "--prompt", "x", "--generation-config", str(tmp_path / "none"))
+    assert missing.exit_code == 2 and "no generation_config.json in that folder" in missing.stderr

@@ -7,9 +7,14 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
+from typer.testing import CliRunner
+
+from deepseek_v41.cli import app
 
 
 def free_port() -> int:
@@ -21,10 +26,17 @@ def free_port() -> int:
 def test_serve_drains_on_sigterm(model_dir, tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "deepseek_v41.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    generation = tmp_path / "generation"
+    generation.mkdir()
+    (generation / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 7}')
+    # The vLLM flags a script may pass are accepted (positional MODEL as `vllm serve MODEL`).
+    command = [sys.executable, "-m", "deepseek_v41.cli", "serve", str(model_dir), "--port", str(port),
                "--api-key", "k1", "--api-key", "k2", "--served-model-name", "tiny", "--max-model-len", "256",
                "--max-num-seqs", "4", "--log-stats-interval", "0.3", "--cache-dir", str(tmp_path / "cache"),
-               "--threads", "1"]
+               "--threads", "1", "--generation-config", str(generation), "--enforce-eager", "--disable-log-requests",
+               "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v41", "--kv-cache-dtype", "auto",
+               "--gpu-memory-utilization", "0.01", "--uvicorn-log-level", "warning",
+               "--allowed-origins", '["http://localhost:3000"]', "--trust-remote-code", "--tensor-parallel-size", "1"]
     with open(log, "wb") as out:
         # One OpenMP thread: on a shared 2-core machine spinning OpenMP workers slow a tiny model 10x.
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ,
@@ -41,6 +53,15 @@ def test_serve_drains_on_sigterm(model_dir, tmp_path):
                 pass
             assert time.monotonic() < deadline, "dsv41 serve did not come up"
             time.sleep(0.2)
+        preflight = httpx.options(url + "/v1/chat/completions", timeout=10, headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k1", max_retries=0, timeout=60)
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                              extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 7  # max_new_tokens of --generation-config, not the context
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True}
         lines = []
         with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": "Bearer k2"},
@@ -59,6 +80,8 @@ def test_serve_drains_on_sigterm(model_dir, tmp_path):
             process.wait()
     text = log.read_text()
     assert "draining" in text and "Avg generation throughput" in text
+    assert "sampling defaults temperature=0.0, max_tokens=7 (from" in text
+    assert "--gpu-memory-utilization 0.01: KV pool budget" in text
     # The prompt's full pages went to the persistent prefix cache under --cache-dir.
     assert list((tmp_path / "cache").rglob("*.page"))
 
@@ -81,10 +104,6 @@ def test_serve_rejects_bad_engine_settings(model_dir, tmp_path):
 
 def run_serve(*flags: str):
     """``dsv41 serve FLAGS`` in this process (for settings refused before the server starts)."""
-    from typer.testing import CliRunner
-
-    from deepseek_v41.cli import app
-
     return CliRunner().invoke(app, ["serve", *flags])
 
 
@@ -121,6 +140,19 @@ def bad_device() -> str:
     (["--device", bad_device()], "available here: cpu"),
     (["--speculative-max-len", "2"], "--speculative-max-len needs --speculative dspark"),
     (["--num-kv-pages", "1"], "cannot hold one sequence"),  # an engine check, after the model is loaded
+    (["--uvicorn-log-level", "loud"], "--uvicorn-log-level must be one of critical, error"),
+    (["--chat-template", "t.jinja"], "DeepSeek-V4.1 has no Jinja chat template"),
+    (["--tool-call-parser", "hermes"], "--tool-call-parser 'hermes' is not available"),
+    (["--kv-cache-dtype", "fp8"], "the KV cache format is fixed by the model"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1]"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+    (["--gpu-memory-utilization", "1e-12"], "(the budget of --gpu-memory-utilization)"),
+    (["--allowed-origins", '{"a": 1}'], "--allowed-origins takes a JSON list of strings"),
+    (["--generation-config", "/nonexistent-dir"], "no generation_config.json in that folder"),
+    (["--override-generation-config", "[1]"], "--override-generation-config must be a JSON object"),
+    (["--override-generation-config", '{"temp": 1}'], "--override-generation-config: unknown keys ['temp']"),
+    (["-tp", "2"], "this engine runs on one device (no tensor parallelism)"),
+    (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
 ])
 def test_serve_refuses_bad_settings_cleanly(model_dir, tmp_path, monkeypatch, flags, message):
     """Exit 2 with the message on stderr (no traceback, no silent default), and no cache directory created."""
@@ -133,6 +165,59 @@ def test_serve_refuses_bad_settings_cleanly(model_dir, tmp_path, monkeypatch, fl
     assert not (tmp_path / "home").exists()
     explicit = run_serve("--model", str(model_dir), "--cache-dir", str(tmp_path / "a" / "b"), *flags)
     assert explicit.exit_code == 2 and not (tmp_path / "a").exists()
+
+
+def test_serve_model_positional_or_option(model_dir, tmp_path):
+    """``dsv41 serve MODEL`` as ``vllm serve MODEL``; ``--model`` too; both must agree; neither is an error."""
+    differs = run_serve(str(model_dir), "--model", str(tmp_path))
+    assert differs.exit_code == 2 and "the model is given twice and differently" in differs.stderr
+    missing = run_serve("--port", "8001")
+    assert missing.exit_code == 2 and "give the model directory: dsv41 serve MODEL" in missing.stderr
+    for flags in ([str(tmp_path / "none")], ["--model", str(tmp_path / "none")],
+                  [str(tmp_path / "none"), "--model", str(tmp_path / "none" / ".")]):  # the same directory
+        result = run_serve(*flags)
+        assert result.exit_code == 2 and "not found" in result.stderr, flags
+
+
+def test_version_and_short_help():
+    from deepseek_v41 import __version__
+
+    for args in (["--version"], ["serve", "--version"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0 and result.stdout.strip() == __version__, args
+    for args in (["-h"], ["serve", "-h"], ["generate", "-h"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0 and "Usage:" in result.stdout, args
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_help_at_80_columns_shows_every_flag_whole(command):
+    """No flag name is cut (rich's panels cut them: '--max-num-batch…'), no line is wider than the terminal."""
+    import re
+
+    import typer
+
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert result.exit_code == 0
+    text = result.stdout
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80, text
+    params = typer.main.get_command(app).commands[command].params
+    flags = [opt for p in params for opt in (*p.opts, *p.secondary_opts) if opt.startswith("-")]
+    assert "--max-num-batched-tokens" in flags or command == "generate"
+    joined = re.sub(r"-\n\s+", "-", text)  # a flag named in a help text must not be split at a line end either
+    for flag in flags:
+        pattern = rf"(?<![\w-]){re.escape(flag)}(?![\w-])"
+        assert re.search(pattern, text), flag
+        assert len(re.findall(pattern, joined)) == len(re.findall(pattern, text)), f"{flag} split across lines"
+
+
+def test_default_served_model_name_is_the_directory_name(tmp_path):
+    from deepseek_v41.server.cli import default_model_name
+
+    (tmp_path / "v41-tiny").mkdir()
+    assert default_model_name(tmp_path / "v41-tiny") == "v41-tiny"
+    assert default_model_name(Path(str(tmp_path / "v41-tiny") + "/")) == "v41-tiny"
+    assert default_model_name(tmp_path / "v41-tiny" / ".") == "v41-tiny"
 
 
 def test_serve_failed_start_removes_the_cache_dir_it_created(model_dir, tmp_path):
@@ -151,6 +236,9 @@ def test_serve_failed_start_removes_the_cache_dir_it_created(model_dir, tmp_path
     assert result.returncode != 0 and "address already in use" in result.stderr, result.stderr[-2000:]
     cache = home / ".cache" / "deepseek_v41" / "prefix-cache"
     assert f"prefix caching on, cache dir {cache}" in result.stderr
+    # The served name is the directory's name, not its path; the defaults in force are logged.
+    assert f"as ['{model_dir.name}'] on http" in result.stderr
+    assert "sampling defaults: vLLM's defaults (no generation_config.json in the model directory)" in result.stderr
     assert "speculative decoding dspark (up to" in result.stderr
     # The prefix-cache directory it made is gone; what may stay is the remembered weight digest of the checkpoint
     # (cache/fingerprint.py: kept so the next start does not rehash the weights), and nothing else.
