@@ -149,7 +149,7 @@ def serve(
                                               "RAM; 0 = no snapshots, hits use replay)."),
     replay: str = typer.Option("bounded", help="Hits without a snapshot: 'bounded' (replay one window) or "
                                "'exact' (replay the whole prefix)."),
-    redis_url: str | None = typer.Option(None, help="Share the SWA pool and the page index with other "
+    redis_url: str | None = typer.Option(None, help="Share the SWA snapshots and the KV pages with other "
                                          "servers through Redis, e.g. redis://localhost:6379/0."),
     speculative: str | None = typer.Option(None, help="Speculative decoding: 'dspark' drafts with the checkpoint's "
                                           "DSpark draft (default: off)."),
