@@ -13,12 +13,17 @@ With N prompt tokens, P the page size and w the window, the reused length is ``L
   from the snapshot's residuals;
 - **bounded replay** (default): encoder over [max(0, L' - w), N) with windows truncated at that start (an
   approximation, measured);
-- **exact replay** (``replay="exact"``): encoder over [max(0, min(L', N - w) - R), N), R = encoder layers x (w - 1),
-  the receptive field of the encoder windows (exact).
+- **exact replay** (``replay="exact"``): encoder over [max(0, min(L', D) - R), N), R = encoder layers x (w - 1),
+  the receptive field of the encoder windows, D = the decoder start max(0, N - w) (exact).
 
 Replayed positions write window rows and residuals only; compressed entries, index keys and pending pairs of
 [0, L') come from the pages. In ``exact`` prefill mode every layer resumes from the snapshot (which then holds
 every layer's window rows); without one the prompt is a miss.
+
+A preempted sequence comes back (:meth:`PrefixCache.match` with ``resumed``) with N = prompt + output tokens,
+but its decoder start D stays that of its prompt (the decoder ran over every token since): it resumes at a
+snapshot whose window reaches back to D (in practice its prompt's), or replays exactly from
+max(0, min(L', D) - R), whatever ``replay`` says, so that preemption never changes its tokens.
 """
 
 from __future__ import annotations
