@@ -44,9 +44,10 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_preempted_sequence_resumes_from_the_cache_with_the_same_tokens(model64, variant):
-    """Item 6: a 40-token request preempted after 40 generated tokens comes back to its own cached pages (5 full
-    pages, far past its decoder start 24 and its prompt's snapshot at 32). Before the fix: "residuals of positions
-    [a, b) are not in slot 0's ring" (bounded, exact replay, DSpark), AttributeError without an SWA pool."""
+    """Item 6: a 40-token request preempted after 40 generated tokens comes back to its own cached pages (4 full
+    pages, reaching far past its decoder start 24) and its prompt's snapshot at 32. Before the fix: "residuals of
+    positions [a, b) are not in slot 0's ring" (bounded, exact replay, DSpark), AttributeError without an SWA
+    pool, and a full recompute in exact prefill mode (only the longest match's snapshot was looked for)."""
     args = VARIANTS[variant]
     prompt = prompt_of(40, seed=1)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
