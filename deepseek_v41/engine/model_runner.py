@@ -244,6 +244,7 @@ class ModelRunner:
             layers = range(len(model.layers))
             streams, pre = model.run_layers(layers, streams, pre, ctx, None, rows, taps)
             self._count(layers, end - start)
+            seq.decoder_done = end
             logits = model.logits(streams[:, -1:], pre[:, -1:])[0, -1] if want_logits else None
         self._commit_engram(engram)
         self._count_entries(ctx)

@@ -115,6 +115,10 @@ CROWDED = [(shared_prompt(W + 1, 3, 1), W + 1, 1, 0, None),
            (shared_prompt(P, 1, 3), P + 1, 1, 1, None), (shared_prompt(0, W, 4), W + 1, 1, 2, 3)]
 LONG = [(shared_prompt(0, 1, 5), MAX_MODEL_LEN - 1, 1, 0, None),
         (shared_prompt(0, 1, 6), MAX_MODEL_LEN - 1, 1, 1, None)]
+# Found by this test: a sequence resumed at its prompt's snapshot with one token left, and no free page for it,
+# ran that token as a decode step on an empty CED decoder window (wrong tokens).
+LAST_PAGE = [(shared_prompt(0, 15, 11), 7, 1, 1, None), ([395], 17, 1, 3, None), ([312], 1, 1, 0, None),
+             (shared_prompt(0, P, 12), 9, 1, 3, None), ([312], 1, 1, 0, None)]
 SMALLEST = {"num_kv_pages": MAX_MODEL_LEN // P, "enable_prefix_caching": True, "replay": "exact",
             "max_num_batched_tokens": 4096, "max_num_seqs": 8, "speculative": None}
 
@@ -123,6 +127,7 @@ SMALLEST = {"num_kv_pages": MAX_MODEL_LEN // P, "enable_prefix_caching": True, "
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(mix=MIXES, args=SETTINGS)
 @example(mix=CROWDED, args=SMALLEST)
+@example(mix=LAST_PAGE, args={**SMALLEST, "max_num_seqs": 3, "max_num_batched_tokens": 5})
 @example(mix=LONG, args={**SMALLEST, "num_kv_pages": MAX_MODEL_LEN // P + 2, "replay": "bounded"})
 @example(mix=LONG, args={**SMALLEST, "num_kv_pages": MAX_MODEL_LEN // P + 2, "replay": "bounded",
                          "speculative": "dspark", "max_num_batched_tokens": P})
