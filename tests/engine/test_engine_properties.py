@@ -123,7 +123,7 @@ SMALLEST = {"num_kv_pages": MAX_MODEL_LEN // P, "enable_prefix_caching": True, "
             "max_num_batched_tokens": 4096, "max_num_seqs": 8, "speculative": None}
 
 
-@settings(max_examples=3, deadline=None, derandomize=True,
+@settings(max_examples=2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(mix=MIXES, args=SETTINGS)
 @example(mix=CROWDED, args=SMALLEST)
