@@ -13,12 +13,17 @@ With N prompt tokens, P the page size and w the window, the reused length is ``L
   from the snapshot's residuals;
 - **bounded replay** (default): encoder over [max(0, L' - w), N) with windows truncated at that start (an
   approximation, measured);
-- **exact replay** (``replay="exact"``): encoder over [max(0, min(L', N - w) - R), N), R = encoder layers x (w - 1),
-  the receptive field of the encoder windows (exact).
+- **exact replay** (``replay="exact"``): encoder over [max(0, min(L', D) - R), N), R = encoder layers x (w - 1),
+  the receptive field of the encoder windows, D = the decoder start max(0, N - w) (exact).
 
 Replayed positions write window rows and residuals only; compressed entries, index keys and pending pairs of
 [0, L') come from the pages. In ``exact`` prefill mode every layer resumes from the snapshot (which then holds
 every layer's window rows); without one the prompt is a miss.
+
+A preempted sequence comes back (:meth:`PrefixCache.match` with ``resumed``) with N = prompt + output tokens,
+but its decoder start D stays that of its prompt (the decoder ran over every token since): it resumes at a
+snapshot whose window reaches back to D (in practice its prompt's), or replays exactly from
+max(0, min(L', D) - R), whatever ``replay`` says, so that preemption never changes its tokens.
 """
 
 from __future__ import annotations
@@ -114,40 +119,77 @@ class PrefixCache:
         return f"{block_hash}-{'exact' if self.exact_prefill else 'ced'}"
 
     # ------------------------------------------------------------------ lookup
-    def match(self, tokens: list[int], hashes: list[str]) -> Hit:
-        """Find the longest cached prefix of ``tokens`` (hashes of its full blocks given) and take its pages
-        (shared device pages, or pages loaded from disk into new device pages). Returns a Hit with ``cached=0``
-        on a miss. Never raises for a bad cache: unreadable pages are misses."""
+    def match(self, tokens: list[int], hashes: list[str], decoder_start: int | None = None,
+              prompt_len: int | None = None, resumed: bool = False) -> Hit:
+        """Find the longest cached prefix of ``tokens`` (hashes of its full blocks given) that the engine can
+        resume from, and take its pages (shared device pages, or pages loaded from disk into new device pages).
+        Returns a Hit with ``cached=0`` on a miss. Never raises for a bad cache: unreadable pages are misses.
+
+        ``decoder_start``: the first position the CED decoder runs over (default ``max(0, len(tokens) - w)``, a
+        new request). The decoder's inputs of [decoder_start, start) must come from the snapshot's residuals, so a
+        hit never starts after ``decoder_start`` unless its snapshot holds them (a resumed, preempted sequence has
+        generated far past its prompt, and its decoder start lies far behind its last page).
+        ``prompt_len``: the prompt's length (default ``len(tokens)``): the boundary of the prompt's snapshot, tried
+        when the longest usable boundary has none. ``resumed``: a preempted sequence coming back; without a
+        snapshot it replays exactly (``replay="exact"``'s start) whatever ``replay`` says, so that preemption
+        never changes what a sequence computes.
+        """
         blocks = self.cache.blocks
-        limit = min(len(hashes), (len(tokens) - 1) // self.block_size)
+        n = len(tokens)
+        D = max(0, n - self.window) if decoder_start is None else decoder_start
+        N = n if prompt_len is None else prompt_len
+        limit = min(len(hashes), (n - 1) // self.block_size)
         pages: list[int] = []
-        device_hits = 0
+        device: list[bool] = []  # per page: found on the device (else read from disk)
         for i in range(limit):
             page = blocks.lookup(hashes[i])
+            device.append(page is not None)
             if page is not None:
                 blocks.share(page)
-                device_hits += 1
             else:
                 page = self._from_disk(hashes[i])
                 if page is None:
+                    device.pop()
                     break
             pages.append(page)
-        cached = len(pages) * self.block_size
-        snapshot = self.swa_pool.get(self.snapshot_key(hashes[len(pages) - 1])) if (pages and self.swa_pool) else None
-        if snapshot is not None:
+        if not pages:
+            return Hit(0, 0, [], None)
+        for j in self._snapshot_boundaries(len(pages), D, N):
+            snapshot = self.swa_pool.get(self.snapshot_key(hashes[j - 1]))
+            if snapshot is None or not self._resumable(snapshot, j * self.block_size, D):
+                continue
+            blocks.release(pages[j:])
             self.counters["snapshots_hit"] += 1
-            self.counters["device_pages_hit"] += device_hits
-            return Hit(cached, cached, pages, snapshot)
-        if self.exact_prefill or not pages:
+            self.counters["device_pages_hit"] += sum(device[:j])
+            return Hit(j * self.block_size, j * self.block_size, pages[:j], snapshot)
+        if self.exact_prefill:
             blocks.release(pages)  # exact prefill needs every layer's windows: without a snapshot, a miss
             return Hit(0, 0, [], None)
-        self.counters["device_pages_hit"] += device_hits
-        n = len(tokens)
-        if self.replay == "bounded":
-            start = max(0, cached - self.window)
+        self.counters["device_pages_hit"] += sum(device)
+        cached = len(pages) * self.block_size
+        if self.replay == "bounded" and not resumed:
+            start = min(max(0, cached - self.window), D)  # (a new request's replay start is always <= D)
         else:
-            start = max(0, min(cached, n - self.window) - self.receptive_field)
+            start = max(0, min(cached, D) - self.receptive_field)
         return Hit(cached, start, pages, None)
+
+    def _snapshot_boundaries(self, matched: int, decoder_start: int, prompt_len: int) -> list[int]:
+        """Page counts whose snapshot a hit of ``matched`` pages may resume from, best first: the longest whose
+        window starts at or before the decoder start (CED; any in exact prefill), then the prompt's boundary."""
+        if self.swa_pool is None:
+            return []
+        P = self.block_size
+        best = matched if self.exact_prefill else min(matched, (decoder_start + self.window) // P)
+        prompt = min(matched, prompt_len // P)
+        return [j for j in dict.fromkeys((best, prompt)) if j > 0]
+
+    def _resumable(self, snapshot: dict[str, torch.Tensor], boundary: int, decoder_start: int) -> bool:
+        """Whether the decoder can resume at ``boundary`` from ``snapshot``: its inputs of [decoder_start,
+        boundary) must be the snapshot's residuals (CED; exact prefill restores every layer's rows)."""
+        if self.exact_prefill or boundary <= decoder_start:
+            return True
+        return (self.cache.residuals and "residual_streams" in snapshot
+                and int(snapshot["positions"][0]) <= decoder_start)
 
     def _from_disk(self, block_hash: str) -> int | None:
         """Load the page of ``block_hash`` into a new device page from the disk store, else from Redis (then it is

@@ -103,8 +103,9 @@ class LLMEngine:
         num_pages = self._num_pages(args)
         state_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
         swa_bytes = self._swa_pool_bytes(args)
-        residuals = weight.dtype if (args.enable_prefix_caching and swa_bytes and self.prefill_mode is PrefillMode.CED)\
-            else None
+        # The CED decoder's inputs go into SWA snapshots whenever there is a snapshot pool (memory or Redis).
+        snapshots = args.enable_prefix_caching and (swa_bytes or args.redis_url is not None)
+        residuals = weight.dtype if snapshots and self.prefill_mode is PrefillMode.CED else None
         spec_len = self._speculative_len(args)
         self.cache = PagedKVCache(cfg, num_pages, args.block_size, args.max_num_seqs, args.window_slack_rows, device,
                                   state_dtype, residuals, len(model.mtp) if spec_len else 0)
@@ -208,9 +209,11 @@ class LLMEngine:
         from deepseek_v41.cache.prefix_cache import chain_hashes
 
         pc = self.prefix_cache
-        tokens = seq.token_at(0, seq.num_tokens)
+        tokens = seq.token_at(0, self.scheduler.prefill_end(seq))
         seq.block_hashes = chain_hashes(pc.root(seq.cache_salt), tokens, self.cache.block_size, seq.block_hashes)
-        hit = pc.match(tokens, seq.block_hashes)
+        # A preempted sequence comes back with its output: it resumes where its decoder can be rebuilt exactly.
+        hit = pc.match(tokens, seq.block_hashes, seq.decoder_start, len(seq.prompt_token_ids),
+                       resumed=bool(seq.output_token_ids))
         if hit.cached == 0:
             return
         seq.block_table[:] = hit.pages

@@ -222,7 +222,12 @@ class ModelRunner:
     def prefill(self, seq: Sequence, start: int, end: int, taps: dict | None = None) -> torch.Tensor | None:
         """Forward positions [start, end) of ``seq``; fp32 logits [V] of the last position when it is the last
         token of the sequence, else None. ``taps`` receives each layer's input streams [1, n, hc, D] of the
-        positions that layer ran over, which end at ``end`` (CED decoder layers: from the decoder start)."""
+        positions that layer ran over, which end at ``end`` (CED decoder layers: from the decoder start).
+        Raises ValueError for an empty chunk (``end <= start``) or one beyond the sequence: the scheduler never
+        plans one."""
+        if not 0 <= start < end <= seq.num_tokens:
+            raise ValueError(f"a prefill chunk is positions [start, end) with 0 <= start < end <= "
+                             f"{seq.num_tokens} (the sequence's tokens), got [{start}, {end})")
         model, plan = self.model, self.plan
         # torch's own threads run this chunk's matmuls: the kernels' pool workers (left spinning by a decode step)
         # sleep after each job instead of spinning on the cores those threads need.
@@ -234,18 +239,20 @@ class ModelRunner:
         streams, pre = model.embed_streams(ids)
         want_logits = end == seq.num_tokens
         if self.prefill_mode is PrefillMode.CED and plan.ced:
+            first = max(seq.decoder_start, seq.decoder_done)
+            if first < start:
+                # Resumed from an SWA snapshot: the decoder's inputs before this chunk are the snapshot's, read
+                # before this chunk writes its own rows (a chunk longer than the ring's slack overwrites them).
+                old_streams, old_pre = self.cache.read_residuals(seq.slot, first, start)  # copies
             streams, pre = model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows, taps)
             self._count(plan.encoder_layers, end - start)
             if self.cache.residuals:
                 self.cache.write_residuals(seq.slot, range(start, end), streams[0], pre[0])
             boundary = model.layers[plan.decoder_layers[0]]
             boundary.attn.compress(boundary.attention_input(streams, pre), ctx)
-            first = max(seq.decoder_start, seq.decoder_done)
             logits = None
             if first < end:
                 if first < start:
-                    # Resumed from an SWA snapshot: the decoder's inputs before this chunk are the snapshot's.
-                    old_streams, old_pre = self.cache.read_residuals(seq.slot, first, start)
                     streams = torch.cat((old_streams[None].to(streams.dtype), streams), 1)
                     pre = torch.cat((old_pre[None].to(pre.dtype), pre), 1)
                 else:
@@ -261,6 +268,7 @@ class ModelRunner:
             layers = range(len(model.layers))
             streams, pre = model.run_layers(layers, streams, pre, ctx, None, rows, taps)
             self._count(layers, end - start)
+            seq.decoder_done = end
             logits = model.logits(streams[:, -1:], pre[:, -1:])[0, -1] if want_logits else None
         self._commit_engram(engram)
         self._count_entries(ctx)

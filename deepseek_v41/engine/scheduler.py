@@ -96,10 +96,21 @@ class Scheduler:
             self.running.append(seq)
             if self.on_admit is not None:
                 self.on_admit(seq)  # may take cached pages and move num_computed forward
+            # The hit's pages may have been the last free ones: then no chunk this step (never an empty one).
             end = self._chunk_end(seq, budget)
-            out.prefills.append((seq, seq.num_computed, end))
-            budget -= end - seq.num_computed
+            if end > seq.num_computed:
+                out.prefills.append((seq, seq.num_computed, end))
+                budget -= end - seq.num_computed
         return out
+
+    def prefill_end(self, seq: Sequence) -> int:
+        """Where ``seq``'s prefill stops: its last token, or with speculation the token before it when it has
+        generated some (a preempted sequence coming back): the last token is then the anchor of a speculative
+        step, as it was before the preemption, so the request's random draws and tokens do not depend on
+        whether it was preempted."""
+        if self.num_lookahead_tokens and seq.output_token_ids:
+            return seq.num_tokens - 1
+        return seq.num_tokens
 
     def _decode_end(self, seq: Sequence) -> int:
         """Positions a decode step of ``seq`` may write: its anchor and the lookahead, but never past the last
@@ -111,7 +122,7 @@ class Scheduler:
     def _chunk_end(self, seq: Sequence, budget: int, grow: bool = True) -> int:
         """End of the next prefill chunk of ``seq`` within ``budget`` tokens and the free pages (with ``grow``,
         its table is extended to cover it)."""
-        end = min(seq.num_tokens, seq.num_computed + budget)
+        end = min(self.prefill_end(seq), seq.num_computed + budget)
         free_tokens = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
         end = min(end, free_tokens)
         if grow and end > seq.num_computed:

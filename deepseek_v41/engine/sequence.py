@@ -25,7 +25,8 @@ class Sequence:
     ``num_computed``: tokens whose KV is in the cache (positions [0, num_computed)). The next forward runs the
     tokens [num_computed, num_tokens): a prefill chunk, or one token in a decode step. ``decoder_start``: first
     position the CED decoder runs over (max(0, prompt - sliding_window)), fixed at arrival so that a preempted
-    sequence recomputes exactly what it had.
+    sequence recomputes exactly what it had. ``decoder_done``: positions every layer has run over (the CED
+    decoder lags ``num_computed`` during a prompt and after a prefix-cache hit).
     """
 
     seq_id: int
@@ -80,8 +81,11 @@ class Sequence:
 
     @property
     def needs_prefill(self) -> bool:
-        """True while more than the last sampled token is left to compute (or nothing was computed yet)."""
-        return self.num_computed == 0 or self.num_tokens - self.num_computed > 1
+        """True while more than the last sampled token is left to compute, nothing was computed yet, or the
+        layers have not all run up to ``num_computed`` (``decoder_done`` behind it: a prefix-cache hit restored
+        the encoder's state only, and the CED decoder must still run over its inputs in a prefill chunk)."""
+        return (self.num_computed == 0 or self.num_tokens - self.num_computed > 1
+                or self.decoder_done < self.num_computed)
 
     @property
     def finished(self) -> bool:

@@ -311,14 +311,32 @@ class DSparkSpeculator:
             caps.append(max(0, min(self.max_len, left)))
         return caps
 
+    def verify_lengths(self, seqs: list[Sequence], survival: torch.Tensor) -> list[int]:
+        """Drafts each sequence verifies this step: a seeded sampling request its cap (:meth:`caps`), the others
+        what :func:`schedule_verify_lengths` picks for them together.
+
+        Which drafts are verified decides how many of a request's random draws a step takes and which tokens
+        come from which draw; the scheduler's choice depends on the batch and on the cost table (measured at
+        engine start, so it differs between engines). A seeded request verifies a length that depends on
+        itself alone, so its tokens repeat in any engine, batch or preemption (greedy requests emit the target's
+        tokens whatever the length)."""
+        caps = self.caps(seqs)
+        fixed = [not s.params.is_greedy and s.params.seed is not None for s in seqs]
+        free = [b for b, f in enumerate(fixed) if not f]
+        rows = survival.tolist()
+        chosen = schedule_verify_lengths([rows[b] for b in free], [caps[b] for b in free], self.cost)
+        lengths = list(caps)
+        for b, ell in zip(free, chosen, strict=True):
+            lengths[b] = ell
+        return lengths
+
     @torch.no_grad()
     def step(self, seqs: list[Sequence]) -> list[Verdict]:
         """One speculative decode step of ``seqs`` (propose, schedule, verify, commit). Advances each
         ``num_computed`` by the anchor + accepted drafts (the engine clamps it when a stop cuts the tokens) and
         returns each sequence's :class:`Verdict`; the tokens are not appended here."""
         tokens, probs, survival = self.propose(seqs)
-        caps = self.caps(seqs)
-        lengths = schedule_verify_lengths(survival.tolist(), caps, self.cost)
+        lengths = self.verify_lengths(seqs, survival)
         T = 1 + max(lengths)
         device = self.cache.device
         anchors = torch.tensor([[s.token_at(s.num_computed, s.num_computed + 1)[0]] for s in seqs], device=device)

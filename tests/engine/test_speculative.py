@@ -209,6 +209,47 @@ def test_lookahead_never_outruns_max_tokens(model64):
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 7]
 
 
+def seeded_tokens(llm, prompt, params, others=(), preempt_after=None) -> list[int]:
+    """The tokens of a seeded request run with ``others`` (prompt, params) in its batch, optionally preempted
+    once it has ``preempt_after`` tokens."""
+    engine = llm.engine
+    engine.add_request("seeded", prompt, params)
+    for i, (p, other) in enumerate(others):
+        engine.add_request(f"other{i}", p, other)
+    seq = engine.requests["seeded"][0]
+    while engine.has_unfinished_requests():
+        if preempt_after is not None and len(seq.output_token_ids) >= preempt_after and not seq.finished:
+            engine.scheduler.preempt(seq)
+            preempt_after = None
+        engine.step()
+    assert preempt_after is None or params.max_tokens < preempt_after
+    return list(seq.output_token_ids)
+
+
+def test_seeded_sampling_with_speculation_repeats_in_any_engine_batch_or_preemption(model64):
+    """Item 15 of issue 22: a seeded request gives the same tokens in fresh engines whose cost tables differ (one
+    measured, one verifying every draft, one verifying few), next to other requests (greedy and unseeded
+    sampling ones, which change the verification lengths the batch is scheduled at) and when it is preempted
+    half-way (before the fix: a different sequence in every one of these)."""
+    prompt = prompt_of(20, seed=7)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    others = [(prompt_of(9, seed=8), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+              (prompt_of(33, seed=9), SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True))]
+
+    def engine(table):
+        return LLM(model64, max_model_len=128, speculative="dspark", speculative_cost_table=table)
+
+    runs = {
+        "fixed": seeded_tokens(engine("fixed"), prompt, params),
+        "measured": seeded_tokens(engine(None), prompt, params),
+        "few drafts": seeded_tokens(engine([1.0, 1.9, 2.9, 3.9, 4.9]), prompt, params),
+        "batch": seeded_tokens(engine(COST), prompt, params, others),
+        "preempted": seeded_tokens(engine(COST), prompt, params, others, preempt_after=11),
+    }
+    assert len(set(map(tuple, runs.values()))) == 1, runs
+    assert len(set(runs["fixed"])) > 5  # sampled, not a repeated token
+
+
 # ---------------------------------------------------------------------------------------------- sampling
 def small_vocab_model():
     return tiny_model(torch.float32, vocab_size=16, dspark_noise_token_id=15, engram_compressed_vocab_size=16)
