@@ -103,8 +103,9 @@ class LLMEngine:
         num_pages = self._num_pages(args)
         state_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
         swa_bytes = self._swa_pool_bytes(args)
-        # The CED decoder's inputs go into SWA snapshots whenever there is a snapshot pool (memory or Redis).
-        snapshots = args.enable_prefix_caching and (swa_bytes or args.redis_url is not None)
+        # The CED decoder's inputs go into SWA snapshots whenever there is a snapshot pool (in memory, or in Redis
+        # with --redis-url); swa_pool_bytes=0 means no snapshots in either (_prefix_cache), so no residual ring.
+        snapshots = args.enable_prefix_caching and bool(swa_bytes)
         residuals = weight.dtype if snapshots and self.prefill_mode is PrefillMode.CED else None
         spec_len = self._speculative_len(args)
         self.cache = PagedKVCache(cfg, num_pages, args.block_size, args.max_num_seqs, args.window_slack_rows, device,
