@@ -1,6 +1,7 @@
 """Root conftest (tests/ is on sys.path for `from optional_deps import require`): a throwaway
 ``redis-server`` (Debian's package) on a free port, for the cache and engine tests."""
 
+import contextlib
 import os
 import shutil
 import socket
@@ -17,9 +18,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    """``redis://127.0.0.1:<port>/0`` of a fresh server without persistence, stopped after the session.
+@contextlib.contextmanager
+def _redis_process(workdir, maxmemory: str):
+    """A fresh redis-server on a free 127.0.0.1 port without persistence: yields (process, url), killed after.
 
     Skips when the client or the binary is missing, but fails under CI=true (``.ci/run`` installs both)."""
     client = require("redis")
@@ -29,49 +30,12 @@ def redis_url(tmp_path_factory):
         if os.environ.get("CI") == "true":
             pytest.fail(f"{message}; .ci/run installs it")
         pytest.skip(message)
-    workdir = tmp_path_factory.mktemp("redis")
     for _ in range(3):  # another process may take the free port before the server binds it
         port = _free_port()
         proc = subprocess.Popen(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--daemonize", "no", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        url = f"redis://127.0.0.1:{port}/0"
-        deadline = time.monotonic() + 10.0
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                client.Redis.from_url(url, socket_connect_timeout=0.2).ping()
-                break
-            except client.ConnectionError:
-                time.sleep(0.02)
-        else:
-            proc.kill()
-            proc.wait()
-            continue
-        try:
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
-        return
-    pytest.fail("redis-server did not start on a free port in 3 tries")
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    """(process, url) of a redis-server of this test alone (one the test may stop with SIGSTOP); killed after."""
-    client = require("redis")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("redis-server is not installed; .ci/run installs it")
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    for _ in range(3):
-        port = _free_port()
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(tmp_path), "--daemonize", "no", "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
+             "--dir", str(workdir), "--daemonize", "no", "--maxmemory", maxmemory,
+             "--maxmemory-policy", "allkeys-lru"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         url = f"redis://127.0.0.1:{port}/0"
@@ -93,3 +57,17 @@ def redis_server(tmp_path):
             proc.wait(timeout=10)
         return
     pytest.fail("redis-server did not start on a free port in 3 tries")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """``redis://127.0.0.1:<port>/0`` of a server shared by the session (:func:`_redis_process`)."""
+    with _redis_process(tmp_path_factory.mktemp("redis"), "256mb") as (_, url):
+        yield url
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """(process, url) of a redis-server of this test alone (one the test may stop with SIGSTOP); killed after."""
+    with _redis_process(tmp_path, "64mb") as server:
+        yield server
