@@ -28,6 +28,7 @@ max(0, min(L', D) - R), whatever ``replay`` says, so that preemption never chang
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import queue
@@ -108,7 +109,10 @@ class PrefixCache:
         if page_store is not None or remote_pages is not None:
             self._writer = threading.Thread(target=_page_writer, args=(weakref.ref(self), self._writes),
                                             name="dsv41-page-writer", daemon=True)
-            weakref.finalize(self, self._writes.put, None)  # the thread ends with the prefix cache
+            # The thread ends with the prefix cache, and at interpreter exit (finalize runs then too) before the
+            # interpreter finalizes: a daemon thread still waking up then aborted the process (status 134).
+            self._stop_writer = weakref.finalize(self, stop_thread, functools.partial(self._writes.put, None),
+                                                 self._writer)
             self._writer.start()
 
     def root(self, salt: str | None) -> str:
@@ -271,6 +275,17 @@ class PrefixCache:
         """Put a hit's snapshot into the sequence's slot."""
         if hit.snapshot is not None:
             self.cache.restore(slot, hit.snapshot, self.snapshot_layers)
+
+
+def stop_thread(stop: Any, thread: threading.Thread, timeout: float = 10.0) -> None:
+    """Ask a background writer thread to end (``stop()``) and wait for it, at most ``timeout`` seconds, unless
+    called on that thread itself (the last reference to its owner dropped there). Run by ``weakref.finalize``
+    when the owner is collected and at interpreter exit, so that no writer thread is still running while the
+    interpreter finalizes: one that was (woken by its stop job, or finishing a write) made the process abort at
+    exit ("terminate called without an active exception", exit status 134) after a clean run."""
+    stop()
+    if thread is not threading.current_thread() and thread.is_alive():
+        thread.join(timeout)
 
 
 def _page_writer(ref: weakref.ref, writes: queue.Queue) -> None:

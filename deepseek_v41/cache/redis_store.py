@@ -43,6 +43,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from deepseek_v41.cache.prefix_cache import stop_thread
 from deepseek_v41.cache.swa_pool import Snapshot, copy_snapshot, snapshot_nbytes
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class RedisStore:
         self._jobs = _Jobs(max_pending_bytes)
         self._writer = threading.Thread(target=_write_loop, args=(weakref.ref(self), self._jobs),
                                         name="dsv41-redis-write", daemon=True)
-        weakref.finalize(self, self._jobs.close)
+        self._stop_writer = weakref.finalize(self, stop_thread, self._jobs.close, self._writer)  # see stop_thread
         self._writer.start()
         self._jobs.put(("check",), 0)
 

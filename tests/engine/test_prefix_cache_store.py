@@ -215,3 +215,44 @@ def test_a_corrupt_directory_heals_in_one_pass(model64, tmp_path):
     assert run(engine(model64, cache_dir=str(tmp_path), swa_pool_bytes=0), prompt).num_cached_tokens == 0
     hit = run(engine(model64, cache_dir=str(tmp_path), swa_pool_bytes=0), prompt + [7])
     assert hit.num_cached_tokens == 80  # every page was replaced by the run after the damage
+
+
+def test_writer_threads_end_before_the_interpreter_finalizes(model64, tmp_path, redis_url):
+    """A clean run with a cache_dir aborted at exit about every other time ("terminate called without an active
+    exception", status 134; found by review after issue 22): the engines' page-writer (and Redis writer) daemon
+    threads were only *asked* to stop at exit (weakref.finalize) and were still waking up while the interpreter
+    finalized. Their finalizers now wait for them, so once a finalizer has run its thread is gone."""
+    llm = engine(model64, cache_dir=str(tmp_path), redis_url=redis_url)
+    run(llm, tokens(40, 3))
+    cache = llm.engine.prefix_cache
+    remote = cache.remote_pages.store
+    page_writer, redis_writer = cache._writer, remote._writer
+    assert page_writer.is_alive() and redis_writer.is_alive()
+    cache._stop_writer()   # what atexit (or the collection of the engine) runs
+    remote._stop_writer()
+    assert not page_writer.is_alive() and not redis_writer.is_alive()
+
+
+def test_a_script_with_engines_left_alive_exits_cleanly(tmp_path):
+    """The same at the process level, as in the review's script: engines on the bundled checkpoint with a
+    cache_dir, left referenced at exit; before the fix most such runs exited 134."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny"
+    script = (
+        "import sys\n"
+        "from deepseek_v41 import LLM, SamplingParams\n"
+        "keep = []\n"
+        "for i in range(4):\n"
+        "    llm = LLM(sys.argv[2], max_model_len=512, num_kv_pages=64, cache_dir=sys.argv[1])\n"
+        "    llm.generate({'prompt_token_ids': list(range(3, 203))}, SamplingParams(temperature=0, max_tokens=16))\n"
+        "    keep.append(llm)\n"
+        "print('ok', flush=True)\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DSV41_CACHE_HOME=str(tmp_path / "home"))
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cache"), str(model)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "ok" in done.stdout, (done.returncode, done.stderr[-2000:])
