@@ -113,3 +113,24 @@ def test_encode_releases_the_gil(server):
         counter.join()
     assert ids == tokenizer.encode(text, add_special_tokens=False).ids
     assert ticks[0] > 20, f"another thread ran only {ticks[0]} times during the tokenization"
+
+
+def test_multi_prompt_over_the_context_stops_tokenizing_at_the_first_refusal(server, watched):
+    """Prompts that each pass the byte bound but not max_model_len: the request is refused after tokenizing about
+    one prompt's bound of text, not every prompt (failed before: all 6 prompts were tokenized, so 24 prompts of
+    2.4 MB in two requests cost 135 s of tokenizing and 3 GB on the bundled checkpoint before the 400)."""
+    state = server.uvicorn_server.config.app.state.server
+    fits = "ka lo " * 2000
+    assert len(fits.encode()) <= state.max_text_bytes
+    body = {"model": MODEL, "prompt": [fits + str(i) for i in range(6)], "max_tokens": 1}
+    response = httpx.post(server.v1 + "/completions", json=body, headers=auth(KEYS[0]), timeout=60)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt[0]"), error
+    assert sum(map(len, watched.texts)) <= state.max_text_bytes // 4 + len(body["prompt"][0]), len(watched.texts)
+    # Prompts that fit are still tokenized and served together, in order.
+    watched.texts.clear()
+    body = {"model": MODEL, "prompt": ["Hello", "The city", "Hi"], "max_tokens": 1, "temperature": 0}
+    response = httpx.post(server.v1 + "/completions", json=body, headers=auth(KEYS[0]), timeout=60)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 3
+    assert watched.texts == body["prompt"]
