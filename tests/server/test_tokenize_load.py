@@ -3,6 +3,7 @@ more bytes than ``max_model_len`` tokens can cover is refused before tokenizing,
 thread with the GIL released, so ``/health`` answers while a large one runs."""
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -134,3 +135,40 @@ def test_multi_prompt_over_the_context_stops_tokenizing_at_the_first_refusal(ser
     response = httpx.post(server.v1 + "/completions", json=body, headers=auth(KEYS[0]), timeout=60)
     assert response.status_code == 200 and len(response.json()["choices"]) == 3
     assert watched.texts == body["prompt"]
+
+
+def test_short_prompts_do_not_wait_behind_large_tokenizations(server, watched, monkeypatch):
+    """Many large texts being tokenized (``/tokenize`` needs no key) must not hold every worker thread a short
+    request's tokenization needs. Failed before: 40 large /tokenize held all of asyncio's default pool, so a chat
+    request for "Hi" waited for them (on the bundled checkpoint 10 concurrent 2.5 MB /tokenize made it wait 32 s)."""
+    from deepseek_v41.server import text
+
+    state = server.uvicorn_server.config.app.state.server
+    # This server's byte bound is small: a lower threshold for "large" (raising=False: absent before the fix).
+    monkeypatch.setattr(text, "LARGE_TEXT_CHARS", LARGE_TEXT_CHARS := 16 * 1024, raising=False)
+    big = "ka lo " * (LARGE_TEXT_CHARS // 6 + 100)
+    assert LARGE_TEXT_CHARS < len(big.encode()) <= state.max_text_bytes
+    release = threading.Event()
+    tokenize = watched.tokenizer.encode_batch
+
+    def encode_batch(texts, *args, **kwargs):
+        if sum(map(len, texts)) > LARGE_TEXT_CHARS:
+            release.wait(120)  # a large tokenization that takes its time
+        return tokenize(texts, *args, **kwargs)
+
+    watched.encode_batch = encode_batch
+    try:
+        with ThreadPoolExecutor(40) as pool:
+            jobs = [pool.submit(httpx.post, server.url + "/tokenize", json={"model": MODEL, "prompt": big},
+                                timeout=120) for _ in range(40)]
+            deadline = time.monotonic() + 30
+            while not any(job.running() for job in jobs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)  # let them reach the server
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            response = httpx.post(server.v1 + "/chat/completions", json=body, headers=auth(KEYS[0]), timeout=20)
+            assert response.status_code == 200, response.text[:300]
+            release.set()
+            assert all(job.result(120).status_code == 200 for job in jobs)
+    finally:
+        release.set()
