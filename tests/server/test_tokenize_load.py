@@ -3,6 +3,7 @@ more bytes than ``max_model_len`` tokens can cover is refused before tokenizing,
 thread with the GIL released, so ``/health`` answers while a large one runs."""
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -113,3 +114,61 @@ def test_encode_releases_the_gil(server):
         counter.join()
     assert ids == tokenizer.encode(text, add_special_tokens=False).ids
     assert ticks[0] > 20, f"another thread ran only {ticks[0]} times during the tokenization"
+
+
+def test_multi_prompt_over_the_context_stops_tokenizing_at_the_first_refusal(server, watched):
+    """Prompts that each pass the byte bound but not max_model_len: the request is refused after tokenizing about
+    one prompt's bound of text, not every prompt (failed before: all 6 prompts were tokenized, so 24 prompts of
+    2.4 MB in two requests cost 135 s of tokenizing and 3 GB on the bundled checkpoint before the 400)."""
+    state = server.uvicorn_server.config.app.state.server
+    fits = "ka lo " * 2000
+    assert len(fits.encode()) <= state.max_text_bytes
+    body = {"model": MODEL, "prompt": [fits + str(i) for i in range(6)], "max_tokens": 1}
+    response = httpx.post(server.v1 + "/completions", json=body, headers=auth(KEYS[0]), timeout=60)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt[0]"), error
+    assert sum(map(len, watched.texts)) <= state.max_text_bytes // 4 + len(body["prompt"][0]), len(watched.texts)
+    # Prompts that fit are still tokenized and served together, in order.
+    watched.texts.clear()
+    body = {"model": MODEL, "prompt": ["Hello", "The city", "Hi"], "max_tokens": 1, "temperature": 0}
+    response = httpx.post(server.v1 + "/completions", json=body, headers=auth(KEYS[0]), timeout=60)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 3
+    assert watched.texts == body["prompt"]
+
+
+def test_short_prompts_do_not_wait_behind_large_tokenizations(server, watched, monkeypatch):
+    """Many large texts being tokenized (``/tokenize`` needs no key) must not hold every worker thread a short
+    request's tokenization needs. Failed before: 40 large /tokenize held all of asyncio's default pool, so a chat
+    request for "Hi" waited for them (on the bundled checkpoint 10 concurrent 2.5 MB /tokenize made it wait 32 s)."""
+    from deepseek_v41.server import text
+
+    state = server.uvicorn_server.config.app.state.server
+    # This server's byte bound is small: a lower threshold for "large" (raising=False: absent before the fix).
+    monkeypatch.setattr(text, "LARGE_TEXT_CHARS", LARGE_TEXT_CHARS := 16 * 1024, raising=False)
+    big = "ka lo " * (LARGE_TEXT_CHARS // 6 + 100)
+    assert LARGE_TEXT_CHARS < len(big.encode()) <= state.max_text_bytes
+    release = threading.Event()
+    tokenize = watched.tokenizer.encode_batch
+
+    def encode_batch(texts, *args, **kwargs):
+        if sum(map(len, texts)) > LARGE_TEXT_CHARS:
+            release.wait(120)  # a large tokenization that takes its time
+        return tokenize(texts, *args, **kwargs)
+
+    watched.encode_batch = encode_batch
+    try:
+        with ThreadPoolExecutor(40) as pool:
+            jobs = [pool.submit(httpx.post, server.url + "/tokenize", json={"model": MODEL, "prompt": big},
+                                timeout=120) for _ in range(40)]
+            deadline = time.monotonic() + 30
+            while not any(job.running() for job in jobs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)  # let them reach the server
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            response = httpx.post(server.v1 + "/chat/completions", json=body, headers=auth(KEYS[0]), timeout=20)
+            assert response.status_code == 200, response.text[:300]
+            release.set()
+            assert all(job.result(120).status_code == 200 for job in jobs)
+    finally:
+        release.set()
