@@ -205,3 +205,18 @@ def scripted_each(live, texts: list[str]):
         yield
     finally:
         engine.sampler = original
+
+
+def wait_until_healthy(process, url: str, log, timeout: float = 120.0) -> None:
+    """Poll ``url``/health of a ``dsv41 serve`` subprocess until it answers 200; fails the test (with the
+    server's ``log`` file) when the process exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, log.read_text()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "dsv41 serve did not come up"
+        time.sleep(0.2)

@@ -6,12 +6,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from serving_helpers import wait_until_healthy
 from typer.testing import CliRunner
 
 from deepseek_v41.cli import app
@@ -43,16 +43,7 @@ def test_serve_drains_on_sigterm(model_dir, tmp_path):
                                                                                       "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "dsv41 serve did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(process, url, log)
         preflight = httpx.options(url + "/v1/chat/completions", timeout=10, headers={
             "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "authorization, content-type"})

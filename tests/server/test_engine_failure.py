@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from serving_helpers import KEYS, MODEL, auth, start_server
+from serving_helpers import KEYS, MODEL, auth, start_server, wait_until_healthy
 from test_cli import free_port
 
 HELLO = [{"role": "user", "content": "Hello world"}]
@@ -101,16 +101,7 @@ def test_serve_exits_nonzero_after_engine_failure(model_dir, tmp_path):
                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "dsv41 serve did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(process, url, log)
         status, error = _answer(url + "/v1", "/completions", {**LONG, "max_tokens": 200, "prompt": "Hello",
                                                                  "stream": True})
         assert status == 503 and "simulated engine failure" in error["message"]
