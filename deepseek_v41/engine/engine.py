@@ -27,6 +27,7 @@ from deepseek_v41.engine.sequence import (
     Sequence,
     SequenceStatus,
 )
+from deepseek_v41.kernels import fast
 
 DEFAULT_KV_POOL_BYTES = 1 << 30  # the default KV pool's cap, unless one sequence of max_model_len needs more
 
@@ -348,6 +349,7 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        fast.still_valid(self.model)  # a global module hook registered since install: back to the reference
         plan = self.scheduler.schedule()
         if plan.prefills:
             return self._run(plan)

@@ -32,7 +32,7 @@ from deepseek_v41 import kernels
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.engine.sequence import Sequence
-from deepseek_v41.kernels import cpu_share
+from deepseek_v41.kernels import cpu_share, fast
 
 
 class PrefillMode(str, enum.Enum):
@@ -188,6 +188,8 @@ class ModelRunner:
         self.layer_tokens = [0] * len(model.layers)
         self.entries_written: dict[int, int] = {}  # compressed entries written per kv-source layer
         self.max_decode_batch = 0
+        # The CPU fast paths, chosen once here for this model (kernels/fast): the model itself is reference math.
+        self.fast = fast.install(model)
 
     # ------------------------------------------------------------------ helpers
     def _context(self, seqs: list[Sequence], positions: torch.Tensor, ends: list[int]) -> PagedContext:

@@ -1,0 +1,4 @@
+"""The modules that register fast-path installers (:func:`deepseek_v41.kernels.fast.register`); imported by
+:func:`deepseek_v41.kernels.fast.install`. One import per file of this package that serves model classes."""
+
+from __future__ import annotations
