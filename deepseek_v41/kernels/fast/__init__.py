@@ -84,6 +84,23 @@ def plain_weight(m: nn.Module | None, cls: type[nn.Module]) -> torch.Tensor | No
     return m._parameters.get("weight")
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the fused CPU kernels take (bf16 widened inside)
+
+
+def fused(*tensors: torch.Tensor) -> bool:
+    """Per call, in a fast version: whether the kernels take these fp32 / bf16 tensors now — CPU, contiguous, and
+    under ``torch.inference_mode`` (the engine's steps). The kernels add in another order than ATen and skip the
+    bf16 roundings between the steps they fuse, so they agree with the reference to rounding; outside inference
+    mode (training, the exact forward with or without ``no_grad``) the reference runs, so those results never
+    depend on the grad mode or on whether the backend is installed."""
+    if not torch.is_inference_mode_enabled():
+        return False
+    for t in tensors:  # a plain loop: this runs ~100 times a decode step
+        if t.dtype not in KERNEL_DTYPES:
+            return False
+    return kernels.usable(*tensors)
+
+
 @dataclass
 class Installed:
     """What :func:`install` did: ``modules`` counts installed instances by class name; ``reason`` says why
