@@ -138,12 +138,13 @@ def test_redis_reads_count_once_under_remote(model_dir, redis_url):
         prefix_cache = live.llm.engine.prefix_cache
         prefix_cache.flush()
         prefix_cache.drop_device_tier()  # the repeat loads its pages (and its snapshot) from Redis
+        store = prefix_cache.remote_pages.store
+        store_before = store.stats["read_bytes"]
         before = metrics(live.url)
         usage = complete(live, prompt)
         after = metrics(live.url)
-        store = prefix_cache.remote_pages.store
         page_value = prefix_cache.remote_pages.codec.size("0" * 64)
-        store_read = store.stats["read_bytes"]
+        store_read = store.stats["read_bytes"] - store_before
     finally:
         live.stop()
     cached = usage["prompt_tokens_details"]["cached_tokens"]
