@@ -45,6 +45,9 @@ from deepseek_v41.cache.kv_cache import PagedKVCache
 log = logging.getLogger(__name__)
 
 REPLAY_MODES = ("bounded", "exact")
+# Where prefix-cache reads come from (the ``tier`` label of ``dsv41:prefix_cache_read_bytes_total``): page files,
+# the host SWA pool, Redis (pages and, with Redis as the pool, snapshots). Each store names its own (``read_tier``).
+READ_TIERS = ("disk", "swa_pool", "remote")
 
 
 def chain_hashes(root: str, tokens: list[int], block_size: int, start: list[str] | None = None) -> list[str]:
@@ -219,6 +222,22 @@ class PrefixCache:
         self.cache.write_page(page, tensors)
         self.cache.blocks.register(page, block_hash)
         return page
+
+    def read_stats(self) -> dict[str, dict[str, float]]:
+        """``{"read_bytes": {tier: bytes}, "read_seconds": {tier: seconds}}`` over ``READ_TIERS``: what the stores
+        returned on hits (page files and Redis values as stored, snapshots as tensor bytes) and the seconds their
+        reads took (read + decode, or the copy out of the host pool), so that bytes / seconds is a tier's read
+        bandwidth. A store used in two roles (Redis as pages and pool) counts once; absent tiers are 0."""
+        read_bytes = dict.fromkeys(READ_TIERS, 0)
+        read_seconds = dict.fromkeys(READ_TIERS, 0.0)
+        stores = (self.page_store, self.swa_pool, getattr(self.remote_pages, "store", None))
+        for store in {id(s): s for s in stores if s is not None}.values():
+            tier = getattr(store, "read_tier", None)
+            if tier in read_bytes:
+                stats = store.stats
+                read_bytes[tier] += stats.get("read_bytes", 0)
+                read_seconds[tier] += stats.get("read_seconds", 0.0)
+        return {"read_bytes": read_bytes, "read_seconds": read_seconds}
 
     # ------------------------------------------------------------------ writes
     def register(self, table: list[int], hashes: list[str], first: int, upto: int) -> None:

@@ -149,6 +149,8 @@ class RedisStore:
     Never raises for Redis failures. ``put`` raises TypeError when ``snapshot`` is not a dict of tensors.
     """
 
+    read_tier = "remote"  # the ``tier`` label of its read counters (``dsv41:prefix_cache_read_bytes_total``)
+
     def __init__(
         self,
         url: str,
@@ -180,7 +182,7 @@ class RedisStore:
         self._down_until = float("-inf")
         self._probing = False
         self._stats = dict(hits=0, misses=0, puts=0, errors=0, dropped=0, unavailable=0, pages_read=0,
-                           pages_written=0)
+                           pages_written=0, read_bytes=0, read_seconds=0.0)
         self._occupancy, self._occupancy_at, self._occupancy_queued = 0, float("-inf"), False
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="dsv41-redis-read")
         self._jobs = _Jobs(max_pending_bytes)
@@ -202,6 +204,7 @@ class RedisStore:
         """The snapshot under ``key`` (fresh CPU tensors), or None when absent, expired, unreadable (then deleted),
         Redis fails or does not answer within ``read_timeout``. A hit restarts the TTL."""
         name = self._swa_key(key)
+        start = time.perf_counter()
         data = self._read(lambda r: r.getex(name, px=self._ttl_ms(self.ttl_seconds)))
         if data is None:
             self._count("misses")
@@ -213,7 +216,7 @@ class RedisStore:
             self._enqueue(("delete", name), 0)
             self._count("misses")
             return None
-        self._count("hits")
+        self._count_read(len(data), time.perf_counter() - start, "hits")
         return snapshot
 
     def contains(self, key: str) -> bool:
@@ -237,7 +240,10 @@ class RedisStore:
     def stats(self) -> dict:
         """Counters of this client: hits, misses (snapshots), puts (snapshots written), pages_read, pages_written,
         errors (failed or timed-out Redis commands), dropped (writes not sent: Redis down or the queue full),
-        unavailable (reads answered as misses without asking, Redis being down)."""
+        unavailable (reads answered as misses without asking, Redis being down); read_bytes and read_seconds
+        (bytes of the values that ``get`` and :meth:`RedisPages.get` returned a snapshot or a page from, and the
+        seconds from sending the GET to the decoded value: their ratio is the read bandwidth; misses, timeouts
+        and rejected values are not counted; :meth:`get_page` alone counts neither)."""
         with self._lock:
             return dict(self._stats)
 
@@ -282,6 +288,14 @@ class RedisStore:
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._stats[name] += n
+
+    def _count_read(self, nbytes: int, seconds: float, hit: str | None = None) -> None:
+        """Add one successful read of ``nbytes`` that took ``seconds`` (and count ``hit`` when given)."""
+        with self._lock:
+            self._stats["read_bytes"] += nbytes
+            self._stats["read_seconds"] += seconds
+            if hit is not None:
+                self._stats[hit] += 1
 
     def _available(self) -> bool:
         """False while Redis is marked down; then, once per RETRY_SECONDS, a PING on the background reader
@@ -414,6 +428,7 @@ class RedisPages:
 
     def get(self, block_hash: str) -> dict[str, torch.Tensor] | None:
         """The page under ``block_hash`` (fresh CPU tensors of the layout), or None."""
+        start = time.perf_counter()
         data = self.store.get_page(block_hash)
         if data is None:
             return None
@@ -426,6 +441,8 @@ class RedisPages:
                 log.warning("prefix cache: rejected page %s from Redis (%s), deleted; further rejections of this "
                             "kind are only counted", block_hash, kind)
             self.store.delete_page(block_hash)
+        else:
+            self.store._count_read(len(data), time.perf_counter() - start)
         return page
 
     def put(self, block_hash: str, page: dict[str, torch.Tensor]) -> bool:

@@ -193,6 +193,8 @@ class PageStore:
     only for a page that does not match ``layout`` (a caller bug).
     """
 
+    read_tier = "disk"  # the ``tier`` label of its read counters (``dsv41:prefix_cache_read_bytes_total``)
+
     def __init__(
         self,
         directory: str | os.PathLike,
@@ -216,7 +218,7 @@ class PageStore:
         self._last_stamp_ns = 0
         self._warned: set[str] = set()
         self._stats = dict(pages_read=0, pages_written=0, bytes_used=0, evictions=0, rejected=0, expired=0,
-                           disabled=False)
+                           disabled=False, read_bytes=0, read_seconds=0.0)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._scan()
@@ -276,6 +278,7 @@ class PageStore:
         if not self._valid_hash(block_hash):
             return None
         with self._lock:
+            start = time.perf_counter()
             path = self._path(block_hash)
             data, st, kind = self._read_file(path, block_hash)
             if kind == "missing":
@@ -290,6 +293,8 @@ class PageStore:
             if page is None:
                 self._quarantine(path, st.st_ino, block_hash, kind)
                 return None
+            self._stats["read_seconds"] += time.perf_counter() - start  # the file read and its decoding
+            self._stats["read_bytes"] += len(data)
             self._stats["pages_read"] += 1
             if not self._stats["disabled"]:
                 self._touch(path)
@@ -310,7 +315,9 @@ class PageStore:
     @property
     def stats(self) -> dict:
         """Counters: pages_read, pages_written, bytes_used (bytes of the known page files), evictions, rejected
-        (files quarantined), expired, disabled (True once writes are off)."""
+        (files quarantined), expired, disabled (True once writes are off); read_bytes and read_seconds (bytes of
+        the page files ``get`` returned a page from, and the seconds spent reading and decoding them: their ratio
+        is the read bandwidth; misses and rejected files are not counted)."""
         with self._lock:
             return dict(self._stats)
 

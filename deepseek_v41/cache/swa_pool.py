@@ -76,6 +76,8 @@ class SwaPool:
     TypeError only when ``snapshot`` is not a dict of tensors.
     """
 
+    read_tier = "swa_pool"  # the ``tier`` label of its read counters (``dsv41:prefix_cache_read_bytes_total``)
+
     def __init__(self, capacity_bytes: int, ttl_seconds: float = 300.0, clock: Callable[[], float] = time.monotonic):
         if capacity_bytes < 0 or ttl_seconds <= 0:
             raise ValueError(f"capacity_bytes must be >= 0 and ttl_seconds > 0, got {capacity_bytes}, {ttl_seconds}")
@@ -86,7 +88,7 @@ class SwaPool:
         # key -> (snapshot, bytes, last access); least recently used first, so expired entries form a prefix.
         self._entries: OrderedDict[str, tuple[Snapshot, int, float]] = OrderedDict()
         self._occupancy = 0
-        self._stats = dict(hits=0, misses=0, puts=0, evictions=0, expired=0)
+        self._stats = dict(hits=0, misses=0, puts=0, evictions=0, expired=0, read_bytes=0, read_seconds=0.0)
 
     def put(self, key: str, snapshot: Snapshot) -> bool:
         """Store a copy of ``snapshot`` under ``key`` (replacing any previous one); False when it does not fit
@@ -122,7 +124,13 @@ class SwaPool:
             self._entries[key] = (snapshot, nbytes, now)
             self._entries.move_to_end(key)
             self._stats["hits"] += 1
-        return copy_snapshot(snapshot)  # stored tensors are never written, so copying outside the lock is safe
+        start = time.perf_counter()
+        out = copy_snapshot(snapshot)  # stored tensors are never written, so copying outside the lock is safe
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._stats["read_bytes"] += nbytes
+            self._stats["read_seconds"] += seconds
+        return out
 
     def contains(self, key: str) -> bool:
         """True when an unexpired snapshot is stored under ``key`` (not an access: LRU order and TTL unchanged)."""
@@ -138,7 +146,9 @@ class SwaPool:
 
     @property
     def stats(self) -> dict:
-        """Counters hits, misses, puts, evictions (for capacity), expired; and entries, occupancy_bytes."""
+        """Counters hits, misses, puts, evictions (for capacity), expired, read_bytes and read_seconds (bytes of the
+        snapshots ``get`` copied out on hits, and the seconds the copies took: their ratio is the read bandwidth);
+        and entries, occupancy_bytes."""
         with self._lock:
             return dict(self._stats, entries=len(self._entries), occupancy_bytes=self._occupancy)
 

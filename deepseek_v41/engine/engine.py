@@ -474,7 +474,7 @@ class LLMEngine:
 
     def _prefix_stats(self) -> dict[str, Any]:
         pc = self.prefix_cache
-        out: dict[str, Any] = dict(pc.counters)
+        out: dict[str, Any] = {**pc.counters, **pc.read_stats()}
         if pc.swa_pool is not None:
             out["swa_pool_occupancy_bytes"] = pc.swa_pool.occupancy_bytes
             out["swa_pool"] = dict(pc.swa_pool.stats)

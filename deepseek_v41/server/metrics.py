@@ -15,11 +15,18 @@ Names (``model_name`` label on all): ``time_to_first_token_seconds``, ``inter_to
 Prefix caching (SPEC.md §4.3), as vLLM counts it in tokens: ``prefix_cache_queries_total`` (prompt tokens looked
 up) and ``prefix_cache_hits_total{path}`` (prompt tokens served from the cache, by how the window state was
 rebuilt: ``snapshot`` = restored from the SWA pool, ``replay`` = recomputed by replay); from the engine's own
-counters ``prefix_cache_page_hits_total{tier}`` (pages shared on the ``device`` or loaded from ``disk``),
-``prefix_cache_pages_written_total{tier="disk"}``, ``swa_pool_snapshots_total{event="hit"|"written"}``,
-``swa_pool_evictions_total``; gauges ``swa_pool_used_bytes``, ``swa_pool_capacity_bytes``,
+counters ``prefix_cache_page_hits_total{tier}`` (pages shared on the ``device``, loaded from ``disk`` or from
+``remote`` = Redis), ``prefix_cache_pages_written_total{tier="disk"|"remote"}``,
+``swa_pool_snapshots_total{event="hit"|"written"}``, ``swa_pool_evictions_total``;
+``prefix_cache_read_bytes_total{tier}`` and ``prefix_cache_read_seconds_total{tier}``
+(what the hits read and how long the reads took: ``disk`` = page files read and decoded, ``swa_pool`` = snapshots
+copied out of the host pool, ``remote`` = Redis GET and decode of pages, and of snapshots when Redis is the pool;
+their rates' ratio is a tier's read bandwidth); gauges ``swa_pool_used_bytes``, ``swa_pool_capacity_bytes``,
 ``swa_pool_occupancy`` (used / capacity, 0..1; 0 without a pool or with the Redis pool, which has no capacity)
-and ``prefix_cache_disk_bytes``.
+and ``prefix_cache_disk_bytes``. Replay (per request whose hit rebuilt the window state by replaying, having no
+SWA snapshot): ``prefix_cache_replays_total`` (such requests), ``prompt_tokens_replayed_total`` (their replayed
+tokens) and the histogram ``prefix_cache_replay_tokens`` (tokens replayed per such hit: at most the window with
+bounded replay).
 Per finished request, as vLLM (histograms): ``request_queue_time_seconds`` (arrival -> first scheduled),
 ``request_prefill_time_seconds`` (first scheduled -> first token), ``request_decode_time_seconds`` (first token ->
 last), ``request_inference_time_seconds`` (first scheduled -> last), ``request_prompt_tokens``,
@@ -40,6 +47,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from deepseek_v41.cache.prefix_cache import READ_TIERS
 from deepseek_v41.engine.async_engine import AsyncLLMEngine, StepOutput
 
 logger = logging.getLogger("deepseek_v41.server")
@@ -96,6 +104,12 @@ class ServerMetrics:
                        "state was rebuilt: snapshot (restored from the SWA pool) or replay (recomputed).",
                        labels + ["path"], registry=reg)
         self.prefix_hits = {path: hits.labels(model_name, path) for path in PREFIX_HIT_PATHS}
+        self.replays = Counter("dsv41:prefix_cache_replays", "Prefix-cache hits whose window state was rebuilt by "
+                               "replay (no SWA snapshot), one per request.", labels, registry=reg).labels(model_name)
+        self.replay_tokens = Histogram("dsv41:prefix_cache_replay_tokens", "Tokens recomputed by replay per "
+                                       "prefix-cache hit that replayed (bounded by the window with bounded replay).",
+                                       labels, buckets=_powers_of_two(engine.max_model_len),
+                                       registry=reg).labels(model_name)
         self._request_histograms(reg, labels)
         reg.register(_EngineCollector(self))
         self._last_token: dict[str, float] = {}
@@ -186,6 +200,9 @@ class ServerMetrics:
                         self.prefix_queries.inc(len(out.prompt_token_ids))
                     if out.num_cached_tokens:  # a snapshot hit replays nothing; a hit without one replays
                         self.prefix_hits["replay" if replayed else "snapshot"].inc(out.num_cached_tokens)
+                    if replayed:
+                        self.replays.inc()
+                        self.replay_tokens.observe(replayed)
                     self.interval.prompt_tokens += computed
                 else:
                     self.itl.observe(max(0.0, step.time - last) / max(1, max(len(i) for i in step.delta_token_ids)))
@@ -330,13 +347,21 @@ class _EngineCollector:
         name = self.metrics.model_name
         pc = stats.get("prefix_cache") or {}
 
-        def counter(metric: str, doc: str, label: str, values: dict[str, int]):
+        def counter(metric: str, doc: str, label: str, values: dict[str, float]):
             family = CounterMetricFamily(metric, doc, labels=["model_name", label])
             for key, value in values.items():
                 family.add_metric([name, key], value)
             return family
 
         remote = pc.get("remote") or {}
+        read_bytes, read_seconds = pc.get("read_bytes") or {}, pc.get("read_seconds") or {}
+        yield counter("dsv41:prefix_cache_read_bytes", "Bytes the prefix cache read on hits, by tier: disk = page "
+                      "files, swa_pool = SWA snapshots copied out of the host pool, remote = Redis values (pages, "
+                      "and snapshots with Redis as the pool).", "tier",
+                      {tier: read_bytes.get(tier, 0) for tier in READ_TIERS})
+        yield counter("dsv41:prefix_cache_read_seconds", "Seconds the prefix cache spent on those reads (read and "
+                      "decode; the copy for swa_pool), by tier: bytes / seconds is the read bandwidth.", "tier",
+                      {tier: read_seconds.get(tier, 0.0) for tier in READ_TIERS})
         yield counter("dsv41:prefix_cache_page_hits", "Pages of matched prefixes by tier: device = shared from the "
                       "KV pool, disk = loaded from the persistent store, remote = loaded from Redis.", "tier",
                       {"device": pc.get("device_pages_hit", 0), "disk": pc.get("disk_pages_read", 0),

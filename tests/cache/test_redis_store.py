@@ -11,10 +11,11 @@ import time
 import uuid
 
 import pytest
+import safetensors.torch
 import torch
 from optional_deps import require
 
-from deepseek_v41.cache.swa_pool import SwaPool
+from deepseek_v41.cache.swa_pool import SwaPool, copy_snapshot
 
 
 @pytest.fixture
@@ -59,9 +60,14 @@ def test_same_namespace_shares_snapshots_and_pages(redis_url, store_cls, namespa
     assert b.get_page("ef" * 32) is None
     b.delete_page("ab" * 32)
     assert b.flush() and a.get_page("ab" * 32) is None and a.get_page("cd" * 32) == b"page cd"
-    zero = dict(hits=0, misses=0, puts=0, errors=0, dropped=0, unavailable=0, pages_read=0, pages_written=0)
-    assert a.stats == {**zero, "puts": 3, "pages_written": 2, "pages_read": 1}
-    assert b.stats == {**zero, "hits": 3, "misses": 1, "pages_read": 2}
+    zero = dict(hits=0, misses=0, puts=0, errors=0, dropped=0, unavailable=0, pages_read=0, pages_written=0,
+                read_bytes=0)
+    a_stats, b_stats = a.stats, b.stats
+    assert a_stats.pop("read_seconds") == 0 and b_stats.pop("read_seconds") > 0  # get_page alone counts no read
+    snapshot_bytes = sum(len(safetensors.torch.save(copy_snapshot(snapshot(i)))) for i in (1, 2))
+    assert a_stats == {**zero, "puts": 3, "pages_written": 2, "pages_read": 1}
+    assert b_stats == {**zero, "hits": 3, "misses": 1, "pages_read": 2,
+                       "read_bytes": snapshot_bytes + len(safetensors.torch.save({}))}
 
 
 def test_other_namespace_sees_nothing(redis_url, store_cls, namespace):
@@ -319,6 +325,11 @@ def test_pages_round_trip_and_bad_values_are_deleted(redis_url, store_cls, names
     raw = redis.Redis.from_url(redis_url)
     key = f"dsv41:{namespace}:page:"
     data = raw.get(key + hashes[1])
+    # read_bytes / read_seconds (dsv41:prefix_cache_read_*_total{tier="remote"}): the page value's bytes and
+    # the time of its GET and decode; misses and the rejected values below count nothing.
+    assert b.get("ab" * 32) is None
+    read = b.stats
+    assert read["read_bytes"] == len(data) and read["read_seconds"] > 0 and b.store.read_tier == "remote"
     raw.set(key + hashes[1], data[:-1] + bytes([data[-1] ^ 1]))  # a flipped payload bit
     raw.set(key + hashes[2], data + b"\0" * 10)  # oversize
     with caplog.at_level(logging.WARNING, logger="deepseek_v41.cache.redis_store"):
@@ -328,6 +339,8 @@ def test_pages_round_trip_and_bad_values_are_deleted(redis_url, store_cls, names
     other_model.flush()
     assert raw.exists(key + hashes[1], key + hashes[2], key + hashes[3]) == 0
     assert b.stats["rejected"] == 2 and other_model.stats["rejected"] == 1
+    assert b.stats["read_bytes"] == len(data) and b.stats["read_seconds"] == read["read_seconds"]
+    assert other_model.stats["read_bytes"] == 0
     assert len(caplog.records) == 3
     with pytest.raises(ValueError, match="layout"):
         a.put(hashes[0], {"main.0": page["main.0"]})

@@ -9,6 +9,7 @@ import stat
 import struct
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -83,6 +84,31 @@ def test_round_trip(tmp_path):
     st_ = s.stats
     assert (st_["pages_written"], st_["pages_read"], st_["rejected"], st_["disabled"]) == (1, 2, 0, False)
     assert st_["bytes_used"] == (tmp_path / f"{h(1)}.page").stat().st_size
+
+
+def test_reads_count_the_page_file_bytes_and_seconds(tmp_path, monkeypatch):
+    """read_bytes / read_seconds (dsv41:prefix_cache_read_*_total{tier="disk"}): the bytes of every page file a
+    get returned a page from and the time spent reading and decoding it; misses and rejected files count
+    nothing, nor does a put reading an existing file."""
+    s = new_store(tmp_path)
+    assert s.read_tier == "disk"
+    for i in (1, 2):
+        assert s.put(h(i), make_page(i))
+    assert s.put(h(1), make_page(1))  # already there: put reads the file to check it, not a read of a hit
+    size = (tmp_path / f"{h(1)}.page").stat().st_size
+    assert s.get(h(9)) is None
+    assert (s.stats["read_bytes"], s.stats["read_seconds"]) == (0, 0)
+    assert s.get(h(1)) is not None and s.get(h(2)) is not None and s.get(h(1)) is not None
+    assert s.stats["read_bytes"] == 3 * size and s.stats["read_seconds"] > 0
+    # The seconds are the time of the read itself: a slow read shows.
+    real_read = PageStore._read_file
+    monkeypatch.setattr(PageStore, "_read_file", lambda self, *a: (time.sleep(0.05), real_read(self, *a))[1])
+    before = s.stats["read_seconds"]
+    assert s.get(h(2)) is not None
+    assert s.stats["read_seconds"] - before >= 0.05
+    monkeypatch.undo()
+    (tmp_path / f"{h(2)}.page").write_bytes(b"garbage")  # rejected: quarantined, not counted
+    assert s.get(h(2)) is None and s.stats["read_bytes"] == 4 * size
 
 
 @pytest.mark.parametrize("layout", [

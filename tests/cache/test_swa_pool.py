@@ -51,8 +51,27 @@ def test_round_trip(snap):
     assert pool.contains("k")
     assert same(pool.get("k"), snap)
     assert pool.occupancy_bytes == nbytes(snap)
-    assert pool.stats == dict(hits=1, misses=0, puts=1, evictions=0, expired=0, entries=1,
-                              occupancy_bytes=nbytes(snap))
+    stats = pool.stats
+    assert stats.pop("read_seconds") >= 0
+    assert stats == dict(hits=1, misses=0, puts=1, evictions=0, expired=0, entries=1,
+                         occupancy_bytes=nbytes(snap), read_bytes=nbytes(snap))
+
+
+def test_hits_count_the_bytes_copied_out_and_the_seconds():
+    """read_bytes / read_seconds (dsv41:prefix_cache_read_*_total{tier="swa_pool"}): the tensor bytes of every
+    snapshot a get returned and the time its copy took; misses read nothing."""
+    pool = SwaPool(1 << 30)
+    big = {"window.0": torch.ones(2048, 1024, dtype=torch.uint8), "positions": torch.arange(2048, dtype=torch.int32)}
+    assert pool.put("a", big) and pool.put("b", snapshot(1))
+    assert pool.get("missing") is None
+    assert pool.stats["read_bytes"] == 0 and pool.stats["read_seconds"] == 0
+    pool.get("a")
+    first = pool.stats["read_seconds"]
+    assert pool.stats["read_bytes"] == nbytes(big) and first > 0
+    pool.get("a")
+    pool.get("b")
+    assert pool.stats["read_bytes"] == 2 * nbytes(big) + nbytes(snapshot(1)) and pool.stats["read_seconds"] > first
+    assert pool.read_tier == "swa_pool"
 
 
 def test_stores_and_returns_copies():
@@ -135,7 +154,10 @@ def test_ttl_counts_from_last_access():
     assert pool.occupancy_bytes == nbytes(snapshot(1))
     clock.t += 301
     assert pool.get("a") is None
-    assert pool.stats == dict(hits=1, misses=2, puts=2, evictions=0, expired=2, entries=0, occupancy_bytes=0)
+    stats = pool.stats
+    assert stats.pop("read_seconds") > 0
+    assert stats == dict(hits=1, misses=2, puts=2, evictions=0, expired=2, entries=0, occupancy_bytes=0,
+                         read_bytes=nbytes(snapshot(1)))
 
 
 def test_threads():
