@@ -84,6 +84,7 @@ def generate(
 ) -> None:
     """Generate a continuation, streaming it to stdout, then print the stats on stderr (prompt and cached tokens,
     TTFT, tokens/s, peak memory, KV cache bytes)."""
+    from deepseek_v41.chat import encode_messages
     from deepseek_v41.config import ConfigError
     from deepseek_v41.engine import LLM, SamplingParams
     from deepseek_v41.model.checkpoint import CheckpointError
@@ -123,8 +124,6 @@ def generate(
                        "turn 1 + completion + follow-up")
                 typer.echo(f"--- turn {turn + 1} (prompt = {how}) ---", err=True)
             if chat:
-                from deepseek_v41.chat import encode_messages
-
                 messages.append({"role": "user", "content": new_text})
                 prompt_text = encode_messages(messages, thinking=thinking)
             else:
