@@ -1,12 +1,25 @@
-"""``dsv41 generate``: one prompt through the engine, the text and a stats line (SPEC.md §4).
+"""``dsv41 generate``: one prompt through the engine, its text streamed as it is produced, then the stats (SPEC.md
+§4), as ``mlx_lm.generate``.
+
+The text goes to stdout piece by piece, as the engine's incremental detokenizer releases it (so a piece never ends
+inside a UTF-8 character and is never taken back); then a newline. The stats go to stderr after a ``==========``
+line, in mlx-lm's words: ``Prompt: N tokens, X tokens-per-sec`` (with the cached, replayed and computed tokens, the
+TTFT and the prefill mode), ``Generation: N tokens, Y tokens-per-sec`` (with the finish reason and, with
+``--speculative dspark``, that turn's DSpark mean accepted length), ``Peak memory: Z GB`` and the KV bytes.
+
+Prompt: ``--prompt TEXT`` (``-p``; ``-`` reads stdin, as mlx-lm) or ``--prompt-file PATH``. The chat format is the
+default when the checkpoint has a chat template (:func:`chat_template_source`), as mlx-lm uses the tokenizer's
+template when it has one; ``--chat`` / ``--no-chat`` (mlx-lm: ``--use-default-chat-template`` /
+``--ignore-chat-template``) force it on or off. In chat mode the prompt is one user message (after the
+``--system-prompt`` message, if given) rendered by the official V4.1 encoder.
 
 With ``--follow-up`` a second turn runs after the first: its prompt is the first prompt, the first completion and
-the follow-up text (with ``--chat``: the conversation plus the reply and the follow-up as a new user message), so it
-shows the prefix cache at work. Every turn gets its own stats, the DSpark mean accepted length included (from that
-turn's ``RequestOutput``, not the engine's running totals).
+the follow-up text (in chat mode: the conversation plus the reply and the follow-up as a new user message), so it
+shows the prefix cache at work. Every turn is streamed and gets its own stats, the DSpark mean accepted length
+included (from that turn's ``RequestOutput``, not the engine's running totals); before the second turn's text a
+line ``--- turn 2 (...) ---`` on stderr. One prompt gives one sample (there is no ``--n``).
 
-Output: each turn's text on stdout and its stats line on stderr; before the second turn's text a line
-``--- turn 2 (...) ---`` on stderr. With ``--json`` exactly one JSON object on stdout (see :func:`json_result`).
+With ``--json`` nothing is streamed: exactly one JSON object on stdout (see :func:`json_result`).
 Sampling defaults come from the model's ``generation_config.json`` (``--generation-config``, as ``dsv41 serve``);
 an option given on the command line wins. A bad option, an unreadable prompt file, a device this machine lacks or a
 model that cannot be loaded exit with status 2 and an ``error: ...`` line on stderr.
@@ -14,8 +27,11 @@ model that cannot be loaded exit with status 2 and an ``error: ...`` line on std
 
 from __future__ import annotations
 
+import itertools
 import json
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +43,22 @@ from deepseek_v41.server.generation_config import GenerationConfigError, load_sa
 # Sampling without an option and without a generation config: greedy, 128 tokens per turn.
 FALLBACK_SAMPLING = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
-JSON_HELP = ("Print exactly one JSON object: the last turn's text, token_ids and stats at the top level, and "
-             "'turns', a list with one such object per turn (two with --follow-up, else one).")
+JSON_HELP = ("Print exactly one JSON object instead of streaming: a single turn's text, token_ids and stats; with "
+             "--follow-up {'turns': [one such object per turn]}.")
+CHAT_HELP = ("Render the prompt as a user message with the official V4.1 chat encoder (on / off; the second "
+             "pair are mlx_lm's names). Default: on when the checkpoint has a chat template (tokenizer_config.json's "
+             "chat_template, chat_template.jinja / .json, or the official encoding/encoding.py), else off.")
+SEPARATOR = "=========="  # before the stats, as mlx_lm.generate
+_request_ids = itertools.count()  # this command's engine request ids (apart from LLM's "0", "1", ...)
 
 
 def generate(
     model: Path = typer.Option(..., help="Model folder (config.json, safetensors, tokenizer.json)."),
-    prompt: str | None = typer.Option(None, help="Prompt text."),
+    prompt: str | None = typer.Option(None, "--prompt", "-p", help="Prompt text; '-' reads it from stdin."),
     prompt_file: Path | None = typer.Option(None, help="Read the prompt from this UTF-8 file."),
-    chat: bool = typer.Option(False, help="Render the prompt as one user turn with the official chat encoder."),
+    chat: bool | None = typer.Option(None, "--chat/--no-chat", "--use-default-chat-template/--ignore-chat-template",
+                                     help=CHAT_HELP, show_default=False),
+    system_prompt: str | None = typer.Option(None, help="Chat mode: a system message before the prompt."),
     thinking: bool = typer.Option(False, help="With --chat: thinking mode."),
     max_tokens: int | None = typer.Option(None, min=1, help="Tokens to generate at most (per turn; default: the "
                                           "generation config's max_new_tokens, else 128)."),
@@ -59,21 +82,21 @@ def generate(
     follow_up: str | None = typer.Option(None, help="A second turn: prompt + first completion + this text, run "
                                                    "after the first (it reuses the first turn's prefix cache)."),
 ) -> None:
-    """Generate a continuation and print it with a stats line (prompt and cached tokens, TTFT, tokens/s,
-    KV cache bytes)."""
+    """Generate a continuation, streaming it to stdout, then print the stats on stderr (prompt and cached tokens,
+    TTFT, tokens/s, peak memory, KV cache bytes)."""
+    from deepseek_v41.chat import encode_messages
     from deepseek_v41.config import ConfigError
     from deepseek_v41.engine import LLM, SamplingParams
     from deepseek_v41.model.checkpoint import CheckpointError
 
     if (prompt is None) == (prompt_file is None):
         fail("give exactly one of --prompt and --prompt-file")
-    if thinking and not chat:
-        fail("--thinking needs --chat (thinking mode is part of the chat template)")
     if speculative_max_len is not None and speculative is None:
         fail("--speculative-max-len needs --speculative dspark (speculative decoding is off)")
-    text = prompt if prompt is not None else _read_prompt(prompt_file)
     if not model.is_dir():
         fail(f"model directory {model} not found")
+    chat = _chat_mode(model, chat, thinking=thinking, system_prompt=system_prompt)
+    text = _read_stdin() if prompt == "-" else prompt if prompt is not None else _read_prompt(prompt_file)
     try:
         defaults, _ = load_sampling_defaults(generation_config, model)
     except GenerationConfigError as exc:
@@ -84,32 +107,98 @@ def generate(
     sampling = {**FALLBACK_SAMPLING, **defaults}
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     sampling.update({name: value for name, value in given.items() if value is not None})
+    write = None if as_json else write_text
     try:
         params = SamplingParams(**sampling, seed=seed)
         llm = LLM(model, dtype=torch_dtype, device=str(torch_device), prefill_mode=prefill_mode,
                   speculative=speculative, speculative_max_len=speculative_max_len)
-        prompts = [text] if follow_up is None else [text, None]
-        messages = [{"role": "user", "content": text}]
+        if llm.tokenizer is None:
+            fail(f"{model} has no tokenizer.json: dsv41 generate takes a text prompt")
+        turns = [text] if follow_up is None else [text, follow_up]
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        context = ""  # raw mode: the text so far (prompts and completions)
         results = []
-        for turn in range(len(prompts)):
+        for turn, new_text in enumerate(turns):
             if turn > 0 and not as_json:
                 how = ("conversation + reply + follow-up as a user message" if chat else
                        "turn 1 + completion + follow-up")
                 typer.echo(f"--- turn {turn + 1} (prompt = {how}) ---", err=True)
+            if chat:
+                messages.append({"role": "user", "content": new_text})
+                prompt_text = encode_messages(messages, thinking=thinking)
+            else:
+                context += new_text
+                prompt_text = context
             start = time.perf_counter()
-            out = (llm.chat(messages, params, thinking=thinking) if chat else llm.generate(prompts[turn], params))[0]
-            result = turn_result(out, llm, time.perf_counter() - start)
+            out = stream(llm, prompt_text, params, add_special_tokens=not chat, write=write)
+            result = turn_result(out, llm, time.perf_counter() - start, torch_device)
             results.append(result)
             if not as_json:
-                _print_turn(result)
-            if turn + 1 < len(prompts):
-                prompts[turn + 1] = prompts[turn] + out.outputs[0].text + follow_up
-                messages += [{"role": "assistant", "content": out.outputs[0].text},
-                             {"role": "user", "content": follow_up}]
+                _print_stats(result)
+            messages.append({"role": "assistant", "content": result["text"]})
+            context += result["text"]
     except (FileNotFoundError, ValueError, ConfigError, CheckpointError) as exc:
         fail(str(exc))
     if as_json:
         typer.echo(json.dumps(json_result(results), indent=2))
+
+
+def chat_template_source(model: Path) -> str | None:
+    """Why the checkpoint in ``model`` counts as having a chat template (so ``dsv41 generate`` renders the chat
+    format by default, as mlx-lm does when its tokenizer has one), or None when it has none.
+
+    A checkpoint has one when its ``tokenizer_config.json`` (in the folder or its ``tokenizer/`` sub-folder, the
+    official layout) sets ``chat_template``, when it ships ``chat_template.jinja`` / ``chat_template.json`` (where
+    ``transformers`` saves templates now), or when it ships the official encoder ``encoding/encoding.py`` (the
+    DeepSeek-V4.1 release has no Jinja template: its chat format is that Python encoder). The template itself is
+    never run: prompts are always rendered by this package's port of the official encoder. The bundled
+    ``checkpoints/v41-tiny`` has none of these (a plain language model, not chat-tuned).
+
+    Raises ValueError when a ``tokenizer_config.json`` is not a JSON object."""
+    for config in (model / "tokenizer_config.json", model / "tokenizer" / "tokenizer_config.json"):
+        if not config.is_file():
+            continue
+        try:
+            values = json.loads(config.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{config} is not valid JSON ({exc})") from exc
+        if not isinstance(values, dict):
+            raise ValueError(f"{config} must hold a JSON object, got {type(values).__name__}")
+        if values.get("chat_template"):
+            return f"{config.relative_to(model)} sets chat_template"
+    for name in ("chat_template.jinja", "chat_template.json", "encoding/encoding.py"):
+        if (model / name).is_file():
+            return f"it ships {name}"
+    return None
+
+
+def _chat_mode(model: Path, chat: bool | None, thinking: bool, system_prompt: str | None) -> bool:
+    """``--chat`` / ``--no-chat`` as given, else the checkpoint's default (:func:`chat_template_source`); exits 2
+    when ``--thinking`` or ``--system-prompt`` is given and the chat format is off."""
+    if chat is None:
+        try:
+            chat = chat_template_source(model) is not None
+        except ValueError as exc:
+            fail(str(exc))
+        why = "the checkpoint has no chat template, so the prompt is raw text by default; add --chat"
+    else:
+        why = "drop --no-chat"
+    if thinking and not chat:
+        fail(f"--thinking needs --chat (thinking mode is part of the chat format): {why}")
+    if system_prompt is not None and not chat:
+        fail(f"--system-prompt needs --chat (a system message is part of the chat format): {why}")
+    return chat
+
+
+def _read_stdin() -> str:
+    """The prompt of ``--prompt -``: all of stdin as UTF-8; exits 2 when it is not UTF-8."""
+    if sys.stdin.isatty():
+        typer.echo("Reading the prompt from stdin (end it with Ctrl-D)...", err=True)
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        fail(f"--prompt -: stdin is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})")
 
 
 def _read_prompt(path: Path) -> str:
@@ -127,27 +216,82 @@ def _read_prompt(path: Path) -> str:
         fail(f"--prompt-file {path} cannot be read: {exc.strerror or exc}")
 
 
-def turn_result(out, llm, wall: float) -> dict[str, Any]:
-    """One turn as a dict: ``text``, ``token_ids`` and the stats (prompt / cached / replayed / generated tokens,
-    finish reason, TTFT, decode rate, wall time, KV bytes, prefill mode; with speculative decoding this turn's
+def write_text(text: str) -> None:
+    """Write a streamed piece of the completion to stdout now (flushed: a pipe sees it at once)."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def stream(llm, prompt: str, params, add_special_tokens: bool, write: Callable[[str], None] | None):
+    """Generate one completion of ``prompt`` on ``llm``'s engine step by step, passing each step's new text
+    (``CompletionOutput.new_text``: what the incremental detokenizer released, never part of a UTF-8 character,
+    never taken back) to ``write`` as it comes, then a newline; ``write`` None streams nothing.
+
+    Returns the finished ``RequestOutput``. Raises ValueError for a prompt the engine refuses (too long for
+    ``max_model_len`` or the KV pool). Whatever ends the loop (an error, Ctrl-C), the request leaves the engine."""
+    engine = llm.engine
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+    request_id = f"generate-{next(_request_ids)}"
+    engine.add_request(request_id, ids, params, prompt=prompt)
+    try:
+        while True:
+            for out in engine.step():
+                if out.request_id != request_id:
+                    continue
+                if write is not None and out.outputs[0].new_text:
+                    write(out.outputs[0].new_text)
+                if out.finished:
+                    if write is not None:
+                        write("\n")
+                    return out
+    finally:
+        engine.abort_request(request_id)  # a no-op once finished
+        engine.release(request_id)
+        if engine.prefix_cache is not None:
+            engine.prefix_cache.flush()  # pages on their way to disk are there for the next turn / process
+
+
+def peak_memory_bytes(device) -> tuple[int, str]:
+    """The peak memory so far and what it measures: on CUDA ``torch.cuda.max_memory_allocated`` (tensors on that
+    device, as mlx-lm's peak is its allocator's), elsewhere the process's peak resident set size (weights, KV
+    cache and Python included; ``ru_maxrss``, KiB on Linux, bytes on macOS)."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(device), "CUDA allocated"
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (peak if sys.platform == "darwin" else peak * 1024), "process peak RSS"
+
+
+def turn_result(out, llm, wall: float, device) -> dict[str, Any]:
+    """One turn as a dict: ``text``, ``token_ids`` (the generated ids, each once) and the stats (prompt / cached /
+    replayed / generated tokens, finish reason, TTFT, prompt rate over the computed prompt tokens, decode rate, wall
+    time, peak memory bytes, KV bytes, prefill mode; with speculative decoding this turn's
     ``spec_accepted_tokens``, ``spec_verify_steps`` and ``spec_decode_mean_accepted_length`` = 1 +
     accepted / steps, None when no speculative step ran)."""
     completion = out.outputs[0]
     ttft = out.metrics.time_to_first_token
     decode_time = (out.metrics.finished_time or 0) - (out.metrics.first_token_time or 0)
     generated = len(completion.token_ids)
+    computed = len(out.prompt_token_ids) - out.num_cached_tokens + out.num_replayed_tokens
     stats = llm.stats
+    peak, peak_kind = peak_memory_bytes(device)
     result = {
         "text": completion.text,
         "token_ids": list(completion.token_ids),
         "prompt_tokens": len(out.prompt_token_ids),
         "cached_tokens": out.num_cached_tokens,
-        "replayed_tokens": getattr(out, "num_replayed_tokens", 0),
+        "replayed_tokens": out.num_replayed_tokens,
         "generated_tokens": generated,
         "finish_reason": completion.finish_reason,
         "ttft_s": ttft,
+        "prompt_tokens_per_s": computed / ttft if ttft else None,
         "decode_tokens_per_s": (generated - 1) / decode_time if generated > 1 and decode_time > 0 else None,
         "wall_s": wall,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": peak_kind,
         "kv_bytes_per_token": stats["kv_allocated_bytes_per_token"],
         "window_bytes_per_sequence": stats["window_bytes_per_sequence_logical"],
         "prefill_mode": stats["prefill_mode"],
@@ -160,23 +304,34 @@ def turn_result(out, llm, wall: float) -> dict[str, Any]:
 
 
 def json_result(turns: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``--json`` object: the last turn's fields at the top level (the single-turn shape of earlier versions)
-    and ``turns``, every turn's fields in order (each with its ``turn`` number, 1-based)."""
-    return {**turns[-1], "turns": [{"turn": i + 1, **t} for i, t in enumerate(turns)]}
+    """The ``--json`` object, every generated token id in it once: a single turn's fields (:func:`turn_result`), or
+    with ``--follow-up`` ``{"turns": [...]}``, each turn's fields with its ``turn`` number (1-based)."""
+    if len(turns) == 1:
+        return turns[0]
+    return {"turns": [{"turn": i + 1, **t} for i, t in enumerate(turns)]}
 
 
-def _print_turn(result: dict[str, Any]) -> None:
-    """A turn's text on stdout and its stats line on stderr."""
-    typer.echo(result["text"])
+def _print_stats(result: dict[str, Any]) -> None:
+    """A turn's stats on stderr after a separator line, in mlx_lm.generate's words."""
+    def rate(value: float | None) -> str:
+        return f"{value:.3f} tokens-per-sec" if value else "n/a tokens-per-sec"
+
+    computed = result["prompt_tokens"] - result["cached_tokens"] + result["replayed_tokens"]
+    ttft = f"{result['ttft_s'] * 1000:.0f} ms" if result["ttft_s"] is not None else "n/a"
     spec = ""
     if "spec_decode_mean_accepted_length" in result:
         mean = result["spec_decode_mean_accepted_length"]
         spec = (f"; DSpark mean accepted length {mean:.2f} over {result['spec_verify_steps']} steps"
                 if mean is not None else "; DSpark: no speculative step")
-    rate = f"{result['decode_tokens_per_s']:.1f} tok/s" if result["decode_tokens_per_s"] else "n/a"
-    ttft = f"{result['ttft_s'] * 1000:.0f} ms" if result["ttft_s"] is not None else "n/a"
-    typer.echo(f"\n[{result['prompt_tokens']} prompt tokens, {result['cached_tokens']} cached "
-               f"({result['replayed_tokens']} replayed), {result['generated_tokens']} generated "
-               f"({result['finish_reason']}); TTFT {ttft}; decode {rate}; "
-               f"KV {result['kv_bytes_per_token']:.0f} B/token + window {result['window_bytes_per_sequence']:,} "
-               f"B/seq; prefill {result['prefill_mode']}{spec}]", err=True)
+    lines = [
+        SEPARATOR,
+        f"Prompt: {result['prompt_tokens']} tokens, {rate(result['prompt_tokens_per_s'])} "
+        f"({result['cached_tokens']} cached, {result['replayed_tokens']} replayed, {computed} computed; "
+        f"TTFT {ttft}; prefill {result['prefill_mode']})",
+        f"Generation: {result['generated_tokens']} tokens, {rate(result['decode_tokens_per_s'])} "
+        f"({result['finish_reason']}{spec})",
+        f"Peak memory: {result['peak_memory_bytes'] / 1e9:.3f} GB ({result['peak_memory_kind']})",
+        f"KV cache: {result['kv_bytes_per_token']:.0f} B/token + window {result['window_bytes_per_sequence']:,} "
+        f"B/sequence",
+    ]
+    typer.echo("\n".join(lines), err=True)
