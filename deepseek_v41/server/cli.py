@@ -324,6 +324,9 @@ def serve(
                  engine.stats["kv_pages_total"], torch_dtype, torch_device, _prefix_line(llm, cache_path),
                  _speculative_line(llm), limits.limit_concurrency)
         log.info("%s; CORS origins %s", describe(defaults, defaults_origin), cors["allow_origins"])
+        if config.model_aliases:
+            log.info("requests may also name the model by its path: %s (vLLM's default served name)",
+                     ", ".join(config.model_aliases))
         try:
             server.run()
         finally:

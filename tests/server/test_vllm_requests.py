@@ -56,9 +56,12 @@ def openai_client(test_client: TestClient) -> openai.OpenAI:
     return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=test_client, max_retries=0)
 
 
-def test_model_path_is_accepted_and_echoed_as_vllm(model_dir, tmp_path, monkeypatch):
-    app = serve_app(model_dir, tmp_path, monkeypatch)
+def test_model_path_is_accepted_and_echoed_as_vllm(model_dir, tmp_path, monkeypatch, caplog):
+    with caplog.at_level("INFO", logger="deepseek_v41.server"):
+        app = serve_app(model_dir, tmp_path, monkeypatch)
     absolute = str((tmp_path / PATH).resolve())
+    assert any(r.getMessage().startswith(f"requests may also name the model by its path: {PATH}, ")
+               and absolute in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     with TestClient(app) as test_client:
         client = openai_client(test_client)
         assert [m.id for m in client.models.list()] == ["v41-tiny"]  # the listing keeps the served name
