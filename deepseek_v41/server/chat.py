@@ -263,8 +263,8 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
                                  "finish_reason": choice.finish_reason(completion.finish_reason or "abort"),
                                  "stop_reason": completion.stop_reason}
         if req.logprobs:
-            entry["logprobs"] = chat_logprobs(state.tokenizer, completion.token_ids, completion.logprobs or [],
-                                              req.top_logprobs or 0)
+            entry["logprobs"] = chat_logprobs(state.logprob_tokenizer(req), completion.token_ids,
+                                              completion.logprobs or [], req.top_logprobs or 0)
         if req.return_token_ids:
             entry["token_ids"] = completion.token_ids
         choices.append(entry)
@@ -311,7 +311,7 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
                     logprobs = None
                     if req.logprobs and new_ids:
                         entries = (step.output.outputs[i].logprobs or [])[choice.num_tokens - len(new_ids):]
-                        logprobs = chat_logprobs(state.tokenizer, new_ids, entries, req.top_logprobs or 0)
+                        logprobs = chat_logprobs(state.logprob_tokenizer(req), new_ids, entries, req.top_logprobs or 0)
                     deltas = choice.feed(step.delta_text[i], reason is not None) or ([{}] if logprobs else [])
                     for k, delta in enumerate(deltas):
                         piece = {"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,

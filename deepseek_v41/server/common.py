@@ -101,6 +101,11 @@ class ServerState:
         an alias, already checked by :func:`check_common`), else the first served name."""
         return req.model or self.model_name
 
+    def logprob_tokenizer(self, req: Any):
+        """The tokenizer that spells the tokens of ``logprobs``: None (tokens as ``token_id:N``, vLLM's spelling)
+        when the request sets vLLM's ``return_tokens_as_token_ids``."""
+        return None if getattr(req, "return_tokens_as_token_ids", False) else self.tokenizer
+
     def accepts_model(self, name: str | None) -> bool:
         """Whether a request's ``model`` is served here: unset or empty (vLLM's default model), a served name, or an
         alias of one."""

@@ -154,7 +154,7 @@ class _Run:
                                          "logprobs": None, "finish_reason": completion.finish_reason or "abort",
                                          "stop_reason": completion.stop_reason}
                 if req.logprobs is not None:
-                    entry["logprobs"] = completion_logprobs(self.state.tokenizer, completion.token_ids,
+                    entry["logprobs"] = completion_logprobs(self.state.logprob_tokenizer(req), completion.token_ids,
                                                             completion.logprobs or [], req.logprobs, len(echo))
                 if req.return_token_ids:
                     entry["token_ids"] = completion.token_ids
@@ -196,8 +196,8 @@ class _Run:
                                                      "finish_reason": None}
                             if req.logprobs is not None and new_ids:
                                 entries = (completion.logprobs or [])[len(completion.token_ids) - len(new_ids):]
-                                piece["logprobs"] = completion_logprobs(self.state.tokenizer, new_ids, entries,
-                                                                        req.logprobs, sent_text[choice_index])
+                                piece["logprobs"] = completion_logprobs(self.state.logprob_tokenizer(req), new_ids,
+                                                                        entries, req.logprobs, sent_text[choice_index])
                             if req.return_token_ids:
                                 piece["token_ids"] = new_ids
                             sent_text[choice_index] += len(text)

@@ -78,7 +78,7 @@ class _Sampling(_Strict):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs tokens spelled token_id:N (vLLM)
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -97,7 +97,6 @@ class _Sampling(_Strict):
         "truncate_prompt_tokens": "truncate_prompt_tokens is not supported: a prompt over max_model_len is refused "
                                   "(400) rather than cut; shorten it on the client",
         "prompt_logprobs": "prompt_logprobs is not supported yet",
-        "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported yet; use return_token_ids",
         **{name: f"{name} is not supported: this server has no constrained (structured output) decoding"
            for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")},
         "logits_processors": "logits_processors are not supported: the server runs no user code",

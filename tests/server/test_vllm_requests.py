@@ -168,6 +168,28 @@ def test_request_id_and_priority(client):
         assert "first come, first served" in refused.json()["error"]["message"]
 
 
+def test_return_tokens_as_token_ids(client):
+    for stream in (False, True):
+        chat = client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2,
+                                                          "return_tokens_as_token_ids": True, "stream": stream})
+        done = client.post("/v1/completions", json={**COMPLETION, "logprobs": 2, "return_tokens_as_token_ids": True,
+                                                    "stream": stream})
+        assert chat.status_code == 200 and done.status_code == 200, (chat.text, done.text)
+        if stream:
+            events = [json.loads(line[6:]) for r in (chat, done) for line in r.text.splitlines()
+                      if line.startswith("data: {")]
+            tokens = [t["token"] for e in events for c in e["choices"] if c.get("logprobs")
+                      for t in c["logprobs"].get("content") or []]
+            tokens += [t for e in events for c in e["choices"] if c.get("logprobs")
+                       for t in c["logprobs"].get("tokens") or []]
+        else:
+            content = chat.json()["choices"][0]["logprobs"]["content"]
+            tokens = [t["token"] for t in content] + [t["token"] for e in content for t in e["top_logprobs"]]
+            logprobs = done.json()["choices"][0]["logprobs"]
+            tokens += logprobs["tokens"] + [t for top in logprobs["top_logprobs"] for t in top]
+        assert len(tokens) >= 6 and all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens), tokens
+
+
 def test_chat_add_special_tokens(client, llm):
     bos = llm.engine.tokenizer.encode("", add_special_tokens=True).ids
     plain = client.post("/tokenize", json={"model": MODEL, "messages": HI}).json()["count"]
@@ -181,7 +203,7 @@ def test_chat_add_special_tokens(client, llm):
     ("use_beam_search", True, "beam search"), ("bad_words", ["x"], "bad_words"),
     ("allowed_token_ids", [1], "allowed_token_ids"), ("truncate_prompt_tokens", 4, "refused (400) rather than cut"),
     ("guided_json", {"type": "object"}, "structured output"), ("structured_outputs", {"json": {}}, "structured"),
-    ("return_tokens_as_token_ids", True, "return_token_ids"), ("prompt_logprobs", 1, "prompt_logprobs"),
+    ("prompt_logprobs", 1, "prompt_logprobs"),
 ])
 def test_unimplemented_vllm_fields_say_why(client, field, value, why):
     for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
