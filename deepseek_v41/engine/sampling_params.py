@@ -52,6 +52,10 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
     logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen token's); None = none
     skip_special_tokens: bool = True  # leave special tokens out of the output text
+    # vLLM's flag for slow (Python) tokenizers, which join the text around added tokens with spaces. This project
+    # decodes with a fast ``tokenizers`` tokenizer, which never inserts such spaces, so the text is the same for
+    # both values (as in vLLM with a fast tokenizer): false is honoured exactly, true is vLLM's fast-tokenizer output.
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.stop is None:

@@ -182,7 +182,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
-        if model_id not in config.served_model_names:
+        if not model_id or not state.accepts_model(model_id):
             raise APIError(f"The model '{model_id}' does not exist", "model", "model_not_found", 404)
         return _model_card(state, model_id)
 

@@ -36,7 +36,7 @@ from deepseek_v41.server.common import (
     chat_logprobs,
     check_common,
     check_prompt_ids,
-    new_id,
+    request_ids,
     request_salt,
     sampling_params,
     start_generation,
@@ -188,7 +188,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_len
         raise APIError(str(exc), exc.where, "invalid_value") from exc
     prompt += prefix
     check_text_fits(state, prompt, "messages")  # the rendered prompt holds every message's text
-    (ids,) = await encode(state, [prompt], add_special_tokens=False)
+    (ids,) = await encode(state, [prompt], add_special_tokens=req.add_special_tokens)
     if check_length:
         check_prompt_ids(state, ids, "messages")
     return ChatPlan(prompt, ids, thinking and not req.continue_final_message, choice != "none", prefix,
@@ -233,8 +233,8 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, salt: 
     params = sampling_params(state, req, len(plan.ids), max_tokens_field=(
         "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"),
         logprobs=top if req.logprobs else None, logprobs_field="top_logprobs", skip_special_tokens=False)
-    request_id = new_id("chatcmpl")
-    stream, first = await start_generation(state, request_id, plan.ids, params, plan.prompt,
+    request_id, engine_id = request_ids("chatcmpl", req)
+    stream, first = await start_generation(state, engine_id, plan.ids, params, plan.prompt,
                                            request_salt(salt, req.cache_salt), arrival, "messages")
     created = int(time.time())
     if req.stream:
@@ -263,12 +263,13 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
                                  "finish_reason": choice.finish_reason(completion.finish_reason or "abort"),
                                  "stop_reason": completion.stop_reason}
         if req.logprobs:
-            entry["logprobs"] = chat_logprobs(state.tokenizer, completion.token_ids, completion.logprobs or [],
-                                              req.top_logprobs or 0)
+            entry["logprobs"] = chat_logprobs(state.logprob_tokenizer(req), completion.token_ids,
+                                              completion.logprobs or [], req.top_logprobs or 0)
         if req.return_token_ids:
             entry["token_ids"] = completion.token_ids
         choices.append(entry)
-    body = {"id": request_id, "object": "chat.completion", "created": created, "model": state.model_name,
+    body = {"id": request_id, "object": "chat.completion", "created": created,
+            "model": state.response_model(req),
             "choices": choices, "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
                                                out.num_cached_tokens)}
     if req.return_token_ids:
@@ -284,7 +285,8 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
     continuous = bool(options and options.continuous_usage_stats)
     choices = [_Choice(plan) for _ in range(req.n)]
     prompt_tokens = len(plan.ids)
-    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": state.response_model(req)}
 
     def chunk(choice: dict[str, Any]) -> dict[str, Any]:
         body = {**base, "choices": [choice]}
@@ -309,7 +311,7 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
                     logprobs = None
                     if req.logprobs and new_ids:
                         entries = (step.output.outputs[i].logprobs or [])[choice.num_tokens - len(new_ids):]
-                        logprobs = chat_logprobs(state.tokenizer, new_ids, entries, req.top_logprobs or 0)
+                        logprobs = chat_logprobs(state.logprob_tokenizer(req), new_ids, entries, req.top_logprobs or 0)
                     deltas = choice.feed(step.delta_text[i], reason is not None) or ([{}] if logprobs else [])
                     for k, delta in enumerate(deltas):
                         piece = {"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,

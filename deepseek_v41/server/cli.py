@@ -311,7 +311,8 @@ def serve(
             fail(f"{exc}{' (the budget of --gpu-memory-utilization)' if from_utilization else ''}")
         engine = AsyncLLMEngine(llm.engine)
         config = ServerConfig(served_model_names=served_model_name or [default_model_name(model)],
-                              model_path=str(model), api_keys=list(api_key),
+                              model_aliases=[] if served_model_name else model_path_aliases(model),
+                              model_path=str(model), api_keys=list(api_key), sampling_defaults_origin=defaults_origin,
                               max_body_bytes=int(max_body_mb * 1024 * 1024), log_stats_interval_s=log_stats_interval,
                               drain_timeout_s=drain_timeout, sampling_defaults=defaults, **cors,
                               allow_credentials=allow_credentials, log_requests=enable_log_requests)
@@ -323,6 +324,9 @@ def serve(
                  engine.stats["kv_pages_total"], torch_dtype, torch_device, _prefix_line(llm, cache_path),
                  _speculative_line(llm), limits.limit_concurrency)
         log.info("%s; CORS origins %s", describe(defaults, defaults_origin), cors["allow_origins"])
+        if config.model_aliases:
+            log.info("requests may also name the model by its path: %s (vLLM's default served name)",
+                     ", ".join(config.model_aliases))
         try:
             server.run()
         finally:
@@ -339,6 +343,18 @@ def default_model_name(model: Path) -> str:
     """The served model name when ``--served-model-name`` is not given: the model directory's name (``v41-tiny``
     for ``checkpoints/v41-tiny/``), not its path."""
     return model.expanduser().resolve().name or str(model)
+
+
+def model_path_aliases(model: Path) -> list[str]:
+    """The other names a request's ``model`` may use when ``--served-model-name`` is not given: the model path as
+    given on the command line (vLLM's default served name), with and without a trailing slash, and its absolute and
+    resolved forms (``checkpoints/v41-tiny``, ``/work/checkpoints/v41-tiny``). ``/v1/models`` lists only the
+    served name."""
+    given = str(model)
+    forms = [given, given.rstrip("/") or given, given.rstrip("/") + "/", str(model.expanduser().absolute()),
+             str(model.expanduser().resolve())]
+    served = default_model_name(model)
+    return [name for name in dict.fromkeys(forms) if name != served]
 
 
 def _prefix_line(llm, cache_path: Path) -> str:

@@ -26,7 +26,7 @@ from deepseek_v41.engine.async_engine import (
     StepOutput,
 )
 from deepseek_v41.engine.sampler import Logprob
-from deepseek_v41.engine.sampling_params import SamplingParams
+from deepseek_v41.engine.sampling_params import SAMPLING_EPS, SamplingParams
 from deepseek_v41.server.errors import APIError, error_body
 from deepseek_v41.server.text import check_unicode, max_token_bytes
 
@@ -39,13 +39,17 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit; each string is at most MAX_STOP_STRING_C
 class ServerConfig:
     """Settings of the HTTP layer.
 
-    ``served_model_names``: the names ``model`` may take (the first is reported); ``api_keys``: accepted bearer
+    ``served_model_names``: the names ``model`` may take, listed by ``/v1/models`` (the first is the default);
+    ``model_aliases``: other names ``model`` may take, not listed (``dsv41 serve`` sets the model path as given and
+    its absolute form when ``--served-model-name`` is not set, so scripts written for vLLM, whose served name
+    defaults to the path, keep working); ``api_keys``: accepted bearer
     keys (none = no auth); ``max_body_bytes``: request body limit (32 MiB); ``max_n``: largest ``n`` (default: the
     engine's ``max_num_seqs``); ``log_stats_interval_s``: period of the throughput log line (0 = off);
     ``drain_timeout_s``: on shutdown, how long running requests may finish before they are aborted;
     ``sampling_defaults``: what a request that does not set temperature, top_p, top_k, min_p, repetition_penalty or
     max_tokens gets (from the checkpoint's ``generation_config.json``, see
-    :mod:`deepseek_v41.server.generation_config`; empty = vLLM's defaults); ``allow_origins``,
+    :mod:`deepseek_v41.server.generation_config`; empty = vLLM's defaults), ``sampling_defaults_origin`` where
+    they come from (for error messages: the file, or the flag); ``allow_origins``,
     ``allow_methods``, ``allow_headers``, ``allow_credentials``: CORS (vLLM's defaults: any origin, method and
     header, no credentials); ``log_requests``: log one line per request (id, prompt tokens, sampling parameters;
     never the prompt text), vLLM's ``--enable-log-requests``.
@@ -53,12 +57,14 @@ class ServerConfig:
 
     served_model_names: list[str]
     model_path: str | None = None
+    model_aliases: list[str] = field(default_factory=list)
     api_keys: list[str] = field(default_factory=list)
     max_body_bytes: int = 32 * 1024 * 1024
     max_n: int | None = None
     log_stats_interval_s: float = 10.0
     drain_timeout_s: float = 30.0
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    sampling_defaults_origin: str = "generation_config.json"
     allow_origins: list[str] = field(default_factory=lambda: ["*"])
     allow_methods: list[str] = field(default_factory=lambda: ["*"])
     allow_headers: list[str] = field(default_factory=lambda: ["*"])
@@ -90,6 +96,21 @@ class ServerState:
     def model_name(self) -> str:
         return self.config.served_model_names[0]
 
+    def response_model(self, req: Any) -> str:
+        """The ``model`` of a response, as vLLM's ``_get_model_name``: the name the request used (a served name or
+        an alias, already checked by :func:`check_common`), else the first served name."""
+        return req.model or self.model_name
+
+    def logprob_tokenizer(self, req: Any):
+        """The tokenizer that spells the tokens of ``logprobs``: None (tokens as ``token_id:N``, vLLM's spelling)
+        when the request sets vLLM's ``return_tokens_as_token_ids``."""
+        return None if getattr(req, "return_tokens_as_token_ids", False) else self.tokenizer
+
+    def accepts_model(self, name: str | None) -> bool:
+        """Whether a request's ``model`` is served here: unset or empty (vLLM's default model), a served name, or an
+        alias of one."""
+        return not name or name in self.config.served_model_names or name in self.config.model_aliases
+
     @property
     def max_n(self) -> int:
         return self.config.max_n or self.engine.engine.args.max_num_seqs
@@ -114,13 +135,26 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def request_ids(prefix: str, req: Any) -> tuple[str, str]:
+    """``(response id, engine id)`` of a request. With the vLLM field ``request_id`` the response id is
+    ``{prefix}-{request_id}`` (vLLM's spelling); the engine id always gets a random part as well, so two requests
+    that send the same ``request_id`` never collide in the engine."""
+    given = getattr(req, "request_id", None)
+    if not given:
+        response_id = new_id(prefix)
+        return response_id, response_id
+    response_id = f"{prefix}-{given}"
+    return response_id, f"{response_id}-{uuid.uuid4().hex[:12]}"
+
+
 def check_common(state: ServerState, req: Any) -> None:
-    """Valid Unicode everywhere, the model name, the declared-but-unsupported fields, and stream_options without
-    stream (as OpenAI and vLLM)."""
+    """Valid Unicode everywhere, the model name (a served name or alias; unset or empty means the default, as in
+    vLLM's ``_check_model``), the declared-but-unsupported fields, and stream_options without stream (as OpenAI and
+    vLLM)."""
     check_unicode(req)
     if getattr(req, "stream_options", None) is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", "stream_options", "invalid_value")
-    if req.model is not None and req.model not in state.config.served_model_names:
+    if not state.accepts_model(req.model):
         raise APIError(f"The model '{req.model}' does not exist; this server serves "
                        f"{state.config.served_model_names}", "model", "model_not_found", 404)
     for name, why in getattr(req, "UNSUPPORTED", {}).items():
@@ -170,16 +204,32 @@ def sampling_params(state: ServerState, req: Any, prompt_len: int, *, max_tokens
     # The checkpoint's defaults fill the sampling fields the client did not set (vLLM's --generation-config).
     sampling = {name: defaults[name] if name in defaults and name not in req.model_fields_set else getattr(req, name)
                 for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    if req.n > 1 and sampling["temperature"] < SAMPLING_EPS:
+        raise APIError(_greedy_n_message(state, req), "n", "invalid_value")
     try:
         return SamplingParams(
             n=req.n, **sampling, seed=req.seed, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             max_tokens=requested, min_tokens=req.min_tokens, logprobs=logprobs,
-            skip_special_tokens=skip_special_tokens)
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens)
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0]
         raise APIError(str(exc), names.get(field_name, field_name), "invalid_value") from exc
+
+
+def _greedy_n_message(state: ServerState, req: Any) -> str:
+    """Why ``n > 1`` is refused at temperature 0 (vLLM refuses it too: greedy samples are all the same), naming
+    where the temperature came from and how to change it."""
+    if "temperature" in req.model_fields_set:
+        return (f"n must be 1 when using greedy sampling, got {req.n}: temperature {req.temperature} is greedy "
+                f"(every sample would be the same); set temperature > 0 for n > 1")
+    origin = state.config.sampling_defaults_origin
+    return (f"n must be 1 when using greedy sampling, got {req.n}: this request does not set temperature, so it "
+            f"gets the server's default temperature {state.config.sampling_defaults['temperature']} from {origin}, "
+            f"which is greedy. Pass temperature > 0 in the request, or start the server with --generation-config "
+            f"vllm (vLLM's default temperature 1.0) or --override-generation-config '{{\"temperature\": 1.0}}'")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from deepseek_v41.server.common import (
     check_prompt_ids,
     completion_logprobs,
     merged,
-    new_id,
+    request_ids,
     request_salt,
     sampling_params,
     start_all,
@@ -100,7 +100,7 @@ async def completion(state: ServerState, req: CompletionRequest, salt: str | Non
         raise APIError("echo with logprobs needs prompt logprobs, which are not supported yet", "echo",
                        "unsupported_parameter")
     prompts = await _prompts(state, req)
-    request_id = new_id("cmpl")
+    request_id, engine_id = request_ids("cmpl", req)
     salt_ = request_salt(salt, req.cache_salt)
     params = [sampling_params(state, req, len(p.ids), max_tokens_field="max_tokens", logprobs=req.logprobs,
                               logprobs_field="logprobs", skip_special_tokens=req.skip_special_tokens)
@@ -108,7 +108,7 @@ async def completion(state: ServerState, req: CompletionRequest, salt: str | Non
     # All prompts are submitted at once, so they share engine steps (the first token of 32 prompts comes as soon
     # as one's).
     started = await start_all([
-        start_generation(state, f"{request_id}-{i}", prompt.ids, params[i], prompt.text, salt_, arrival,
+        start_generation(state, f"{engine_id}-{i}", prompt.ids, params[i], prompt.text, salt_, arrival,
                          "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, prompt in enumerate(prompts)])
     created = int(time.time())
     run = _Run(state, req, prompts, request_id, created)
@@ -127,7 +127,8 @@ class _Run:
     def __init__(self, state: ServerState, req: CompletionRequest, prompts: list[_Prompt], request_id: str,
                  created: int):
         self.state, self.req, self.prompts = state, req, prompts
-        self.base = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name}
+        self.base = {"id": request_id, "object": "text_completion", "created": created,
+                     "model": state.response_model(req)}
 
     def _echo(self, index: int) -> str:
         prompt = self.prompts[index]
@@ -153,7 +154,7 @@ class _Run:
                                          "logprobs": None, "finish_reason": completion.finish_reason or "abort",
                                          "stop_reason": completion.stop_reason}
                 if req.logprobs is not None:
-                    entry["logprobs"] = completion_logprobs(self.state.tokenizer, completion.token_ids,
+                    entry["logprobs"] = completion_logprobs(self.state.logprob_tokenizer(req), completion.token_ids,
                                                             completion.logprobs or [], req.logprobs, len(echo))
                 if req.return_token_ids:
                     entry["token_ids"] = completion.token_ids
@@ -195,8 +196,8 @@ class _Run:
                                                      "finish_reason": None}
                             if req.logprobs is not None and new_ids:
                                 entries = (completion.logprobs or [])[len(completion.token_ids) - len(new_ids):]
-                                piece["logprobs"] = completion_logprobs(self.state.tokenizer, new_ids, entries,
-                                                                        req.logprobs, sent_text[choice_index])
+                                piece["logprobs"] = completion_logprobs(self.state.logprob_tokenizer(req), new_ids,
+                                                                        entries, req.logprobs, sent_text[choice_index])
                             if req.return_token_ids:
                                 piece["token_ids"] = new_ids
                             sent_text[choice_index] += len(text)

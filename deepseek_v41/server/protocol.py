@@ -58,6 +58,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # same text either way with this fast tokenizer (SamplingParams)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -68,10 +69,38 @@ class _Sampling(_Strict):
     prompt_cache_key: str | None = None
     cache_salt: str | None = None
     return_token_ids: bool = False
+    request_id: Annotated[str, Field(max_length=256)] | None = None  # vLLM: the response id is {prefix}-{request_id}
+    priority: int = 0
     logit_bias: dict[str, float] | None = None
+    # vLLM fields this server does not implement, declared so that they get a reason instead of "unrecognized".
+    use_beam_search: bool = False
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs tokens spelled token_id:N (vLLM)
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    logits_processors: Any = None
 
     # field -> why it is refused when set to anything but its default (a 400 naming the field).
-    UNSUPPORTED: ClassVar[dict[str, str]] = {"logit_bias": "logit_bias is not supported yet"}
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "logit_bias": "logit_bias is not supported yet",
+        "priority": "priority must be 0: this server schedules requests first come, first served (vLLM's "
+                    "--scheduling-policy fcfs, where vLLM refuses a priority too)",
+        "use_beam_search": "beam search is not supported: this server samples (n independent samples)",
+        "bad_words": "bad_words is not supported yet (the sampler has no token masks per request)",
+        "allowed_token_ids": "allowed_token_ids is not supported yet (the sampler has no token masks per request)",
+        "truncate_prompt_tokens": "truncate_prompt_tokens is not supported: a prompt over max_model_len is refused "
+                                  "(400) rather than cut; shorten it on the client",
+        "prompt_logprobs": "prompt_logprobs is not supported yet",
+        **{name: f"{name} is not supported: this server has no constrained (structured output) decoding"
+           for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+        "logits_processors": "logits_processors are not supported: the server runs no user code",
+    }
 
 
 class ChatCompletionRequest(_Sampling):
@@ -95,6 +124,7 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's default for chat: the rendered prompt already holds the BOS
     # Declared so that they get a clear "not supported" (see UNSUPPORTED), never a silent no-op.
     functions: Any = None
     function_call: Any = None
@@ -103,6 +133,8 @@ class ChatCompletionRequest(_Sampling):
     prediction: Any = None
     web_search_options: Any = None
     echo: bool = False
+    chat_template: str | None = None
+    documents: list[Any] | None = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         **_Sampling.UNSUPPORTED,
@@ -112,6 +144,9 @@ class ChatCompletionRequest(_Sampling):
         "prediction": "predicted outputs are not supported",
         "web_search_options": "web search is not supported",
         "echo": "echo is not supported on chat completions",
+        "chat_template": "a per-request chat_template is not supported: prompts are rendered by the official "
+                         "DeepSeek-V4.1 encoder (CHAT_FORMAT.md)",
+        "documents": "documents (RAG chat templates) are not supported: put them in a message",
     }
 
 
@@ -127,12 +162,10 @@ class CompletionRequest(_Sampling):
     best_of: Annotated[int, Field(ge=1)] | None = None
     add_special_tokens: bool = True
     suffix: str | None = None
-    prompt_logprobs: int | None = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         **_Sampling.UNSUPPORTED,
         "suffix": "suffix (fill in the middle) is not supported by this model",
-        "prompt_logprobs": "prompt_logprobs is not supported yet",
     }
 
 
