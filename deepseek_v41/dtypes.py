@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 # The names a dtype may be given by (vLLM's ``--dtype`` choices, and float64 for numerics checks).
-DTYPES = ("auto", "bfloat16", "float32", "float16", "float64")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 # vLLM's aliases, and the short forms Hugging Face configs and users write.
 ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16",
            "double": "float64"}
@@ -77,49 +77,52 @@ def device_has_native_bf16(device: Any) -> bool:
     return False
 
 
-def _named(name: str, where: str) -> Any:
-    """The torch dtype of a (non-auto) dtype name; ValueError naming ``where`` and the allowed names otherwise."""
+_LOADABLE = ("bfloat16", "float16", "float32", "float64")
+
+
+def _allowed() -> str:
+    return f"{', '.join(DTYPES)} (aliases: {', '.join(ALIASES)}) or a torch.dtype"
+
+
+def _named(name: str) -> Any:
+    """The torch dtype of a non-auto dtype name or alias (any case), or None when it is none of them."""
     import torch
 
-    canonical = ALIASES.get(name, name)
-    if canonical not in DTYPES or canonical == "auto":
-        allowed = ", ".join(DTYPES) + f" (or {', '.join(ALIASES)}), or a torch.dtype"
-        raise ValueError(f"{where} {name!r} is not a dtype the model loads in; allowed: {allowed}")
-    return getattr(torch, canonical)
+    canonical = ALIASES.get(name.lower(), name.lower())
+    return getattr(torch, canonical) if canonical in _LOADABLE else None
 
 
-def resolve_dtype(dtype: Any = "auto", device: Any = "cpu", model_dir: str | Path | None = None) -> Any:
+def resolve_dtype(dtype: Any = "auto", device: Any = "cpu", model_dir: str | Path | None = None,
+                  option: str = "dtype") -> Any:
     """The ``torch.dtype`` to load weights in for ``dtype`` — a torch floating dtype (bf16, fp16, fp32, fp64), one
-    of :data:`DTYPES` or an alias of :data:`ALIASES` — on ``device`` (a ``torch.device`` or its name).
+    of :data:`DTYPES` or an alias of :data:`ALIASES`, any case — on ``device`` (a ``torch.device`` or its name).
 
     ``auto``: the dtype ``model_dir``'s config records (:func:`config_dtype`), else bfloat16 where
-    :func:`device_has_native_bf16`, else float32 (see the module docstring). Raises ValueError naming what is
-    allowed for an unknown name, a non-float ``torch.dtype``, a dtype recorded in the config that is none of
-    these (pass an explicit ``dtype`` then), and float64 on MPS (which has no float64).
+    :func:`device_has_native_bf16`, else float32 (see the module docstring). Raises ValueError (naming ``option``,
+    e.g. ``--dtype``, and what is allowed) for an unknown name, a torch dtype that is not one of those four, a
+    dtype recorded in the config that is none of them (pass an explicit dtype then), and float64 on MPS (which
+    has no float64).
     """
     import torch
 
     if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-            raise ValueError(f"dtype {dtype} is not a dtype the model loads in; allowed: torch.bfloat16, "
-                             f"torch.float16, torch.float32, torch.float64 or one of {', '.join(DTYPES)}")
-        resolved = dtype
-    elif not isinstance(dtype, str):
-        raise ValueError(f"dtype must be a string ({', '.join(DTYPES)}) or a torch.dtype, got "
-                         f"{type(dtype).__name__} {dtype!r}")
-    elif dtype.lower() != "auto":
-        resolved = _named(dtype.lower(), "dtype")
-    else:
+        resolved = dtype if str(dtype).removeprefix("torch.") in _LOADABLE else None
+    elif isinstance(dtype, str) and dtype.lower() == "auto":
         recorded = config_dtype(model_dir) if model_dir is not None else None
-        if recorded is not None:
-            try:
-                resolved = _named(recorded.lower(), "torch_dtype")
-            except ValueError:
-                raise ValueError(f"dtype 'auto': {Path(model_dir) / 'config.json'} records torch_dtype {recorded!r}, "
-                                 f"which this model does not load in; pass an explicit dtype (one of "
-                                 f"{', '.join(DTYPES[1:])})") from None
-        else:
+        if recorded is None:
             resolved = torch.bfloat16 if device_has_native_bf16(device) else torch.float32
+        else:
+            resolved = _named(recorded)
+            if resolved is None:
+                raise ValueError(f"{option} auto: {Path(model_dir) / 'config.json'} records torch_dtype "
+                                 f"{recorded!r}, which this model does not load in; pass an explicit {option} (one "
+                                 f"of {', '.join(_LOADABLE)})")
+    else:
+        resolved = _named(dtype) if isinstance(dtype, str) else None
+    if resolved is None:
+        raise ValueError(f"{option} must be one of {_allowed()}, got {type(dtype).__name__} {dtype!r}"
+                         if not isinstance(dtype, str | torch.dtype) else
+                         f"{option} must be one of {_allowed()}, got {dtype!r}")
     if resolved == torch.float64 and torch.device(device).type == "mps":
-        raise ValueError("dtype float64 does not run on MPS (it has no float64); use float32 or bfloat16")
+        raise ValueError(f"{option} float64 does not run on MPS (it has no float64); use float32 or bfloat16")
     return resolved

@@ -60,21 +60,25 @@ def test_auto_takes_the_checkpoint_dtype_whatever_the_machine(tmp_path, native_b
     assert resolve_dtype("float32", "cpu", folder) == torch.float32  # an explicit dtype wins over the config
 
 
-@pytest.mark.parametrize(("dtype", "message"), [
-    ("bf17", "'bf17' is not a dtype the model loads in; allowed: auto, bfloat16, float32, float16"),
-    ("cuda", "'cuda' is not a dtype"),  # a string that torch would take for a device ("Invalid device string")
-    (torch.int8, "torch.int8 is not a dtype the model loads in; allowed: torch.bfloat16"),
-    (32, "dtype must be a string (auto, bfloat16"),
+ALLOWED = "dtype must be one of auto, float32, bfloat16, float16, float64 (aliases: half, fp16, float, fp32, bf16, "
+
+
+@pytest.mark.parametrize(("dtype", "got"), [
+    ("bf17", "got 'bf17'"),
+    ("cuda", "got 'cuda'"),  # torch took this for a device before: "Invalid device string"
+    (torch.int8, "got torch.int8"),
+    (32, "got int 32"),
 ])
-def test_bad_dtypes_name_what_is_allowed(dtype, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+def test_bad_dtypes_name_what_is_allowed(dtype, got):
+    with pytest.raises(ValueError) as info:
         resolve_dtype(dtype, "cpu")
+    assert str(info.value).startswith(ALLOWED) and str(info.value).endswith(f"or a torch.dtype, {got}")
 
 
 def test_an_unloadable_recorded_dtype_is_refused_with_the_way_out(tmp_path):
     folder = write_config(tmp_path / "m", {"torch_dtype": "float8_e4m3fn"})
     with pytest.raises(ValueError, match="records torch_dtype 'float8_e4m3fn', which this model does not load in; "
-                                         "pass an explicit dtype"):
+                                         "pass an explicit dtype \\(one of bfloat16, float16, float32, float64\\)"):
         resolve_dtype("auto", "cpu", folder)
     assert resolve_dtype("bfloat16", "cpu", folder) == torch.bfloat16
 
@@ -116,7 +120,7 @@ def test_serve_cli_resolution(tmp_path, native_bf16, capsys):
     with pytest.raises(typer.Exit) as exit_info:
         cli_resolve("bf17", cpu, tmp_path / "b")
     assert exit_info.value.exit_code == 2
-    assert "error: --dtype: dtype 'bf17' is not a dtype the model loads in; allowed: auto," in capsys.readouterr().err
+    assert f"error: --{ALLOWED}" in capsys.readouterr().err
 
 
 def test_generate_cli_defaults_to_auto(tmp_path, monkeypatch, native_bf16):
@@ -141,7 +145,7 @@ def test_generate_cli_defaults_to_auto(tmp_path, monkeypatch, native_bf16):
         assert result.exit_code == 2 and "stopped after the dtype" in result.output, result.output
         assert seen.pop() == expected
     bad = CliRunner().invoke(app, ["generate", "--model", str(folder), "--prompt", "hi", "--dtype", "int8"])
-    assert bad.exit_code == 2 and "--dtype: dtype 'int8' is not a dtype" in bad.output and not seen
+    assert bad.exit_code == 2 and f"--{ALLOWED}" in bad.output and "got 'int8'" in bad.output and not seen
 
 
 def test_the_bundled_checkpoint_records_the_dtype_its_weights_are_stored_in():

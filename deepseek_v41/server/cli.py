@@ -80,9 +80,9 @@ def resolve_dtype(dtype: str, device, model_dir: Path | None = None, option: str
     from deepseek_v41.dtypes import resolve_dtype as resolve
 
     try:
-        return resolve(dtype, device, model_dir)
+        return resolve(dtype, device, model_dir, option)
     except ValueError as exc:
-        fail(f"{option}: {exc}")
+        fail(str(exc))
 
 
 def _missing_dirs(path: Path) -> list[Path]:
