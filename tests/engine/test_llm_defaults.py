@@ -35,7 +35,10 @@ def test_dtype_names_load_and_auto_takes_the_recorded_dtype(saved, monkeypatch):
     assert weights_dtype(LLM(saved / "f64", max_model_len=64)) == torch.float64  # float32 before: not "auto"
     assert weights_dtype(LLM(saved / "bf16", max_model_len=64)) == torch.bfloat16
     assert weights_dtype(LLM(saved / "f64", dtype="bfloat16", max_model_len=64)) == torch.bfloat16
-    assert weights_dtype(LLM(str(saved / "f64"), dtype="float16", max_model_len=64)) == torch.float16
+    half = LLM(str(saved / "f64"), dtype="float16", max_model_len=64)
+    assert weights_dtype(half) == torch.float16
+    out = half.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 3  # float16 runs on the CPU, so it is accepted there
     assert weights_dtype(LLM(saved / "f64", dtype=torch.float32, max_model_len=64)) == torch.float32
     assert load_model(saved / "bf16", dtype="auto").embed.weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, .*, got 'bfloat'"):
