@@ -28,7 +28,9 @@ class LLM:
     ``torch.dtype`` (:func:`deepseek_v41.dtypes.resolve_dtype`; ValueError naming the allowed values otherwise).
     ``generation_config``: where :meth:`get_default_sampling_params` reads its defaults, as vLLM's
     (``"auto"`` = the model directory's ``generation_config.json``, ``"vllm"`` = none, or a folder holding one).
-    ``enforce_eager`` is accepted for vLLM compatibility: the engine is always eager.
+    ``enforce_eager`` is accepted for vLLM compatibility: the engine is always eager. Raises ValueError for a
+    dtype that is none of those, GenerationConfigError (a ValueError) for a ``generation_config.json`` with a value
+    no request may have, TypeError for an unknown engine argument.
     """
 
     def __init__(self, model: str | Path | Any, dtype: str | torch.dtype = "auto", device: str = "cpu",
@@ -37,21 +39,21 @@ class LLM:
         from deepseek_v41.engine.generation_config import load_sampling_defaults
         from deepseek_v41.model.checkpoint import load_model
 
-        if isinstance(model, str | Path):
-            path = Path(model)
+        path = Path(model) if isinstance(model, str | Path) else None
+        if path is not None:
             self.model = load_model(path, dtype=dtype, device=device)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         else:
             self.model = model.eval()
-        # A model object has no directory: "auto" then means no file, as a directory without one.
-        self._sampling_defaults = {} if generation_config == "auto" and not isinstance(model, str | Path) else \
-            load_sampling_defaults(generation_config, Path(model) if isinstance(model, str | Path) else Path())[0]
+        # "auto" reads the model directory's file; a model object has no directory, so no file, as a directory
+        # without one.
+        self._sampling_defaults = {} if path is None and generation_config == "auto" else \
+            load_sampling_defaults(generation_config, path or Path())[0]
         unknown = set(engine_args) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: "
                             f"{sorted(EngineArgs.__dataclass_fields__)}")
         self.tokenizer = tokenizer
-        path = Path(model) if isinstance(model, str | Path) else None
         self.engine = LLMEngine(self.model, EngineArgs(**engine_args), tokenizer, model_path=path)
         self._ids = itertools.count()
 
@@ -184,7 +186,7 @@ class LLM:
 def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
     """vLLM's "Processed prompts" bar for ``total`` requests, or None: ``use_tqdm`` False gives none, True a
     ``tqdm`` that disables itself when stderr is not a terminal (``disable=None``), a callable its own bar."""
-    if use_tqdm is False or use_tqdm is None:
+    if not use_tqdm:
         return None
     kwargs = {"total": total, "desc": "Processed prompts", "dynamic_ncols": True,
               "postfix": "est. speed input: 0.00 toks/s, output: 0.00 toks/s"}
