@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for n in args.lengths:
-            common = dict(max_model_len=n + args.suffix + 64, max_num_batched_tokens=args.chunk, max_num_seqs=2)
+            # fp32 as the README's table (LLM's default dtype is the checkpoint's, bf16 for the bundled one)
+            common = dict(dtype="float32", max_model_len=n + args.suffix + 64, max_num_batched_tokens=args.chunk,
+                          max_num_seqs=2)
             cold_llm = LLM(args.model, enable_prefix_caching=False, **common)
             prefix = prompt_tokens(cold_llm, n, args.text, seed=n)
             full = prefix + prompt_tokens(cold_llm, args.suffix, None, seed=n + 1)

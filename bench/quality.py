@@ -55,7 +55,8 @@ def replay_vs_cold(model_dir: Path, stream, lengths: list[int], tokens: int, suf
     for n in lengths:
         prefix = stream[:n].tolist()
         prompt = prefix + suffix
-        common = dict(max_model_len=n + len(suffix) + tokens + 16, max_num_batched_tokens=2048)
+        # fp32 as the README's table (LLM's default dtype is the checkpoint's, bf16 for the bundled one)
+        common = dict(dtype="float32", max_model_len=n + len(suffix) + tokens + 16, max_num_batched_tokens=2048)
         cold_llm = LLM(model_dir, enable_prefix_caching=False, **common)
         # every token's logprob at every step: the KL below is over the whole vocabulary
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True,

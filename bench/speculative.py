@@ -55,7 +55,9 @@ def run(model: Path, batch: list[list[int]], max_tokens: int, engine_args: dict)
     """One engine: a warm-up request, then the batch; returns (outputs, engine stats)."""
     from deepseek_v41.engine import LLM, SamplingParams
 
-    llm = LLM(model, max_num_seqs=max(8, len(batch)), **engine_args)
+    # fp32 as the README's table: in the checkpoint's bf16 (LLM's default) the batched verify forward rounds
+    # differently from plain decoding, so greedy tokens may differ
+    llm = LLM(model, dtype="float32", max_num_seqs=max(8, len(batch)), **engine_args)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate({"prompt_token_ids": batch[0]}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     before = dict(llm.stats)

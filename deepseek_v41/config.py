@@ -247,10 +247,13 @@ class ModelConfig:
             raise ConfigError([f"{file} is not valid JSON: {exc}"]) from exc
         return cls.from_dict(data)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, torch_dtype: str | None = None) -> dict[str, Any]:
         """The official multimodal wrapper layout: token ids, ``text_config``, ``vision_config`` and
         ``quantization_config`` (the last two only when present). ``ModelArgs``-only keys (``gate_temp``) are
-        written only when they differ from their default (:data:`ARGS_ONLY_DEFAULTS`)."""
+        written only when they differ from their default (:data:`ARGS_ONLY_DEFAULTS`). ``torch_dtype`` (e.g.
+        ``"bfloat16"``: the dtype the weights are stored in, Hugging Face's key, read back by
+        :func:`deepseek_v41.dtypes.config_dtype`) is written at the top level when given; it is metadata, not a
+        field (the same model may be loaded in any dtype)."""
         top_keys = ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id")
         text = {}
         for f in dataclasses.fields(self):
@@ -262,6 +265,8 @@ class ModelConfig:
                 del text[key]
         text["model_type"] = "deepseek_v41_text"
         out: dict[str, Any] = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41"}
+        if torch_dtype is not None:
+            out["torch_dtype"] = torch_dtype
         for key in top_keys:
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -275,12 +280,13 @@ class ModelConfig:
             out["quantization_config"] = q
         return out
 
-    def save(self, path: str | Path) -> Path:
-        """Write ``config.json`` (wrapper layout) into directory ``path``; returns the file path."""
+    def save(self, path: str | Path, torch_dtype: str | None = None) -> Path:
+        """Write ``config.json`` (wrapper layout, with ``torch_dtype`` when given: see :meth:`to_dict`) into
+        directory ``path``; returns the file path."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         file = path / "config.json"
-        file.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        file.write_text(json.dumps(self.to_dict(torch_dtype), indent=2) + "\n")
         return file
 
     def replace(self, **changes: Any) -> ModelConfig:

@@ -71,8 +71,8 @@ def generate(
                                           "generation_config.json, 'vllm' = none, or a folder holding one."),
     seed: int | None = typer.Option(None),
     prefill_mode: str | None = typer.Option(None, help="ced | exact (default: ced when the layout allows)."),
-    dtype: str = typer.Option("float32", help=f"Weights dtype: {', '.join(DTYPES)} (as dsv41 serve; auto = "
-                                              "float32 on CPU, bfloat16 on GPU)."),
+    dtype: str = typer.Option("auto", help=f"Weights dtype: {', '.join(DTYPES)} (as dsv41 serve; auto = the "
+                                           "checkpoint's torch_dtype, else bf16 where native, else float32)."),
     device: str = typer.Option("cpu", help="torch device, e.g. cpu, cuda or cuda:1 (checked at start)."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
     speculative: str | None = typer.Option(None, help="'dspark': speculative decoding with the checkpoint's DSpark "
@@ -102,7 +102,7 @@ def generate(
     except GenerationConfigError as exc:
         fail(str(exc))
     torch_device = check_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    torch_dtype = resolve_dtype(dtype, torch_device, model)
     # An option given wins, then the generation config, then this command's own defaults (greedy, 128 tokens).
     sampling = {**FALLBACK_SAMPLING, **defaults}
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}

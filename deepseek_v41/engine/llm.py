@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,29 +19,41 @@ from deepseek_v41.engine.sequence import RequestOutput
 class LLM:
     """Load a model directory (or take a model object) and generate.
 
-    ``LLM(model, dtype=torch.float32, device="cpu", prefill_mode="ced"|"exact", block_size=16, max_num_seqs=64,
+    ``LLM(model, dtype="auto", device="cpu", prefill_mode="ced"|"exact", block_size=16, max_num_seqs=64,
     max_num_batched_tokens=4096, max_model_len=None, num_kv_pages=None, kv_cache_memory_bytes=None,
-    window_slack_rows=16, enforce_eager=True, seed=0, tokenizer=None)``. ``model`` is a path (config.json +
-    safetensors, tokenizer.json when present) or an already built model. ``enforce_eager`` is accepted for
-    vLLM compatibility: the engine is always eager.
+    window_slack_rows=16, enforce_eager=True, seed=0, tokenizer=None, generation_config="auto")``. ``model`` is a
+    path (config.json + safetensors, tokenizer.json and generation_config.json when present) or an already built
+    model (used in its own dtype). ``dtype``: ``"auto"`` (the config's ``torch_dtype``, else bfloat16 where the
+    device computes bf16 natively, else float32), ``"bfloat16"``, ``"float32"``, ``"float16"``, ``"float64"`` or a
+    ``torch.dtype`` (:func:`deepseek_v41.dtypes.resolve_dtype`; ValueError naming the allowed values otherwise).
+    ``generation_config``: where :meth:`get_default_sampling_params` reads its defaults, as vLLM's
+    (``"auto"`` = the model directory's ``generation_config.json``, ``"vllm"`` = none, or a folder holding one).
+    ``enforce_eager`` is accepted for vLLM compatibility: the engine is always eager. Raises ValueError for a
+    dtype that is none of those, GenerationConfigError (a ValueError) for a ``generation_config.json`` with a value
+    no request may have, TypeError for an unknown engine argument.
     """
 
-    def __init__(self, model: str | Path | Any, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 tokenizer: Any | None = None, enforce_eager: bool = True, **engine_args: Any):
+    def __init__(self, model: str | Path | Any, dtype: str | torch.dtype = "auto", device: str = "cpu",
+                 tokenizer: Any | None = None, enforce_eager: bool = True, generation_config: str = "auto",
+                 **engine_args: Any):
+        from deepseek_v41.engine.generation_config import load_sampling_defaults
         from deepseek_v41.model.checkpoint import load_model
 
-        if isinstance(model, str | Path):
-            path = Path(model)
+        path = Path(model) if isinstance(model, str | Path) else None
+        if path is not None:
             self.model = load_model(path, dtype=dtype, device=device)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         else:
             self.model = model.eval()
+        # "auto" reads the model directory's file; a model object has no directory, so no file, as a directory
+        # without one.
+        self._sampling_defaults = {} if path is None and generation_config == "auto" else \
+            load_sampling_defaults(generation_config, path or Path())[0]
         unknown = set(engine_args) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: "
                             f"{sorted(EngineArgs.__dataclass_fields__)}")
         self.tokenizer = tokenizer
-        path = Path(model) if isinstance(model, str | Path) else None
         self.engine = LLMEngine(self.model, EngineArgs(**engine_args), tokenizer, model_path=path)
         self._ids = itertools.count()
 
@@ -74,12 +88,24 @@ class LLM:
                              "{'prompt_token_ids': [...]}")
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The ``SamplingParams`` a call without any gets, as vLLM's: its defaults with those of the checkpoint's
+        ``generation_config.json`` on top (temperature, top_p, top_k, min_p, repetition_penalty, and
+        max_new_tokens as ``max_tokens``; see :mod:`deepseek_v41.engine.generation_config`). A new object each
+        call; without a file (or with ``generation_config="vllm"``), plain ``SamplingParams()``."""
+        return SamplingParams(**self._sampling_defaults)
+
     def generate(self, prompts: str | dict | list, sampling_params: SamplingParams | list | None = None,
-                 use_tqdm: bool = False, add_special_tokens: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = True, add_special_tokens: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}`` — either
         optionally with ``"cache_salt"``,
         which keeps its prefix-cache entries apart from other salts — or a list of them); outputs in
-        prompt order. ``sampling_params`` is one for all or one per prompt (default: greedy-free vLLM defaults).
+        prompt order. ``sampling_params`` is one for all or one per prompt (default:
+        :meth:`get_default_sampling_params`; given ones are used as they are).
+
+        ``use_tqdm``: vLLM's "Processed prompts" progress bar on stderr, shown only when stderr is a terminal
+        (tqdm's ``disable=None``), so logs and pipes stay clean; False hides it; a callable (e.g. a ``tqdm``
+        subclass or ``functools.partial(tqdm, ...)``) is called with the bar's keyword arguments instead.
 
         Raises ValueError for bad prompts or parameters (token ids that are not integers in ``[0, vocab_size)``, a
         ``cache_salt`` that is not a non-empty string, ``logprobs`` above ``vocab_size``, ...) before anything runs.
@@ -87,7 +113,8 @@ class LLM:
         pages and slots freed, and is re-raised: the LLM stays usable."""
         single = isinstance(prompts, str | dict)
         prompts = [prompts] if single else list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()]
+        params = sampling_params if isinstance(sampling_params, list) else [
+            sampling_params if sampling_params is not None else self.get_default_sampling_params()]
         if len(params) == 1:
             params = params * len(prompts)
         if len(params) != len(prompts):
@@ -107,9 +134,10 @@ class LLM:
 
     def chat(self, messages: list | list[list], sampling_params: SamplingParams | None = None,
              tools: list | None = None, thinking: bool = False, reasoning_effort: Any = None,
-             drop_thinking: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+             drop_thinking: bool = True, use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
         """Render each conversation with the official encoder (:func:`deepseek_v41.chat.encode_messages`) and
-        generate. ``messages`` is one conversation (a list of messages) or a list of conversations."""
+        generate. ``messages`` is one conversation (a list of messages) or a list of conversations;
+        ``sampling_params`` and ``use_tqdm`` as in :meth:`generate`."""
         from deepseek_v41.chat import encode_messages
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -117,14 +145,12 @@ class LLM:
                                    drop_thinking=drop_thinking) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         engine = self.engine
         done: dict[str, RequestOutput] = {}
-        progress = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            progress = tqdm(total=len(request_ids), desc="Processed prompts", unit="req")
+        progress = _progress_bar(use_tqdm, len(request_ids))
+        prompt_tokens = output_tokens = 0
+        start = time.perf_counter()
         try:
             while len(done) < len(request_ids):
                 for output in engine.step():
@@ -132,6 +158,11 @@ class LLM:
                         done[output.request_id] = output
                         engine.release(output.request_id)
                         if progress is not None:
+                            prompt_tokens += len(output.prompt_token_ids)
+                            output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                            seconds = max(time.perf_counter() - start, 1e-9)
+                            progress.set_postfix_str(f"est. speed input: {prompt_tokens / seconds:.2f} toks/s, "
+                                                     f"output: {output_tokens / seconds:.2f} toks/s", refresh=False)
                             progress.update(1)
         finally:
             if progress is not None:
@@ -150,6 +181,21 @@ class LLM:
     @property
     def stats(self) -> dict[str, Any]:
         return self.engine.stats
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
+    """vLLM's "Processed prompts" bar for ``total`` requests, or None: ``use_tqdm`` False gives none, True a
+    ``tqdm`` that disables itself when stderr is not a terminal (``disable=None``), a callable its own bar."""
+    if not use_tqdm:
+        return None
+    kwargs = {"total": total, "desc": "Processed prompts", "dynamic_ncols": True,
+              "postfix": "est. speed input: 0.00 toks/s, output: 0.00 toks/s"}
+    if callable(use_tqdm):
+        return use_tqdm(**kwargs)
+    from tqdm import tqdm
+
+    bar = tqdm(**kwargs, disable=None)
+    return None if bar.disable else bar
 
 
 def _is_integer(value: Any) -> bool:

@@ -48,6 +48,7 @@ _FP8_WEIGHTS = re.compile(
     r".*(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123]|engram\.wkv|main_proj)\.weight$")
 _FP4_EXPERTS = re.compile(r".*ffn\.experts\.\d+\.w[123]\.weight$")
 _ENGRAM_TABLE = re.compile(r".*engram\.embed\.weight$")
+_PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 class CheckpointError(ValueError):
@@ -139,19 +140,25 @@ def _engram_fp8_layers(model: torch.nn.Module, files: dict[str, Path]) -> None:
             setattr(parent, leaf, EngramTable(module.num_rows, module.head_dim, "fp8", device="meta"))
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                fake_quant: bool = True):
     """Load a model directory (``config.json`` + safetensors) into a :class:`~deepseek_v41.model.transformer.
     Transformer` with weights of ``dtype`` on ``device`` (see the module docstring for the formats).
 
-    The Engram token map comes from the directory's ``tokenizer.json`` (or ``tokenizer/tokenizer.json``) when
-    present. Raises FileNotFoundError (no config / weights), ConfigError (bad config) and CheckpointError
-    listing every missing, unexpected, mis-shaped or undecodable tensor.
+    ``dtype``: a torch dtype or a name (``"auto"``, ``"bfloat16"``, ``"float32"``, ``"float16"``, ``"float64"``),
+    resolved by :func:`deepseek_v41.dtypes.resolve_dtype` (``auto``: the config's ``torch_dtype``, else bf16 where
+    the device computes it natively, else fp32). The default stays float32, the exact compute dtype that
+    training and evaluation load in; ``LLM`` defaults to ``auto``. The Engram token map comes from the
+    directory's ``tokenizer.json`` (or ``tokenizer/tokenizer.json``) when present. Raises FileNotFoundError (no
+    config / weights), ConfigError (bad config), ValueError (a dtype that is none of those, naming the allowed
+    ones) and CheckpointError listing every missing, unexpected, mis-shaped or undecodable tensor.
     """
+    from deepseek_v41.dtypes import resolve_dtype
     from deepseek_v41.model.transformer import Transformer
 
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)
+    dtype = resolve_dtype(dtype, device, path)
     files = weight_files(path)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -231,7 +238,9 @@ def save_pretrained(model, path: str | Path, quantization: str = "none",
     formats: FP8 32x32-block dense weights, packed FP4 routed experts, FP8 Engram tables (the config then
     records a ``quantization_config``). Shards above ``max_shard_bytes`` bytes split into several files with a
     ``model.safetensors.index.json``. ``dtype`` (e.g. bf16) casts the parameters on the way out, except those
-    :func:`keeps_fp32` names (mHC, sinks, router biases); the model itself is not changed. A model loaded by
+    :func:`keeps_fp32` names (mHC, sinks, router biases); the model itself is not changed. The config records
+    the dtype the weights are stored in as ``torch_dtype`` (as Hugging Face does), which ``dtype="auto"`` loads
+    them in again. A model loaded by
     :func:`load_model` also gets its directory's ``tokenizer.json``, ``tokenizer_config.json`` and
     ``generation_config.json`` copied over (files already in ``path`` are kept). Returns the files written.
     Raises ValueError for an unknown quantization.
@@ -246,7 +255,7 @@ def save_pretrained(model, path: str | Path, quantization: str = "none",
         cfg = cfg.replace(quantization_config=QuantizationConfig(
             quant_method="fp8", activation_scheme="dynamic", weight_block_size=(32, 32), scale_fmt="ue8m0",
             expert_dtype="fp4"))
-    cfg.save(path)
+    cfg.save(path, torch_dtype=_stored_dtype(model, dtype))
     # A previous save's shards or index would shadow (or mix with) the new weights.
     for stale in [*path.glob("model-*-of-*.safetensors"), path / "model.safetensors",
                   path / "model.safetensors.index.json"]:
@@ -284,6 +293,16 @@ def save_pretrained(model, path: str | Path, quantization: str = "none",
         written.append(index)
     written += _copy_companions(model, path)
     return written
+
+
+def _stored_dtype(model, dtype: torch.dtype | None) -> str | None:
+    """The ``torch_dtype`` a saved config records, as Hugging Face's ``save_pretrained`` does: ``dtype`` when the
+    weights are cast to it, else the dtype of the model's floating parameters outside :func:`keeps_fp32` (the
+    dtype ``LLM(dtype="auto")`` then loads them in again); None for a model without such parameters."""
+    if dtype is None:
+        dtype = next((p.dtype for name, p in model.named_parameters()
+                      if p.dtype in _PLAIN_DTYPES and not keeps_fp32(name)), None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

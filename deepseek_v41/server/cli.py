@@ -17,9 +17,9 @@ from typing import NoReturn
 
 import typer
 
+from deepseek_v41.dtypes import DTYPES
 from deepseek_v41.server import options
 
-DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "deepseek_v41" / "prefix-cache"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 REPLAY_MODES = ("bounded", "exact")
@@ -72,16 +72,17 @@ def check_device(device: str, option: str = "--device"):
     return parsed
 
 
-def resolve_dtype(dtype: str, device, option: str = "--dtype"):
-    """The torch dtype of ``--dtype`` (one of :data:`DTYPES`; ``auto`` = float32 on CPU, bfloat16 elsewhere) for
-    the parsed ``device``; exits 2 naming the allowed values otherwise."""
-    import torch
+def resolve_dtype(dtype: str, device, model_dir: Path | None = None, option: str = "--dtype"):
+    """The torch dtype of ``--dtype`` (one of :data:`DTYPES`; ``auto`` = the torch_dtype ``model_dir``'s config
+    records, else bfloat16 where ``device`` computes bf16 natively, else float32:
+    :func:`deepseek_v41.dtypes.resolve_dtype`) for the parsed ``device``; exits 2 with the reason and the allowed
+    values otherwise."""
+    from deepseek_v41.dtypes import resolve_dtype as resolve
 
-    if dtype not in DTYPES:
-        fail(f"{option} must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return getattr(torch, dtype)
+    try:
+        return resolve(dtype, device, model_dir, option)
+    except ValueError as exc:
+        fail(str(exc))
 
 
 def _missing_dirs(path: Path) -> list[Path]:
@@ -137,8 +138,8 @@ def serve(
                                             "memory)."),
     kv_cache_memory_bytes: int | None = typer.Option(None, min=1, help="Byte budget of the global KV pool."),
     prefill_mode: str | None = typer.Option(None, help="'ced' (default when the layout allows) or 'exact'."),
-    dtype: str = typer.Option("auto", help=f"Weights dtype: {', '.join(DTYPES)} (auto = float32 on CPU, "
-                              "bfloat16 on GPU)."),
+    dtype: str = typer.Option("auto", help=f"Weights dtype: {', '.join(DTYPES)} (auto = the checkpoint's "
+                              "torch_dtype, else bfloat16 where the device has native bf16, else float32)."),
     device: str = typer.Option("cpu", help="torch device, e.g. cpu, cuda or cuda:1 (checked at start)."),
     seed: int = typer.Option(0, help="Seed of requests that do not give one."),
     threads: int | None = typer.Option(None, min=1, help="torch threads for the engine (1 avoids OpenMP "
@@ -264,7 +265,7 @@ def serve(
     import torch
 
     torch_device = check_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    torch_dtype = resolve_dtype(dtype, torch_device, model)
 
     from deepseek_v41.config import ConfigError
     from deepseek_v41.engine import LLM

@@ -53,10 +53,11 @@ def measure(model_dir: Path, corpus: Path, context: int = 512, probe_windows: in
 
 
 def continuation(model_dir: Path, prompt: str, max_tokens: int = 48) -> dict[str, Any]:
-    """Greedy continuation of ``prompt`` through the engine (CED prefill)."""
+    """Greedy continuation of ``prompt`` through the engine (CED prefill), in fp32 as the metrics (``LLM``'s
+    default dtype is the checkpoint's, bf16 for the bundled one)."""
     from deepseek_v41.engine import LLM, SamplingParams
 
-    out = LLM(model_dir).generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+    out = LLM(model_dir, dtype="float32").generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
     return {"prompt": prompt, "continuation": out.outputs[0].text}
 
 

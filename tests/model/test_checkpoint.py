@@ -161,6 +161,7 @@ def test_a_loaded_model_saves_a_directory_that_serves(tmp_path):
     assert (tmp_path / "plain" / "generation_config.json").read_text() == "{}"
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = "The io module provides"
-    expected = LLM(bundled, max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids
+    # ``source`` is the bundled bf16 weights in fp32 and "plain" records torch_dtype float32: compare in fp32.
+    expected = LLM(bundled, dtype="float32", max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids
     assert LLM(tmp_path / "plain", max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids == expected
     assert len(LLM(tmp_path / "official", max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids) == 6
