@@ -16,8 +16,9 @@ from deepseek_v41 import kernels
 from deepseek_v41.cache.block_manager import BlockManager
 from deepseek_v41.cache.block_table import BlockTable
 from deepseek_v41.cache.kv_cache import PagedKVCache
+from deepseek_v41.kernels.fast import KERNEL_DTYPES, fused
 from deepseek_v41.model.context import pick_rows
-from deepseek_v41.model.norm import KERNEL_DTYPES, cast, fused, upcast
+from deepseek_v41.model.norm import cast, upcast
 from deepseek_v41.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8_values
 
 _MAIN, _INDEX = 0, 2  # where each FP4 kind starts in a pool tuple (codes, scales)

@@ -13,9 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deepseek_v41 import kernels
-from deepseek_v41.model.hooks import unobserved
-from deepseek_v41.model.norm import RMSNorm, cast, fused, rms_normalize, upcast
+from deepseek_v41.model.norm import cast, rms_normalize, upcast
 from deepseek_v41.quant.formats import device_constant
 
 
@@ -54,13 +52,9 @@ def _part_index(hc: int, device: torch.device) -> torch.Tensor:
 
 def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
            norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Coefficients of one site from streams [B, T, hc, D] (any float dtype; the kernel reads fp32 / bf16 ones as
-    they are, the torch code widens them first: callers on that path pass them already upcast, to share one
-    conversion with :func:`collapse` / :func:`expand`): pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc]
-    (all fp32; comb[i, j] moves stream i into stream j). fp32 / bf16 streams on the CPU in inference mode take the
-    fused kernel (any row count: its tokens are split over the kernels' pool)."""
-    if hc <= kernels.MAX_HC and fused(streams, fn, base, scale):  # (bf16 streams widened inside)
-        return kernels.hc_mix(streams, upcast(fn), upcast(base), upcast(scale), hc, norm_eps, hc_eps, iters)
+    """Coefficients of one site from streams [B, T, hc, D] (any float dtype, widened first: callers that have
+    them already upcast pass those, to share one conversion with :func:`collapse` / :func:`expand`): pre
+    [B, T, hc], post [B, T, hc], comb [B, T, hc, hc] (all fp32; comb[i, j] moves stream i into stream j)."""
     flat = rms_normalize(upcast(streams).flatten(-2), norm_eps)  # [B, T, hc*D]
     mix = flat @ cast(fn, flat.dtype).t()  # [B, T, (2+hc)*hc]: pre | post | comb
     mix = mix * cast(scale, flat.dtype)[_part_index(hc, scale.device)] + cast(base, flat.dtype)
@@ -71,20 +65,9 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     return pre, post, sinkhorn(comb, iters, hc_eps)
 
 
-def collapse(streams: torch.Tensor, weights: torch.Tensor, wide: torch.Tensor | None = None,
-             norm: RMSNorm | None = None) -> torch.Tensor:
+def collapse(streams: torch.Tensor, weights: torch.Tensor, wide: torch.Tensor | None = None) -> torch.Tensor:
     """``Σ_i w_i R_i``: streams [B, T, hc, D], weights [B, T, hc] -> [B, T, D] in the streams' dtype. ``wide``:
-    the streams already upcast (``upcast(streams)``), when the caller has them. ``norm``: returns
-    ``norm(collapse(...))`` (the sub-layer input), fused for fp32 / bf16 on the CPU (bf16 read and written as it
-    is when the norm weight is bf16 too)."""
-    if norm is not None and unobserved(norm, RMSNorm) and fused(streams, weights, norm._parameters["weight"]):
-        weight = norm._parameters["weight"]  # (not norm.weight: Module.__getattr__ costs ~1 µs a lookup)
-        if weight.dtype == streams.dtype and streams.shape[-1] <= kernels.ROW_ON_STACK:  # bf16 read as it is
-            return kernels.hc_collapse(streams, upcast(weights), weight, norm.eps)
-        wide = upcast(streams) if wide is None else wide
-        return cast(kernels.hc_collapse(wide, upcast(weights), upcast(weight), norm.eps), streams.dtype)
-    if norm is not None:
-        return norm(collapse(streams, weights, wide))
+    the streams already upcast (``upcast(streams)``), when the caller has them."""
     wide = upcast(streams) if wide is None else wide
     return cast((cast(weights, wide.dtype)[..., None, :] @ wide).squeeze(-2), streams.dtype)
 
@@ -93,11 +76,6 @@ def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: tor
            wide: torch.Tensor | None = None) -> torch.Tensor:
     """``R'_j = post_j y + Σ_i comb[i, j] R_i``: streams [B, T, hc, D], y [B, T, D] -> [B, T, hc, D] (``wide``
     as in :func:`collapse`)."""
-    if fused(streams, y, post, comb):
-        if y.dtype == streams.dtype and streams.shape[-1] <= kernels.ROW_ON_STACK:  # bf16 read as it is
-            return kernels.hc_expand(streams, y, upcast(post), upcast(comb))
-        wide = upcast(streams) if wide is None else wide
-        return cast(kernels.hc_expand(wide, upcast(y), upcast(post), upcast(comb)), streams.dtype)
     wide = upcast(streams) if wide is None else wide
     mixed = cast(comb, wide.dtype).transpose(-1, -2) @ wide
     return cast(cast(post, wide.dtype)[..., None] * cast(y, wide.dtype)[:, :, None, :] + mixed, streams.dtype)

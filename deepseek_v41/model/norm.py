@@ -8,7 +8,6 @@ from torch import nn
 from deepseek_v41 import kernels
 
 _WIDE = (torch.float32, torch.float64)  # dtypes upcast leaves as they are
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the fused CPU kernels take (bf16 upcast first)
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -36,10 +35,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() >= 1 and self.weight.shape == x.shape[-1:] and fused(x, self.weight):
-            if x.dtype != self.weight.dtype:  # the kernel takes both fp32 or both bf16
-                return cast(kernels.rms_norm(upcast(x), upcast(self.weight), self.eps), x.dtype)
-            return kernels.rms_norm(x, self.weight, self.eps)
         xf = upcast(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return cast(y * cast(self.weight, xf.dtype), x.dtype)
@@ -48,23 +43,17 @@ class RMSNorm(nn.Module):
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Weightless RMS normalisation in fp32 (mHC mixing, Engram gate): returns fp32 [..., dim] (float64 for
     float64 input)."""
-    if fused(x):
-        return kernels.rms_norm(upcast(x), None, eps)
     xf = upcast(x)
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
+# --- kept for model/attention.py, indexer.py and moe.py only, until their fast paths move to kernels/fast (issue
+# --- 24): deepseek_v41.kernels.fast.fused is the same function. Remove it (and the kernels import) then.
 def fused(*tensors: torch.Tensor) -> bool:
-    """Whether the fused CPU kernels (:mod:`deepseek_v41.kernels`) take these fp32 or bf16 tensors: CPU,
-    contiguous, and under ``torch.inference_mode`` (the engine's forwards). The kernels compute in fp32, so
-    callers pass them ``upcast`` tensors and cast the result back where the torch code does (for bf16 its
-    ``upcast`` / ``cast`` pairs). They add in another order than ATen and skip the bf16 roundings between the
-    steps they fuse, so they agree with the torch code to rounding, not bit for bit; outside inference mode
-    (training, the exact forward with or without ``no_grad``) the torch code runs, so those results never depend
-    on the grad mode."""
+    """Deprecated here: :func:`deepseek_v41.kernels.fast.fused` (fp32 / bf16, CPU, contiguous, inference mode)."""
     if not torch.is_inference_mode_enabled():
         return False
-    for t in tensors:  # a plain loop: this runs ~100 times a decode step
-        if t.dtype not in KERNEL_DTYPES:
+    for t in tensors:
+        if t.dtype not in (torch.float32, torch.bfloat16):
             return False
     return kernels.usable(*tensors)

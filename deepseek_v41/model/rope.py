@@ -12,7 +12,6 @@ import math
 import torch
 from torch import nn
 
-from deepseek_v41 import kernels
 from deepseek_v41.model.norm import cast, upcast
 
 
@@ -78,15 +77,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
                 cache: dict | None = None) -> torch.Tensor:
-        r = self.rope_dim
-        if r == 0:
+        if self.rope_dim == 0:
             return x
         cos, sin = self.phases(positions, cache)
-        if (x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == torch.float32 and x.dim() in (3, 4)
-                and r % 2 == 0 and x.shape[-1] >= r and cos.shape == (*x.shape[:2], r)
-                and kernels.usable(x, cos, sin)):
-            # The same products and sums in C: the same bits (positions that broadcast take the torch code).
-            return kernels.rope(x, cos, sin, inverse)
+        return self.rotate(x, cos, sin, inverse)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the last ``rope_dim`` dims of x [B, T, d] or [B, T, H, d] by phases ``cos`` / ``sin`` [B, T, r]
+        (:meth:`phases`; [1, T, r] broadcasts over the batch); in x's dtype, rotated in fp32 (float64 stays)."""
+        r = self.rope_dim
         if x.dim() == 4:
             cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         if inverse:

@@ -11,15 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepseek_v41 import kernels
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.model.attention import Attention
 from deepseek_v41.model.context import DenseContext
 from deepseek_v41.model.hyper import collapse, expand, hc_mix
-from deepseek_v41.model.linear import few_token_gemv
 from deepseek_v41.model.moe import MoE
-from deepseek_v41.model.norm import RMSNorm, fused, upcast
-from deepseek_v41.model.warm import warm
+from deepseek_v41.model.norm import RMSNorm, upcast
 from deepseek_v41.plan import LayerSpec, build_layer_plan
 
 
@@ -56,36 +53,28 @@ class Block(nn.Module):
 
             self.engram = Engram(cfg, spec.layer_id)
 
-    def mix(self, site: str, streams: torch.Tensor):
-        p = self._parameters  # (not getattr: Module.__getattr__ costs ~1 µs a lookup)
-        return hc_mix(streams, p[f"hc_{site}_fn"], p[f"hc_{site}_base"], p[f"hc_{site}_scale"], self.hc, self.norm_eps,
-                      self.hc_eps, self.hc_iters)
+    def mix(self, site: str, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The mHC coefficients ``(pre, post, comb)`` of ``site`` ("attn" or "ffn") from the streams (or their
+        upcast copy): :func:`~deepseek_v41.model.hyper.hc_mix` with this block's parameters."""
+        return hc_mix(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                      getattr(self, f"hc_{site}_scale"), self.hc, self.norm_eps, self.hc_eps, self.hc_iters)
 
     def attention_input(self, streams: torch.Tensor, pre: torch.Tensor, wide: torch.Tensor | None = None
                         ) -> torch.Tensor:
-        """The normalised attention input [B, T, D] (also what a kv source's compressor reads)."""
-        return collapse(streams, pre, wide, norm=self._modules["attn_norm"])
+        """The normalised attention input [B, T, D] (also what a kv source's compressor reads); ``wide``: the
+        streams upcast, when the caller has them."""
+        return self.attn_norm(collapse(streams, pre, wide))
 
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, ctx, image_mask: torch.Tensor | None = None,
                 compress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        modules = self._modules  # (not self.attn etc.: Module.__getattr__ costs ~1 µs a lookup)
-        wide = _wide(streams)
-        a_pre, a_post, a_comb = self.mix("attn", streams if wide is None else wide)
-        y = modules["attn"](self.attention_input(streams, pre, wide), ctx, compress=compress)
+        wide = upcast(streams)  # one fp32 copy of bf16 streams per site, shared by mix / collapse / expand
+        a_pre, a_post, a_comb = self.mix("attn", wide)
+        y = self.attn(self.attention_input(streams, pre, wide), ctx, compress=compress)
         streams = expand(streams, y, a_post, a_comb, wide)
-        wide = _wide(streams)
-        f_pre, f_post, f_comb = self.mix("ffn", streams if wide is None else wide)
-        y = modules["ffn"](collapse(streams, a_pre, wide, norm=modules["ffn_norm"]), image_mask)
+        wide = upcast(streams)
+        f_pre, f_post, f_comb = self.mix("ffn", wide)
+        y = self.ffn(self.ffn_norm(collapse(streams, a_pre, wide)), image_mask)
         return expand(streams, y, f_post, f_comb, wide), f_pre
-
-
-def _wide(streams: torch.Tensor) -> torch.Tensor | None:
-    """One fp32 copy of bf16 streams per site, shared by the torch code of mix / collapse / expand; None where
-    the mHC kernels read the bf16 streams as they are (each function still widens them if its torch code runs)."""
-    if (streams.dtype == torch.bfloat16 and streams.shape[-2] <= kernels.MAX_HC
-            and streams.shape[-1] <= kernels.ROW_ON_STACK and fused(streams)):
-        return None
-    return upcast(streams)
 
 
 class Transformer(nn.Module):
@@ -178,12 +167,8 @@ class Transformer(nn.Module):
         """Run ``layers`` in order. ``engram_rows[layer]`` [B, T, columns] feeds Engram layers; ``taps``, when
         given, receives each layer's input residual streams (DSpark target features); layers in
         ``skip_compress`` do not run their compressor (CED: it already ran over every token)."""
-        blocks = list(self._modules["layers"]._modules.values())  # (indexing a ModuleList costs ~1 µs)
-        few = streams.shape[0] * streams.shape[1] <= kernels.FEW_ROWS and kernels.usable(streams)
         for j in layers:
-            block = blocks[j]
-            if few:  # decode / verify: the objects this block reads were evicted since its last step (model/warm.py)
-                warm(block)
+            block = self.layers[j]
             if block.engram is not None:
                 streams = block.engram(streams, engram_rows[j], image_mask)
             if taps is not None:
@@ -193,9 +178,11 @@ class Transformer(nn.Module):
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Final collapse, norm and LM head: [B, T, hc, D] -> logits [B, T, vocab], fp32 (float64 for float64)."""
-        x = upcast(self.norm(collapse(streams, pre)))
-        if few_token_gemv(x, self.head.weight):
-            return kernels.linear(x, self.head.weight)
+        return self.lm_head(upcast(self.norm(collapse(streams, pre))))
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head on the final normalised hidden x [B, T, D] fp32 (float64 stays): logits [B, T, vocab] in x's
+        dtype (the head weight widened to it)."""
         return x @ self.head.weight.to(x.dtype).t()
 
     def forward(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None,

@@ -8,12 +8,14 @@ import torch
 
 from deepseek_v41 import kernels
 from deepseek_v41.config import tiny_config
+from deepseek_v41.kernels import fast
 from deepseek_v41.model.transformer import Transformer
 
 
 def perturbed_models(max_position_embeddings: int | None = None) -> dict[torch.dtype, Transformer]:
     """tiny_config models in eval mode with every weight moved off its init (unit norms, zero sinks) by seeded
-    noise: ``{torch.float32: model, torch.bfloat16: the same weights in bf16}``."""
+    noise: ``{torch.float32: model, torch.bfloat16: the same weights in bf16}``, with the fast backend installed (as
+    the engine's model runner installs it: their module calls under inference mode are the engine's)."""
     cfg = tiny_config()
     if max_position_embeddings is not None:
         cfg = cfg.replace(max_position_embeddings=max_position_embeddings)
@@ -24,7 +26,10 @@ def perturbed_models(max_position_embeddings: int | None = None) -> dict[torch.d
             p.add_(torch.randn_like(p) * 0.05)
     bf16 = Transformer(cfg).eval()
     bf16.load_state_dict(model.state_dict())
-    return {torch.float32: model, torch.bfloat16: bf16.bfloat16()}
+    models = {torch.float32: model, torch.bfloat16: bf16.bfloat16()}
+    for m in models.values():
+        fast.install(m)
+    return models
 
 
 def count_calls(monkeypatch, *names: str) -> collections.Counter:

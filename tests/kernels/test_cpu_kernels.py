@@ -12,8 +12,8 @@ kernel reading past a buffer could crash.
 bf16 takes the same kernels through ``upcast`` / ``cast`` at the boundary (the tests near the end): where the
 torch code computes in fp32 from the same upcast values and rounds once, the two are at most one bf16 ulp apart
 (most elements identical); where the torch code rounds to bf16 between steps the kernel skips, a few ulps of the
-output's scale. The GEMV kernel (``kernels.linear``, ``model.linear.Linear``, ``GroupedLinear``) is checked
-against ``F.linear``, and its bf16 rounding bit for bit against ``Tensor.to(torch.bfloat16)``. The MoE kernel
+output's scale. The GEMV kernel (``kernels.linear``, an installed ``model.linear.Linear``, ``GroupedLinear``) is
+checked against ``F.linear``, and its bf16 rounding bit for bit against ``Tensor.to(torch.bfloat16)``. The MoE kernel
 reading the routed experts in FP4 (``kernels.moe_fp4``) must give its bf16 path's bits on the same weight values
 (also when built without AVX-512), and agree with float64 arithmetic on weights decoded by ml_dtypes.
 """
@@ -40,12 +40,14 @@ from deepseek_v41.cache.block_manager import BlockManager
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.config import tiny_config
+from deepseek_v41.kernels.fast import install
+from deepseek_v41.kernels.fast.block import collapse, expand, hc_mix
+from deepseek_v41.kernels.fast.dense import linear
 from deepseek_v41.model.attention import GroupedLinear, _attend_few, sparse_attention
-from deepseek_v41.model.hyper import collapse, expand, hc_mix
 from deepseek_v41.model.indexer import IndexScorer, topk_entries, topk_set
-from deepseek_v41.model.linear import Linear, linear
+from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.moe import Expert, Gate, MoE, clamped_swiglu
-from deepseek_v41.model.norm import RMSNorm, rms_normalize
+from deepseek_v41.model.norm import RMSNorm, rms_normalize, upcast
 from deepseek_v41.model.rope import RotaryEmbedding
 from deepseek_v41.quant import (
     dequantize_fp4,
@@ -324,6 +326,7 @@ def test_dequantize_every_code_and_scale_byte(calls):
 def test_rope_equals_the_torch_code(calls, dtype, inverse, heads, d, r, yarn):
     cfg = tiny_config()
     rope = RotaryEmbedding(r, 10000.0 if yarn else 160000.0, cfg.yarn if yarn else None)
+    assert install(rope).modules == {"RotaryEmbedding": 1}
     g = torch.Generator().manual_seed(d + r)
     B, T = 3, 7
     x = (torch.randn((B, T, d) if heads is None else (B, T, heads, d), generator=g) * 4).to(dtype)
@@ -497,16 +500,22 @@ def test_rms_norm_is_close_in_inference_mode_only(calls):
     norm = RMSNorm(64, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    assert install(norm).modules == {"RMSNorm": 1}
     x = torch.randn(2, 5, 64, generator=g) * 3
     close_in_inference_mode_and_exact_outside(calls, "rms_norm", norm, x)
     calls.clear()
-    close_in_inference_mode_and_exact_outside(calls, "rms_norm", rms_normalize, x * 1e-8, 1e-20)
-    calls.clear()
+    # The weightless kernel (no weight: the normalisation hc_mix's kernel does per row) against rms_normalize.
     odd = torch.randn(3, 37, generator=g)  # a width that is not a multiple of the kernel's 8 lanes
-    close_in_inference_mode_and_exact_outside(calls, "rms_norm", rms_normalize, odd, 1e-6)
+    for rows, eps in ((x * 1e-8, 1e-20), (odd, 1e-6)):
+        with torch.inference_mode():
+            got = kernels.rms_norm(rows, None, eps)
+        torch.testing.assert_close(got, rms_normalize(rows, eps), rtol=RTOL, atol=ATOL)
     calls.clear()
-    with torch.inference_mode():  # float64 stays on the torch code
-        rms_normalize(x.double(), 1e-6)
+    wide = RMSNorm(64, 1e-6).double()
+    assert install(wide).modules == {}  # a float64 weight: nothing installed
+    with torch.inference_mode():  # float64 stays on the torch code, also through an fp32 norm
+        wide(x.double())
+        norm(x.double())
     assert calls["rms_norm"] == 0
     xb = x.bfloat16()
     with torch.inference_mode():  # bf16: the kernel on the upcast input, the result in bf16
@@ -649,6 +658,7 @@ def test_a_hooked_norm_passed_to_collapse_is_still_called(calls):
     streams, _, _, _ = mhc_inputs(2, 3, seed=10)
     weights = torch.rand(2, 3, 4, generator=torch.Generator().manual_seed(11))
     norm = RMSNorm(64, 1e-6)
+    install(norm)  # (before the hook: a hooked module gets no fast version)
     seen = []
     handle = norm.register_forward_hook(lambda module, args, out: seen.append(out))
     try:
@@ -707,7 +717,7 @@ ISOLATED = {
     "hc_mult above 16": """
 import torch
 from deepseek_v41 import kernels
-from deepseek_v41.model.hyper import hc_mix
+from deepseek_v41.kernels.fast.block import hc_mix
 hc, D = 24, 8
 g = torch.Generator().manual_seed(0)
 args = (torch.randn(1, 1, hc, D, generator=g), torch.randn((2 + hc) * hc, hc * D, generator=g) * 0.05,
@@ -724,7 +734,9 @@ for a, b in zip(fast, slow):
 import torch
 from deepseek_v41 import kernels
 from deepseek_v41.model.rope import RotaryEmbedding
+from deepseek_v41.kernels.fast import install
 rope = RotaryEmbedding(16, 10000.0, None)
+assert install(rope).modules == {"RotaryEmbedding": 1}
 x, positions = torch.randn(3, 5, 4, 32), torch.arange(5)[None]
 fast = rope(x, positions)
 with kernels.disabled():
@@ -1891,6 +1903,7 @@ def test_linear_module_has_the_parameters_of_nn_linear():
 
 def test_linear_module_takes_the_kernel_for_few_bf16_tokens_in_inference_mode_only(calls):
     layer = bf16_linear(37, 7, seed=73)
+    assert install(layer).modules == {"Linear": 1}  # then a hook added after install fires around it
     x = torch.randn(2, 3, 37, generator=torch.Generator().manual_seed(74)).bfloat16()
     seen = []
     handle = layer.register_forward_hook(lambda module, args, out: seen.append(out))
@@ -1923,6 +1936,7 @@ def test_linear_module_takes_the_kernel_for_few_bf16_tokens_in_inference_mode_on
     # Under inference mode too: with a bias, in fp32, for a non-contiguous x.
     biased = bf16_linear(37, 7, bias=True, seed=75)
     fp32 = bf16_linear(37, 7, seed=73, dtype=torch.float32)
+    assert install(biased).modules == {} and install(fp32).modules == {"Linear": 1}
     strided = torch.randn(37, 4, generator=torch.Generator().manual_seed(76)).bfloat16().t()
     assert not strided.is_contiguous()
     with torch.inference_mode():
@@ -1937,6 +1951,7 @@ def test_linear_of_many_tokens_and_more_than_gemv_macs_takes_f_linear(calls):
     multiply-adds."""
     K, O = 64, 1024
     layer = bf16_linear(K, O, seed=77)
+    install(layer)
     few = kernels.FEW_ROWS
     x = torch.randn(few + 1, K, generator=torch.Generator().manual_seed(78)).bfloat16()
     assert few * K * O > kernels.GEMV_MACS
@@ -1946,6 +1961,7 @@ def test_linear_of_many_tokens_and_more_than_gemv_macs_takes_f_linear(calls):
         two = layer(x)  # one more token: ATen
         assert calls["linear"] == 1
         small = bf16_linear(K, 8, seed=79)
+        install(small)
         assert (few + 1) * K * 8 <= kernels.GEMV_MACS
         three = small(x)  # many tokens, few multiply-adds: the kernel
     assert calls["linear"] == 2
@@ -1959,6 +1975,7 @@ def test_linear_of_mismatched_or_empty_widths(calls):
     """Widths that do not fit the weight raise as ``F.linear`` does, under inference mode too (the kernel would
     read past the weight); the kernel refuses K = 0 (an empty input) rather than return unwritten memory."""
     layer = bf16_linear(40, 8, seed=79)
+    install(layer)
     grouped = GroupedLinear(16, 2, 4).bfloat16()
     with torch.no_grad():
         grouped.weight.normal_(generator=torch.Generator().manual_seed(80))
@@ -2034,9 +2051,11 @@ def test_bf16_norms_and_mhc_take_the_kernels(calls, D):
     streams, fn, base, scale = mhc_inputs(2, 3, D=D, seed=90)
     sb = streams.bfloat16()
     g = torch.Generator().manual_seed(91)
-    # rms_normalize: fp32 out (the torch code upcasts first), from the same fp32 values.
-    got, want = kernel_and_torch(calls, "rms_norm", rms_normalize, sb.flatten(-2), 1e-6)
-    assert got.dtype == torch.float32
+    # rms_normalize: fp32 out (the torch code upcasts first); the weightless kernel from the same fp32 values.
+    want = rms_normalize(sb.flatten(-2), 1e-6)
+    with torch.inference_mode():
+        got = kernels.rms_norm(upcast(sb.flatten(-2)), None, 1e-6)
+    assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     # RMSNorm: a bf16 model's (bf16 x and weight) is bf16, one rounding of the same fp32 result apart; fp32 x
     # with a bf16 weight stays fp32.
@@ -2044,6 +2063,7 @@ def test_bf16_norms_and_mhc_take_the_kernels(calls, D):
     with torch.no_grad():
         norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
     norm.bfloat16()
+    assert install(norm).modules == {"RMSNorm": 1}
     got, want = kernel_and_torch(calls, "rms_norm", norm, sb[:, :, 0].contiguous())
     assert_bf16_close(got, want, peak(want), tol=ATOL)
     got, want = kernel_and_torch(calls, "rms_norm", norm, streams[:, :, 0].contiguous())
@@ -2212,9 +2232,11 @@ def test_bf16_engine_logits_are_close_with_and_without_the_kernels(calls):
     def run(force: list[torch.Tensor] | None = None):
         """Tokens and the last position's logits of each forward; ``force``: each forward's tokens to pick."""
         logits = []
+        llm = LLM(model, max_model_len=256)  # installs the fast backend (nothing with the kernels off)
+        head = model.lm_head  # the installed LM head, or the reference one
 
         def spy(streams, pre):
-            out = Transformer.logits(model, streams, pre)
+            out = head(upcast(model.norm(collapse(streams, pre))))  # Transformer.logits with that head
             logits.append(out[:, -1].clone())
             if force is not None:
                 out = out.clone()
@@ -2223,7 +2245,7 @@ def test_bf16_engine_logits_are_close_with_and_without_the_kernels(calls):
 
         model.logits = spy
         try:
-            tokens = [o.outputs[0].token_ids for o in LLM(model, max_model_len=256).generate(prompts, params)]
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         finally:
             del model.logits
         return tokens, logits

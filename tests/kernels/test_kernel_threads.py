@@ -6,8 +6,8 @@ thread takes it, so the results must be the same bits at 1, 2 and 3 threads, and
 bits whatever batch it is in. Both are also checked against float64 arithmetic in torch (the independent oracle),
 to fp32 rounding. Then the pool's life: counts up and down, a forked child (which inherits no workers), two
 Python threads sharing one pool (the second caller runs its items itself). Last, which few-token projections
-and LM heads take the kernel (``model.linear.gemv`` / ``few_token_gemv``): fp32 weights only while the kernels
-have at least torch's threads.
+and LM heads take the kernel (``kernels.fast.dense.gemv`` / ``few_token_gemv``, once the fast backend is installed):
+fp32 weights only while the kernels have at least torch's threads.
 
 Each test leaves the pool at one thread and torch at its thread count (the suite runs with OMP_NUM_THREADS=1;
 the tests set what they need, so they do not depend on the machine's cores). Without a C compiler these tests
@@ -25,8 +25,10 @@ import torch.nn.functional as F
 
 from deepseek_v41 import kernels
 from deepseek_v41.config import tiny_config
+from deepseek_v41.kernels import fast
+from deepseek_v41.kernels.fast.dense import FP32_GEMV_WEIGHTS, few_token_gemv, gemv
 from deepseek_v41.model.hyper import collapse
-from deepseek_v41.model.linear import FP32_GEMV_WEIGHTS, Linear, few_token_gemv, gemv
+from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.norm import upcast
 from deepseek_v41.model.transformer import Transformer
 
@@ -437,6 +439,7 @@ def test_fp32_projections_take_the_kernel_only_while_the_kernels_have_torchs_thr
     small = Linear(K, FP32_GEMV_WEIGHTS // K - 1, bias=False)
     for layer in (big, small):
         torch.nn.init.normal_(layer.weight, std=K ** -0.5, generator=torch.Generator().manual_seed(60))
+        assert fast.install(layer).modules == {"Linear": 1}
     assert big.weight.numel() >= FP32_GEMV_WEIGHTS > small.weight.numel()
     few = kernels.FEW_ROWS
     x = torch.randn(few + 1, K, generator=torch.Generator().manual_seed(61))
@@ -492,8 +495,11 @@ def test_fp32_tokens_with_a_bf16_weight_take_the_kernel_whatever_the_threads(tor
 @pytest.fixture(scope="module")
 def models():
     torch.manual_seed(3)
-    model = Transformer(tiny_config()).eval()
-    return {torch.float32: model, torch.bfloat16: Transformer(tiny_config()).eval().bfloat16()}
+    models = {torch.float32: Transformer(tiny_config()).eval(),
+              torch.bfloat16: Transformer(tiny_config()).eval().bfloat16()}
+    for model in models.values():
+        assert fast.install(model).modules["Transformer"] == 1  # the LM head's fast version
+    return models
 
 
 def head_inputs(model: Transformer, B: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""model/warm.py: prefetch hints for a block's Python objects before a few-token forward.
+"""kernels/fast/warm.py: prefetch hints for a block's Python objects before a few-token forward.
 
 The hints change no result (they read nothing); what can go wrong is which addresses are gathered, when they are
 gathered again, and a stale or wild address reaching the prefetch. Without the kernel library ``kernels.prefetch``
@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from deepseek_v41 import kernels
-from deepseek_v41.model import warm as warm_module
-from deepseek_v41.model.warm import MAX_CHILDREN, REFRESH, object_addresses, warm
+from deepseek_v41.kernels import fast
+from deepseek_v41.kernels.fast import warm as warm_module
+from deepseek_v41.kernels.fast.warm import MAX_CHILDREN, REFRESH, object_addresses, warm
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def test_warm_gathers_again_every_refresh_calls_and_sees_a_replaced_module(libra
     seen = []
     monkeypatch.setattr(warm_module.kernels, "prefetch", lambda addresses: seen.append(set(addresses.tolist())))
     warm(net)
-    first = net.__dict__["_warm_addresses"][1] - 1  # a block's first count is its own (spreads the gatherings)
+    first = net.__dict__[warm_module._KEY][1] - 1  # a block's first count is its own (spreads the gatherings)
     assert 0 <= first < REFRESH
     old = net[0]
     net[0] = nn.Linear(4, 3)  # the addresses kept still name the old module until the next gathering
@@ -77,18 +78,24 @@ def test_prefetch_takes_stale_and_wild_addresses(library):
 
 
 def test_a_decode_forward_warms_each_block_once_and_gives_the_same_logits(library, monkeypatch):
+    """The fast ``run_layers`` (installed) warms each block of a few-token forward once; the hints change nothing.
+    Uninstalling drops the kept addresses with the other fast state."""
     from deepseek_v41.config import tiny_config
-    from deepseek_v41.model import transformer
+    from deepseek_v41.kernels.fast import block as fast_block
     from deepseek_v41.model.transformer import Transformer
 
     torch.manual_seed(0)
     model = Transformer(tiny_config()).eval()
+    assert fast.install(model).modules["Transformer"] == 1
     ids = torch.randint(3, 100, (2, 1))
     with torch.inference_mode():
-        monkeypatch.setattr(transformer, "warm", lambda block: None)
+        monkeypatch.setattr(fast_block, "warm", lambda block: None)
         want = model(ids)
         warmed = []
-        monkeypatch.setattr(transformer, "warm", lambda block: warmed.append(block) or warm(block))
+        monkeypatch.setattr(fast_block, "warm", lambda block: warmed.append(block) or warm(block))
         got = model(ids)
     assert [id(b) for b in warmed] == [id(b) for b in model.layers]
     assert torch.equal(got, want)
+    assert all(warm_module._KEY in b.__dict__ for b in model.layers)
+    fast.uninstall(model)
+    assert not any(warm_module._KEY in b.__dict__ for b in model.layers)

@@ -1,4 +1,5 @@
-"""Warming a block's Python objects before a few-token forward reads them.
+"""Warming a block's Python objects before a few-token forward reads them (the fast ``Transformer.run_layers`` of
+:mod:`deepseek_v41.kernels.fast.block` calls :func:`warm` before each block of a decode / verify step).
 
 A decode step streams the model's weights through the caches (~35 MB for the bench model, more than its L3), so
 when a block's Python code runs again one step later, the objects it reads (modules, their ``__dict__`` and hook
@@ -17,6 +18,7 @@ from torch import nn
 
 from deepseek_v41 import kernels
 
+_KEY = "_fast_warm_addresses"  # on the module's __dict__: uninstalling the backend drops it (a "_fast_" name)
 REFRESH = 256  # forwards of a block between two gatherings of its objects' addresses
 MAX_CHILDREN = 64  # a container with more submodules than this is left out (see object_addresses)
 _DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_modules", "_parameters",
@@ -53,9 +55,9 @@ def warm(module: nn.Module) -> None:
     """Prefetch the objects a forward of ``module`` is about to read (see the module docstring); its addresses are
     kept on the module and gathered again every :data:`REFRESH` calls, the first time after a count that differs
     from block to block, so that the blocks of a model do not all gather on the same step."""
-    state = module.__dict__.get("_warm_addresses")
+    state = module.__dict__.get(_KEY)
     if state is None or state[1] >= REFRESH:
         state = [object_addresses(module), 0 if state is not None else (id(module) >> 6) % REFRESH]
-        module.__dict__["_warm_addresses"] = state
+        module.__dict__[_KEY] = state
     state[1] += 1
     kernels.prefetch(state[0])

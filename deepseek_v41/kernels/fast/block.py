@@ -1,0 +1,171 @@
+"""Fast versions of a block's mHC hyper-connections and of the text model's layer loop and LM head (issue 24).
+
+:func:`hc_mix`, :func:`collapse` and :func:`expand` are :mod:`deepseek_v41.model.hyper`'s functions with the fused
+kernels (:func:`kernels.hc_mix` / ``hc_collapse`` / ``hc_expand``) for fp32 / bf16 CPU tensors under
+``torch.inference_mode`` (any row count: their tokens are split over the kernels' pool); otherwise they run the
+reference. The kernels add in another order than ATen and skip the bf16 roundings between the steps they fuse,
+so they agree with the reference to rounding (tests/kernels). bf16 streams go into the kernels as they are, so a
+block shares no fp32 copy of them (:func:`_wide`); collapse fuses the sub-layer's RMSNorm when that is a plain
+:class:`~deepseek_v41.model.norm.RMSNorm` (checked once, at install).
+
+Installed on a :class:`~deepseek_v41.model.transformer.Block` (and the draft's
+:class:`~deepseek_v41.model.dspark.DSparkBlock`, whose forward is the block's): ``forward`` and
+``attention_input``. On a :class:`~deepseek_v41.model.transformer.Transformer`: ``run_layers`` (the same loop,
+with :func:`~deepseek_v41.kernels.fast.warm.warm` before each block of a few-token step) and ``lm_head`` (the GEMV
+kernel for a few tokens, :func:`~deepseek_v41.kernels.fast.dense.few_token_gemv`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepseek_v41 import kernels
+from deepseek_v41.kernels.fast import fused, global_hooks, override, plain, register
+from deepseek_v41.kernels.fast.dense import few_token_gemv
+from deepseek_v41.kernels.fast.warm import warm
+from deepseek_v41.model import hyper
+from deepseek_v41.model.dspark import DSparkBlock
+from deepseek_v41.model.norm import RMSNorm, cast, upcast
+from deepseek_v41.model.transformer import Block, Transformer
+
+
+# ------------------------------------------------------------------------------------------------ mHC
+def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
+           norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`deepseek_v41.model.hyper.hc_mix`; fp32 / bf16 streams (bf16 widened inside the kernel) with up to
+    ``kernels.MAX_HC`` streams take the kernel under inference mode."""
+    if hc <= kernels.MAX_HC and fused(streams, fn, base, scale):
+        return kernels.hc_mix(streams, upcast(fn), upcast(base), upcast(scale), hc, norm_eps, hc_eps, iters)
+    return hyper.hc_mix(streams, fn, base, scale, hc, norm_eps, hc_eps, iters)
+
+
+def collapse_norm(streams: torch.Tensor, weights: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  wide: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel for ``RMSNorm(collapse(streams, weights))`` with the norm's weight [D] and eps, for tensors
+    :func:`~deepseek_v41.kernels.fast.fused` takes: [B, T, D] in the streams' dtype (bf16 read and written as it
+    is when the weight is bf16 too; else on the upcast streams, ``wide`` when the caller has them)."""
+    if norm_weight.dtype == streams.dtype and streams.shape[-1] <= kernels.ROW_ON_STACK:  # bf16 read as it is
+        return kernels.hc_collapse(streams, upcast(weights), norm_weight, eps)
+    wide = upcast(streams) if wide is None else wide
+    return cast(kernels.hc_collapse(wide, upcast(weights), upcast(norm_weight), eps), streams.dtype)
+
+
+def collapse(streams: torch.Tensor, weights: torch.Tensor, wide: torch.Tensor | None = None,
+             norm: RMSNorm | None = None) -> torch.Tensor:
+    """:func:`deepseek_v41.model.hyper.collapse`, then ``norm`` when given (the sub-layer input). With a plain
+    :class:`RMSNorm` (no hook, no global hook: checked here, per call) and tensors the kernels take, one fused
+    kernel (:func:`collapse_norm`); a hooked or subclassed norm is called as a module."""
+    if norm is not None and plain(norm, RMSNorm) and not global_hooks():
+        weight = norm._parameters["weight"]  # (not norm.weight: Module.__getattr__ costs ~1 µs a lookup)
+        if fused(streams, weights, weight):
+            return collapse_norm(streams, weights, weight, norm.eps, wide)
+    out = hyper.collapse(streams, weights, wide)
+    return out if norm is None else norm(out)
+
+
+def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+           wide: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`deepseek_v41.model.hyper.expand`; fp32 / bf16 tensors take the kernel under inference mode (bf16
+    streams and y read as they are when both bf16)."""
+    if fused(streams, y, post, comb):
+        if y.dtype == streams.dtype and streams.shape[-1] <= kernels.ROW_ON_STACK:  # bf16 read as it is
+            return kernels.hc_expand(streams, y, upcast(post), upcast(comb))
+        wide = upcast(streams) if wide is None else wide
+        return cast(kernels.hc_expand(wide, upcast(y), upcast(post), upcast(comb)), streams.dtype)
+    return hyper.expand(streams, y, post, comb, wide)
+
+
+def _wide(streams: torch.Tensor) -> torch.Tensor | None:
+    """One fp32 copy of bf16 streams per site, shared by the torch code of mix / collapse / expand; None where
+    the mHC kernels read the bf16 streams as they are (each function still widens them if its torch code runs)."""
+    if (streams.dtype == torch.bfloat16 and streams.shape[-2] <= kernels.MAX_HC
+            and streams.shape[-1] <= kernels.ROW_ON_STACK and fused(streams)):
+        return None
+    return upcast(streams)
+
+
+# ------------------------------------------------------------------------------------------------ Block
+def install_block(m: Block) -> bool:
+    """Replace ``forward`` and ``attention_input`` of a block: the mixing, the collapses (fused with the norm when
+    ``attn_norm`` / ``ffn_norm`` is a plain :class:`RMSNorm`: decided here, once) and the expansions take the
+    kernels; the attention, the MoE and a norm that is not plain run as modules (with their own fast versions)."""
+    m.__dict__["_fast_norms"] = (plain(m._modules["attn_norm"], RMSNorm), plain(m._modules["ffn_norm"], RMSNorm))
+    override(m, "forward", _block_forward)
+    override(m, "attention_input", _attention_input)
+    return True
+
+
+register(Block)(install_block)
+register(DSparkBlock)(install_block)  # the draft's stages: a Block with more parameters, the same forward
+
+
+def _site_input(block: Block, name: str, fuse: bool, streams: torch.Tensor, weights: torch.Tensor,
+                wide: torch.Tensor | None) -> torch.Tensor:
+    """``block.<name>(collapse(streams, weights))``: the fused kernel when ``fuse`` (the norm was plain at
+    install) and the tensors take it, else the reference collapse and the norm module."""
+    norm = block._modules[name]
+    if fuse:
+        weight = norm._parameters["weight"]
+        if fused(streams, weights, weight):
+            return collapse_norm(streams, weights, weight, norm.eps, wide)
+    return norm(hyper.collapse(streams, weights, wide))
+
+
+def _mix(block: Block, site: str, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = block._parameters
+    return hc_mix(streams, p[f"hc_{site}_fn"], p[f"hc_{site}_base"], p[f"hc_{site}_scale"], block.hc, block.norm_eps,
+                  block.hc_eps, block.hc_iters)
+
+
+def _attention_input(self: Block, streams: torch.Tensor, pre: torch.Tensor, wide: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    return _site_input(self, "attn_norm", self.__dict__["_fast_norms"][0], streams, pre, wide)
+
+
+def _block_forward(self: Block, streams: torch.Tensor, pre: torch.Tensor, ctx,
+                   image_mask: torch.Tensor | None = None, compress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    modules = self._modules  # (not self.attn etc.: Module.__getattr__ costs ~1 µs a lookup)
+    attn_plain, ffn_plain = self.__dict__["_fast_norms"]
+    wide = _wide(streams)
+    a_pre, a_post, a_comb = _mix(self, "attn", streams if wide is None else wide)
+    y = modules["attn"](_site_input(self, "attn_norm", attn_plain, streams, pre, wide), ctx, compress=compress)
+    streams = expand(streams, y, a_post, a_comb, wide)
+    wide = _wide(streams)
+    f_pre, f_post, f_comb = _mix(self, "ffn", streams if wide is None else wide)
+    y = modules["ffn"](_site_input(self, "ffn_norm", ffn_plain, streams, a_pre, wide), image_mask)
+    return expand(streams, y, f_post, f_comb, wide), f_pre
+
+
+# ------------------------------------------------------------------------------------------- Transformer
+@register(Transformer)
+def install_transformer(m: Transformer) -> bool:
+    """Replace ``run_layers`` (prefetch hints for each block of a few-token step, then the reference loop's
+    steps) and ``lm_head`` (the GEMV kernel for a few tokens)."""
+    override(m, "run_layers", _run_layers)
+    override(m, "lm_head", _lm_head)
+    return True
+
+
+def _run_layers(self: Transformer, layers: range, streams: torch.Tensor, pre: torch.Tensor, ctx,
+                image_mask: torch.Tensor | None = None, engram_rows: dict[int, torch.Tensor] | None = None,
+                taps: dict[int, torch.Tensor] | None = None,
+                skip_compress: set[int] | frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = list(self._modules["layers"]._modules.values())  # (indexing a ModuleList costs ~1 µs)
+    few = streams.shape[0] * streams.shape[1] <= kernels.FEW_ROWS and kernels.usable(streams)
+    for j in layers:
+        block = blocks[j]
+        if few:  # decode / verify: the objects this block reads were evicted since its last step (warm.py)
+            warm(block)
+        if block.engram is not None:
+            streams = block.engram(streams, engram_rows[j], image_mask)
+        if taps is not None:
+            taps[j] = streams
+        streams, pre = block(streams, pre, ctx, image_mask, compress=j not in skip_compress)
+    return streams, pre
+
+
+def _lm_head(self: Transformer, x: torch.Tensor) -> torch.Tensor:
+    weight = self._modules["head"]._parameters["weight"]
+    if few_token_gemv(x, weight):
+        return kernels.linear(x, weight)
+    return Transformer.lm_head(self, x)
