@@ -44,10 +44,8 @@ class PagedContext:
         self.positions = positions
         self.fake_quant = True  # the indexer query is quantized as in the reference
         self.banded_window = True  # the new window rows are the new tokens, at consecutive positions
-        self.indexer_losses: list[torch.Tensor] | None = None  # training: collects each indexer's KL loss
+        self.indexer_losses = None  # training: a deepseek_v41.train.indexer_loss.IndexerLosses
         self.dense_indexer = False  # training warm-up: every visible entry is selected
-        self.indexer_recall: list | None = None  # measurement: each index layer's recall of the dense attention
-        self.drop_compressed = False  # ablation: attend the window only
         self.shared: dict[Any, torch.Tensor] = {}
         # Attention, the indexer and the mixing compute in fp32 (float64 for a float64 model), so stored rows decode
         # straight to that: FP8 / FP4 values times power-of-two scales are exact in bf16 too, so decoding to a bf16

@@ -19,8 +19,9 @@ the context object they pass. A context provides, for the tokens of one forward 
   layer's top-k inside its candidate pool, or None (the layer then scores ``index_keys_at`` of the pool);
 - ``gather_entries(layer, idx)``: the entries picked by ``idx`` [B, c, k] as [B, c, k, d] (zeros where -1);
 - ``shared``: per-forward results handed between layers (top-k of index sources, candidate pools);
-- ``indexer_losses`` / ``dense_indexer``: training only (:mod:`deepseek_v41.train.trainer`): a list that
-  collects each index-source layer's KL loss, and the dense warm-up in which every visible entry is selected;
+- ``indexer_losses`` / ``dense_indexer``: training only (:mod:`deepseek_v41.train.trainer`): an object whose
+  ``add`` each index-source layer calls with what its KL loss needs (:mod:`deepseek_v41.train.indexer_loss`),
+  and the dense warm-up in which every visible entry is selected;
 - ``banded_window``: True when the last T window rows are the new tokens at consecutive positions (each query
   then reads only its band of them); False makes attention mask every row by position alone.
 - ``completes_entries(layer)``: False when no row of this forward completes a compressed entry of kv source
@@ -58,10 +59,8 @@ class DenseContext:
         self.fake_quant = fake_quant
         self.shared: dict[Any, torch.Tensor] = {}
         self.banded_window = True  # the new window rows are the new tokens, at consecutive positions
-        self.indexer_losses: list[torch.Tensor] | None = None  # training: collects each indexer's KL loss
+        self.indexer_losses = None  # training: a deepseek_v41.train.indexer_loss.IndexerLosses
         self.dense_indexer = False  # training warm-up: every visible entry is selected
-        self.indexer_recall: list | None = None  # measurement: each index layer's recall of the dense attention
-        self.drop_compressed = False  # ablation: attend the window only
         self._entries: dict[int, torch.Tensor] = {}
         self._index_keys: dict[int, torch.Tensor] = {}
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}

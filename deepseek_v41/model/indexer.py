@@ -13,13 +13,13 @@ stays O(chunk x entries).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from deepseek_v41 import kernels
-from deepseek_v41.model.hooks import plain_weights
 from deepseek_v41.model.linear import Linear
-from deepseek_v41.model.norm import RMSNorm, cast, fused, upcast
+from deepseek_v41.model.norm import RMSNorm, cast, upcast
 from deepseek_v41.quant import fake_quant_fp4
 
 QUERY_CHUNK = 256
@@ -46,20 +46,10 @@ class Indexer(nn.Module):
         return rope(self.k_norm(self.wk(latent)), positions)
 
     def queries(self, q_lat: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: nn.Module,
-                fake_quant: bool, rope_cache: dict | None = None,
-                phases: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                fake_quant: bool, rope_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries [B, T, Hi, di] and head weights [B, T, Hi], fp32 (float64 for a float64 model) of q_lat [B, T,
         q_lora_rank] and x [B, T, dim]; ``rope_cache`` as in :meth:`~deepseek_v41.model.rope.RotaryEmbedding.phases`.
-
-        ``phases``: the RoPE phases (cos, sin) fp32 [B, T, r] of ``rope`` at ``positions`` that the attention
-        computed for its few-token kernels (:meth:`~deepseek_v41.model.attention.Attention._few_token_phases`: at
-        most FEW_ROWS tokens in inference mode on the CPU, a plain RoPE module). With them and plain projections
-        (:meth:`_plain_projections`) one kernel call (:func:`deepseek_v41.kernels.indexer_queries`) stands in for
-        the module calls below."""
-        if phases is not None and self._plain_projections(q_lat, x, phases, fake_quant):
-            m = self._modules  # (not self.wq_b: Module.__getattr__ costs ~1 µs a lookup)
-            return kernels.indexer_queries(q_lat, x, m["wq_b"]._parameters["weight"], self.n_heads,
-                                           m["weights_proj"]._parameters["weight"], *phases, fake_quant)
+        """
         B, T, _ = q_lat.shape
         q = rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), positions, cache=rope_cache)
         if fake_quant:
@@ -67,24 +57,19 @@ class Indexer(nn.Module):
         w = upcast(self.weights_proj(x)) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return upcast(q), w
 
-    def _plain_projections(self, q_lat: torch.Tensor, x: torch.Tensor, phases: tuple[torch.Tensor, torch.Tensor],
-                           fake_quant: bool) -> bool:
-        """Whether :func:`kernels.indexer_queries` computes exactly what the module calls of :meth:`queries` would
-        (to rounding): q_lat and x [B, T, ...] of one dtype; plain ``wq_b`` / ``weights_proj`` (no hook, no
-        wrapper, no bias) with weights of that dtype and of the shapes the kernel reads (any other shape takes the
-        module calls, which raise); phases fp32 [B, T, r], r even and <= head_dim; head_dim a multiple of the fake
-        quant's block of 32; all of them contiguous on the CPU in inference mode."""
-        weights = plain_weights((self._modules["wq_b"], Linear), (self._modules["weights_proj"], Linear))
-        (cos, sin), di = phases, self.head_dim
-        r = cos.shape[-1]
-        if not (weights is not None and q_lat.dim() == x.dim() == 3
-                and q_lat.shape[:2] == x.shape[:2] and q_lat.dtype == x.dtype and r <= di and r % 2 == 0
-                and cos.shape == sin.shape == (*x.shape[:2], r) and cos.dtype == sin.dtype == torch.float32
-                and (di % 32 == 0 or not fake_quant)):
-            return False
-        (w_q, w_p), Hi = weights, self.n_heads
-        return (w_q.shape == (Hi * di, q_lat.shape[-1]) and w_p.shape == (Hi, x.shape[-1])
-                and w_q.dtype == w_p.dtype == x.dtype and fused(q_lat, x, w_q, w_p, cos, sin))
+    # The selection rules, as methods so that a backend may compute them per instance (the same indices).
+    def topk_entries(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """:func:`topk_entries`."""
+        return topk_entries(scores, k)
+
+    def candidate_blocks(self, scores: torch.Tensor, visible: torch.Tensor, block: int, keep: int) -> torch.Tensor:
+        """:func:`candidate_blocks`."""
+        return candidate_blocks(scores, visible, block, keep)
+
+    def pool_entries(self, blocks: torch.Tensor, block: int, keep: int,
+                     n_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`pool_entries`."""
+        return pool_entries(blocks, block, keep, n_entries)
 
 
 class IndexScorer(nn.Module):
@@ -120,10 +105,6 @@ def topk_set(scores: torch.Tensor, k: int) -> torch.Tensor:
     different tensor sizes, which would make a sequence's picks depend on its batch, its chunking or the total
     length. This selection depends only on the scores.
     """
-    if scores.dtype == torch.float32 and kernels.usable(scores):  # the same indices from one C call
-        picked = kernels.topk_set(scores, k)
-        if picked is not None:
-            return picked
     values, picked = torch.topk(scores, k, dim=-1)
     if scores.device.type == "meta" or scores.numel() < 1 << 16:  # small (decode): the plain rule is cheaper
         return _ties_to_lowest(scores, k, values[..., -1:])
@@ -151,10 +132,6 @@ def _ties_to_lowest(scores: torch.Tensor, k: int, threshold: torch.Tensor) -> to
 
 def topk_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The best ``k`` entries per query [B, c, k] long (ascending index); -1 where the pick is not visible."""
-    if scores.dtype == torch.float32 and kernels.usable(scores):
-        picked = kernels.topk_set(scores, k, drop_neg_inf=True)
-        if picked is not None:
-            return picked
     idx = topk_set(scores, k)
     return idx.masked_fill(scores.gather(-1, idx) == float("-inf"), -1)
 
@@ -162,11 +139,6 @@ def topk_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
 def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block: int, keep: int) -> torch.Tensor:
     """Candidate pool of each query as a block mask [B, c, nblocks] bool (MODEL_REFERENCE.md §3.10) from its scores
     [B, c, N] (-inf where not visible) and visible counts [B, c]."""
-    if (scores.dtype == torch.float32 and visible.dtype == torch.int64 and scores.dim() == 3
-            and visible.shape == scores.shape[:2] and scores.shape[-1] > 0 and kernels.usable(scores, visible)):
-        mask = kernels.candidate_blocks(scores, visible, block, keep)  # the same mask from one C call
-        if mask is not None:
-            return mask
     B, c, N = scores.shape
     nblocks = -(-N // block)
     padded = torch.nn.functional.pad(scores, (0, nblocks * block - N), value=float("-inf"))
@@ -179,11 +151,13 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block: int, ke
     return mask.scatter_(-1, chosen, block_scores.gather(-1, chosen) > float("-inf"))
 
 
-def pool_entries(blocks: torch.Tensor, block: int, keep: int, n_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pool_entries(blocks: torch.Tensor, block: int, keep: int, n_entries: int,
+                 topk: Callable[[torch.Tensor, int], torch.Tensor] = topk_set) -> tuple[torch.Tensor, torch.Tensor]:
     """The entries of each query's candidate pool: ids [B, c, keep * block] (ascending) and their validity (in a
-    chosen block and below ``n_entries``), from a block mask [B, c, nblocks] holding at most ``keep`` blocks."""
-    # The pool's blocks, ascending (0 / 1 as fp32: the fused top-k takes fp32, and picks what any dtype would).
-    chosen = topk_set(blocks.to(torch.float32), min(keep, blocks.shape[-1]))
+    chosen block and below ``n_entries``), from a block mask [B, c, nblocks] holding at most ``keep`` blocks.
+    ``topk``: :func:`topk_set` or a computation of it (a backend's)."""
+    # The pool's blocks, ascending (0 / 1 as fp32: a fused top-k takes fp32, and picks what any dtype would).
+    chosen = topk(blocks.to(torch.float32), min(keep, blocks.shape[-1]))
     valid = blocks.gather(-1, chosen)
     ids = (chosen[..., None] * block + torch.arange(block, device=blocks.device)).flatten(-2)
     valid = valid.repeat_interleave(block, dim=-1) & (ids < n_entries)

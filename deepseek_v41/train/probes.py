@@ -11,12 +11,17 @@ contribution to held-out loss.
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
 
+from deepseek_v41.model.attention import SparseAttention, sparse_attention
 from deepseek_v41.model.context import DenseContext
+from deepseek_v41.train.indexer_loss import IndexerLosses
 
 
 def _windows(stream: np.ndarray, context: int, windows: int):
@@ -35,17 +40,37 @@ def indexer_recall(model, stream: np.ndarray, context: int, windows: int) -> dic
     for ids in _windows(stream, context, windows):
         inputs = ids[None, :-1]
         ctx = DenseContext(1, inputs.shape[1], inputs.device, model.fake_quant)
-        ctx.indexer_losses, ctx.dense_indexer, ctx.indexer_recall = [], True, []
+        ctx.indexer_losses, ctx.dense_indexer = IndexerLosses(recall=True), True
         rows = model.hasher(inputs) if model.hasher is not None else None
         streams, pre = model.embed_streams(inputs)
         model.run_layers(range(len(model.layers)), streams, pre, ctx, None, rows)
-        for layer, recall, random, count in ctx.indexer_recall:
+        for layer, recall, random, count in ctx.indexer_losses.recall:
             acc = totals.setdefault(layer, [0.0, 0.0, 0])
             acc[0] += recall
             acc[1] += random
             acc[2] += count
     return {layer: {"recall": r / max(n, 1), "random": q / max(n, 1), "queries": n}
             for layer, (r, q, n) in sorted(totals.items())}
+
+
+@contextmanager
+def window_only(model: torch.nn.Module) -> Iterator[None]:
+    """Ablation: every layer's attention (its :class:`~deepseek_v41.model.attention.SparseAttention`) attends its
+    window only, as if no compressed entry were selected (a forward pre-hook dropping ``topk``)."""
+    signature = inspect.signature(sparse_attention)
+
+    def drop_entries(module, args, kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["topk"] = None
+        return bound.args, bound.kwargs
+
+    hooks = [m.register_forward_pre_hook(drop_entries, with_kwargs=True) for m in model.modules()
+             if isinstance(m, SparseAttention)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @torch.no_grad()
@@ -59,10 +84,10 @@ def long_range_nats(model, stream: np.ndarray, context: int, windows: int) -> di
         inputs, targets = ids[None, :-1], ids[1:]
         for key, drop in (("with_entries", False), ("window_only", True)):
             ctx = DenseContext(1, inputs.shape[1], inputs.device, model.fake_quant)
-            ctx.drop_compressed = drop
             rows = model.hasher(inputs) if model.hasher is not None else None
             streams, pre = model.embed_streams(inputs)
-            streams, pre = model.run_layers(range(len(model.layers)), streams, pre, ctx, None, rows)
+            with window_only(model) if drop else nullcontext():
+                streams, pre = model.run_layers(range(len(model.layers)), streams, pre, ctx, None, rows)
             logp = torch.log_softmax(model.logits(streams, pre)[0].double(), -1)
             sums[key] -= float(logp[start:].gather(-1, targets[start:, None]).sum())
         count += len(targets) - start

@@ -8,7 +8,7 @@ A plain loop a researcher can edit. Each step:
    reference fake-quant of the KV as quantization-aware training (straight-through gradients), the candidate
    pool restricted exactly as in inference;
 3. loss = next-token cross-entropy + the indexers' KL toward the main attention over the selected entries
-   (:func:`~deepseek_v41.model.attention.indexer_kl`). For the first ``dense_indexer_steps`` steps every visible
+   (:func:`~deepseek_v41.train.indexer_loss.indexer_kl`). For the first ``dense_indexer_steps`` steps every visible
    entry is selected (dense warm-up), then the indexer's own top-k (sparse) — as DeepSeek trained V3.2's
    indexer; the LM loss gives selection no gradient and the indexer's inputs are detached;
 4. AdamW with warmup + cosine, gradient clipping, optional bf16 autocast;
@@ -36,6 +36,7 @@ from deepseek_v41.config import ModelConfig
 from deepseek_v41.model.context import DenseContext
 from deepseek_v41.model.moe import Gate
 from deepseek_v41.model.transformer import Transformer
+from deepseek_v41.train.indexer_loss import IndexerLosses
 
 CHECKPOINT_DIR = "checkpoint"
 
@@ -95,7 +96,7 @@ def training_loss(model: Transformer, ids: torch.Tensor, dense_indexer: bool, kl
     inputs, targets = ids[:, :-1], ids[:, 1:]
     B, T = inputs.shape
     ctx = DenseContext(B, T, inputs.device, fake_quant=True)
-    ctx.indexer_losses = []
+    ctx.indexer_losses = IndexerLosses()
     ctx.dense_indexer = dense_indexer
     with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=bf16):
         rows = model.hasher(inputs) if model.hasher is not None else None
@@ -103,7 +104,7 @@ def training_loss(model: Transformer, ids: torch.Tensor, dense_indexer: bool, kl
         streams, pre = model.run_layers(range(len(model.layers)), streams, pre, ctx, None, rows)
         logits = model.logits(streams, pre)
     lm = torch.nn.functional.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(-1))
-    kl = torch.stack(ctx.indexer_losses).sum() if ctx.indexer_losses else lm.new_zeros(())
+    kl = ctx.indexer_losses.total(lm)
     loss = lm + kl_weight * kl
     return loss, {"loss": loss.item(), "lm": lm.item(), "kl": kl.item()}
 

@@ -7,16 +7,18 @@ import os
 
 import pytest
 import torch
+from fast_oracles import hooked, installed_models, reference
 from kernel_oracles import count_calls, perturbed_models
 
 from deepseek_v41 import kernels
 from deepseek_v41.config import tiny_config
+from deepseek_v41.kernels import fast
 from deepseek_v41.model.transformer import Transformer
 
 
 @pytest.fixture(scope="module")
 def models():
-    return perturbed_models()
+    return installed_models(perturbed_models())
 
 
 @pytest.fixture
@@ -78,8 +80,7 @@ def test_forward_takes_them_for_a_few_tokens_only(models, dtype, counted, monkey
         calls = {k: counted[k] - before[k] for k in counted}
         assert calls == ({"attn_prologue": n_layers, "attn_epilogue": n_layers} if takes
                          else {"attn_prologue": 0, "attn_epilogue": 0})
-        with monkeypatch.context() as m, torch.inference_mode():
-            m.setattr(Attention, "_few_token_phases", lambda self, x, pos, cache: None)
+        with reference(model, Attention, "project", "output"), torch.inference_mode():
             want = model(ids)
         if dtype == torch.bfloat16 or not takes:
             assert torch.equal(got, want)
@@ -99,20 +100,12 @@ def test_a_hooked_or_biased_projection_keeps_the_module_calls(models, counted):
     with torch.inference_mode():
         base = model(ids)
     assert counted["attn_prologue"] == len(model.layers)
-    handle = attn.wq_b.register_forward_hook(lambda module, args, out: out * 2)
-    try:
-        with torch.inference_mode():
-            hooked = model(ids)
-    finally:
-        handle.remove()
+    with hooked(model, attn.wq_b, lambda module, args, out: out * 2), torch.inference_mode():
+        doubled = model(ids)
     assert counted["attn_prologue"] == 2 * len(model.layers) - 1  # layer 0 took the module calls
-    assert (hooked - base).abs().max() > 1e-3  # the hook ran
-    handle = attn.wo_b.register_forward_pre_hook(lambda module, args: None)
-    try:
-        with torch.inference_mode():
-            again = model(ids)
-    finally:
-        handle.remove()
+    assert (doubled - base).abs().max() > 1e-3  # the hook ran
+    with hooked(model, attn.wo_b, lambda module, args: None, pre=True), torch.inference_mode():
+        again = model(ids)
     assert counted["attn_epilogue"] == 3 * len(model.layers) - 1
     assert (again - base).abs().max() <= 5e-5 * base.abs().max()
 
@@ -165,11 +158,13 @@ def test_a_replaced_weight_of_another_shape_takes_the_module_calls(counted):
                           (attn.wo_a, (attn.wo_a.weight.shape[0], attn.wo_a.weight.shape[1] + 32))):
         before = module.weight
         module.weight = torch.nn.Parameter(torch.randn(shape))
+        fast.install(model)
         try:
             with torch.inference_mode(), pytest.raises(RuntimeError):
                 model(ids)
         finally:
             module.weight = before
+    fast.install(model)
     with torch.inference_mode():
         model(ids)
     assert counted["attn_prologue"] >= len(model.layers) and counted["attn_epilogue"] >= len(model.layers)

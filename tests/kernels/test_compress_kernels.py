@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fast_oracles import hooked, installed_models, reference
 from kernel_oracles import greedy_run, perturbed_models
 
 from deepseek_v41 import kernels
 from deepseek_v41.config import tiny_config
+from deepseek_v41.kernels import fast
+from deepseek_v41.kernels.fast import attention as fast_attention
 from deepseek_v41.model.attention import Attention
 from deepseek_v41.model.transformer import Transformer
 
@@ -17,7 +20,7 @@ KV_SOURCES = {2: 2, 4: 1}  # tiny_config's kv-source layers and their compress r
 
 @pytest.fixture(scope="module")
 def models():
-    return perturbed_models(max_position_embeddings=8192)
+    return installed_models(perturbed_models(max_position_embeddings=8192))
 
 
 @pytest.fixture
@@ -147,8 +150,7 @@ def test_forward_takes_the_kernel_for_a_few_tokens_only(models, dtype, counted, 
         with torch.inference_mode():
             got = model(ids)
         assert len(counted) - before == (len(KV_SOURCES) if takes else 0)
-        with monkeypatch.context() as m, torch.inference_mode():
-            m.setattr(Attention, "_compress_few", lambda self, x, ctx, pending, phases=None: False)
+        with reference(model, Attention, "compress"), torch.inference_mode():
             want = model(ids)
         assert len(counted) - before == (len(KV_SOURCES) if takes else 0)
         tol = 0.05 if dtype == torch.bfloat16 else 1e-5
@@ -204,8 +206,8 @@ def test_engine_decode_takes_the_kernel_with_the_same_tokens(counted, monkeypatc
         assert sum(counted) == decode_steps + decode_steps // 2  # ratio 1 each step, ratio 2 every other
     else:
         assert all(counted)
-    with monkeypatch.context() as m:
-        m.setattr(Attention, "_compress_few", lambda self, x, ctx, pending, phases=None: False)
+    with monkeypatch.context() as m:  # the engine installs the backend without the compress kernel
+        m.setattr(fast_attention, "_install_compress", lambda attn, rope: False)
         want_tokens, want_logprobs = run()
     assert len(counted) == len(KV_SOURCES) * decode_steps
     assert tokens == want_tokens and all(len(t) == 10 for t in tokens)
@@ -215,19 +217,23 @@ def test_engine_decode_takes_the_kernel_with_the_same_tokens(counted, monkeypatc
 @pytest.mark.parametrize("name", ["compressor", "compressor.wkv", "compressor.wgate", "compressor.norm",
                                   "indexer", "indexer.wk", "indexer.k_norm", "rope"])
 def test_a_hooked_module_keeps_the_module_calls(models, counted, name):
-    """A hook on any module the kernel stands in for (the engine's speculative verify puts a pre-hook on the
-    compressor to capture its inputs) keeps that layer on the module calls; the other kv source still takes the
-    kernel."""
+    """A hook on any module the kernel stands in for keeps that layer on the module calls once the backend is
+    reinstalled; the other kv source still takes the kernel. The compressor's hooks need no reinstall: the
+    engine's speculative verify puts a pre-hook on it for one step to capture its inputs."""
     model = models[torch.float32]
     module = model.layers[2].attn.get_submodule(name)
     seen = []
-    handle = module.register_forward_pre_hook(lambda m, args: seen.append(1))
     ids = torch.randint(3, 512, (1, 3), generator=torch.Generator().manual_seed(4))
-    try:
-        with torch.inference_mode():
+    if name == "compressor":
+        handle = module.register_forward_pre_hook(lambda m, args: seen.append(1))
+        try:
+            with torch.inference_mode():
+                model(ids)
+        finally:
+            handle.remove()
+    else:
+        with hooked(model, module, lambda m, args: seen.append(1), pre=True), torch.inference_mode():
             model(ids)
-    finally:
-        handle.remove()
     assert len(counted) == len(KV_SOURCES) - 1
     if name not in ("compressor.wkv", "compressor.wgate", "indexer"):  # ratio 2 reads those modules' weights only
         assert seen
@@ -245,12 +251,14 @@ def test_a_weight_of_another_shape_takes_the_module_calls(counted, layer, name, 
     before = module.weight
     module.weight = torch.nn.Parameter(torch.randn([n + c for n, c in zip(before.shape, change, strict=True)]))
     ids = torch.randint(3, 512, (1, 2), generator=torch.Generator().manual_seed(5))
+    fast.install(model)
     try:
         with torch.inference_mode(), pytest.raises(RuntimeError):
             model(ids)
     finally:
         module.weight = before
     assert len(counted) == (1 if layer == 4 else 0)  # layer 2 runs first
+    fast.install(model)
     with torch.inference_mode():
         model(ids)
     assert len(counted) >= len(KV_SOURCES)

@@ -40,11 +40,13 @@ from deepseek_v41.cache.block_manager import BlockManager
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.config import tiny_config
+from deepseek_v41.kernels import fast as fast_backend
 from deepseek_v41.kernels.fast import install
+from deepseek_v41.kernels.fast.attention import _topk_set as topk_set
 from deepseek_v41.kernels.fast.block import collapse, expand, hc_mix
 from deepseek_v41.kernels.fast.dense import linear
-from deepseek_v41.model.attention import GroupedLinear, _attend_few, sparse_attention
-from deepseek_v41.model.indexer import IndexScorer, topk_entries, topk_set
+from deepseek_v41.model.attention import GroupedLinear, SparseAttention
+from deepseek_v41.model.indexer import Indexer, IndexScorer
 from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.moe import Expert, Gate, MoE, clamped_swiglu
 from deepseek_v41.model.norm import RMSNorm, rms_normalize, upcast
@@ -58,6 +60,14 @@ from deepseek_v41.quant import (
     quantize_fp8,
     quantize_fp8_values,
 )
+
+# The attention core and the selection rules with the fast backend installed (deepseek_v41/kernels/fast/attention.py):
+# attend_few's kernel for a few queries, the top-k rules in C; outside inference mode the reference.
+_CORE, _INDEXER = SparseAttention(), Indexer(16, 8, 16, 2, 32, False, 1e-6)
+fast_backend.install(_CORE)
+fast_backend.install(_INDEXER)
+sparse_attention = _attend_few = _CORE
+topk_entries = _INDEXER.topk_entries
 
 F32 = np.float32
 ENTRY_POINTS = ("fp8_quantize_values", "fp8_dequantize", "fp4_quantize", "fp4_dequantize", "fp4_gather",
@@ -1979,6 +1989,7 @@ def test_linear_of_mismatched_or_empty_widths(calls):
     grouped = GroupedLinear(16, 2, 4).bfloat16()
     with torch.no_grad():
         grouped.weight.normal_(generator=torch.Generator().manual_seed(80))
+    fast_backend.install(grouped)
     with torch.inference_mode():
         with pytest.raises(RuntimeError):
             layer(torch.ones(1, 48, dtype=torch.bfloat16))
@@ -2002,6 +2013,7 @@ def test_grouped_linear_takes_the_kernel_for_few_bf16_tokens(calls, shape):
     with torch.no_grad():
         layer.weight.copy_(torch.randn(15, 37, generator=g) * 37 ** -0.5)
     layer.bfloat16()
+    fast_backend.install(layer)
     x = torch.randn((*shape, 3, 37), generator=g).bfloat16()
     with torch.inference_mode():
         got = layer(x)
@@ -2013,6 +2025,7 @@ def test_grouped_linear_takes_the_kernel_for_few_bf16_tokens(calls, shape):
     scale = torch.cat([magnitudes(x[..., i, :], w[5 * i: 5 * i + 5]) for i in range(3)], -1)
     assert_bf16_close(got, want, scale, share=0.9)
     layer.float()  # fp32: the kernel too (its torch code is several ops), to fp32 rounding
+    fast_backend.install(layer)  # (after changing the weight's dtype)
     with torch.inference_mode():
         fast = layer(x.float())
     assert calls["linear"] == 2 and fast.dtype == torch.float32

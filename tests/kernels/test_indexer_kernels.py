@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fast_oracles import hooked as hooked_and_installed
+from fast_oracles import installed_models, reference
 from kernel_oracles import perturbed_models
 
 from deepseek_v41 import kernels
 from deepseek_v41.config import tiny_config
+from deepseek_v41.kernels import fast
 from deepseek_v41.model.indexer import Indexer
 from deepseek_v41.model.transformer import Transformer
 
@@ -17,7 +20,7 @@ INDEX_LAYERS = (2, 4, 6)  # tiny_config's index sources
 
 @pytest.fixture(scope="module")
 def models():
-    return perturbed_models()
+    return installed_models(perturbed_models())
 
 
 @pytest.fixture
@@ -34,8 +37,8 @@ def calls(monkeypatch):
 
 
 def kernel_path(indexer, q_lat, x, pos, rope, fake_quant):
-    """Indexer.queries given the RoPE phases, as Attention.select passes them for a few tokens."""
-    return indexer.queries(q_lat, x, pos, rope, fake_quant, phases=rope.phases(pos))
+    """Indexer.queries of an installed indexer (its fast version computes the RoPE phases of a few tokens)."""
+    return indexer.queries(q_lat, x, pos, rope, fake_quant)
 
 
 def inputs(model, dtype, B, T, seed):
@@ -59,7 +62,7 @@ def test_queries_equal_the_module_calls(models, dtype, B, T, fake_quant, calls):
         q_lat, x, pos = inputs(model, dtype, B, T, seed=B * 100 + T + i)
         with torch.inference_mode():
             got = kernel_path(attn.indexer, q_lat, x, pos, attn.rope, fake_quant)
-            want = attn.indexer.queries(q_lat, x, pos, attn.rope, fake_quant)  # no phases: the module calls
+            want = Indexer.queries(attn.indexer, q_lat, x, pos, attn.rope, fake_quant)  # the reference
         for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
             if dtype == torch.bfloat16:
@@ -123,8 +126,7 @@ def test_forward_takes_it_for_a_few_tokens_only(models, dtype, calls, monkeypatc
         assert len(calls) - before == (len(INDEX_LAYERS) if takes else 0)
         if takes:
             assert all(any(cos is c and sin is s for c, s in prologue) for cos, sin in calls[before:])
-        with monkeypatch.context() as m, torch.inference_mode():
-            m.setattr(Indexer, "_plain_projections", lambda *args: False)
+        with reference(model, Indexer, "queries"), torch.inference_mode():
             want = model(ids)
         if dtype == torch.bfloat16 or not takes:
             assert torch.equal(got, want)
@@ -165,12 +167,8 @@ def test_a_hooked_module_keeps_the_module_calls(models, calls, hooked):
     module = attn.rope if hooked == "rope" else getattr(attn.indexer, hooked)
     ids = torch.randint(3, 512, (1, 3), generator=torch.Generator().manual_seed(4))
     ran = []
-    handle = module.register_forward_hook(lambda m, args, out: ran.append(m))
-    try:
-        with torch.inference_mode():
-            model(ids)
-    finally:
-        handle.remove()
+    with hooked_and_installed(model, module, lambda m, args, out: ran.append(m)), torch.inference_mode():
+        model(ids)
     assert ran and len(calls) == len(INDEX_LAYERS) - 1
 
 
@@ -185,12 +183,14 @@ def test_a_weight_of_another_shape_takes_the_torch_code(name, delta, calls):
     ids = torch.randint(3, 512, (1, 2), generator=torch.Generator().manual_seed(5))
     before = module.weight
     module.weight = torch.nn.Parameter(torch.randn(before.shape[0] + delta[0], before.shape[1] + delta[1]))
+    fast.install(model)
     try:
         with torch.inference_mode(), pytest.raises(RuntimeError):
             model(ids)
     finally:
         module.weight = before
     assert calls == []
+    fast.install(model)
     with torch.inference_mode():
         model(ids)
     assert len(calls) == len(INDEX_LAYERS)
@@ -211,17 +211,21 @@ def test_float64_and_autograd_take_the_torch_code(models, calls):
 
 
 def test_phases_the_kernel_would_misread_take_the_module_calls(models, calls):
-    """Phases of another token count, of an odd or too wide RoPE, or not fp32, reach no kernel: Indexer.queries
-    then runs its module calls (which use the RoPE module itself)."""
+    """A RoPE module whose phases the kernel would misread (float64 tables, an odd or too wide rotation) reaches
+    no kernel: Indexer.queries then runs its module calls (which use the RoPE module itself, and raise where it
+    does not fit)."""
+    from deepseek_v41.model.rope import RotaryEmbedding
+
     model = models[torch.float32]
     attn = model.layers[2].attn
     q_lat, x, pos = inputs(model, torch.float32, 2, 3, seed=10)
+    di, r = attn.indexer.head_dim, attn.rope.rope_dim
     with torch.inference_mode():
-        want = attn.indexer.queries(q_lat, x, pos, attn.rope, True)
-        cos, sin = attn.rope.phases(pos)
-        di = attn.indexer.head_dim
-        for bad in ((cos[:, :2], sin[:, :2]), (cos[..., :-1], sin[..., :-1]), (cos.double(), sin.double()),
-                    (torch.ones(2, 3, di + 2), torch.zeros(2, 3, di + 2))):
-            got = attn.indexer.queries(q_lat, x, pos, attn.rope, True, phases=tuple(t.contiguous() for t in bad))
-            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        wide = RotaryEmbedding(r, 10000.0, None).double()
+        want = Indexer.queries(attn.indexer, q_lat, x, pos, wide, True)
+        got = attn.indexer.queries(q_lat, x, pos, wide, True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        for bad in (RotaryEmbedding(r - 1, 10000.0, None), RotaryEmbedding(di + 2, 10000.0, None)):
+            with pytest.raises(RuntimeError):
+                attn.indexer.queries(q_lat, x, pos, bad, True)
     assert calls == []

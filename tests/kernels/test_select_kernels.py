@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fast_oracles import installed_models
 from kernel_oracles import count_calls, greedy_run, perturbed_models
 
 from deepseek_v41 import kernels
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.config import tiny_config
+from deepseek_v41.kernels import fast
 from deepseek_v41.model.attention import Attention
 from deepseek_v41.model.indexer import (
+    Indexer,
     IndexScorer,
     candidate_blocks,
     mask_invisible,
@@ -152,16 +155,16 @@ def test_candidate_blocks_kernel_gives_the_torch_codes_mask(calls, N, block, kee
     scores = mask_invisible(scores, torch.arange(N), visible)
     scores[1, 0, : 2 * block] = float("-inf")
     scores[2, 1, 0] = float("inf")
-    got = candidate_blocks(scores, visible, block, keep)
+    indexer = Indexer(16, 8, 16, 2, 32, False, 1e-6)
+    assert fast.install(indexer).modules == {"Indexer": 1}
+    got = indexer.candidate_blocks(scores, visible, block, keep)
     assert calls["candidate_blocks"] == 1
-    with kernels.disabled():
-        want = candidate_blocks(scores, visible, block, keep)
+    want = candidate_blocks(scores, visible, block, keep)  # the reference
     assert torch.equal(got, want) and got.dtype == torch.bool
     scores[0, 1, 0] = float("nan")
     assert kernels.candidate_blocks(scores, visible, block, keep) is None
-    with kernels.disabled():
-        want = candidate_blocks(scores, visible, block, keep)
-    assert torch.equal(candidate_blocks(scores, visible, block, keep), want)  # the torch code's, NaN and all
+    want = candidate_blocks(scores, visible, block, keep)
+    assert torch.equal(indexer.candidate_blocks(scores, visible, block, keep), want)  # the torch code's, NaN and all
 
 
 @pytest.mark.parametrize("n", [100, kernels.INDEX_LUT_ROWS + 37])
@@ -180,7 +183,7 @@ def test_index_scores_with_visible_counts_mask_as_mask_invisible(n):
 # ------------------------------------------------------------------------------------ through Attention
 @pytest.fixture(scope="module")
 def model():
-    return perturbed_models(max_position_embeddings=8192)[torch.float32]
+    return installed_models(perturbed_models(max_position_embeddings=8192))[torch.float32]
 
 
 def paged_decode(model, g: torch.Generator, starts: list[int]) -> PagedContext:

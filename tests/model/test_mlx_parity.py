@@ -86,18 +86,18 @@ def mlx_model(cfg: ModelConfig, model: Transformer, fake_quant: bool, monkeypatc
 def record_topk(monkeypatch, port):
     """Capture (ours: scores and picks per index layer) and (port: picks per index layer), in layer order."""
     ours, theirs, scores_seen = [], [], []
-    original_topk, original_select = our_attention.topk_entries, our_attention.Attention.select
+    original_topk, original_select = our_indexer.Indexer.topk_entries, our_attention.Attention.select
 
-    def ours_topk(scores, k):
+    def ours_topk(self, scores, k):
         scores_seen.append(scores)  # a Reindex layer's scores cover its candidate pool only: fine for margins
-        return original_topk(scores, k)
+        return original_topk(self, scores, k)
 
     def ours_select(self, *args, **kwargs):
         picks = original_select(self, *args, **kwargs)
         ours.append((scores_seen[-1], picks))
         return picks
 
-    monkeypatch.setattr(our_attention, "topk_entries", ours_topk)
+    monkeypatch.setattr(our_indexer.Indexer, "topk_entries", ours_topk)
     monkeypatch.setattr(our_attention.Attention, "select", ours_select)
     call = port.Indexer.__call__
 

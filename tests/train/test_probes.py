@@ -4,8 +4,8 @@ import numpy as np
 import torch
 
 from deepseek_v41.config import tiny_config
-from deepseek_v41.model.attention import indexer_recall as recall_of
 from deepseek_v41.model.transformer import Transformer
+from deepseek_v41.train.indexer_loss import indexer_recall as recall_of
 from deepseek_v41.train.probes import indexer_recall, long_range_nats
 
 
