@@ -2,3 +2,5 @@
 :func:`deepseek_v41.kernels.fast.install`. One import per file of this package that serves model classes."""
 
 from __future__ import annotations
+
+from deepseek_v41.kernels.fast import moe  # noqa: F401
