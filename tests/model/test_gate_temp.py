@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from deepseek_v41 import kernels
 from deepseek_v41.config import ModelConfig, tiny_config
 from deepseek_v41.kernels import fast
-from deepseek_v41.model.moe import Gate
+from deepseek_v41.model.moe import Gate, MoE
 from deepseek_v41.model.transformer import Transformer
 
 
@@ -131,7 +131,7 @@ def test_the_router_kernel_is_left_for_the_torch_route_when_gate_temp_is_not_1(m
     with torch.inference_mode():
         hot(ids)
     assert not calls and "Gate" not in done.modules
-    assert kernels.library() is None or done.modules["MoE"] == model.config.num_hidden_layers
+    assert kernels.library() is None or done.modules["MoE"] == sum(isinstance(m, MoE) for m in hot.modules())
 
 
 def test_inference_mode_forward_and_the_engine_agree_with_the_exact_forward_at_gate_temp_2(model):
