@@ -14,8 +14,8 @@ device: only the segment lengths are read, and on ``meta`` (where routing is unk
 counted on one expert, which keeps the FLOPs total exact (SPEC.md §1.5).
 
 This is the reference math, run by training, the exact forward and (where no fast version serves the shape) the
-engine; the CPU fast paths — the C router, the fused FP4 / bf16 expert kernels, grouped matmuls — are installed
-on a loaded model by :mod:`deepseek_v41.kernels.fast.moe`.
+engine. The CPU fast paths — the C router, the fused FP4 / bf16 experts, grouped matmuls — are installed on a
+loaded model by the fast backend (its ``fast/moe.py``, issue 24), which packs the expert copies once.
 """
 
 from __future__ import annotations
