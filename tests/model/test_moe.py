@@ -175,6 +175,19 @@ def test_installed_moe_equals_the_reference_in_inference_mode(calls, dtype, fp4,
         assert torch.equal(moe(x), want)  # the reference again
 
 
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_installed_float64_moe_gives_the_reference_bits(tokens):
+    """float64 (tests compare computation orders with it): no kernel or grouped matmul takes it (torch._grouped_mm
+    refused float64 before this was checked); the one-token path adds in the reference's order."""
+    moe = random_moe(14).double()
+    x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(15), dtype=torch.float64)
+    with torch.no_grad():
+        want = moe(x)
+    assert "MoE" in installed(moe).modules
+    with torch.inference_mode():
+        assert torch.equal(moe(x), want)
+
+
 def test_a_hooked_instance_or_a_subclass_gets_no_override():
     class MyMoE(MoE):
         pass

@@ -156,7 +156,7 @@ def install_moe(moe: MoE) -> bool:
     with torch.inference_mode(False), torch.no_grad():
         if all(ws is not None for ws in raw):
             packed.stacked = _stack(experts, raw, inter, D)
-            packed.grouped = all(plain_ok)
+            packed.grouped = all(plain_ok) and dtype in KERNEL_DTYPES  # (no float64 grouped matmuls)
             raw = [_linear_weights(e) for e in experts]  # the views
         weights = [ws if ok else None for ws, ok in zip(raw, plain_ok, strict=True)]
         if dtype in KERNEL_DTYPES and any(plain_ok):
