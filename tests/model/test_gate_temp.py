@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from deepseek_v41 import kernels
 from deepseek_v41.config import ModelConfig, tiny_config
-from deepseek_v41.model.moe import Gate
+from deepseek_v41.kernels import fast
+from deepseek_v41.model.moe import Gate, MoE
 from deepseek_v41.model.transformer import Transformer
 
 
@@ -99,7 +100,7 @@ def test_gate_temp_2_changes_the_routing_of_the_tiny_model(model):
 
 def test_gate_temp_1_is_the_identity_and_keeps_the_router_kernel(model, monkeypatch):
     """A config with ``gate_temp: 1.0`` is the config without the key: equal configs, the same logits bit for
-    bit in the exact forward and in inference mode, where the C router kernel still runs."""
+    bit in the exact forward and in inference mode, where the installed fast backend's C router kernel runs."""
     same = with_gate_temp(model, 1.0)
     assert same.config == model.config
     calls = []
@@ -109,8 +110,12 @@ def test_gate_temp_1_is_the_identity_and_keeps_the_router_kernel(model, monkeypa
     with torch.no_grad():
         assert torch.equal(same(ids), model(ids))
     assert not calls  # outside inference mode: the torch route
-    with torch.inference_mode():
-        a, b = same(ids), model(ids)
+    try:
+        fast.install(same), fast.install(model)
+        with torch.inference_mode():
+            a, b = same(ids), model(ids)
+    finally:
+        fast.uninstall(same), fast.uninstall(model)
     assert torch.equal(a, b)
     if kernels.library() is not None:
         assert len(calls) == 2 * model.config.num_hidden_layers
@@ -122,9 +127,11 @@ def test_the_router_kernel_is_left_for_the_torch_route_when_gate_temp_is_not_1(m
     original = kernels.gate
     monkeypatch.setattr(kernels, "gate", lambda *a: calls.append(1) or original(*a))
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(3))
+    done = fast.install(hot)  # the routers get no fast version; the experts' kernels still do
     with torch.inference_mode():
         hot(ids)
-    assert not calls
+    assert not calls and "Gate" not in done.modules
+    assert kernels.library() is None or done.modules["MoE"] == sum(isinstance(m, MoE) for m in hot.modules())
 
 
 def test_inference_mode_forward_and_the_engine_agree_with_the_exact_forward_at_gate_temp_2(model):
@@ -136,8 +143,12 @@ def test_inference_mode_forward_and_the_engine_agree_with_the_exact_forward_at_g
     hot = with_gate_temp(model, 2.0)
     ids = torch.randint(3, 512, (1, 10), generator=torch.Generator().manual_seed(4))
     exact, exact_seen = routing(hot, ids)
-    fast, fast_seen = routing(hot, ids, torch.inference_mode)
-    assert (fast - exact).abs().max().item() < 1e-4
+    fast.install(hot)  # as the engine does
+    try:
+        quick, fast_seen = routing(hot, ids, torch.inference_mode)
+    finally:
+        fast.uninstall(hot)
+    assert (quick - exact).abs().max().item() < 1e-4
     for (ei, ew), (fi, fw) in zip(exact_seen, fast_seen, strict=True):
         assert torch.equal(ei, fi)
         assert torch.allclose(ew, fw, atol=1e-5, rtol=0)

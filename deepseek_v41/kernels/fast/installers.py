@@ -3,4 +3,4 @@
 
 from __future__ import annotations
 
-from deepseek_v41.kernels.fast import attention, block, dense  # noqa: F401
+from deepseek_v41.kernels.fast import attention, block, dense, moe  # noqa: F401
