@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepseek_v41 import kernels
-
 _WIDE = (torch.float32, torch.float64)  # dtypes upcast leaves as they are
 
 
@@ -45,15 +43,3 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     float64 input)."""
     xf = upcast(x)
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-
-
-# --- kept for model/attention.py, indexer.py and moe.py only, until their fast paths move to kernels/fast (issue
-# --- 24): deepseek_v41.kernels.fast.fused is the same function. Remove it (and the kernels import) then.
-def fused(*tensors: torch.Tensor) -> bool:
-    """Deprecated here: :func:`deepseek_v41.kernels.fast.fused` (fp32 / bf16, CPU, contiguous, inference mode)."""
-    if not torch.is_inference_mode_enabled():
-        return False
-    for t in tensors:
-        if t.dtype not in (torch.float32, torch.bfloat16):
-            return False
-    return kernels.usable(*tensors)

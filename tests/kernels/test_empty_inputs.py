@@ -83,7 +83,7 @@ def test_every_wrapper_refuses_an_empty_input(fn, name):
 
 def test_every_wrapper_calling_c_is_checked():
     """Each public function of the module that passes a data pointer to the library (itself or through _moe) is in
-    CHECKED, but prefetch: its C code reads nothing (hints only), so no addresses are no hints (model/warm.py
+    CHECKED, but prefetch: its C code reads nothing (hints only), so no addresses are no hints (kernels/fast/warm.py
     passes what it found)."""
     sources = {name: inspect.getsource(f) for name, f in vars(kernels).items()
                if inspect.isfunction(f) and not name.startswith("_")}
