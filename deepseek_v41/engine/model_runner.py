@@ -189,7 +189,8 @@ class ModelRunner:
         self.entries_written: dict[int, int] = {}  # compressed entries written per kv-source layer
         self.max_decode_batch = 0
         # The CPU fast paths, chosen once here for this model (kernels/fast): the model itself is reference math.
-        self.fast = fast.install(model)
+        # A second runner on the same model (the speculator's) reuses the install instead of packing again.
+        self.fast = fast.installed(model) or fast.install(model)
 
     # ------------------------------------------------------------------ helpers
     def _context(self, seqs: list[Sequence], positions: torch.Tensor, ends: list[int]) -> PagedContext:
