@@ -15,7 +15,7 @@ from deepseek_v41.quant import (
 
 
 # ------------------------------------------------------------------------------------- indexer scores, direct
-# (64, 16, 3): c * H * di / 32 = 96 query vectors, beyond the even / odd path's 64 (cpu_kernels.c
+# (64, 16, 3): c * H * di / 32 = 96 query vectors, beyond the even / odd path's 64 (csrc/index_keys.h
 # INDEX_PAIR_VECTORS), and a table too large: the widening path; (32, 16, 5): 80 vectors, a table of 65536 floats:
 # the lookup table from INDEX_LUT_ROWS keys; the others take the even / odd path at any length (with AVX-512 16 keys
 # at a time in vector lanes, then the last n % 16 of a chunk of 256; (32, 4, 1): a decode query of the bench's

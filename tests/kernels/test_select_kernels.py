@@ -35,7 +35,7 @@ def calls(monkeypatch):
 
 
 def fp4_pool(g: torch.Generator, B: int, n: int, di: int, ratio: int, block_size: int, duplicates: int):
-    """An FP4 index-key pool of n entries per row, as in test_cpu_kernels (random pages through block tables;
+    """An FP4 index-key pool of n entries per row, as in kernel_cases.index_inputs (random pages through block tables;
     ratio 3 with block_size 8: not page-aligned), with scales 2^-1 .. 2^1 and ``duplicates`` entries per row
     copied from another entry of the row (exact ties). Returns (codes, scales, tables, keys [B, n, di])."""
     per_page = block_size // ratio
