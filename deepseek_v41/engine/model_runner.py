@@ -178,7 +178,7 @@ def _few_tokens(method):
 class ModelRunner:
     """Runs the model over the cache. ``layer_tokens[j]`` counts the tokens layer j has processed."""
 
-    def __init__(self, model, cache: PagedKVCache, prefill_mode: PrefillMode):
+    def __init__(self, model, cache: PagedKVCache, prefill_mode: PrefillMode, install_fast: bool = True):
         self.model = model
         self.cache = cache
         self.prefill_mode = prefill_mode
@@ -189,8 +189,9 @@ class ModelRunner:
         self.entries_written: dict[int, int] = {}  # compressed entries written per kv-source layer
         self.max_decode_batch = 0
         # The CPU fast paths, chosen once here for this model (kernels/fast): the model itself is reference math.
-        # A second runner on the same model (the speculator's) reuses the install instead of packing again.
-        self.fast = fast.installed(model) or fast.install(model)
+        # A helper runner on the engine's model (the speculator's cost measurement) reuses the engine's install
+        # instead of packing the expert copies again (install_fast=False).
+        self.fast = fast.install(model) if install_fast else fast.installed(model)
 
     # ------------------------------------------------------------------ helpers
     def _context(self, seqs: list[Sequence], positions: torch.Tensor, ends: list[int]) -> PagedContext:

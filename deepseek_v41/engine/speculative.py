@@ -376,7 +376,7 @@ class DSparkSpeculator:
         n = self.window
         if not cache.free_slots or not cache.blocks.can_grow([], n + 1 + self.max_len):
             return None
-        runner = ModelRunner(self.model, cache, prefill_mode)
+        runner = ModelRunner(self.model, cache, prefill_mode, install_fast=False)
         params = SamplingParams(temperature=0, max_tokens=self.max_len + 2, ignore_eos=True)
         prompt = [(7 * i + 3) % self.model.config.vocab_size for i in range(n)]
         seq = Sequence(-1, "cost-table", 0, prompt, params, SamplingState(params, prompt, device=cache.device),

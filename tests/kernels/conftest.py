@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
+from kernel_cases import ENTRY_POINTS
+from kernel_oracles import count_calls
 
 from deepseek_v41 import kernels
 
@@ -19,3 +21,9 @@ def library():
             pytest.fail(f"{message}; CI must build them")
         pytest.skip(message)
     return lib
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the calls of every kernel entry point (the callers look them up on the module at each call)."""
+    return count_calls(monkeypatch, *ENTRY_POINTS)

@@ -23,7 +23,10 @@ def overrides(m: torch.nn.Module) -> set[str]:
 
 @pytest.fixture(scope="module")
 def models():
-    return perturbed_models(max_position_embeddings=8192)
+    out = perturbed_models(max_position_embeddings=8192)
+    for model in out.values():  # (perturbed_models installs the backend: these tests start from the reference)
+        fast.uninstall(model)
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -55,10 +58,12 @@ def test_install_counts_and_the_installed_forward_is_the_reference(models, dtype
                 assert overrides(m) == wanted, type(m).__name__
         with torch.inference_mode():
             got = model(ids)
-        # (attend_few: not here, the exact forward's positions are an expanded arange: test_cpu_kernels.py)
+        # (attend_few: not here, the exact forward's positions are an expanded arange: test_attend_kernels.py)
         assert calls["attn_prologue"] == calls["attn_epilogue"] == layers
         assert calls["compress"] == 2 and calls["indexer_queries"] == index_sources and calls["candidate_blocks"] >= 1
-        tol = 1e-5 if dtype == torch.float32 else 0.05
+        # bf16: install puts the whole backend on (dense, mHC and MoE kernels skip bf16 roundings too): measured
+        # 0.13 of the largest logit over the three tokens, against 0.05 with the attention installers alone.
+        tol = 1e-5 if dtype == torch.float32 else 0.2
         assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
         with torch.no_grad():  # outside inference mode: the reference arithmetic, the same bits (only the exact
             before = dict(calls)  # selection rules may run in C: they give the reference's indices)

@@ -34,7 +34,7 @@ from deepseek_v41.model.transformer import Transformer
 
 THREADS = (1, 2, 3)
 # fp32 sums in another order than float64's: measured at most 3.7e-8 of the sum of the terms' magnitudes
-# (tests/kernels/test_cpu_kernels.py).
+# (tests/kernels/test_gemv_kernels.py).
 LINEAR_TOL = 1e-6
 # bf16 output: the fp32 sum rounded to nearest, at most half a bf16 ulp (2^-9 of the value; 2^-8 leaves room for
 # the fp32 error of a sum that lands on a rounding boundary).

@@ -38,7 +38,7 @@ def calls(monkeypatch):
 
 
 def fp4_pool(g: torch.Generator, B: int, n: int, di: int, ratio: int, block_size: int, duplicates: int):
-    """An FP4 index-key pool of n entries per row, as in test_cpu_kernels (random pages through block tables;
+    """An FP4 index-key pool of n entries per row, as in kernel_cases.index_inputs (random pages through block tables;
     ratio 3 with block_size 8: not page-aligned), with scales 2^-1 .. 2^1 and ``duplicates`` entries per row
     copied from another entry of the row (exact ties). Returns (codes, scales, tables, keys [B, n, di])."""
     per_page = block_size // ratio
@@ -156,7 +156,7 @@ def test_candidate_blocks_kernel_gives_the_torch_codes_mask(calls, N, block, kee
     scores[1, 0, : 2 * block] = float("-inf")
     scores[2, 1, 0] = float("inf")
     indexer = Indexer(16, 8, 16, 2, 32, False, 1e-6)
-    assert fast.install(indexer).modules == {"Indexer": 1}
+    assert fast.install(indexer).modules == {"Indexer": 1, "Linear": 2}  # (its projections: kernels/fast/dense)
     got = indexer.candidate_blocks(scores, visible, block, keep)
     assert calls["candidate_blocks"] == 1
     want = candidate_blocks(scores, visible, block, keep)  # the reference
