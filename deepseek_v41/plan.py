@@ -72,12 +72,14 @@ class LayerPlan:
 
     ``ced``: True when the config passes the layout checks of MODEL_REFERENCE.md §3.16; then
     ``encoder_layers`` = [0, n/2) and ``decoder_layers`` = [n/2, n). ``ced_reason`` says why not otherwise.
+    ``sliding_window``: window keys per query (the config's), which fixes where the CED decoder starts.
     """
 
     layers: tuple[LayerSpec, ...]
     dspark_layers: tuple[LayerSpec, ...]
     ced: bool
     ced_reason: str
+    sliding_window: int
 
     @property
     def num_layers(self) -> int:
@@ -90,6 +92,20 @@ class LayerPlan:
     @property
     def decoder_layers(self) -> range:
         return range(self.num_layers // 2, self.num_layers) if self.ced else range(0)
+
+    def decoder_start(self, num_prompt_tokens: int) -> int:
+        """First position the CED decoder runs over for a prompt of ``num_prompt_tokens`` tokens:
+        ``max(0, N - sliding_window)`` (MODEL_REFERENCE.md §3.16: the decoder runs over the trailing
+        ``min(N, sliding_window)`` prompt tokens, its windows starting there; every later token runs all layers).
+
+        The one home of that rule: the engine fixes it per sequence at arrival (so a preempted sequence recomputes
+        what it had), the prefix cache plans hits around it, the runner, the cost-table measurement, the FLOP
+        counts and the CED evaluation read it from here. Without the CED layout every layer runs over every token
+        and the decoder starts at 0. Raises ValueError for a negative token count.
+        """
+        if num_prompt_tokens < 0:
+            raise ValueError(f"num_prompt_tokens must be >= 0, got {num_prompt_tokens}")
+        return max(0, num_prompt_tokens - self.sliding_window) if self.ced else 0
 
     @property
     def kv_source_layers(self) -> list[int]:
@@ -170,4 +186,4 @@ def build_layer_plan(cfg: ModelConfig) -> LayerPlan:
         for k in range(cfg.num_nextn_predict_layers)
     )
     reason = "CED layout supported" if ced else "no CED: " + "; ".join(ced_problems)
-    return LayerPlan(tuple(layers), dspark, ced, reason)
+    return LayerPlan(tuple(layers), dspark, ced, reason, cfg.sliding_window)

@@ -67,3 +67,15 @@ def test_configs_without_ced_layout_say_why(changes, reason):
     assert not plan.ced
     assert reason in plan.ced_reason
     assert all(s.stack is None for s in plan.layers) and list(plan.encoder_layers) == []
+    assert plan.decoder_start(500) == 0  # every layer runs over every token
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 127, 128, 129, 4096])
+def test_the_plan_says_where_the_ced_decoder_starts(n):
+    """MODEL_REFERENCE.md §3.16: the decoder runs over the trailing min(N, sliding_window) prompt tokens."""
+    for cfg in (tiny_config(), flash_config()):
+        start = build_layer_plan(cfg).decoder_start(n)
+        assert start == max(0, n - cfg.sliding_window)
+        assert n - start == min(n, cfg.sliding_window)
+    with pytest.raises(ValueError, match="num_prompt_tokens must be >= 0, got -1"):
+        build_layer_plan(tiny_config()).decoder_start(-1)

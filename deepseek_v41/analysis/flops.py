@@ -101,6 +101,7 @@ class _MetaSequence:
         self.slot, self.block_table = 0, list(range(1, pages + 1))
         self.num_tokens, self.num_computed, self.decoder_start = num_tokens, num_computed, decoder_start
         self.decoder_done = self.write_from = 0
+        self.rebuild_engram_history = False
 
     def token_at(self, start: int, end: int) -> list[int]:
         return [0] * (end - start)
@@ -119,7 +120,7 @@ def decode_flops(model, context: int, block_size: int = 16) -> FlopCount:
 def prefill_flops(model, prompt: int, mode: str, block_size: int = 16) -> FlopCount:
     """FLOPs of ``model`` (on meta) prefilling a ``prompt``-token prompt in one chunk, ``mode`` "exact" or "ced"."""
     runner, pages = _meta_runner(model, prompt, block_size, mode)
-    seq = _MetaSequence(prompt, 0, max(0, prompt - model.config.sliding_window), pages)
+    seq = _MetaSequence(prompt, 0, model.plan.decoder_start(prompt), pages)
     with FlopCounterMode(display=False) as counter:
         runner.prefill(seq, 0, prompt)
     return _count(counter)

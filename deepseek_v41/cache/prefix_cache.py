@@ -14,7 +14,8 @@ With N prompt tokens, P the page size and w the window, the reused length is ``L
 - **bounded replay** (default): encoder over [max(0, L' - w), N) with windows truncated at that start (an
   approximation, measured);
 - **exact replay** (``replay="exact"``): encoder over [max(0, min(L', D) - R), N), R = encoder layers x (w - 1),
-  the receptive field of the encoder windows, D = the decoder start max(0, N - w) (exact).
+  the receptive field of the encoder windows, D = the decoder start max(0, N - w) (``LayerPlan.decoder_start``)
+  (exact).
 
 Replayed positions write window rows and residuals only; compressed entries, index keys and pending pairs of
 [0, L') come from the pages. In ``exact`` prefill mode every layer resumes from the snapshot (which then holds
@@ -132,10 +133,11 @@ class PrefixCache:
         resume from, and take its pages (shared device pages, or pages loaded from disk into new device pages).
         Returns a Hit with ``cached=0`` on a miss. Never raises for a bad cache: unreadable pages are misses.
 
-        ``decoder_start``: the first position the CED decoder runs over (default ``max(0, len(tokens) - w)``, a
-        new request). The decoder's inputs of [decoder_start, start) must come from the snapshot's residuals, so a
-        hit never starts after ``decoder_start`` unless its snapshot holds them (a resumed, preempted sequence has
-        generated far past its prompt, and its decoder start lies far behind its last page).
+        ``decoder_start``: the first position the CED decoder runs over (default: the layer plan's
+        :meth:`~deepseek_v41.plan.LayerPlan.decoder_start` of ``len(tokens)``, a new request). The decoder's
+        inputs of [decoder_start, start) must come from the snapshot's residuals, so a hit never starts after
+        ``decoder_start`` unless its snapshot holds them (a resumed, preempted sequence has generated far past its
+        prompt, and its decoder start lies far behind its last page).
         ``prompt_len``: the prompt's length (default ``len(tokens)``): the boundary of the prompt's snapshot, tried
         when the longest usable boundary has none. ``resumed``: a preempted sequence coming back; without a
         snapshot it replays exactly (``replay="exact"``'s start) whatever ``replay`` says, so that preemption
@@ -143,7 +145,7 @@ class PrefixCache:
         """
         blocks = self.cache.blocks
         n = len(tokens)
-        D = max(0, n - self.window) if decoder_start is None else decoder_start
+        D = self.cache.plan.decoder_start(n) if decoder_start is None else decoder_start
         N = n if prompt_len is None else prompt_len
         limit = min(len(hashes), (n - 1) // self.block_size)
         pages: list[int] = []

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,7 +23,7 @@ from typing import Any
 
 from deepseek_v41.engine.engine import LLMEngine
 from deepseek_v41.engine.sampling_params import SamplingParams
-from deepseek_v41.engine.sequence import RequestOutput
+from deepseek_v41.engine.sequence import EngineRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ class AsyncLLMEngine:
         self.on_dead = on_dead
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-engine")
         self._streams: dict[str, _Stream] = {}
-        self._adds: list[tuple[str, dict[str, Any]]] = []
+        self._adds: list[EngineRequest] = []
         self._aborts: list[str] = []
         self._progress: dict[str, _Progress] = {}
         self._observers: list[Observer] = []
@@ -112,7 +111,6 @@ class AsyncLLMEngine:
         self._task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._draining = False
-        self._takes_salt = "cache_salt" in inspect.signature(engine.add_request).parameters
         self.stats: dict[str, Any] = self._snapshot()
 
     # ------------------------------------------------------------------ lifecycle
@@ -151,9 +149,8 @@ class AsyncLLMEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._executor.shutdown(wait=True)
-        prefix_cache = getattr(self.engine, "prefix_cache", None)
-        if prefix_cache is not None:
-            await asyncio.to_thread(prefix_cache.flush)  # persistent pages reach the disk before exit
+        # Persistent pages reach the disk before exit.
+        await asyncio.to_thread(self.engine.kv_cache_manager.flush)
 
     def add_observer(self, observer: Observer) -> None:
         """Call ``observer(step_outputs, stats)`` on the event loop after every step that produced outputs."""
@@ -165,10 +162,11 @@ class AsyncLLMEngine:
                        arrival_time: float | None = None) -> AsyncIterator[StepOutput]:
         """Add a request and yield a :class:`StepOutput` for every step that advanced it, the last one finished.
 
-        ``cache_salt`` keeps its prefix-cache entries apart from other salts (passed to the engine when its
-        ``add_request`` takes one). Raises ValueError (from ``LLMEngine.add_request``: empty prompt, ids outside
-        the vocabulary, too long, duplicate id) at the first iteration, EngineDrainingError during shutdown and
-        EngineDeadError after a failure of the loop. Leaving the iteration early aborts the request.
+        ``cache_salt`` keeps its prefix-cache entries apart from other salts. The request crosses to the engine's
+        thread as one :class:`~deepseek_v41.engine.sequence.EngineRequest`. Raises ValueError (from
+        ``LLMEngine.add_request``: empty prompt, ids outside the vocabulary, too long, duplicate id) at the first
+        iteration, EngineDrainingError during shutdown and EngineDeadError after a failure of the loop. Leaving the
+        iteration early aborts the request.
         """
         if self._dead is not None:
             raise self.dead_error()
@@ -179,10 +177,8 @@ class AsyncLLMEngine:
         self.start()
         stream = _Stream()
         self._streams[request_id] = stream
-        kwargs: dict[str, Any] = {"prompt": prompt, "arrival_time": arrival_time}
-        if self._takes_salt:
-            kwargs["cache_salt"] = cache_salt
-        self._adds.append((request_id, {"prompt_token_ids": prompt_token_ids, "params": params, **kwargs}))
+        self._adds.append(EngineRequest(request_id, prompt_token_ids, params, prompt=prompt, cache_salt=cache_salt,
+                                        arrival_time=arrival_time))
         self._wake.set()
         try:
             while True:
@@ -260,15 +256,18 @@ class AsyncLLMEngine:
                 logger.exception("on_dead hook %r failed", self.on_dead)
 
     # ------------------------------------------------------------------ worker thread
-    def _work(self, adds: list[tuple[str, dict[str, Any]]], aborts: list[str]
+    def _work(self, adds: list[EngineRequest], aborts: list[str]
               ) -> tuple[list[StepOutput], list[tuple[str, BaseException]], dict[str, Any]]:
         """Runs on the worker thread: aborts, adds, one step; returns outputs, add errors and a stats snapshot."""
         engine = self.engine
         outputs: list[StepOutput] = []
         errors: list[tuple[str, BaseException]] = []
-        for request_id, kwargs in adds:
+        for request in adds:
+            request_id = request.request_id
             try:
-                engine.add_request(request_id, **kwargs)
+                engine.add_request(request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
+                                   prompt=request.prompt, arrival_time=request.arrival_time,
+                                   cache_salt=request.cache_salt)
             except ValueError as exc:
                 errors.append((request_id, exc))
                 continue
@@ -276,7 +275,7 @@ class AsyncLLMEngine:
                 logger.exception("add_request(%r) failed", request_id)
                 errors.append((request_id, RuntimeError(f"the engine could not take this request: {exc!r}")))
                 continue
-            n = kwargs["params"].n
+            n = request.params.n
             self._progress[request_id] = _Progress([0] * n, [""] * n, [False] * n)
         # After the adds: a request added and abandoned before its first step is still stopped.
         for request_id in dict.fromkeys(aborts):

@@ -5,11 +5,14 @@ Prefill modes:
 - ``exact``: every layer over every prompt token (what the reference ``generate.py`` does).
 - ``ced`` (default when the layout allows, MODEL_REFERENCE.md §3.16): the encoder over every token, the first
   decoder layer's compressor and index keys over every token (the decoder's only global KV), and the decoder
-  layers only over positions >= ``decoder_start`` = max(0, N - sliding_window), their windows starting there.
+  layers only over positions >= the sequence's ``decoder_start`` (the layer plan's
+  :meth:`~deepseek_v41.plan.LayerPlan.decoder_start`: max(0, N - sliding_window)), their windows starting there.
 
 Both run in chunks of any size: each chunk is a forward over positions [start, end) of one sequence whose
 earlier state (window rings, pending pair, pages, Engram history) is in the cache. Decode runs one token of
-every decoding sequence in one batched forward of all layers.
+every decoding sequence in one batched forward of all layers. After a prefix-cache hit the first chunk starts at
+the hit's restart point and first rebuilds the Engram history from the tokens before it (the KV cache manager
+marks the sequence; it never runs the model).
 
 Speculative decoding (DSPARK.md §6, §7): :meth:`ModelRunner.verify` runs T tokens of every sequence (anchor +
 drafts, rows padded to one length) in one batched forward and commits nothing that depends on which tokens are
@@ -212,6 +215,18 @@ class ModelRunner:
         rows = hasher(ids, None, history)
         return rows, (slots, hasher.next_history(ids, None, history))
 
+    def _rebuild_engram_history(self, seq: Sequence, start: int) -> None:
+        """The slot's Engram history from the real tokens before ``start`` (a prefix hit's restart point: the
+        cache restored pages and windows, but the hash history is the last ``depth`` token ids, recomputed)."""
+        seq.rebuild_engram_history = False
+        hasher = self.model.hasher
+        if hasher is None:
+            return
+        depth = hasher.depth
+        before = torch.tensor([seq.token_at(max(0, start - depth), start)], dtype=torch.long, device=self.device)
+        history = hasher.next_history(before, None, hasher.start_history(1, self.device))
+        self.cache.engram_history[seq.slot, :depth] = history[0]
+
     def _commit_engram(self, update) -> None:
         if update is not None:
             slots, history = update
@@ -233,6 +248,8 @@ class ModelRunner:
             raise ValueError(f"a prefill chunk is positions [start, end) with 0 <= start < end <= "
                              f"{seq.num_tokens} (the sequence's tokens), got [{start}, {end})")
         model, plan = self.model, self.plan
+        if seq.rebuild_engram_history:
+            self._rebuild_engram_history(seq, start)
         # torch's own threads run this chunk's matmuls: the kernels' pool workers (left spinning by a decode step)
         # sleep after each job instead of spinning on the cores those threads need.
         kernels.set_spin(0.0)

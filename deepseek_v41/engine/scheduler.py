@@ -5,7 +5,9 @@ most recently arrived running sequences when the pool is short); the rest of the
 ``max_num_batched_tokens`` goes to prefill chunks — first of running sequences, then of waiting ones in arrival
 order (FIFO: a waiting request that does not fit blocks the ones behind it). Preempted sequences free their
 pages and slot and go back to the front of the queue; they later recompute prompt + output. The scheduler
-decides; it never computes.
+decides; it never computes. It owns the :class:`~deepseek_v41.cache.kv_cache_manager.KVCacheManager`: admission
+takes a slot and looks the prefix up there (a hit moves ``num_computed`` past the cached pages), preemption and
+finish free pages and slot there.
 
 With speculative decoding (``num_lookahead_tokens`` = the most drafts a step verifies) a decoding sequence gets
 pages for its anchor and that many drafts, up to its last possible position, and costs as many tokens of the
@@ -17,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from deepseek_v41.cache.kv_cache import PagedKVCache
+from deepseek_v41.cache.kv_cache_manager import KVCacheManager
 from deepseek_v41.engine.sequence import Sequence, SequenceStatus
 
 
@@ -37,12 +39,11 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting queue, running list and the per-step plan (see the module docstring)."""
 
-    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int, on_admit=None,
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  num_lookahead_tokens: int = 0):
-        self.cache = cache
+        self.kv_cache_manager = kv_cache_manager  # pages, slots and prefix lookup: the scheduler owns it
+        self.blocks = kv_cache_manager.blocks
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.on_admit = on_admit  # called with a sequence right after it gets its slot (prefix-cache lookup)
-        self.blocks = cache.blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -85,17 +86,16 @@ class Scheduler:
             if end > seq.num_computed:
                 out.prefills.append((seq, seq.num_computed, end))
                 budget -= end - seq.num_computed
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.cache.free_slots:
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and kv.has_free_slot:
             seq = self.waiting[0]
             end = self._chunk_end(seq, budget, grow=False)
             if end <= seq.num_computed:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            seq.slot = self.cache.acquire_slot()
+            kv.admit(seq, self.prefill_end(seq))  # a slot; a prefix hit takes pages and moves num_computed
             self.running.append(seq)
-            if self.on_admit is not None:
-                self.on_admit(seq)  # may take cached pages and move num_computed forward
             # The hit's pages may have been the last free ones: then no chunk this step (never an empty one).
             end = self._chunk_end(seq, budget)
             if end > seq.num_computed:
@@ -145,24 +145,18 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s pages and slot; it goes back to the front of the queue and will recompute."""
         self.running.remove(seq)
-        self._free(seq)
+        self.kv_cache_manager.free(seq)
         seq.num_computed = seq.decoder_done = seq.write_from = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence) -> None:
-        """Release a finished (or aborted) sequence's pages and slot."""
+    def finish(self, seq: Sequence, snapshot: bool = False) -> None:
+        """Release a finished (or aborted) sequence's pages and slot; ``snapshot``: it finished generating, and
+        its window goes to the SWA pool first (:meth:`KVCacheManager.free`)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._free(seq)
+        self.kv_cache_manager.free(seq, snapshot)
         seq.status = SequenceStatus.FINISHED
-
-    def _free(self, seq: Sequence) -> None:
-        self.blocks.release(seq.block_table)
-        seq.registered_pages = 0
-        if seq.slot is not None:
-            self.cache.release_slot(seq.slot)
-            seq.slot = None

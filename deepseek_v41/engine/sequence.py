@@ -24,9 +24,11 @@ class Sequence:
 
     ``num_computed``: tokens whose KV is in the cache (positions [0, num_computed)). The next forward runs the
     tokens [num_computed, num_tokens): a prefill chunk, or one token in a decode step. ``decoder_start``: first
-    position the CED decoder runs over (max(0, prompt - sliding_window)), fixed at arrival so that a preempted
-    sequence recomputes exactly what it had. ``decoder_done``: positions every layer has run over (the CED
-    decoder lags ``num_computed`` during a prompt and after a prefix-cache hit).
+    position the CED decoder runs over (:meth:`~deepseek_v41.plan.LayerPlan.decoder_start` of the prompt), fixed
+    at arrival so that a preempted sequence recomputes exactly what it had. ``decoder_done``: positions every
+    layer has run over (the CED decoder lags ``num_computed`` during a prompt and after a prefix-cache hit).
+    ``rebuild_engram_history``: set by the KV cache manager on a prefix hit; the model runner rebuilds the slot's
+    Engram history from the tokens before ``num_computed`` at the next prefill chunk, then clears it.
     """
 
     seq_id: int
@@ -59,6 +61,7 @@ class Sequence:
     num_replayed_tokens: int = 0
     decoder_done: int = 0
     prompt_snapshot_taken: bool = False
+    rebuild_engram_history: bool = False
     # Speculative decoding (DSPARK.md §6): drafts accepted (bonus tokens not counted) and verify steps.
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
@@ -90,6 +93,25 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class EngineRequest:
+    """A request on its way into the engine (vLLM's ``EngineCoreRequest``): what
+    :meth:`~deepseek_v41.engine.engine.LLMEngine.add_request` takes, as one typed object, queued by the async
+    engine on the event loop and added on the engine's thread.
+
+    ``prompt_token_ids``: the prompt's ids in ``[0, vocab_size)``; ``prompt``: its text when it came as text
+    (echoed in outputs); ``cache_salt``: keeps its prefix-cache entries apart from other salts (None or a
+    non-empty string); ``arrival_time``: seconds since the epoch (None: when the engine takes it).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    cache_salt: str | None = None
+    arrival_time: float | None = None
 
 
 @dataclass

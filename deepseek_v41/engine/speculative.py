@@ -380,7 +380,7 @@ class DSparkSpeculator:
         params = SamplingParams(temperature=0, max_tokens=self.max_len + 2, ignore_eos=True)
         prompt = [(7 * i + 3) % self.model.config.vocab_size for i in range(n)]
         seq = Sequence(-1, "cost-table", 0, prompt, params, SamplingState(params, prompt, device=cache.device),
-                       IncrementalDetokenizer(None, prompt, params), decoder_start=0)
+                       IncrementalDetokenizer(None, prompt, params), decoder_start=self.model.plan.decoder_start(n))
         seq.slot = cache.acquire_slot()
         try:
             cache.blocks.grow(seq.block_table, n + 1 + self.max_len)
@@ -413,3 +413,49 @@ class DSparkSpeculator:
             running = max(running, t / times[0])
             costs.append(running)
         return costs
+
+
+# ---------------------------------------------------------------------- engine construction
+def speculative_max_len(model, method: str | None, max_len: int | None, cost_table, window_slack_rows: int) -> int:
+    """Drafts a step verifies at most (0: no speculation) for the engine settings ``speculative`` (``method``),
+    ``speculative_max_len`` (``max_len``), ``speculative_cost_table`` and ``window_slack_rows`` (SPEC.md §4.4).
+
+    Raises ValueError for a length or cost table without a method, an unknown method, a checkpoint without a
+    DSpark draft, a length outside [1, dspark_block_size], or fewer window slack rows than the length (the rows
+    of rejected drafts must land in the ring's slack)."""
+    if method is None:
+        given = [name for name, value in (("speculative_max_len", max_len), ("speculative_cost_table", cost_table))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} needs speculative='dspark' (speculative is None: no "
+                             f"speculative decoding)")
+        return 0
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS} or None, got {method!r}")
+    if model.mtp is None:
+        raise ValueError("speculative='dspark' needs a DSpark draft, but this checkpoint has none "
+                         "(num_nextn_predict_layers = 0)")
+    block = model.config.dspark_block_size
+    length = block if max_len is None else max_len
+    if not 1 <= length <= block:
+        raise ValueError(f"speculative_max_len ({length}) must be in [1, dspark_block_size ({block})]: the "
+                         f"draft proposes dspark_block_size tokens per step")
+    if window_slack_rows < length:
+        raise ValueError(f"speculative_max_len ({length}) needs window_slack_rows >= {length} (got "
+                         f"{window_slack_rows}): rows of rejected drafts must land in the ring's slack")
+    return length
+
+
+def build_speculator(model, cache, runner, sampler: Sampler, max_len: int, cost_table, prefill_mode
+                     ) -> DSparkSpeculator:
+    """The engine's DSpark speculator verifying at most ``max_len`` drafts per step. ``cost_table``: a list or
+    dict (:func:`parse_cost_table`), ``"fixed"`` (no table: always ``max_len``) or None (measured now with
+    :meth:`DSparkSpeculator.measure_cost` in ``prefill_mode``). Raises ValueError for any other string and for
+    what :func:`parse_cost_table` refuses."""
+    if isinstance(cost_table, str) and cost_table != FIXED:
+        raise ValueError(f"speculative_cost_table must be a list, a dict, {FIXED!r} or None, got {cost_table!r}")
+    cost = parse_cost_table(cost_table, max_len) if cost_table is not None and cost_table != FIXED else None
+    speculator = DSparkSpeculator(model, cache, runner, sampler, max_len, cost)
+    if cost_table is None:
+        speculator.cost = speculator.measure_cost(prefill_mode)
+    return speculator

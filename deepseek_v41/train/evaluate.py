@@ -90,7 +90,8 @@ def ced_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     skip = {boundary.layer_id}
     window = model.config.sliding_window
     out = []
-    # Prefixes of at most `window` tokens: the decoder starts at position 0, as in one causal pass over them.
+    # Where the decoder of a prefix starts is the plan's rule (LayerPlan.decoder_start). Prefixes whose decoder
+    # starts at position 0 (at most `window` tokens) run in one causal pass over them.
     head = min(T, window)
     positions = torch.arange(head, device=ids.device)[None]
     s, p = model.run_layers(plan.decoder_layers, streams[:, :head], pre[:, :head], _DecoderRows(ctx, positions),
@@ -99,8 +100,9 @@ def ced_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     # Longer prefixes: the decoder runs over the last `window` positions only, one row per scored token.
     offsets = torch.arange(window, device=ids.device)
     for t0 in range(head, T, CED_ROWS):
-        ends = torch.arange(t0, min(T, t0 + CED_ROWS), device=ids.device)
-        positions = ends[:, None] - window + 1 + offsets  # [rows, window]
+        ends = range(t0, min(T, t0 + CED_ROWS))
+        starts = torch.tensor([plan.decoder_start(end + 1) for end in ends], device=ids.device)
+        positions = starts[:, None] + offsets  # [rows, window]
         s, p = model.run_layers(plan.decoder_layers, streams[0][positions], pre[0][positions],
                                 _DecoderRows(ctx, positions), skip_compress=skip)
         out.append(model.logits(s[:, -1:], p[:, -1:])[:, 0])

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from deepseek_v41.cache import kv_cache_manager
 from deepseek_v41.engine import LLM, SamplingParams
-from deepseek_v41.engine import engine as engine_module
 
 VOCAB = 512  # tiny config's vocab_size
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -142,7 +142,7 @@ def test_an_explicit_pool_must_hold_one_sequence_of_max_model_len(model32):
 
 def test_the_default_pool_holds_one_sequence_of_max_model_len_past_its_cap(model32, monkeypatch):
     page_bytes = LLM(model32, max_model_len=64, num_kv_pages=4).engine.cache.global_bytes // 5
-    monkeypatch.setattr(engine_module, "DEFAULT_KV_POOL_BYTES", 3 * page_bytes)
+    monkeypatch.setattr(kv_cache_manager, "DEFAULT_KV_POOL_BYTES", 3 * page_bytes)
     assert LLM(model32, max_model_len=32, max_num_seqs=4).stats["kv_pages_total"] == 3  # the cap: 3 of 8 pages
     llm = LLM(model32, max_model_len=128, max_num_seqs=4)  # one sequence needs 8 pages, over the cap
     assert llm.stats["kv_pages_total"] == 8

@@ -149,3 +149,23 @@ def test_disk_pages_written_counts_files_not_pages_found_stored(model64, tmp_pat
     stats = reader.stats["prefix_cache"]
     assert hit.num_cached_tokens == 3 * P
     assert stats["disk_pages_written"] == stats["disk"]["pages_written"] == 0
+
+
+def test_the_runner_rebuilds_the_engram_history_after_a_hit(model64):
+    """A hit is planned by the KV cache manager (pages, snapshot, restart point) and marked; the model runner
+    rebuilds the slot's Engram history from the tokens before the restart point at the first chunk, to what a
+    cold run has there (the cache layer never runs the model)."""
+    llm = engine(model64, swa_pool_bytes=1 << 28)
+    hasher, eng = model64.hasher, llm.engine
+    prompt = tokens(40, 1) + tokens(3, 7)
+    run(llm, prompt[:40])
+    eng.add_request("hit", prompt, GREEDY)
+    seq = eng.requests["hit"][0]
+    (s, start, end), = eng.scheduler.schedule().prefills
+    assert s is seq and start == seq.num_computed == 32 and seq.rebuild_engram_history  # the prompt's snapshot
+    assert (eng.cache.engram_history[seq.slot] == -1).all()  # admission left the model's work to the runner
+    eng.runner.prefill(seq, start, end)
+    cold = hasher.next_history(torch.tensor([prompt[:end]]), None, hasher.start_history(1, "cpu"))
+    assert not seq.rebuild_engram_history
+    assert eng.cache.engram_history[seq.slot, : hasher.depth].tolist() == cold[0].tolist()
+    eng.abort_request("hit")

@@ -8,6 +8,7 @@ import pytest
 
 from deepseek_v41.engine import LLM, SamplingParams
 from deepseek_v41.engine.async_engine import ABORT, AsyncLLMEngine, EngineDrainingError
+from deepseek_v41.engine.sequence import EngineRequest
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +105,32 @@ def test_engine_failure_fails_requests_and_health(model_dir):
         await engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_request_crosses_to_the_engine_thread_as_one_typed_object(llm, monkeypatch):
+    """``generate`` queues an :class:`EngineRequest` (not a kwargs dict); the worker thread adds it with every
+    field, ``cache_salt`` included."""
+    added = []
+    original = llm.engine.add_request
+
+    def add_request(request_id, **fields):
+        added.append((request_id, fields))
+        return original(request_id, **fields)
+
+    monkeypatch.setattr(llm.engine, "add_request", add_request)
+
+    async def run():
+        engine = AsyncLLMEngine(llm.engine)
+        queued, work = [], engine._work
+        engine._work = lambda adds, aborts: (queued.extend(adds), work(adds, aborts))[1]
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        async for _ in engine.generate("typed", [5, 6, 7], params, prompt="abc", cache_salt="tenant-a",
+                                       arrival_time=123.0):
+            pass
+        await engine.shutdown()
+        return queued
+
+    queued = asyncio.run(run())
+    assert queued == [EngineRequest("typed", [5, 6, 7], queued[0].params, "abc", "tenant-a", 123.0)]
+    assert added == [("typed", {"prompt_token_ids": [5, 6, 7], "params": queued[0].params, "prompt": "abc",
+                                "arrival_time": 123.0, "cache_salt": "tenant-a"})]

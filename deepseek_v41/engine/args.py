@@ -1,0 +1,56 @@
+"""``EngineArgs``: the engine's settings, with vLLM's names where they exist (vLLM's ``engine/arg_utils.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from deepseek_v41.cache.kv_cache_manager import CacheConfig
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings (vLLM's names where they exist).
+
+    ``block_size``: tokens per KV page. ``num_kv_pages`` or ``kv_cache_memory_bytes`` size the global KV pool
+    (default: room for ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most 1 GiB but never less than
+    one such sequence).
+    ``window_slack_rows``: extra rows per window ring (SPEC.md §4.1). ``prefill_mode``: "ced" (default when the
+    layout allows) or "exact".
+
+    Prefix caching (SPEC.md §4.3): ``enable_prefix_caching`` shares the pages of common prefixes between requests
+    (device tier); ``swa_pool_bytes`` sizes the in-memory SWA snapshot pool (default 10% of RAM; 0 disables
+    snapshots); ``cache_dir`` keeps global KV pages on disk across restarts (``cache_max_bytes`` budget, 72 h TTL;
+    default None: no persistence); ``replay`` is "bounded" (default) or "exact" for hits without a snapshot;
+    ``redis_url`` shares the SWA snapshots and the global KV pages between engine processes (any ``cache_dir``).
+
+    Speculative decoding (SPEC.md §4.4, DSPARK.md): ``speculative="dspark"`` (default None: off) drafts with the
+    checkpoint's DSpark draft and verifies at most ``speculative_max_len`` drafts per step (default and maximum:
+    the checkpoint's ``dspark_block_size``; needs ``window_slack_rows >= speculative_max_len``).
+    ``speculative_cost_table``: relative cost of a target forward verifying ℓ drafts per sequence, as a list
+    indexed by ℓ or a dict ℓ -> cost over 0..speculative_max_len; None (default) measures it at engine start;
+    ``"fixed"`` verifies ``speculative_max_len`` drafts every step.
+    """
+
+    prefill_mode: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    num_kv_pages: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    window_slack_rows: int = 16
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    cache_dir: str | None = None
+    cache_max_bytes: int = 16 * 1024**3
+    swa_pool_bytes: int | None = None
+    replay: str = "bounded"
+    redis_url: str | None = None
+    speculative: str | None = None
+    speculative_max_len: int | None = None
+    speculative_cost_table: dict[int, float] | list[float] | str | None = None
+
+    def cache_config(self, max_model_len: int) -> CacheConfig:
+        """The cache settings of these arguments, for an engine of ``max_model_len`` tokens per sequence."""
+        return CacheConfig(max_model_len, **{f.name: getattr(self, f.name) for f in fields(CacheConfig)
+                                             if f.name != "max_model_len"})
