@@ -64,7 +64,8 @@ def _run(tree: Path, args: list[str], log) -> dict:
                           check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{tree}: {' '.join(args[:3])} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    log(f"{tree.name}: {' '.join(a for a in args if not a.startswith('/'))[:60]} {time.perf_counter() - start:.0f}s")
+    what = "greedy tokens" if args[0] == "-c" else " ".join(a for a in args if not a.startswith("/"))
+    log(f"{tree.name}: {what[:60]} {time.perf_counter() - start:.0f}s")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
