@@ -265,12 +265,10 @@ class ModelRunner:
                 # Resumed from an SWA snapshot: the decoder's inputs before this chunk are the snapshot's, read
                 # before this chunk writes its own rows (a chunk longer than the ring's slack overwrites them).
                 old_streams, old_pre = self.cache.read_residuals(seq.slot, first, start)  # copies
-            streams, pre = model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows, taps)
+            streams, pre = model.ced_encode(streams, pre, ctx, rows, taps)
             self._count(plan.encoder_layers, end - start)
             if self.cache.residuals:
                 self.cache.write_residuals(seq.slot, range(start, end), streams[0], pre[0])
-            boundary = model.layers[plan.decoder_layers[0]]
-            boundary.attn.compress(boundary.attention_input(streams, pre), ctx)
             logits = None
             if first < end:
                 if first < start:
@@ -279,8 +277,7 @@ class ModelRunner:
                 else:
                     streams, pre = streams[:, first - start:], pre[:, first - start:]
                 tail = self._context([seq], torch.arange(first, end, device=self.device)[None], [end])
-                streams, pre = model.run_layers(plan.decoder_layers, streams, pre, tail, None, rows, taps,
-                                                skip_compress={boundary.layer_id})
+                streams, pre = model.ced_decode(streams, pre, tail, rows, taps)
                 self._count(plan.decoder_layers, end - first)
                 seq.decoder_done = end
                 if want_logits:

@@ -176,6 +176,33 @@ class Transformer(nn.Module):
             streams, pre = block(streams, pre, ctx, image_mask, compress=j not in skip_compress)
         return streams, pre
 
+    # ------------------------------------------------------------------ CED (MODEL_REFERENCE.md §3.16)
+    def ced_encode(self, streams: torch.Tensor, pre: torch.Tensor, ctx,
+                   engram_rows: dict[int, torch.Tensor] | None = None,
+                   taps: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CED encoder over every position of streams [B, T, hc, D]: the encoder layers
+        (``plan.encoder_layers``), then the first decoder layer's compressor over the same positions (so the
+        compressed entries the decoder reads cover the whole prompt). Returns the encoder's output (streams, pre),
+        which the decoder reads from its start (:meth:`deepseek_v41.plan.LayerPlan.decoder_start`) on. The one
+        home of the CED order: the engine's chunked prefill and the evaluation's exact CED both call it.
+        Raises ValueError without a CED layout (``plan.ced_reason`` says why)."""
+        plan = self.plan
+        if not plan.ced:
+            raise ValueError(f"CED needs the CED layout; this model has {plan.ced_reason}")
+        streams, pre = self.run_layers(plan.encoder_layers, streams, pre, ctx, None, engram_rows, taps)
+        boundary = self.layers[plan.decoder_layers[0]]
+        boundary.attn.compress(boundary.attention_input(streams, pre), ctx)
+        return streams, pre
+
+    def ced_decode(self, streams: torch.Tensor, pre: torch.Tensor, ctx,
+                   engram_rows: dict[int, torch.Tensor] | None = None,
+                   taps: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CED decoder: the decoder layers over the positions of ``ctx`` (from the decoder start on), without
+        the first decoder layer's compressor, which :meth:`ced_encode` ran over every position."""
+        plan = self.plan
+        return self.run_layers(plan.decoder_layers, streams, pre, ctx, None, engram_rows, taps,
+                               skip_compress={plan.decoder_layers[0]})
+
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Final collapse, norm and LM head: [B, T, hc, D] -> logits [B, T, vocab], fp32 (float64 for float64)."""
         return self.lm_head(upcast(self.norm(collapse(streams, pre))))

@@ -84,18 +84,14 @@ def ced_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     ctx = DenseContext(1, T, ids.device, model.fake_quant)
     rows = model.hasher(ids, None) if model.hasher is not None else None
     streams, pre = model.embed_streams(ids)
-    streams, pre = model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows)
-    boundary = model.layers[plan.decoder_layers[0]]
-    boundary.attn.compress(boundary.attention_input(streams, pre), ctx)
-    skip = {boundary.layer_id}
+    streams, pre = model.ced_encode(streams, pre, ctx, rows)
     window = model.config.sliding_window
     out = []
     # Where the decoder of a prefix starts is the plan's rule (LayerPlan.decoder_start). Prefixes whose decoder
     # starts at position 0 (at most `window` tokens) run in one causal pass over them.
     head = min(T, window)
     positions = torch.arange(head, device=ids.device)[None]
-    s, p = model.run_layers(plan.decoder_layers, streams[:, :head], pre[:, :head], _DecoderRows(ctx, positions),
-                            skip_compress=skip)
+    s, p = model.ced_decode(streams[:, :head], pre[:, :head], _DecoderRows(ctx, positions))
     out.append(model.logits(s, p)[0])
     # Longer prefixes: the decoder runs over the last `window` positions only, one row per scored token.
     offsets = torch.arange(window, device=ids.device)
@@ -103,8 +99,7 @@ def ced_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
         ends = range(t0, min(T, t0 + CED_ROWS))
         starts = torch.tensor([plan.decoder_start(end + 1) for end in ends], device=ids.device)
         positions = starts[:, None] + offsets  # [rows, window]
-        s, p = model.run_layers(plan.decoder_layers, streams[0][positions], pre[0][positions],
-                                _DecoderRows(ctx, positions), skip_compress=skip)
+        s, p = model.ced_decode(streams[0][positions], pre[0][positions], _DecoderRows(ctx, positions))
         out.append(model.logits(s[:, -1:], p[:, -1:])[:, 0])
     return torch.cat(out)
 
