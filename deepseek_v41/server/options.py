@@ -27,10 +27,14 @@ KV_CACHE_DTYPES = ("auto",)
 
 def json_list(value: str, flag: str) -> list[str]:
     """``value`` as a list of strings: a JSON list (``'["http://a", "http://b"]'``, as vLLM) or one bare value
-    (``http://a`` or ``*``). Raises ValueError naming ``flag`` for JSON that is not a list of strings."""
+    (``http://a`` or ``*``). Raises ValueError naming ``flag`` for JSON that is not a list of strings, a value
+    starting with ``[`` included (a list with a typo is never taken as one literal origin)."""
     try:
         parsed = json.loads(value)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as exc:
+        if value.lstrip().startswith("["):
+            raise ValueError(f"{flag} {value!r} starts with '[' but is not a JSON list ({exc.msg} at character "
+                             f"{exc.pos}); give a JSON list of strings such as '[\"*\"]' or one value") from exc
         return [value]
     if isinstance(parsed, str):
         return [parsed]
