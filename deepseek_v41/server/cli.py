@@ -85,6 +85,18 @@ def resolve_dtype(dtype: str, device, model_dir: Path | None = None, option: str
         fail(str(exc))
 
 
+def _positive_int(value: str, flag: str) -> int:
+    """A ``flag`` value as an integer >= 1, vLLM's ``k`` / ``K`` suffixes allowed (:func:`options.human_readable_int`);
+    a usage error (exit 2) naming the flag otherwise."""
+    try:
+        number = options.human_readable_int(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if number < 1:
+        raise typer.BadParameter(f"{number} is not >= 1")
+    return number
+
+
 def _missing_dirs(path: Path) -> list[Path]:
     """``path`` and its ancestors that do not exist yet, deepest first."""
     out = []
@@ -126,8 +138,9 @@ def serve(
                                       "no auth. Each key gets its own prefix-cache salt."),
     served_model_name: list[str] = typer.Option([], "--served-model-name", help="Name(s) clients use as 'model' "
                                                 "(repeatable; default: the model directory's name)."),
-    max_model_len: int | None = typer.Option(None, min=1, help="Prompt + output tokens at most (default: the "
-                                             "model's, capped at 32768)."),
+    max_model_len: int | None = typer.Option(None, parser=lambda v: _positive_int(v, "--max-model-len"),
+                                             metavar="INTEGER", help="Prompt + output tokens at most, e.g. 4096, "
+                                             "4k (= 4000) or 4K (= 4096) (default: the model's, capped at 32768)."),
     cache_dir: Path | None = typer.Option(None, help="Directory of the persistent prefix cache (default "
                                           "~/.cache/deepseek_v41/prefix-cache); created once the settings are "
                                           "checked."),
@@ -204,6 +217,8 @@ def serve(
                                            "throughput log lines)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="Only 1: the engine runs "
                                              "on one device."),
+    pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", "-pp", help="Only 1: the engine "
+                                               "runs on one device."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Accepted for vLLM scripts: no "
                                            "code from the model directory is ever run."),
 ) -> None:
@@ -235,9 +250,11 @@ def serve(
         fail(str(exc))
     if enable_log_requests and disable_log_requests:
         fail("--enable-log-requests and --disable-log-requests contradict each other; give one")
-    if tensor_parallel_size != 1:
-        fail(f"--tensor-parallel-size {tensor_parallel_size}: this engine runs on one device (no tensor "
-             f"parallelism); give 1 or leave the flag out")
+    for flag, size in (("--tensor-parallel-size", tensor_parallel_size),
+                       ("--pipeline-parallel-size", pipeline_parallel_size)):
+        why = options.check_parallel_size(flag, size)
+        if why is not None:
+            fail(why)
     if disable_log_stats:
         log_stats_interval = 0.0
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 TOOL_CALL_PARSERS = ("deepseek_v41",)
@@ -41,6 +42,37 @@ def json_list(value: str, flag: str) -> list[str]:
     if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
         raise ValueError(f"{flag} takes a JSON list of strings such as '[\"*\"]' or one value, got {value!r}")
     return parsed
+
+
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: str) -> int:
+    """``value`` as an integer, with vLLM's suffixes (``--max-model-len 32k``): a lowercase ``k`` / ``m`` / ``g`` /
+    ``t`` multiplies by 10**3 / 10**6 / 10**9 / 10**12 and may follow a decimal (``25.6k`` = 25600), an uppercase
+    ``K`` / ``M`` / ``G`` / ``T`` by 2**10 / 2**20 / 2**30 / 2**40 and needs a whole number (``32K`` = 32768).
+    Raises ValueError saying what is allowed for anything else. Source: vLLM ``human_readable_int``."""
+    text = value.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text)
+    if match is None:
+        raise ValueError(f"{value!r} is not an integer (a number, optionally with a suffix: k = 1000, K = 1024, "
+                         f"m = 10**6, M = 2**20, ...)")
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise ValueError(f"{value!r}: a decimal number takes a decimal suffix (k, m, g, t), not {suffix or 'none'}"
+                         + (f"; did you mean {number}{suffix.lower()}?" if suffix else ""))
+    return int(number) * _BINARY_SUFFIXES.get(suffix, 1)
+
+
+def check_parallel_size(flag: str, size: int) -> str | None:
+    """Why ``--tensor-parallel-size`` / ``--pipeline-parallel-size size`` (``flag``) is refused, or None for 1."""
+    if size == 1:
+        return None
+    kind = "tensor" if "tensor" in flag else "pipeline"
+    return (f"{flag} {size}: this engine runs on one device (no {kind} parallelism); give 1 or leave the flag out")
 
 
 def check_tool_call_parser(name: str | None) -> str | None:

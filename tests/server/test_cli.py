@@ -146,6 +146,10 @@ def bad_device() -> str:
     (["--override-generation-config", "[1]"], "--override-generation-config must be a JSON object"),
     (["--override-generation-config", '{"temp": 1}'], "--override-generation-config: unknown keys ['temp']"),
     (["-tp", "2"], "this engine runs on one device (no tensor parallelism)"),
+    (["-pp", "2"], "--pipeline-parallel-size 2: this engine runs on one device (no pipeline parallelism)"),
+    (["--max-model-len", "4x"], "'4x' is not an integer"),
+    (["--max-model-len", "1.5K"], "a decimal number takes a decimal suffix"),
+    (["--max-model-len", "1m"], "(max_position_embeddings), got 1000000"),
     (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
 ])
 def test_serve_refuses_bad_settings_cleanly(model_dir, tmp_path, monkeypatch, flags, message):
@@ -241,3 +245,21 @@ def test_serve_failed_start_removes_the_cache_dir_it_created(model_dir, tmp_path
     assert all(p == ".cache" or p.startswith(".cache/deepseek_v41") and (p.count("/") < 2 or "/weight-digests" in p)
                for p in left), left
     assert not [p for p in left if p.startswith(".cache/deepseek_v41/") and "weight-digests" not in p], left
+
+
+@pytest.mark.parametrize(("text", "value"), [("4096", 4096), ("4k", 4000), ("32K", 32768), ("1m", 1_000_000),
+                                             ("1M", 2**20), ("25.6k", 25600), (" 8k ", 8000)])
+def test_human_readable_int_as_vllm(text, value):
+    from deepseek_v41.server.options import human_readable_int
+
+    assert human_readable_int(text) == value
+
+
+def test_serve_accepts_vllm_sizes_and_parallel_one(tmp_path):
+    """``-pp 1`` / ``--pipeline-parallel-size 1`` as ``-tp 1``, ``--max-model-len 4k``: accepted (the start then
+    fails only on the missing model directory)."""
+    for flags in (["-pp", "1"], ["--pipeline-parallel-size", "1", "-tp", "1"], ["--max-model-len", "4k"],
+                  ["--max-model-len", "32K"]):
+        result = run_serve(str(tmp_path / "none"), *flags)
+        assert result.exit_code == 2 and "model directory" in result.stderr and "not found" in result.stderr, \
+            (flags, result.stderr)
