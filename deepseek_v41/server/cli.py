@@ -134,8 +134,9 @@ def serve(
                                  help="Print the version and exit."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
-    api_key: list[str] = typer.Option([], "--api-key", help="Accepted bearer key (repeat for several); none = "
-                                      "no auth. Each key gets its own prefix-cache salt."),
+    api_key: list[str] = typer.Option([], "--api-key", help="Accepted bearer key (repeat for several; default: "
+                                      "$DSV41_API_KEY, else $VLLM_API_KEY); none = no auth. Each key gets its own "
+                                      "prefix-cache salt."),
     served_model_name: list[str] = typer.Option([], "--served-model-name", help="Name(s) clients use as 'model' "
                                                 "(repeatable; default: the model directory's name)."),
     max_model_len: int | None = typer.Option(None, parser=lambda v: _positive_int(v, "--max-model-len"),
@@ -227,6 +228,7 @@ def serve(
     Every setting is checked before anything is loaded or created: a bad one exits with status 2 and a message on
     stderr, and leaves no cache directory behind (one the start created is removed again if the start fails).
     """
+    api_key = api_keys(api_key)
     # Checks that need no heavy import come first, so that a typo fails fast.
     if model_tag is not None and model is not None and model_tag.resolve() != model.resolve():
         fail(f"the model is given twice and differently: MODEL {model_tag} and --model {model}; give one")
@@ -330,7 +332,7 @@ def serve(
         engine = AsyncLLMEngine(llm.engine)
         config = ServerConfig(served_model_names=served_model_name or [default_model_name(model)],
                               model_aliases=[] if served_model_name else model_path_aliases(model),
-                              model_path=str(model), api_keys=list(api_key), sampling_defaults_origin=defaults_origin,
+                              model_path=str(model), api_keys=api_key, sampling_defaults_origin=defaults_origin,
                               max_body_bytes=int(max_body_mb * 1024 * 1024), log_stats_interval_s=log_stats_interval,
                               drain_timeout_s=drain_timeout, sampling_defaults=defaults, **cors,
                               allow_credentials=allow_credentials, log_requests=enable_log_requests)
@@ -355,6 +357,20 @@ def serve(
     finally:
         if not started:
             _remove_created(created)
+
+
+API_KEY_ENV = ("DSV41_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
+
+
+def api_keys(given: list[str]) -> list[str]:
+    """The accepted bearer keys: the ``--api-key`` values when any is given, else the key in the first of
+    :data:`API_KEY_ENV` that is set and not empty (as vLLM reads ``VLLM_API_KEY``), else none (no auth)."""
+    if given:
+        return list(given)
+    for name in API_KEY_ENV:
+        if os.environ.get(name):
+            return [os.environ[name]]
+    return []
 
 
 def default_model_name(model: Path) -> str:

@@ -263,3 +263,30 @@ def test_serve_accepts_vllm_sizes_and_parallel_one(tmp_path):
         result = run_serve(str(tmp_path / "none"), *flags)
         assert result.exit_code == 2 and "model directory" in result.stderr and "not found" in result.stderr, \
             (flags, result.stderr)
+
+
+@pytest.mark.parametrize(("env", "flags", "keys"), [
+    ({"VLLM_API_KEY": "v"}, [], ["v"]),
+    ({"DSV41_API_KEY": "d", "VLLM_API_KEY": "v"}, [], ["d"]),
+    ({"DSV41_API_KEY": "", "VLLM_API_KEY": "v"}, [], ["v"]),
+    ({"VLLM_API_KEY": "v"}, ["--api-key", "a", "--api-key", "b"], ["a", "b"]),  # the flag wins
+    ({}, [], []),
+])
+def test_serve_takes_the_api_key_from_the_environment(model_dir, tmp_path, monkeypatch, env, flags, keys):
+    """``VLLM_API_KEY`` (vLLM's) and ``DSV41_API_KEY`` guard the server when ``--api-key`` is not given."""
+    import deepseek_v41.server.common as common
+
+    for name in ("DSV41_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    seen = []
+
+    def stop(**settings):
+        seen.append(settings["api_keys"])
+        raise ValueError("stopped at the server config")
+
+    monkeypatch.setattr(common, "ServerConfig", stop)
+    result = run_serve(str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--max-model-len", "64", *flags)
+    assert "stopped at the server config" in str(result.exception), (result.output, result.exception)
+    assert seen == [keys]
