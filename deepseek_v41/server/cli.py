@@ -300,6 +300,7 @@ def serve(
     if threads is not None:
         torch.set_num_threads(threads)
     cache_path = (cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    budget_line = None
     if gpu_memory_utilization is not None:
         if num_kv_pages is not None or kv_cache_memory_bytes is not None:  # as vLLM: an explicit size wins
             log.warning("--gpu-memory-utilization is ignored: --num-kv-pages / --kv-cache-memory-bytes size the KV "
@@ -311,8 +312,9 @@ def serve(
                 fail(str(exc))
             free = options.free_memory_bytes(torch_device)
             kv_cache_memory_bytes = options.kv_budget_bytes(gpu_memory_utilization, free, weights)
-            log.info("--gpu-memory-utilization %g: KV pool budget %.0f MiB (%.0f MiB free, %.0f MiB of weights)",
-                     gpu_memory_utilization, kv_cache_memory_bytes / 2**20, free / 2**20, weights / 2**20)
+            budget_line = (f"--gpu-memory-utilization {gpu_memory_utilization:g}: KV pool budget "
+                           f"{kv_cache_memory_bytes / 2**20:.0f} MiB at most ({free / 2**20:.0f} MiB free, "
+                           f"{weights / 2**20:.0f} MiB of weights)")
     engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, max_model_len=max_model_len, num_kv_pages=num_kv_pages,
                        kv_cache_memory_bytes=kv_cache_memory_bytes, prefill_mode=prefill_mode, seed=seed,
@@ -329,6 +331,8 @@ def serve(
             from_utilization = gpu_memory_utilization is not None and "kv_cache_memory_bytes=" in str(exc) \
                 and num_kv_pages is None
             fail(f"{exc}{' (the budget of --gpu-memory-utilization)' if from_utilization else ''}")
+        if budget_line is not None:
+            log.info("%s; allocated %s", budget_line, _pool_line(llm))
         engine = AsyncLLMEngine(llm.engine)
         config = ServerConfig(served_model_names=served_model_name or [default_model_name(model)],
                               model_aliases=[] if served_model_name else model_path_aliases(model),
@@ -389,6 +393,17 @@ def model_path_aliases(model: Path) -> list[str]:
              str(model.expanduser().resolve())]
     served = default_model_name(model)
     return [name for name in dict.fromkeys(forms) if name != served]
+
+
+def _pool_line(llm) -> str:
+    """The KV pool as allocated, for the ``--gpu-memory-utilization`` log line: its pages and bytes, and that it
+    never holds more than ``max_num_seqs`` sequences of ``max_model_len`` tokens, whatever the budget (the budget
+    is an upper bound, as vLLM's; the engine sizes the pool in :meth:`LLMEngine._num_pages`)."""
+    engine, stats = llm.engine, llm.engine.stats
+    cap = engine.args.max_num_seqs * -(-engine.max_model_len // engine.args.block_size)
+    return (f"{stats['kv_pages_total']} KV pages = {stats['kv_global_bytes'] / 2**20:.1f} MiB (the pool holds at "
+            f"most max_num_seqs {engine.args.max_num_seqs} x max_model_len {engine.max_model_len} tokens = {cap} "
+            f"pages; raise --max-num-seqs to use more of the budget)")
 
 
 def _prefix_line(llm, cache_path: Path) -> str:

@@ -290,3 +290,27 @@ def test_serve_takes_the_api_key_from_the_environment(model_dir, tmp_path, monke
     result = run_serve(str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--max-model-len", "64", *flags)
     assert "stopped at the server config" in str(result.exception), (result.output, result.exception)
     assert seen == [keys]
+
+
+def test_gpu_memory_utilization_logs_the_pool_allocated(model_dir, tmp_path, monkeypatch, caplog):
+    """The budget of ``--gpu-memory-utilization`` is an upper bound: the log says so and gives the pool actually
+    allocated (capped at max_num_seqs x max_model_len), which is what the engine holds."""
+    import logging
+
+    import deepseek_v41.server.common as common
+    import deepseek_v41.server.options as serve_options
+
+    monkeypatch.setattr(serve_options, "free_memory_bytes", lambda device: 64 * 2**30)  # a large budget
+
+    def stop(**settings):
+        raise ValueError("stopped at the server config")
+
+    monkeypatch.setattr(common, "ServerConfig", stop)
+    caplog.set_level(logging.INFO, logger="deepseek_v41.server")
+    result = run_serve(str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--max-model-len", "64",
+                       "--max-num-seqs", "2", "--block-size", "16", "--gpu-memory-utilization", "0.9")
+    assert "stopped at the server config" in str(result.exception), (result.output, result.exception)
+    lines = [r.getMessage() for r in caplog.records if "--gpu-memory-utilization 0.9" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert "KV pool budget" in lines[0] and "MiB at most" in lines[0]
+    assert "allocated 8 KV pages" in lines[0] and "max_num_seqs 2 x max_model_len 64 tokens = 8 pages" in lines[0]
