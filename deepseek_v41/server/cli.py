@@ -401,9 +401,14 @@ def _pool_line(llm) -> str:
     is an upper bound, as vLLM's; the engine sizes the pool in :meth:`LLMEngine._num_pages`)."""
     engine, stats = llm.engine, llm.engine.stats
     cap = engine.args.max_num_seqs * -(-engine.max_model_len // engine.args.block_size)
-    return (f"{stats['kv_pages_total']} KV pages = {stats['kv_global_bytes'] / 2**20:.1f} MiB (the pool holds at "
+    return (f"{stats['kv_pages_total']} KV pages = {_size(stats['kv_global_bytes'])} (the pool holds at "
             f"most max_num_seqs {engine.args.max_num_seqs} x max_model_len {engine.max_model_len} tokens = {cap} "
             f"pages; raise --max-num-seqs to use more of the budget)")
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in MiB, or KiB below 1 MiB (a tiny model's pool would read 0 MiB)."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def _prefix_line(llm, cache_path: Path) -> str:
