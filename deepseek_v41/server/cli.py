@@ -97,6 +97,17 @@ def _positive_int(value: str, flag: str) -> int:
     return number
 
 
+def choose_model(positional: Path | None, option: Path | None, usage: str) -> Path:
+    """The model directory given as the positional MODEL or as ``--model`` (either, or both when they name the same
+    directory), as ``vllm serve MODEL``; exits 2 when they differ or neither is given (``usage`` shows the form)."""
+    if positional is not None and option is not None and positional.resolve() != option.resolve():
+        fail(f"the model is given twice and differently: MODEL {positional} and --model {option}; give one")
+    model = positional if positional is not None else option
+    if model is None:
+        fail(f"give the model directory: {usage} (or --model MODEL)")
+    return model
+
+
 def _missing_dirs(path: Path) -> list[Path]:
     """``path`` and its ancestors that do not exist yet, deepest first."""
     out = []
@@ -230,11 +241,7 @@ def serve(
     """
     api_key = api_keys(api_key)
     # Checks that need no heavy import come first, so that a typo fails fast.
-    if model_tag is not None and model is not None and model_tag.resolve() != model.resolve():
-        fail(f"the model is given twice and differently: MODEL {model_tag} and --model {model}; give one")
-    model = model_tag if model_tag is not None else model
-    if model is None:
-        fail("give the model directory: dsv41 serve MODEL (or --model MODEL)")
+    model = choose_model(model_tag, model, "dsv41 serve MODEL")
     for flag, level in (("--log-level", log_level), ("--uvicorn-log-level", uvicorn_log_level)):
         if level is not None and level.lower() not in LOG_LEVELS:
             fail(f"{flag} must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
