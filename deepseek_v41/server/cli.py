@@ -245,9 +245,12 @@ def serve(
     for flag, level in (("--log-level", log_level), ("--uvicorn-log-level", uvicorn_log_level)):
         if level is not None and level.lower() not in LOG_LEVELS:
             fail(f"{flag} must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    from deepseek_v41.engine import options as engine_options  # the engine package imports torch: not at the top
+
     if chat_template is not None:
         fail(options.chat_template_refusal(chat_template))
-    for why in (options.check_tool_call_parser(tool_call_parser), options.check_kv_cache_dtype(kv_cache_dtype)):
+    for why in (options.check_tool_call_parser(tool_call_parser),
+                engine_options.check_kv_cache_dtype(kv_cache_dtype, "--kv-cache-dtype")):
         if why is not None:
             fail(why)
     try:
@@ -261,7 +264,7 @@ def serve(
         fail("--enable-log-requests and --disable-log-requests contradict each other; give one")
     for flag, size in (("--tensor-parallel-size", tensor_parallel_size),
                        ("--pipeline-parallel-size", pipeline_parallel_size)):
-        why = options.check_parallel_size(flag, size)
+        why = engine_options.check_parallel_size(flag, size)
         if why is not None:
             fail(why)
     if disable_log_stats:
@@ -307,21 +310,6 @@ def serve(
     if threads is not None:
         torch.set_num_threads(threads)
     cache_path = (cache_dir or DEFAULT_CACHE_DIR).expanduser()
-    budget_line = None
-    if gpu_memory_utilization is not None:
-        if num_kv_pages is not None or kv_cache_memory_bytes is not None:  # as vLLM: an explicit size wins
-            log.warning("--gpu-memory-utilization is ignored: --num-kv-pages / --kv-cache-memory-bytes size the KV "
-                        "pool")
-        else:
-            try:
-                weights = options.weight_bytes(model, torch_dtype)
-            except (FileNotFoundError, ConfigError) as exc:
-                fail(str(exc))
-            free = options.free_memory_bytes(torch_device)
-            kv_cache_memory_bytes = options.kv_budget_bytes(gpu_memory_utilization, free, weights)
-            budget_line = (f"--gpu-memory-utilization {gpu_memory_utilization:g}: KV pool budget "
-                           f"{kv_cache_memory_bytes / 2**20:.0f} MiB at most ({free / 2**20:.0f} MiB free, "
-                           f"{weights / 2**20:.0f} MiB of weights)")
     engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, max_model_len=max_model_len, num_kv_pages=num_kv_pages,
                        kv_cache_memory_bytes=kv_cache_memory_bytes, prefill_mode=prefill_mode, seed=seed,
@@ -329,17 +317,17 @@ def serve(
                        enable_prefix_caching=enable_prefix_caching, swa_pool_bytes=swa_pool_bytes, replay=replay,
                        redis_url=redis_url,
                        speculative=speculative, speculative_max_len=speculative_max_len)
+    # LLM turns the fraction into the pool's budget (engine.options) and logs the budget and the pool allocated.
+    vllm_options = dict(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                        pipeline_parallel_size=pipeline_parallel_size, kv_cache_dtype=kv_cache_dtype,
+                        trust_remote_code=trust_remote_code)
     created = _missing_dirs(cache_path)  # what the engine's persistent store will create
     started = False
     try:
         try:
-            llm = LLM(model, dtype=torch_dtype, device=str(torch_device), **engine_args)
+            llm = LLM(model, dtype=torch_dtype, device=str(torch_device), **vllm_options, **engine_args)
         except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as exc:
-            from_utilization = gpu_memory_utilization is not None and "kv_cache_memory_bytes=" in str(exc) \
-                and num_kv_pages is None
-            fail(f"{exc}{' (the budget of --gpu-memory-utilization)' if from_utilization else ''}")
-        if budget_line is not None:
-            log.info("%s; allocated %s", budget_line, _pool_line(llm))
+            fail(str(exc))
         engine = AsyncLLMEngine(llm.engine)
         config = ServerConfig(served_model_names=served_model_name or [default_model_name(model)],
                               model_aliases=[] if served_model_name else model_path_aliases(model),
@@ -400,22 +388,6 @@ def model_path_aliases(model: Path) -> list[str]:
              str(model.expanduser().resolve())]
     served = default_model_name(model)
     return [name for name in dict.fromkeys(forms) if name != served]
-
-
-def _pool_line(llm) -> str:
-    """The KV pool as allocated, for the ``--gpu-memory-utilization`` log line: its pages and bytes, and that it
-    never holds more than ``max_num_seqs`` sequences of ``max_model_len`` tokens, whatever the budget (the budget
-    is an upper bound, as vLLM's; the engine sizes the pool in :meth:`LLMEngine._num_pages`)."""
-    engine, stats = llm.engine, llm.engine.stats
-    cap = engine.args.max_num_seqs * -(-engine.max_model_len // engine.args.block_size)
-    return (f"{stats['kv_pages_total']} KV pages = {_size(stats['kv_global_bytes'])} (the pool holds at "
-            f"most max_num_seqs {engine.args.max_num_seqs} x max_model_len {engine.max_model_len} tokens = {cap} "
-            f"pages; raise --max-num-seqs to use more of the budget)")
-
-
-def _size(nbytes: int) -> str:
-    """``nbytes`` in MiB, or KiB below 1 MiB (a tiny model's pool would read 0 MiB)."""
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def _prefix_line(llm, cache_path: Path) -> str:

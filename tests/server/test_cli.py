@@ -72,7 +72,7 @@ def test_serve_drains_on_sigterm(model_dir, tmp_path):
     text = log.read_text()
     assert "draining" in text and "Avg generation throughput" in text
     assert "sampling defaults temperature=0.0, max_tokens=7 (from" in text
-    assert "--gpu-memory-utilization 0.01: KV pool budget" in text
+    assert "gpu_memory_utilization 0.01: KV pool budget" in text and "MiB at most" in text
     # The prompt's full pages went to the persistent prefix cache under --cache-dir.
     assert list((tmp_path / "cache").rglob("*.page"))
 
@@ -137,7 +137,7 @@ def bad_device() -> str:
     (["--kv-cache-dtype", "fp8"], "the KV cache format is fixed by the model"),
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1]"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
-    (["--gpu-memory-utilization", "1e-12"], "(the budget of --gpu-memory-utilization)"),
+    (["--gpu-memory-utilization", "1e-12"], "(the budget of gpu_memory_utilization 1e-12"),
     (["--allowed-origins", '{"a": 1}'], "--allowed-origins takes a JSON list of strings"),
     (["--allowed-origins", "[bad"], "--allowed-origins '[bad' starts with '[' but is not a JSON list"),
     (["--allowed-methods", '["GET",'], "--allowed-methods '[\"GET\",' starts with '[' but is not a JSON list"),
@@ -297,20 +297,20 @@ def test_gpu_memory_utilization_logs_the_pool_allocated(model_dir, tmp_path, mon
     allocated (capped at max_num_seqs x max_model_len), which is what the engine holds."""
     import logging
 
+    import deepseek_v41.engine.options as engine_options
     import deepseek_v41.server.common as common
-    import deepseek_v41.server.options as serve_options
 
-    monkeypatch.setattr(serve_options, "free_memory_bytes", lambda device: 64 * 2**30)  # a large budget
+    monkeypatch.setattr(engine_options, "free_memory_bytes", lambda device: 64 * 2**30)  # a large budget
 
     def stop(**settings):
         raise ValueError("stopped at the server config")
 
     monkeypatch.setattr(common, "ServerConfig", stop)
-    caplog.set_level(logging.INFO, logger="deepseek_v41.server")
+    caplog.set_level(logging.INFO, logger="deepseek_v41")
     result = run_serve(str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--max-model-len", "64",
                        "--max-num-seqs", "2", "--block-size", "16", "--gpu-memory-utilization", "0.9")
     assert "stopped at the server config" in str(result.exception), (result.output, result.exception)
-    lines = [r.getMessage() for r in caplog.records if "--gpu-memory-utilization 0.9" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gpu_memory_utilization 0.9")]
     assert len(lines) == 1, caplog.text
     assert "KV pool budget" in lines[0] and "MiB at most" in lines[0]
     assert "allocated 8 KV pages" in lines[0] and "max_num_seqs 2 x max_model_len 64 tokens = 8 pages" in lines[0]
