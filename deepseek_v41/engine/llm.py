@@ -114,12 +114,12 @@ class LLM:
         engine = self.engine
         log.info("LLM: model %s, dtype %s, device %s, max_model_len %d, max_num_seqs %d, %s",
                  path if path is not None else type(self.model).__name__, self.dtype, self.device,
-                 engine.max_model_len, engine.args.max_num_seqs, options.pool_description(engine))
+                 engine.max_model_len, engine.args.max_num_seqs, f"KV pool {options.pool_description(engine)}")
         if budget is not None:
             fraction, nbytes, free, weights = budget
             log.info("gpu_memory_utilization %g: KV pool budget %.0f MiB at most (%.0f MiB free, %.0f MiB of "
                      "weights); allocated %s", fraction, nbytes / 2**20, free / 2**20, weights / 2**20,
-                     options.pool_description(engine))
+                     options.pool_description(engine, with_cap=True))
 
     @property
     def dtype(self) -> torch.dtype:

@@ -92,14 +92,16 @@ def kv_budget_bytes(fraction: float, free_bytes: int, weights: int,
     return int(fraction * max(0, free_bytes - weights))
 
 
-def pool_description(engine: Any) -> str:
-    """The KV pool ``engine`` (an ``LLMEngine``) allocated, for a log line: its pages and bytes, and that it never
-    holds more than ``max_num_seqs`` sequences of ``max_model_len`` tokens whatever the memory budget (the budget
-    is an upper bound, as vLLM's)."""
+def pool_description(engine: Any, with_cap: bool = False) -> str:
+    """The KV pool ``engine`` (an ``LLMEngine``) allocated, for a log line: its pages and bytes; ``with_cap`` adds
+    that it never holds more than ``max_num_seqs`` sequences of ``max_model_len`` tokens whatever the memory
+    budget (the budget is an upper bound, as vLLM's)."""
     stats, args = engine.stats, engine.args
-    cap = args.max_num_seqs * -(-engine.max_model_len // args.block_size)
     size = stats["kv_global_bytes"]
     size_text = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
-    return (f"{stats['kv_pages_total']} KV pages = {size_text} (the pool holds at most max_num_seqs "
-            f"{args.max_num_seqs} x max_model_len {engine.max_model_len} tokens = {cap} pages; raise max_num_seqs "
-            f"to use more of a memory budget)")
+    text = f"{stats['kv_pages_total']} KV pages = {size_text}"
+    if not with_cap:
+        return text
+    cap = args.max_num_seqs * -(-engine.max_model_len // args.block_size)
+    return (f"{text} (the pool holds at most max_num_seqs {args.max_num_seqs} x max_model_len "
+            f"{engine.max_model_len} tokens = {cap} pages; raise max_num_seqs to use more of the budget)")
