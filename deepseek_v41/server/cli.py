@@ -210,8 +210,9 @@ def serve(
     allow_credentials: bool = typer.Option(False, "--allow-credentials", help="CORS: allow credentials."),
     gpu_memory_utilization: float | None = typer.Option(None, help="Fraction of the memory free once the weights "
                                                         "are loaded (device memory; RAM on CPU) the KV pool may "
-                                                        "take, in (0, 1] (default: the pool holds max_num_seqs "
-                                                        "sequences, at most 1 GiB)."),
+                                                        "take, in (0, 1]; an upper bound: the pool holds at most "
+                                                        "max_num_seqs x max_model_len tokens (default: that, at "
+                                                        "most 1 GiB)."),
     kv_cache_dtype: str = typer.Option("auto", help="Only 'auto': the KV format is fixed by the model."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Accepted for vLLM scripts: the engine "
                                        "always runs eagerly (no CUDA graphs)."),
