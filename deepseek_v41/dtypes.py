@@ -80,28 +80,36 @@ def device_has_native_bf16(device: Any) -> bool:
 _LOADABLE = ("bfloat16", "float16", "float32", "float64")
 
 
-def _allowed() -> str:
-    return f"{', '.join(DTYPES)} (aliases: {', '.join(ALIASES)}) or a torch.dtype"
+def _allowed(option: str) -> str:
+    """What ``option`` takes, for an error message: the names and aliases; a torch.dtype (naming the four) only when
+    ``option`` is not a command-line flag (``--dtype`` takes a name, only ``LLM`` / ``load_model`` a torch dtype)."""
+    names = f"{', '.join(DTYPES)} (aliases: {', '.join(ALIASES)})"
+    if option.startswith("--"):
+        return names
+    return f"{names} or a torch.dtype ({', '.join(f'torch.{name}' for name in _LOADABLE)})"
 
 
 def _named(name: str) -> Any:
-    """The torch dtype of a non-auto dtype name or alias (any case), or None when it is none of them."""
+    """The torch dtype of a non-auto dtype name or alias (any case, ``torch.`` prefix allowed as scripts write
+    ``"torch.float32"``), or None when it is none of them."""
     import torch
 
-    canonical = ALIASES.get(name.lower(), name.lower())
+    name = name.strip().lower().removeprefix("torch.")
+    canonical = ALIASES.get(name, name)
     return getattr(torch, canonical) if canonical in _LOADABLE else None
 
 
 def resolve_dtype(dtype: Any = "auto", device: Any = "cpu", model_dir: str | Path | None = None,
                   option: str = "dtype") -> Any:
     """The ``torch.dtype`` to load weights in for ``dtype`` — a torch floating dtype (bf16, fp16, fp32, fp64), one
-    of :data:`DTYPES` or an alias of :data:`ALIASES`, any case — on ``device`` (a ``torch.device`` or its name).
+    of :data:`DTYPES` or an alias of :data:`ALIASES`, any case, optionally written with ``torch.``
+    (``"torch.float32"``) — on ``device`` (a ``torch.device`` or its name).
 
     ``auto``: the dtype ``model_dir``'s config records (:func:`config_dtype`), else bfloat16 where
     :func:`device_has_native_bf16`, else float32 (see the module docstring). Raises ValueError (naming ``option``,
     e.g. ``--dtype``, and what is allowed) for an unknown name, a torch dtype that is not one of those four, a
     dtype recorded in the config that is none of them (pass an explicit dtype then), and float64 on MPS (which
-    has no float64).
+    has no float64). The message offers a torch.dtype only when ``option`` is not a flag (``--dtype``).
     """
     import torch
 
@@ -120,9 +128,9 @@ def resolve_dtype(dtype: Any = "auto", device: Any = "cpu", model_dir: str | Pat
     else:
         resolved = _named(dtype) if isinstance(dtype, str) else None
     if resolved is None:
-        raise ValueError(f"{option} must be one of {_allowed()}, got {type(dtype).__name__} {dtype!r}"
+        raise ValueError(f"{option} must be one of {_allowed(option)}, got {type(dtype).__name__} {dtype!r}"
                          if not isinstance(dtype, str | torch.dtype) else
-                         f"{option} must be one of {_allowed()}, got {dtype!r}")
+                         f"{option} must be one of {_allowed(option)}, got {dtype!r}")
     if resolved == torch.float64 and torch.device(device).type == "mps":
         raise ValueError(f"{option} float64 does not run on MPS (it has no float64); use float32 or bfloat16")
     return resolved

@@ -32,7 +32,9 @@ def native_bf16(monkeypatch):
 @pytest.mark.parametrize(("name", "expected"), [
     ("bfloat16", torch.bfloat16), ("float32", torch.float32), ("float16", torch.float16), ("float64", torch.float64),
     ("half", torch.float16), ("float", torch.float32), ("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16),
-    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
+    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+    ("torch.float32", torch.float32), ("torch.bfloat16", torch.bfloat16), ("torch.float16", torch.float16),
+    ("torch.float64", torch.float64)])
 def test_names_and_torch_dtypes(name, expected):
     assert resolve_dtype(name, "cpu") == expected
 
@@ -72,7 +74,18 @@ ALLOWED = "dtype must be one of auto, float32, bfloat16, float16, float64 (alias
 def test_bad_dtypes_name_what_is_allowed(dtype, got):
     with pytest.raises(ValueError) as info:
         resolve_dtype(dtype, "cpu")
-    assert str(info.value).startswith(ALLOWED) and str(info.value).endswith(f"or a torch.dtype, {got}")
+    assert str(info.value).startswith(ALLOWED) and str(info.value).endswith(
+        f"or a torch.dtype (torch.bfloat16, torch.float16, torch.float32, torch.float64), {got}")
+
+
+def test_cli_dtype_messages_offer_no_torch_dtype():
+    """A flag takes a name only: the message of ``--dtype`` does not offer a torch.dtype (``LLM`` alone takes one);
+    ``torch.int8`` as a string is refused with the names."""
+    for bad in ("int8", "torch.int8"):
+        with pytest.raises(ValueError) as info:
+            resolve_dtype(bad, "cpu", option="--dtype")
+        assert str(info.value).startswith(f"--{ALLOWED}") and "torch.dtype" not in str(info.value), info.value
+        assert str(info.value).endswith(f"bf16, double), got {bad!r}")
 
 
 def test_an_unloadable_recorded_dtype_is_refused_with_the_way_out(tmp_path):

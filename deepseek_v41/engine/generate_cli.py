@@ -7,6 +7,9 @@ line, in mlx-lm's words: ``Prompt: N tokens, X tokens-per-sec`` (with the cached
 TTFT and the prefill mode), ``Generation: N tokens, Y tokens-per-sec`` (with the finish reason and, with
 ``--speculative dspark``, that turn's DSpark mean accepted length), ``Peak memory: Z GB`` and the KV bytes.
 
+The model folder is the positional MODEL or ``--model``. mlx-lm's short names work too: ``--temp`` for
+``--temperature``, ``-m`` for ``--max-tokens``.
+
 Prompt: ``--prompt TEXT`` (``-p``; ``-`` reads stdin, as mlx-lm) or ``--prompt-file PATH``. The chat format is the
 default when the checkpoint has a chat template (:func:`chat_template_source`), as mlx-lm uses the tokenizer's
 template when it has one; ``--chat`` / ``--no-chat`` (mlx-lm: ``--use-default-chat-template`` /
@@ -37,7 +40,7 @@ from typing import Any
 
 import typer
 
-from deepseek_v41.server.cli import DTYPES, check_device, fail, resolve_dtype
+from deepseek_v41.server.cli import DTYPES, check_device, choose_model, fail, resolve_dtype
 from deepseek_v41.server.generation_config import GenerationConfigError, load_sampling_defaults
 
 # Sampling without an option and without a generation config: greedy, 128 tokens per turn.
@@ -53,17 +56,19 @@ _request_ids = itertools.count()  # this command's engine request ids (apart fro
 
 
 def generate(
-    model: Path = typer.Option(..., help="Model folder (config.json, safetensors, tokenizer.json)."),
+    model_tag: Path | None = typer.Argument(None, metavar="MODEL", show_default=False, help="Model folder "
+                                           "(config.json, safetensors, tokenizer.json)."),
+    model: Path | None = typer.Option(None, "--model", help="The model folder, as the positional MODEL."),
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="Prompt text; '-' reads it from stdin."),
     prompt_file: Path | None = typer.Option(None, help="Read the prompt from this UTF-8 file."),
     chat: bool | None = typer.Option(None, "--chat/--no-chat", "--use-default-chat-template/--ignore-chat-template",
                                      help=CHAT_HELP, show_default=False),
     system_prompt: str | None = typer.Option(None, help="Chat mode: a system message before the prompt."),
     thinking: bool = typer.Option(False, help="With --chat: thinking mode."),
-    max_tokens: int | None = typer.Option(None, min=1, help="Tokens to generate at most (per turn; default: the "
-                                          "generation config's max_new_tokens, else 128)."),
-    temperature: float | None = typer.Option(None, min=0.0, help="0 = greedy (default: the generation config's, "
-                                             "else 0)."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", "-m", min=1, help="Tokens to generate at most "
+                                          "(per turn; default: the generation config's max_new_tokens, else 128)."),
+    temperature: float | None = typer.Option(None, "--temperature", "--temp", min=0.0, help="0 = greedy "
+                                             "(default: the generation config's, else 0)."),
     top_p: float | None = typer.Option(None, help="Nucleus sampling, in (0, 1] (default: the generation "
                                        "config's, else 1)."),
     top_k: int | None = typer.Option(None, min=0, help="0 = off (default: the generation config's, else 0)."),
@@ -89,6 +94,7 @@ def generate(
     from deepseek_v41.engine import LLM, SamplingParams
     from deepseek_v41.model.checkpoint import CheckpointError
 
+    model = choose_model(model_tag, model, "dsv41 generate MODEL")
     if (prompt is None) == (prompt_file is None):
         fail("give exactly one of --prompt and --prompt-file")
     if speculative_max_len is not None and speculative is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,9 +12,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepseek_v41.engine import options
 from deepseek_v41.engine.engine import EngineArgs, LLMEngine, load_tokenizer
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.sequence import RequestOutput
+
+log = logging.getLogger("deepseek_v41")
+# The chat_template_kwargs keys LLM.chat takes (the server's, and reasoning_effort as the argument).
+CHAT_TEMPLATE_KWARGS = ("thinking", "enable_thinking", "drop_thinking", "reasoning_effort")
 
 
 class LLM:
@@ -28,18 +34,60 @@ class LLM:
     ``torch.dtype`` (:func:`deepseek_v41.dtypes.resolve_dtype`; ValueError naming the allowed values otherwise).
     ``generation_config``: where :meth:`get_default_sampling_params` reads its defaults, as vLLM's
     (``"auto"`` = the model directory's ``generation_config.json``, ``"vllm"`` = none, or a folder holding one).
-    ``enforce_eager`` is accepted for vLLM compatibility: the engine is always eager. Raises ValueError for a
-    dtype that is none of those, GenerationConfigError (a ValueError) for a ``generation_config.json`` with a value
-    no request may have, TypeError for an unknown engine argument.
+    ``enforce_eager`` is accepted for vLLM compatibility: the engine is always eager.
+
+    vLLM's engine options mean what ``dsv41 serve``'s flags of the same names mean (:mod:`engine.options`):
+    ``gpu_memory_utilization`` (a fraction in (0, 1]) sizes the KV pool's byte budget as that fraction of the memory
+    left free once the weights are loaded (device memory; RAM on CPU), unless ``num_kv_pages`` or
+    ``kv_cache_memory_bytes`` is given (an explicit size wins, with a warning); the budget is an upper bound, the
+    pool never holding more than ``max_num_seqs`` sequences of ``max_model_len`` tokens.
+    ``tensor_parallel_size`` / ``pipeline_parallel_size``: only 1. ``kv_cache_dtype``: only ``"auto"`` (the KV
+    format is fixed by the model). ``trust_remote_code``: accepted; no code from the model directory ever runs.
+
+    At start the settings in force (dtype, device, max_model_len, the KV pool allocated and its budget) are logged
+    at INFO on the ``deepseek_v41`` logger, as vLLM logs its config. Raises ValueError for a dtype that is none of
+    those or a vLLM option with a value it cannot have here (naming it and what is allowed), GenerationConfigError
+    (a ValueError) for a ``generation_config.json`` with a value no request may have, TypeError for an unknown
+    engine argument.
     """
 
     def __init__(self, model: str | Path | Any, dtype: str | torch.dtype = "auto", device: str = "cpu",
                  tokenizer: Any | None = None, enforce_eager: bool = True, generation_config: str = "auto",
+                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, kv_cache_dtype: str = "auto", trust_remote_code: bool = False,
                  **engine_args: Any):
+        from deepseek_v41.dtypes import resolve_dtype
         from deepseek_v41.engine.generation_config import load_sampling_defaults
         from deepseek_v41.model.checkpoint import load_model
 
+        for why in (options.check_parallel_size("tensor_parallel_size", tensor_parallel_size),
+                    options.check_parallel_size("pipeline_parallel_size", pipeline_parallel_size),
+                    options.check_kv_cache_dtype(kv_cache_dtype)):
+            if why is not None:
+                raise ValueError(why)
+        unknown = set(engine_args) - set(EngineArgs.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: "
+                            f"{sorted(EngineArgs.__dataclass_fields__)}")
         path = Path(model) if isinstance(model, str | Path) else None
+        budget = None  # (the fraction, the budget, free bytes, weight bytes) of gpu_memory_utilization
+        if gpu_memory_utilization is not None:
+            options.kv_budget_bytes(gpu_memory_utilization, 0, 0)  # the range, before anything is loaded
+            if engine_args.get("num_kv_pages") is not None or engine_args.get("kv_cache_memory_bytes") is not None:
+                log.warning("gpu_memory_utilization is ignored: num_kv_pages / kv_cache_memory_bytes size the KV "
+                            "pool")
+            elif path is not None:  # measured before loading, as vLLM profiles free memory
+                weights = options.weight_bytes(path, resolve_dtype(dtype, device, path))
+                free = options.free_memory_bytes(device)
+                budget = (gpu_memory_utilization, options.kv_budget_bytes(gpu_memory_utilization, free, weights),
+                          free, weights)
+            else:  # a model object's weights are in memory already: the free memory left is the base
+                params = next(model.parameters(), None)
+                free = options.free_memory_bytes(params.device if params is not None else device)
+                budget = (gpu_memory_utilization, options.kv_budget_bytes(gpu_memory_utilization, free, 0), free,
+                          options.module_bytes(model))
+            if budget is not None:
+                engine_args["kv_cache_memory_bytes"] = max(1, budget[1])
         if path is not None:
             self.model = load_model(path, dtype=dtype, device=device)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
@@ -49,13 +97,44 @@ class LLM:
         # without one.
         self._sampling_defaults = {} if path is None and generation_config == "auto" else \
             load_sampling_defaults(generation_config, path or Path())[0]
-        unknown = set(engine_args) - set(EngineArgs.__dataclass_fields__)
-        if unknown:
-            raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: "
-                            f"{sorted(EngineArgs.__dataclass_fields__)}")
         self.tokenizer = tokenizer
-        self.engine = LLMEngine(self.model, EngineArgs(**engine_args), tokenizer, model_path=path)
+        try:
+            self.engine = LLMEngine(self.model, EngineArgs(**engine_args), tokenizer, model_path=path)
+        except ValueError as exc:
+            if budget is None or "kv_cache_memory_bytes=" not in str(exc):
+                raise
+            raise ValueError(f"{exc} (the budget of gpu_memory_utilization {budget[0]:g}: {budget[1]} bytes of "
+                             f"{budget[2]} free, {budget[3]} of weights)") from exc
         self._ids = itertools.count()
+        self._log_config(path, budget)
+
+    def _log_config(self, path: Path | None, budget: tuple[float, int, int, int] | None) -> None:
+        """One INFO line of the settings in force on the ``deepseek_v41`` logger, and with ``gpu_memory_utilization``
+        one of its budget (an upper bound) beside the pool allocated."""
+        engine = self.engine
+        log.info("LLM: model %s, dtype %s, device %s, max_model_len %d, max_num_seqs %d, %s",
+                 path if path is not None else type(self.model).__name__, self.dtype, self.device,
+                 engine.max_model_len, engine.args.max_num_seqs, f"KV pool {options.pool_description(engine)}")
+        if budget is not None:
+            fraction, nbytes, free, weights = budget
+            log.info("gpu_memory_utilization %g: KV pool budget %.0f MiB at most (%.0f MiB free, %.0f MiB of "
+                     "weights); allocated %s", fraction, nbytes / 2**20, free / 2**20, weights / 2**20,
+                     options.pool_description(engine, with_cap=True))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model's floating weights are in (what ``dtype="auto"`` resolved to)."""
+        return next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model runs on."""
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer prompts are encoded with (a ``tokenizers.Tokenizer``: ``encode(text).ids``,
+        ``decode(ids)``), as vLLM's ``LLM.get_tokenizer()``; None when the model directory has no tokenizer.json."""
+        return self.tokenizer
 
     def _token_ids(self, ids: Any) -> list[int]:
         """``prompt_token_ids`` as a list of Python ints: a sequence (list, tuple, 1-D tensor or array) of Python
@@ -134,13 +213,41 @@ class LLM:
 
     def chat(self, messages: list | list[list], sampling_params: SamplingParams | None = None,
              tools: list | None = None, thinking: bool = False, reasoning_effort: Any = None,
-             drop_thinking: bool = True, use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
+             drop_thinking: bool = True, use_tqdm: bool | Callable[..., Any] = True,
+             chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Render each conversation with the official encoder (:func:`deepseek_v41.chat.encode_messages`) and
         generate. ``messages`` is one conversation (a list of messages) or a list of conversations;
-        ``sampling_params`` and ``use_tqdm`` as in :meth:`generate`."""
+        ``sampling_params`` and ``use_tqdm`` as in :meth:`generate`.
+
+        vLLM's keyword arguments, with the server's meaning (``/v1/chat/completions``): ``chat_template_kwargs``
+        may set ``thinking`` / ``enable_thinking`` (bools, thinking mode), ``drop_thinking`` (bool) and
+        ``reasoning_effort`` (as the argument); a key given there wins over the argument of the same meaning.
+        ``continue_final_message=True`` leaves the last message (an assistant one) open for the model to continue;
+        ``add_generation_prompt=False`` is only served with it (the encoder always opens the assistant turn
+        otherwise). Raises ValueError naming the key or argument for anything else."""
         from deepseek_v41.chat import encode_messages
 
+        kwargs = dict(chat_template_kwargs or {})
+        unknown = set(kwargs) - set(CHAT_TEMPLATE_KWARGS)
+        if unknown:
+            raise ValueError(f"unknown chat_template_kwargs keys {sorted(unknown)}; known: "
+                             f"{list(CHAT_TEMPLATE_KWARGS)}")
+        for key in ("thinking", "enable_thinking", "drop_thinking"):
+            if key in kwargs and not isinstance(kwargs[key], bool):
+                raise ValueError(f"chat_template_kwargs[{key!r}] must be True or False, got {kwargs[key]!r}")
+        thinking = kwargs.get("enable_thinking", kwargs.get("thinking", thinking))
+        drop_thinking = kwargs.get("drop_thinking", drop_thinking)
+        reasoning_effort = kwargs.get("reasoning_effort", reasoning_effort)
+        if not add_generation_prompt and not continue_final_message:
+            raise ValueError("add_generation_prompt=False is only supported with continue_final_message=True: the "
+                             "V4.1 encoder always opens the assistant turn after the last message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if continue_final_message:
+            for i, conversation in enumerate(conversations):
+                if not conversation or conversation[-1].get("role") != "assistant":
+                    raise ValueError(f"continue_final_message needs an assistant message last (conversation {i})")
+            conversations = [[*c[:-1], {**c[-1], "wo_eos": True}] for c in conversations]
         prompts = [encode_messages(c, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort,
                                    drop_thinking=drop_thinking) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)

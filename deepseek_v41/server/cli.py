@@ -85,6 +85,29 @@ def resolve_dtype(dtype: str, device, model_dir: Path | None = None, option: str
         fail(str(exc))
 
 
+def _positive_int(value: str, flag: str) -> int:
+    """A ``flag`` value as an integer >= 1, vLLM's ``k`` / ``K`` suffixes allowed (:func:`options.human_readable_int`);
+    a usage error (exit 2) naming the flag otherwise."""
+    try:
+        number = options.human_readable_int(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if number < 1:
+        raise typer.BadParameter(f"{number} is not >= 1")
+    return number
+
+
+def choose_model(positional: Path | None, option: Path | None, usage: str) -> Path:
+    """The model directory given as the positional MODEL or as ``--model`` (either, or both when they name the same
+    directory), as ``vllm serve MODEL``; exits 2 when they differ or neither is given (``usage`` shows the form)."""
+    if positional is not None and option is not None and positional.resolve() != option.resolve():
+        fail(f"the model is given twice and differently: MODEL {positional} and --model {option}; give one")
+    model = positional if positional is not None else option
+    if model is None:
+        fail(f"give the model directory: {usage} (or --model MODEL)")
+    return model
+
+
 def _missing_dirs(path: Path) -> list[Path]:
     """``path`` and its ancestors that do not exist yet, deepest first."""
     out = []
@@ -122,12 +145,14 @@ def serve(
                                  help="Print the version and exit."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
-    api_key: list[str] = typer.Option([], "--api-key", help="Accepted bearer key (repeat for several); none = "
-                                      "no auth. Each key gets its own prefix-cache salt."),
+    api_key: list[str] = typer.Option([], "--api-key", help="Accepted bearer key (repeat for several; default: "
+                                      "$DSV41_API_KEY, else $VLLM_API_KEY); none = no auth. Each key gets its own "
+                                      "prefix-cache salt."),
     served_model_name: list[str] = typer.Option([], "--served-model-name", help="Name(s) clients use as 'model' "
                                                 "(repeatable; default: the model directory's name)."),
-    max_model_len: int | None = typer.Option(None, min=1, help="Prompt + output tokens at most (default: the "
-                                             "model's, capped at 32768)."),
+    max_model_len: int | None = typer.Option(None, parser=lambda v: _positive_int(v, "--max-model-len"),
+                                             metavar="INTEGER", help="Prompt + output tokens at most, e.g. 4096, "
+                                             "4k (= 4000) or 4K (= 4096) (default: the model's, capped at 32768)."),
     cache_dir: Path | None = typer.Option(None, help="Directory of the persistent prefix cache (default "
                                           "~/.cache/deepseek_v41/prefix-cache); created once the settings are "
                                           "checked."),
@@ -185,8 +210,9 @@ def serve(
     allow_credentials: bool = typer.Option(False, "--allow-credentials", help="CORS: allow credentials."),
     gpu_memory_utilization: float | None = typer.Option(None, help="Fraction of the memory free once the weights "
                                                         "are loaded (device memory; RAM on CPU) the KV pool may "
-                                                        "take, in (0, 1] (default: the pool holds max_num_seqs "
-                                                        "sequences, at most 1 GiB)."),
+                                                        "take, in (0, 1]; an upper bound: the pool holds at most "
+                                                        "max_num_seqs x max_model_len tokens (default: that, at "
+                                                        "most 1 GiB)."),
     kv_cache_dtype: str = typer.Option("auto", help="Only 'auto': the KV format is fixed by the model."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Accepted for vLLM scripts: the engine "
                                        "always runs eagerly (no CUDA graphs)."),
@@ -204,6 +230,8 @@ def serve(
                                            "throughput log lines)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="Only 1: the engine runs "
                                              "on one device."),
+    pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", "-pp", help="Only 1: the engine "
+                                               "runs on one device."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Accepted for vLLM scripts: no "
                                            "code from the model directory is ever run."),
 ) -> None:
@@ -212,18 +240,18 @@ def serve(
     Every setting is checked before anything is loaded or created: a bad one exits with status 2 and a message on
     stderr, and leaves no cache directory behind (one the start created is removed again if the start fails).
     """
+    api_key = api_keys(api_key)
     # Checks that need no heavy import come first, so that a typo fails fast.
-    if model_tag is not None and model is not None and model_tag.resolve() != model.resolve():
-        fail(f"the model is given twice and differently: MODEL {model_tag} and --model {model}; give one")
-    model = model_tag if model_tag is not None else model
-    if model is None:
-        fail("give the model directory: dsv41 serve MODEL (or --model MODEL)")
+    model = choose_model(model_tag, model, "dsv41 serve MODEL")
     for flag, level in (("--log-level", log_level), ("--uvicorn-log-level", uvicorn_log_level)):
         if level is not None and level.lower() not in LOG_LEVELS:
             fail(f"{flag} must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    from deepseek_v41.engine import options as engine_options  # the engine package imports torch: not at the top
+
     if chat_template is not None:
         fail(options.chat_template_refusal(chat_template))
-    for why in (options.check_tool_call_parser(tool_call_parser), options.check_kv_cache_dtype(kv_cache_dtype)):
+    for why in (options.check_tool_call_parser(tool_call_parser),
+                engine_options.check_kv_cache_dtype(kv_cache_dtype, "--kv-cache-dtype")):
         if why is not None:
             fail(why)
     try:
@@ -235,9 +263,11 @@ def serve(
         fail(str(exc))
     if enable_log_requests and disable_log_requests:
         fail("--enable-log-requests and --disable-log-requests contradict each other; give one")
-    if tensor_parallel_size != 1:
-        fail(f"--tensor-parallel-size {tensor_parallel_size}: this engine runs on one device (no tensor "
-             f"parallelism); give 1 or leave the flag out")
+    for flag, size in (("--tensor-parallel-size", tensor_parallel_size),
+                       ("--pipeline-parallel-size", pipeline_parallel_size)):
+        why = engine_options.check_parallel_size(flag, size)
+        if why is not None:
+            fail(why)
     if disable_log_stats:
         log_stats_interval = 0.0
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
@@ -281,19 +311,6 @@ def serve(
     if threads is not None:
         torch.set_num_threads(threads)
     cache_path = (cache_dir or DEFAULT_CACHE_DIR).expanduser()
-    if gpu_memory_utilization is not None:
-        if num_kv_pages is not None or kv_cache_memory_bytes is not None:  # as vLLM: an explicit size wins
-            log.warning("--gpu-memory-utilization is ignored: --num-kv-pages / --kv-cache-memory-bytes size the KV "
-                        "pool")
-        else:
-            try:
-                weights = options.weight_bytes(model, torch_dtype)
-            except (FileNotFoundError, ConfigError) as exc:
-                fail(str(exc))
-            free = options.free_memory_bytes(torch_device)
-            kv_cache_memory_bytes = options.kv_budget_bytes(gpu_memory_utilization, free, weights)
-            log.info("--gpu-memory-utilization %g: KV pool budget %.0f MiB (%.0f MiB free, %.0f MiB of weights)",
-                     gpu_memory_utilization, kv_cache_memory_bytes / 2**20, free / 2**20, weights / 2**20)
     engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, max_model_len=max_model_len, num_kv_pages=num_kv_pages,
                        kv_cache_memory_bytes=kv_cache_memory_bytes, prefill_mode=prefill_mode, seed=seed,
@@ -301,19 +318,21 @@ def serve(
                        enable_prefix_caching=enable_prefix_caching, swa_pool_bytes=swa_pool_bytes, replay=replay,
                        redis_url=redis_url,
                        speculative=speculative, speculative_max_len=speculative_max_len)
+    # LLM turns the fraction into the pool's budget (engine.options) and logs the budget and the pool allocated.
+    vllm_options = dict(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                        pipeline_parallel_size=pipeline_parallel_size, kv_cache_dtype=kv_cache_dtype,
+                        trust_remote_code=trust_remote_code)
     created = _missing_dirs(cache_path)  # what the engine's persistent store will create
     started = False
     try:
         try:
-            llm = LLM(model, dtype=torch_dtype, device=str(torch_device), **engine_args)
+            llm = LLM(model, dtype=torch_dtype, device=str(torch_device), **vllm_options, **engine_args)
         except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as exc:
-            from_utilization = gpu_memory_utilization is not None and "kv_cache_memory_bytes=" in str(exc) \
-                and num_kv_pages is None
-            fail(f"{exc}{' (the budget of --gpu-memory-utilization)' if from_utilization else ''}")
+            fail(str(exc))
         engine = AsyncLLMEngine(llm.engine)
         config = ServerConfig(served_model_names=served_model_name or [default_model_name(model)],
                               model_aliases=[] if served_model_name else model_path_aliases(model),
-                              model_path=str(model), api_keys=list(api_key), sampling_defaults_origin=defaults_origin,
+                              model_path=str(model), api_keys=api_key, sampling_defaults_origin=defaults_origin,
                               max_body_bytes=int(max_body_mb * 1024 * 1024), log_stats_interval_s=log_stats_interval,
                               drain_timeout_s=drain_timeout, sampling_defaults=defaults, **cors,
                               allow_credentials=allow_credentials, log_requests=enable_log_requests)
@@ -338,6 +357,20 @@ def serve(
     finally:
         if not started:
             _remove_created(created)
+
+
+API_KEY_ENV = ("DSV41_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
+
+
+def api_keys(given: list[str]) -> list[str]:
+    """The accepted bearer keys: the ``--api-key`` values when any is given, else the key in the first of
+    :data:`API_KEY_ENV` that is set and not empty (as vLLM reads ``VLLM_API_KEY``), else none (no auth)."""
+    if given:
+        return list(given)
+    for name in API_KEY_ENV:
+        if os.environ.get(name):
+            return [os.environ[name]]
+    return []
 
 
 def default_model_name(model: Path) -> str:

@@ -310,7 +310,7 @@ async def start_generation(state: ServerState, request_id: str, ids: list[int], 
         await stream.aclose()
         raise
     if params.max_tokens is not None:
-        state.metrics.request_started(params.max_tokens, params.n)
+        state.metrics.request_started(params.max_tokens)
     if state.config.log_requests:
         logger.info("Received request %s: %d prompt tokens, %s", request_id, len(ids), params)
     return stream, first

@@ -30,10 +30,11 @@ bounded replay).
 Per finished request, as vLLM (histograms): ``request_queue_time_seconds`` (arrival -> first scheduled),
 ``request_prefill_time_seconds`` (first scheduled -> first token), ``request_decode_time_seconds`` (first token ->
 last), ``request_inference_time_seconds`` (first scheduled -> last), ``request_prompt_tokens``,
-``request_generation_tokens`` (all samples of the request); ``request_params_max_tokens`` (per sample, when the
-request starts); ``iteration_tokens_total`` (tokens the model computed per engine step: the largest per-layer
-count, so prefill chunks, replay and speculative verification included; when one observer call spans several
-steps, their tokens are spread evenly over them). ``cache_config_info`` (gauge 1) carries the KV cache settings as
+``request_generation_tokens`` (all samples of the request); ``request_params_max_tokens`` (once per request when
+it starts, whatever its ``n``: a request with ``n > 1`` is one observation of every phase and size histogram);
+``iteration_tokens_total`` (tokens the model computed per engine step: the largest per-layer count, so prefill
+chunks, replay and speculative verification included; when one observer call spans several steps, their tokens
+are spread evenly over them). ``cache_config_info`` (gauge 1) carries the KV cache settings as
 labels (vLLM's ``block_size``, ``num_gpu_blocks``, ``cache_dtype``, ``enable_prefix_caching``, and ``replay``).
 Source: SPEC.md §4.6; vLLM ``vllm/v1/metrics/loggers.py``.
 """
@@ -138,8 +139,8 @@ class ServerMetrics:
                                                "requests.", sizes)
         self.request_generation_tokens = histogram("dsv41:request_generation_tokens", "Generated tokens of "
                                                    "finished requests (all samples).", sizes)
-        self.request_max_tokens = histogram("dsv41:request_params_max_tokens", "The max_tokens of each sample "
-                                            "when its request starts.", sizes)
+        self.request_max_tokens = histogram("dsv41:request_params_max_tokens", "The max_tokens of each request "
+                                            "when it starts.", sizes)
         self.iteration_tokens = histogram("dsv41:iteration_tokens_total", "Tokens the model computed per engine "
                                           "step (prefill chunks, decode, replay and verification).",
                                           _powers_of_two(args.max_num_batched_tokens))
@@ -147,11 +148,10 @@ class ServerMetrics:
         self._last_layer_tokens: list[int] | None = list(start["layer_tokens"]) if "layer_tokens" in start else None
         self._last_steps = start.get("num_steps", 0)
 
-    def request_started(self, max_tokens: int, n: int) -> None:
-        """Record a request's ``max_tokens`` for each of its ``n`` samples (the server calls it once the engine
-        took the request)."""
-        for _ in range(n):
-            self.request_max_tokens.observe(max_tokens)
+    def request_started(self, max_tokens: int) -> None:
+        """Record a request's ``max_tokens`` once, whatever its ``n`` (the server calls it once the engine took the
+        request), as the phase and size histograms count a request with ``n > 1`` once."""
+        self.request_max_tokens.observe(max_tokens)
 
     def _observe_iterations(self, stats: dict[str, Any]) -> None:
         """``iteration_tokens_total`` from the growth of the per-layer token counts since the last call."""

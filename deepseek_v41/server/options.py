@@ -6,11 +6,12 @@ with its meaning here or refused with the reason (never silently ignored when it
 - ``--allowed-origins`` / ``--allowed-methods`` / ``--allowed-headers``: JSON lists (vLLM's form) or one bare
   value; CORS (FastAPI's ``CORSMiddleware``), vLLM's defaults ``["*"]``.
 - ``--tool-call-parser``: only ``deepseek_v41`` (the official DSML format is always parsed).
-- ``--kv-cache-dtype``: only ``auto``; the KV format (packed MXFP4 main KV, FP4 index keys, FP8 window) is fixed
-  by the model.
 - ``--chat-template``: refused; V4.1 prompts come from the official encoder, which no Jinja template reproduces.
-- ``--gpu-memory-utilization``: the fraction of free device memory (RAM on CPU) the KV pool may take, turned
-  into the engine's ``kv_cache_memory_bytes`` (:func:`kv_budget_bytes`).
+- ``--max-model-len``: an integer with vLLM's suffixes (:func:`human_readable_int`).
+
+The engine options ``--tensor-parallel-size`` / ``--pipeline-parallel-size``, ``--kv-cache-dtype``,
+``--gpu-memory-utilization`` and ``--trust-remote-code`` mean what they mean for ``LLM(...)``: their checks live in
+:mod:`deepseek_v41.engine.options` (the engine never imports the server).
 
 Source: vLLM ``vllm/entrypoints/openai/cli_args.py``, ``vllm/engine/arg_utils.py``.
 """
@@ -18,25 +19,50 @@ Source: vLLM ``vllm/entrypoints/openai/cli_args.py``, ``vllm/engine/arg_utils.py
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
+import re
 
 TOOL_CALL_PARSERS = ("deepseek_v41",)
-KV_CACHE_DTYPES = ("auto",)
 
 
 def json_list(value: str, flag: str) -> list[str]:
     """``value`` as a list of strings: a JSON list (``'["http://a", "http://b"]'``, as vLLM) or one bare value
-    (``http://a`` or ``*``). Raises ValueError naming ``flag`` for JSON that is not a list of strings."""
+    (``http://a`` or ``*``). Raises ValueError naming ``flag`` for JSON that is not a list of strings, a value
+    starting with ``[`` included (a list with a typo is never taken as one literal origin)."""
     try:
         parsed = json.loads(value)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as exc:
+        if value.lstrip().startswith("["):
+            raise ValueError(f"{flag} {value!r} starts with '[' but is not a JSON list ({exc.msg} at character "
+                             f"{exc.pos}); give a JSON list of strings such as '[\"*\"]' or one value") from exc
         return [value]
     if isinstance(parsed, str):
         return [parsed]
     if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
         raise ValueError(f"{flag} takes a JSON list of strings such as '[\"*\"]' or one value, got {value!r}")
     return parsed
+
+
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: str) -> int:
+    """``value`` as an integer, with vLLM's suffixes (``--max-model-len 32k``): a lowercase ``k`` / ``m`` / ``g`` /
+    ``t`` multiplies by 10**3 / 10**6 / 10**9 / 10**12 and may follow a decimal (``25.6k`` = 25600), an uppercase
+    ``K`` / ``M`` / ``G`` / ``T`` by 2**10 / 2**20 / 2**30 / 2**40 and needs a whole number (``32K`` = 32768).
+    Raises ValueError saying what is allowed for anything else. Source: vLLM ``human_readable_int``."""
+    text = value.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text)
+    if match is None:
+        raise ValueError(f"{value!r} is not an integer (a number, optionally with a suffix: k = 1000, K = 1024, "
+                         f"m = 10**6, M = 2**20, ...)")
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise ValueError(f"{value!r}: a decimal number takes a decimal suffix (k, m, g, t), not {suffix or 'none'}"
+                         + (f"; did you mean {number}{suffix.lower()}?" if suffix else ""))
+    return int(number) * _BINARY_SUFFIXES.get(suffix, 1)
 
 
 def check_tool_call_parser(name: str | None) -> str | None:
@@ -47,61 +73,8 @@ def check_tool_call_parser(name: str | None) -> str | None:
             f"calls; give {', '.join(TOOL_CALL_PARSERS)} or leave the flag out")
 
 
-def check_kv_cache_dtype(dtype: str) -> str | None:
-    """Why ``--kv-cache-dtype dtype`` is refused, or None for ``auto``."""
-    if dtype in KV_CACHE_DTYPES:
-        return None
-    return (f"--kv-cache-dtype {dtype!r} is not available: the KV cache format is fixed by the model (packed MXFP4 "
-            f"main KV, FP4 index keys, FP8 window KV; SPEC.md §4.1); give auto or leave the flag out")
-
-
 def chat_template_refusal(template: str) -> str:
     """Why ``--chat-template`` is refused (always: see the module docstring)."""
     return (f"--chat-template {template!r}: DeepSeek-V4.1 has no Jinja chat template; prompts are rendered by the "
             f"official encoder (deepseek_v41.chat.encode_messages), which a template cannot reproduce (thinking, "
             f"DSML tools, reasoning effort). Leave the flag out; per-request options go in chat_template_kwargs")
-
-
-def available_ram_bytes() -> int:
-    """RAM available to new allocations (Linux ``MemAvailable``; else the free physical pages)."""
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def free_memory_bytes(device) -> int:
-    """Free memory of the torch ``device``: the GPU's free bytes for CUDA, available RAM for CPU and MPS
-    (unified memory)."""
-    import torch
-
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    return available_ram_bytes()
-
-
-def weight_bytes(model_dir: str | Path, dtype) -> int:
-    """Bytes the weights of ``model_dir`` take once loaded with ``dtype`` (parameters and buffers of the model
-    built on the meta device: nothing is allocated)."""
-    import torch
-
-    from deepseek_v41.config import ModelConfig
-    from deepseek_v41.model.transformer import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(ModelConfig.from_pretrained(model_dir))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(t.numel() * (itemsize if t.is_floating_point() else t.element_size())
-               for t in (*model.parameters(), *model.buffers()))
-
-
-def kv_budget_bytes(fraction: float, free_bytes: int, weights: int) -> int:
-    """The KV pool's byte budget for ``--gpu-memory-utilization fraction``: that fraction of the memory left free
-    once the weights are loaded (``free_bytes`` measured before loading, minus ``weights``). Raises ValueError for
-    a fraction outside (0, 1]."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
-    return int(fraction * max(0, free_bytes - weights))

@@ -291,3 +291,25 @@ def test_json_lists_each_token_id_once(model_dir, follow_up):
     assert len(turns) == (2 if follow_up else 1)
     assert result.stdout.count('"token_ids"') == len(turns)
     assert all(len(t["token_ids"]) == t["generated_tokens"] == 5 for t in turns)
+
+
+def test_mlx_lm_names_and_positional_model(model_dir, tmp_path):
+    """``dsv41 generate MODEL --prompt hi`` (the model positionally, as ``dsv41 serve MODEL``; ``--model`` still
+    works), mlx-lm's ``-m`` for ``--max-tokens`` and ``--temp`` for ``--temperature``."""
+    def run(*args):
+        result = CliRunner().invoke(app, ["generate", *args])
+        assert result.exit_code == 0, (result.output, result.exception)
+        return json.loads(result.stdout)
+
+    long_names = run("--model", str(model_dir), "--prompt", "Hello", "--json", "--max-tokens", "3",
+                     "--temperature", "0")
+    short_names = run(str(model_dir), "--prompt", "Hello", "--json", "-m", "3", "--temp", "0")
+    assert short_names["generated_tokens"] == 3 and short_names["token_ids"] == long_names["token_ids"]
+    both = run(str(model_dir), "--model", str(model_dir), "--prompt", "Hello", "--json", "-m", "1")
+    assert both["generated_tokens"] == 1
+    differs = CliRunner().invoke(app, ["generate", str(model_dir), "--model", str(tmp_path), "--prompt", "x"])
+    assert differs.exit_code == 2 and "the model is given twice and differently" in differs.stderr
+    missing = CliRunner().invoke(app, ["generate", "--prompt", "x"])
+    assert missing.exit_code == 2 and "give the model directory: dsv41 generate MODEL" in missing.stderr
+    negative = CliRunner().invoke(app, ["generate", str(model_dir), "--prompt", "x", "--temp", "-1"])
+    assert negative.exit_code == 2 and "'--temperature' / '--temp'" in negative.stderr, negative.stderr

@@ -72,7 +72,7 @@ def test_serve_drains_on_sigterm(model_dir, tmp_path):
     text = log.read_text()
     assert "draining" in text and "Avg generation throughput" in text
     assert "sampling defaults temperature=0.0, max_tokens=7 (from" in text
-    assert "--gpu-memory-utilization 0.01: KV pool budget" in text
+    assert "gpu_memory_utilization 0.01: KV pool budget" in text and "MiB at most" in text
     # The prompt's full pages went to the persistent prefix cache under --cache-dir.
     assert list((tmp_path / "cache").rglob("*.page"))
 
@@ -137,12 +137,19 @@ def bad_device() -> str:
     (["--kv-cache-dtype", "fp8"], "the KV cache format is fixed by the model"),
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1]"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
-    (["--gpu-memory-utilization", "1e-12"], "(the budget of --gpu-memory-utilization)"),
+    (["--gpu-memory-utilization", "1e-12"], "(the budget of gpu_memory_utilization 1e-12"),
     (["--allowed-origins", '{"a": 1}'], "--allowed-origins takes a JSON list of strings"),
+    (["--allowed-origins", "[bad"], "--allowed-origins '[bad' starts with '[' but is not a JSON list"),
+    (["--allowed-methods", '["GET",'], "--allowed-methods '[\"GET\",' starts with '[' but is not a JSON list"),
+    (["--allowed-headers", " [x]"], "--allowed-headers ' [x]' starts with '[' but is not a JSON list"),
     (["--generation-config", "/nonexistent-dir"], "no generation_config.json in that folder"),
     (["--override-generation-config", "[1]"], "--override-generation-config must be a JSON object"),
     (["--override-generation-config", '{"temp": 1}'], "--override-generation-config: unknown keys ['temp']"),
     (["-tp", "2"], "this engine runs on one device (no tensor parallelism)"),
+    (["-pp", "2"], "--pipeline-parallel-size 2: this engine runs on one device (no pipeline parallelism)"),
+    (["--max-model-len", "4x"], "'4x' is not an integer"),
+    (["--max-model-len", "1.5K"], "a decimal number takes a decimal suffix"),
+    (["--max-model-len", "1m"], "(max_position_embeddings), got 1000000"),
     (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
 ])
 def test_serve_refuses_bad_settings_cleanly(model_dir, tmp_path, monkeypatch, flags, message):
@@ -238,3 +245,72 @@ def test_serve_failed_start_removes_the_cache_dir_it_created(model_dir, tmp_path
     assert all(p == ".cache" or p.startswith(".cache/deepseek_v41") and (p.count("/") < 2 or "/weight-digests" in p)
                for p in left), left
     assert not [p for p in left if p.startswith(".cache/deepseek_v41/") and "weight-digests" not in p], left
+
+
+@pytest.mark.parametrize(("text", "value"), [("4096", 4096), ("4k", 4000), ("32K", 32768), ("1m", 1_000_000),
+                                             ("1M", 2**20), ("25.6k", 25600), (" 8k ", 8000)])
+def test_human_readable_int_as_vllm(text, value):
+    from deepseek_v41.server.options import human_readable_int
+
+    assert human_readable_int(text) == value
+
+
+def test_serve_accepts_vllm_sizes_and_parallel_one(tmp_path):
+    """``-pp 1`` / ``--pipeline-parallel-size 1`` as ``-tp 1``, ``--max-model-len 4k``: accepted (the start then
+    fails only on the missing model directory)."""
+    for flags in (["-pp", "1"], ["--pipeline-parallel-size", "1", "-tp", "1"], ["--max-model-len", "4k"],
+                  ["--max-model-len", "32K"]):
+        result = run_serve(str(tmp_path / "none"), *flags)
+        assert result.exit_code == 2 and "model directory" in result.stderr and "not found" in result.stderr, \
+            (flags, result.stderr)
+
+
+@pytest.mark.parametrize(("env", "flags", "keys"), [
+    ({"VLLM_API_KEY": "v"}, [], ["v"]),
+    ({"DSV41_API_KEY": "d", "VLLM_API_KEY": "v"}, [], ["d"]),
+    ({"DSV41_API_KEY": "", "VLLM_API_KEY": "v"}, [], ["v"]),
+    ({"VLLM_API_KEY": "v"}, ["--api-key", "a", "--api-key", "b"], ["a", "b"]),  # the flag wins
+    ({}, [], []),
+])
+def test_serve_takes_the_api_key_from_the_environment(model_dir, tmp_path, monkeypatch, env, flags, keys):
+    """``VLLM_API_KEY`` (vLLM's) and ``DSV41_API_KEY`` guard the server when ``--api-key`` is not given."""
+    import deepseek_v41.server.common as common
+
+    for name in ("DSV41_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    seen = []
+
+    def stop(**settings):
+        seen.append(settings["api_keys"])
+        raise ValueError("stopped at the server config")
+
+    monkeypatch.setattr(common, "ServerConfig", stop)
+    result = run_serve(str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--max-model-len", "64", *flags)
+    assert "stopped at the server config" in str(result.exception), (result.output, result.exception)
+    assert seen == [keys]
+
+
+def test_gpu_memory_utilization_logs_the_pool_allocated(model_dir, tmp_path, monkeypatch, caplog):
+    """The budget of ``--gpu-memory-utilization`` is an upper bound: the log says so and gives the pool actually
+    allocated (capped at max_num_seqs x max_model_len), which is what the engine holds."""
+    import logging
+
+    import deepseek_v41.engine.options as engine_options
+    import deepseek_v41.server.common as common
+
+    monkeypatch.setattr(engine_options, "free_memory_bytes", lambda device: 64 * 2**30)  # a large budget
+
+    def stop(**settings):
+        raise ValueError("stopped at the server config")
+
+    monkeypatch.setattr(common, "ServerConfig", stop)
+    caplog.set_level(logging.INFO, logger="deepseek_v41")
+    result = run_serve(str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--max-model-len", "64",
+                       "--max-num-seqs", "2", "--block-size", "16", "--gpu-memory-utilization", "0.9")
+    assert "stopped at the server config" in str(result.exception), (result.output, result.exception)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gpu_memory_utilization 0.9")]
+    assert len(lines) == 1, caplog.text
+    assert "KV pool budget" in lines[0] and "MiB at most" in lines[0]
+    assert "allocated 8 KV pages" in lines[0] and "max_num_seqs 2 x max_model_len 64 tokens = 8 pages" in lines[0]

@@ -189,7 +189,8 @@ def test_request_phase_and_size_metrics(llm):
     assert value["dsv41:request_inference_time_seconds_sum"] >= value["dsv41:request_decode_time_seconds_sum"]
     assert value["dsv41:request_prompt_tokens_sum"] == prompt_tokens
     assert value["dsv41:request_generation_tokens_sum"] == 8  # both samples
-    assert value["dsv41:request_params_max_tokens_count"] == 2 and value["dsv41:request_params_max_tokens_sum"] == 8
+    # one request with n=2 is one observation, as the phase histograms above
+    assert value["dsv41:request_params_max_tokens_count"] == 1 and value["dsv41:request_params_max_tokens_sum"] == 4
     # every computed token is in some step: the prompt (prefilled once per sample or shared) and 3 decode steps
     assert value["dsv41:iteration_tokens_total_count"] >= 4
     assert value["dsv41:iteration_tokens_total_sum"] >= prompt_tokens + 2 * 3
