@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from deepseek_v41 import kernels
-from deepseek_v41.kernels.fast import fused, global_hooks, override, plain, register
 from deepseek_v41.kernels.fast.dense import few_token_gemv
+from deepseek_v41.kernels.fast.registry import fused, global_hooks, override, plain, register
 from deepseek_v41.kernels.fast.warm import warm
 from deepseek_v41.model import hyper
 from deepseek_v41.model.block import Block
