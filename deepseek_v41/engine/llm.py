@@ -11,9 +11,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepseek_v41.chat import encode_messages
 from deepseek_v41.engine.engine import EngineArgs, LLMEngine, load_tokenizer
+from deepseek_v41.engine.generation_config import load_sampling_defaults
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.sequence import RequestOutput
+from deepseek_v41.model.checkpoint import load_model
 
 
 class LLM:
@@ -36,9 +39,6 @@ class LLM:
     def __init__(self, model: str | Path | Any, dtype: str | torch.dtype = "auto", device: str = "cpu",
                  tokenizer: Any | None = None, enforce_eager: bool = True, generation_config: str = "auto",
                  **engine_args: Any):
-        from deepseek_v41.engine.generation_config import load_sampling_defaults
-        from deepseek_v41.model.checkpoint import load_model
-
         path = Path(model) if isinstance(model, str | Path) else None
         if path is not None:
             self.model = load_model(path, dtype=dtype, device=device)
@@ -138,8 +138,6 @@ class LLM:
         """Render each conversation with the official encoder (:func:`deepseek_v41.chat.encode_messages`) and
         generate. ``messages`` is one conversation (a list of messages) or a list of conversations;
         ``sampling_params`` and ``use_tqdm`` as in :meth:`generate`."""
-        from deepseek_v41.chat import encode_messages
-
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [encode_messages(c, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort,
                                    drop_thinking=drop_thinking) for c in conversations]

@@ -21,6 +21,9 @@ import json
 import os
 from pathlib import Path
 
+from deepseek_v41.config import ModelConfig
+from deepseek_v41.model.transformer import Transformer
+
 TOOL_CALL_PARSERS = ("deepseek_v41",)
 KV_CACHE_DTYPES = ("auto",)
 
@@ -87,9 +90,6 @@ def weight_bytes(model_dir: str | Path, dtype) -> int:
     """Bytes the weights of ``model_dir`` take once loaded with ``dtype`` (parameters and buffers of the model
     built on the meta device: nothing is allocated)."""
     import torch
-
-    from deepseek_v41.config import ModelConfig
-    from deepseek_v41.model.transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(ModelConfig.from_pretrained(model_dir))

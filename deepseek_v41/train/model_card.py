@@ -13,7 +13,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from deepseek_v41.analysis.params import count_params
+from deepseek_v41.engine import LLM, SamplingParams
+from deepseek_v41.model.checkpoint import load_model
 from deepseek_v41.progress import Progress
+from deepseek_v41.train.data import read_documents
+from deepseek_v41.train.evaluate import evaluate
+from deepseek_v41.train.probes import indexer_recall, long_range_nats
+from deepseek_v41.train.tokenizer import encode_documents
 
 
 def measure(model_dir: Path, corpus: Path, context: int = 512, probe_windows: int = 16,
@@ -22,13 +29,6 @@ def measure(model_dir: Path, corpus: Path, context: int = 512, probe_windows: in
     counted on ``corpus/train.txt``)."""
     import torch
     from tokenizers import Tokenizer
-
-    from deepseek_v41 import load_model
-    from deepseek_v41.analysis.params import count_params
-    from deepseek_v41.train.data import read_documents
-    from deepseek_v41.train.evaluate import evaluate
-    from deepseek_v41.train.probes import indexer_recall, long_range_nats
-    from deepseek_v41.train.tokenizer import encode_documents
 
     model = load_model(model_dir)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -55,8 +55,6 @@ def measure(model_dir: Path, corpus: Path, context: int = 512, probe_windows: in
 def continuation(model_dir: Path, prompt: str, max_tokens: int = 48) -> dict[str, Any]:
     """Greedy continuation of ``prompt`` through the engine (CED prefill), in fp32 as the metrics (``LLM``'s
     default dtype is the checkpoint's, bf16 for the bundled one)."""
-    from deepseek_v41.engine import LLM, SamplingParams
-
     out = LLM(model_dir, dtype="float32").generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
     return {"prompt": prompt, "continuation": out.outputs[0].text}
 

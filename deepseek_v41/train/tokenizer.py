@@ -40,6 +40,7 @@ from deepseek_v41.chat.tokens import (
     THINK_START,
     USER,
 )
+from deepseek_v41.model.engram_hash import build_token_map
 
 PAD = "<｜▁pad▁｜>"  # DeepSeek's pad token (id 2 of its tokenizer.json); the chat format never writes it
 DSPARK_NOISE = "<｜dspark_noise｜>"  # the input of a DSpark draft block's masked slots (DSPARK.md §1, §2)
@@ -147,8 +148,6 @@ def tokenizer_config_values(tokenizer_dir: str | Path) -> dict[str, int]:
 
     Raises FileNotFoundError without a tokenizer.json and ValueError when a reserved token is missing.
     """
-    from deepseek_v41.model.engram_hash import build_token_map
-
     path = tokenizer_file(tokenizer_dir)
     tokenizer = load_tokenizer(path)
     ids = {}
