@@ -56,6 +56,15 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
         "(tests/test_package_api.py)",
     ("deepseek_v41/__init__.py", "deepseek_v41.model.checkpoint"):
         "deepseek_v41.load_model, same reason",
+    # Temporary, 2026-12-03 (issue 24): files other helpers are reshaping; fix at merge, then delete the entry.
+    # None of these imports is upward or would close a cycle at the top of its file.
+    ("deepseek_v41/engine/engine.py", "*"): "engine/*: reshaped by kvmgr; fix at merge",
+    ("deepseek_v41/engine/speculative.py", "*"): "engine/*: reshaped by kvmgr; fix at merge",
+    ("deepseek_v41/engine/generate_cli.py", "*"):
+        "edited by polish23; hoist when the command line moves into deepseek_v41/cli/ (tests/test_dtypes.py "
+        "patches deepseek_v41.engine.LLM, which this file now looks up at call time)",
+    ("deepseek_v41/server/cli.py", "*"):
+        "edited by polish23; hoist when the command line moves into deepseek_v41/cli/",
 }
 
 # Imports of a higher layer that stay: (importing file, imported module) -> why. Each must also be in
@@ -112,7 +121,8 @@ def _targets(module: str, path: str, node: ast.Import | ast.ImportFrom) -> list[
             continue
         while name not in MODULES:  # `import deepseek_v41.x.y` of a name that is not a module: its package
             name = name.rpartition(".")[0]
-        out.append(name)
+        if name not in out:
+            out.append(name)
     return out
 
 
@@ -213,6 +223,8 @@ def test_every_module_has_a_layer():
         except LookupError as exc:
             missing.append(str(exc))
     assert not missing, "add these files to LAYERS in tests/test_layers.py:\n" + "\n".join(missing)
+    unused = [prefix for _, prefixes in LAYERS for prefix in prefixes if not any(p.startswith(prefix) for p in FILES)]
+    assert not unused, f"LAYERS names paths that hold no module: {unused}"
 
 
 def test_no_import_cycle():
