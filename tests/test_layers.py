@@ -67,6 +67,21 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
         "edited by polish23; hoist when the command line moves into deepseek_v41/cli/",
 }
 
+# Other modules (third-party or the standard library) that may be imported inside a function: top-level name -> why
+# (optional or heavy, and needed by one path only). Any other import belongs at the top of its file.
+DEFERRED: dict[str, str] = {
+    "matplotlib": "only `dsv41 report --plot` draws (about 350 ms to import)",
+    "PIL": "only image inputs are decoded with it",
+    "rich": "progress bars and tables, drawn only on a terminal or on request",
+    "tqdm": "LLM's and training's progress bars, only when asked for (use_tqdm)",
+    "redis": "only with --redis-url",
+    "mlx": "an oracle of the tests, optional", "xgrammar": "optional", "ray": "optional", "nixl": "optional",
+}
+# The same, for one file: (file, top-level name) -> why.
+DEFERRED_IN_FILE: dict[tuple[str, str], str] = {
+    ("deepseek_v41/__init__.py", "torch"): "`import deepseek_v41` imports no torch (tests/test_package_api.py)",
+}
+
 # Imports of a higher layer that stay: (importing file, imported module) -> why. Each must also be in
 # LAZY_IMPORTS (a function-level import cannot form a cycle at import time), and is left out of the cycle check.
 UPWARD_IMPORTS: dict[tuple[str, str], str] = {
@@ -105,7 +120,8 @@ FILES = {path: name for name, path in MODULES.items()}
 
 
 def _targets(module: str, path: str, node: ast.Import | ast.ImportFrom) -> list[str]:
-    """The package modules one import statement imports (none for third-party imports)."""
+    """The modules one import statement imports: package modules by their dotted name, any other by its top-level
+    name (``torch``, ``json``)."""
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
     else:
@@ -118,17 +134,18 @@ def _targets(module: str, path: str, node: ast.Import | ast.ImportFrom) -> list[
     out = []
     for name in names:
         if name.split(".")[0] != PACKAGE:
-            continue
-        while name not in MODULES:  # `import deepseek_v41.x.y` of a name that is not a module: its package
-            name = name.rpartition(".")[0]
-        if name not in out:
+            name = name.split(".")[0]
+        else:
+            while name not in MODULES:  # `import deepseek_v41.x.y` of a name that is not a module: its package
+                name = name.rpartition(".")[0]
+        if name not in out and name != "__future__":
             out.append(name)
     return out
 
 
 def _imports(path: str, source: str | None = None) -> list[Import]:
-    """Every import of a package module in one file (``source``: its text, read from ``path`` by default), with
-    whether it runs inside a function."""
+    """Every import in one file (``source``: its text, read from ``path`` by default), with whether it runs inside
+    a function (see :func:`_targets` for the names)."""
     module = FILES.get(path) or ".".join(Path(path).with_suffix("").parts)
     found: list[Import] = []
 
@@ -148,7 +165,8 @@ def _imports(path: str, source: str | None = None) -> list[Import]:
     return [imp for imp in found if imp.target != module]
 
 
-IMPORTS = [imp for path in FILES for imp in _imports(path)]
+ALL_IMPORTS = [imp for path in FILES for imp in _imports(path)]
+IMPORTS = [imp for imp in ALL_IMPORTS if imp.target.split(".")[0] == PACKAGE]  # the package's own modules
 
 
 def layer_of(path: str) -> int:
@@ -259,6 +277,14 @@ def test_package_imports_at_the_top():
                       + "\n".join(lazy))
 
 
+def test_other_imports_at_the_top():
+    lazy = [str(imp) for imp in ALL_IMPORTS if imp.in_function and imp.target.split(".")[0] != PACKAGE
+            and imp.target not in DEFERRED and (imp.source, imp.target) not in DEFERRED_IN_FILE
+            and (imp.source, "*") not in LAZY_IMPORTS]
+    assert not lazy, ("function-level imports of modules that are neither optional nor heavy (move them to the top "
+                      "of the file, or add the module to DEFERRED with the reason):\n" + "\n".join(lazy))
+
+
 @pytest.mark.parametrize("table", ["LAZY_IMPORTS", "UPWARD_IMPORTS"])
 def test_allow_lists_are_current(table):
     """Every allow-list entry still matches an import (the lists only shrink), and every upward import that stays
@@ -275,7 +301,7 @@ def test_allow_lists_are_current(table):
 def test_the_reader_sees_every_kind_of_import():
     """The reader itself: top-level, TYPE_CHECKING, function-level, relative and submodule imports."""
     assert {imp.target for imp in _imports("deepseek_v41/__init__.py") if imp.in_function} == {
-        "deepseek_v41.engine", "deepseek_v41.model.checkpoint"}
+        "deepseek_v41.engine", "deepseek_v41.model.checkpoint", "torch"}
     source = ("from typing import TYPE_CHECKING\nimport torch\nfrom . import norm\nfrom ..quant import fp8\n"
               "from deepseek_v41.model import rope, MISSING\nimport deepseek_v41.plan\n"
               "if TYPE_CHECKING:\n    from deepseek_v41.config import ModelConfig\n"
@@ -285,5 +311,6 @@ def test_the_reader_sees_every_kind_of_import():
     assert found == {("deepseek_v41.model.norm", False), ("deepseek_v41.quant.fp8", False),
                      ("deepseek_v41.model.rope", False), ("deepseek_v41.model", False), ("deepseek_v41.plan", False),
                      ("deepseek_v41.config", False), ("deepseek_v41.cache.kv_cache", True),
-                     ("deepseek_v41.engine.llm", True)}
+                     ("deepseek_v41.engine.llm", True), ("typing", False), ("torch", False),
+                     ("importlib", True)}
     assert _find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [(["a", "b", "c"], ["a", "b", "c"])]

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Regex, Tokenizer, normalizers
 from torch import nn
 
 from deepseek_v41.engram_sizes import table_sizes
@@ -36,8 +37,6 @@ _SPACE_SENTINEL = "\ue000"
 
 # ---------------------------------------------------------------------------------------------- token map
 def _normalizer() -> Any:
-    from tokenizers import Regex, normalizers
-
     return normalizers.Sequence([
         normalizers.NFKC(),
         normalizers.NFD(),
@@ -63,8 +62,6 @@ def build_token_map(tokenizer_json: str | Path) -> torch.Tensor:
     :data:`V41_TOKEN_MAP_SHA256` (see :func:`token_map_sha256`). Raises FileNotFoundError when the file is
     missing.
     """
-    from tokenizers import Tokenizer
-
     path = Path(tokenizer_json)
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file not found: {path}")

@@ -21,6 +21,8 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.model.transformer import Transformer
 
@@ -78,8 +80,6 @@ def available_ram_bytes() -> int:
 def free_memory_bytes(device) -> int:
     """Free memory of the torch ``device``: the GPU's free bytes for CUDA, available RAM for CPU and MPS
     (unified memory)."""
-    import torch
-
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
@@ -89,8 +89,6 @@ def free_memory_bytes(device) -> int:
 def weight_bytes(model_dir: str | Path, dtype) -> int:
     """Bytes the weights of ``model_dir`` take once loaded with ``dtype`` (parameters and buffers of the model
     built on the meta device: nothing is allocated)."""
-    import torch
-
     with torch.device("meta"):
         model = Transformer(ModelConfig.from_pretrained(model_dir))
     itemsize = torch.empty((), dtype=dtype).element_size()

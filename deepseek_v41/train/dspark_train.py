@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from deepseek_v41.engine.speculative import TargetTaps
 from deepseek_v41.model.checkpoint import load_model, weight_files
@@ -167,8 +168,6 @@ class DSparkDistiller:
 
 def _stored_dtype(path: Path) -> torch.dtype:
     """The dtype the directory stores ``embed.weight`` in (bf16 for an exported model, fp32 otherwise)."""
-    from safetensors import safe_open
-
     files = weight_files(path)
     with safe_open(str(files["embed.weight"]), "pt") as f:
         return torch.bfloat16 if f.get_slice("embed.weight").get_dtype() == "BF16" else torch.float32

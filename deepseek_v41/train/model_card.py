@@ -13,6 +13,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
 from deepseek_v41.analysis.params import count_params
 from deepseek_v41.engine import LLM, SamplingParams
 from deepseek_v41.model.checkpoint import load_model
@@ -27,9 +31,6 @@ def measure(model_dir: Path, corpus: Path, context: int = 512, probe_windows: in
             eval_tokens: int | None = None) -> dict[str, Any]:
     """All the card's measurements of the model in ``model_dir`` on ``corpus/heldout.txt`` (unigram baseline
     counted on ``corpus/train.txt``)."""
-    import torch
-    from tokenizers import Tokenizer
-
     model = load_model(model_dir)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     heldout = read_documents(corpus / "heldout.txt")
@@ -156,8 +157,6 @@ def write_model_card(model_dir: Path, run_dir: Path, corpus: Path, prompt: str, 
     facts["run"] = {**state["args"], "steps": state["state"]["step"], "tokens": state["state"]["tokens"],
                     "wall_hours": state["state"]["wall_seconds"] / 3600}
     facts["manifest"] = json.loads((corpus / "manifest.json").read_text())
-    import numpy as np
-
     stream = next((run_dir / "tokens").glob("train-*.npy"))  # the token stream the run trained on
     facts["train_tokens"] = int(np.load(stream, mmap_mode="r").shape[0])
     facts["sample"] = continuation(model_dir, prompt)

@@ -21,8 +21,10 @@ RNGs and data order in safetensors + JSON — no pickles), from which ``--resume
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from deepseek_v41.config import ModelConfig, load_config
 from deepseek_v41.model.context import DenseContext
@@ -258,10 +261,6 @@ class Trainer:
 def load_streams(data: Path, tokenizer_dir: Path, cache: Path) -> tuple[np.ndarray, np.ndarray]:
     """Token streams of ``data/train.txt`` and ``data/heldout.txt`` (every document ``BOS .. EOS``), cached as
     uint16/int32 ``.npy`` files in ``cache`` keyed by the tokenizer's hash."""
-    import hashlib
-
-    from tokenizers import Tokenizer
-
     tok_file = Path(tokenizer_dir) / "tokenizer.json"
     digest = hashlib.sha256(tok_file.read_bytes()).hexdigest()[:12]
     tokenizer = Tokenizer.from_file(str(tok_file))
@@ -308,8 +307,6 @@ def train_command(config: str, data: Path, out: Path, tokenizer: Path | None, ar
 def export_checkpoint(run: Path, out: Path, tokenizer: Path) -> Path:
     """Export the weights of a run's last checkpoint (``run/checkpoint``) as a bf16 model directory with the
     tokenizer, without touching the run (training may still be going on)."""
-    import shutil
-
     meta = json.loads((Path(run) / CHECKPOINT_DIR / "state.json").read_text())
     tensors = load_file(Path(run) / CHECKPOINT_DIR / "tensors.safetensors")
     config = ModelConfig.from_dict(meta["config"])
