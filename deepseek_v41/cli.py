@@ -7,10 +7,19 @@ from pathlib import Path
 
 import typer
 
+from deepseek_v41 import __version__
+from deepseek_v41.analysis.report import build_report, plot_report, print_report
 from deepseek_v41.config import ConfigError, load_config
 from deepseek_v41.engine.generate_cli import generate
 from deepseek_v41.progress import Progress
 from deepseek_v41.server.cli import serve
+from deepseek_v41.train.data import prepare, read_documents
+from deepseek_v41.train.dspark_train import DSparkTrainArgs, train_dspark_command
+from deepseek_v41.train.evaluate import evaluate_files
+from deepseek_v41.train.fetch import DataError
+from deepseek_v41.train.model_card import write_model_card
+from deepseek_v41.train.tokenizer import save_tokenizer, tokenizer_config_values, train_tokenizer
+from deepseek_v41.train.trainer import TrainArgs, train_command
 
 # Plain click help (no rich panels): rich cuts long flag names at 80 columns; -h as vLLM and argparse.
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -20,8 +29,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 
 def _version(value: bool) -> None:
     if value:
-        from deepseek_v41 import __version__
-
         typer.echo(__version__)
         raise typer.Exit()
 
@@ -40,8 +47,6 @@ def report(
     flops: bool = typer.Option(True, help="Count FLOPs by running the model on meta (about 30 s for flash)."),
 ) -> None:
     """KV bytes per token, window bytes, generations table: computed from the code."""
-    from deepseek_v41.analysis.report import build_report, plot_report, print_report
-
     try:
         cfg = load_config(config)
     except (ConfigError, FileNotFoundError) as exc:
@@ -84,9 +89,6 @@ def data_prepare(
     Documentation packages already installed are read in place; missing ones are fetched with `apt-get download`
     and unpacked into the download folder (no root needed). `--from DIR` uses a folder of text files instead.
     """
-    from deepseek_v41.train.data import prepare
-    from deepseek_v41.train.fetch import DataError
-
     try:
         manifest = prepare(out, heldout_fraction, min_chars, log=lambda line: typer.echo(line, err=True),
                            from_dir=from_dir, download_dir=download_dir)
@@ -109,9 +111,6 @@ def tokenizer_train(
     vocab_size: int = typer.Option(8192, help="Vocabulary size, reserved tokens included."),
 ) -> None:
     """Train the byte-level BPE tokenizer; prints the model-config values it sets (JSON)."""
-    from deepseek_v41.train.data import read_documents
-    from deepseek_v41.train.tokenizer import save_tokenizer, tokenizer_config_values, train_tokenizer
-
     try:
         texts = read_documents(data / "train.txt" if data.is_dir() else data)
         save_tokenizer(train_tokenizer(texts, vocab_size), out)
@@ -141,8 +140,6 @@ def train(
     threads: int | None = typer.Option(None, help="torch threads (1 avoids OpenMP spin-waits on a busy machine)."),
 ) -> None:
     """Train a small V4.1 replica (QAT fake-quant, indexer KL, aux-loss-free MoE balancing), checkpointing."""
-    from deepseek_v41.train.trainer import TrainArgs, train_command
-
     args = TrainArgs(steps=steps, batch_size=batch_size, context=context, lr=lr, warmup_steps=warmup_steps,
                      dense_indexer_steps=dense_indexer_steps, eval_every=eval_every,
                      checkpoint_minutes=checkpoint_minutes, seed=seed, bf16=bf16)
@@ -164,8 +161,6 @@ def model_card(
     eval_tokens: int | None = typer.Option(None, help="Evaluate on about this many held-out tokens (default: all)."),
 ) -> None:
     """Measure a trained checkpoint on held-out text and write its model card."""
-    from deepseek_v41.train.model_card import write_model_card
-
     try:
         facts = json.loads(extra.read_text(encoding="utf-8")) if extra else None
         prompt = prompt_file.read_text(encoding="utf-8")
@@ -193,8 +188,6 @@ def train_dspark(
     threads: int | None = typer.Option(None, help="torch threads (1 avoids OpenMP spin-waits on a busy machine)."),
 ) -> None:
     """Distil the DSpark draft (mtp.*) from a frozen trained target and write the model with it (DSPARK.md §8)."""
-    from deepseek_v41.train.dspark_train import DSparkTrainArgs, train_dspark_command
-
     args = DSparkTrainArgs(steps=steps, batch_size=batch_size, context=context, num_anchors=num_anchors, lr=lr,
                            warmup_steps=max(1, steps // 25), seed=seed)
     try:
@@ -223,8 +216,6 @@ def eval_(
     device: str = typer.Option("cpu", help="torch device."),
 ) -> None:
     """Perplexity and bits per byte on a text, next to a unigram baseline."""
-    from deepseek_v41.train.evaluate import evaluate_files
-
     try:
         with Progress("dsv41 eval", unit="tokens") as progress:  # stderr, as for `dsv41 report`
             result = evaluate_files(model, data, context, prefill_mode, train, tokenizer, device, progress=progress)

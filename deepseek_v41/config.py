@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepseek_v41.engram_sizes import engram_table_sizes
+
 MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 ALLOWED_COMPRESS_RATIOS = (0, 1, 2)
 # Keys Hugging Face and the official release put in a config that carry no model math.
@@ -492,8 +494,6 @@ def _validate_engram(cfg: ModelConfig, n: int) -> list[str]:
         p.append(f"engram_pad_token_id {cfg.engram_pad_token_id} is outside the vocabulary 0..{cfg.vocab_size - 1}")
     if p:
         return p
-    from deepseek_v41.model.engram_hash import engram_table_sizes
-
     for layer, rows, want in zip(ids, cfg.engram_num_embeddings, engram_table_sizes(cfg), strict=True):
         if rows != sum(want):
             p.append(f"engram_num_embeddings for layer {layer} is {rows}, but the prime table sizes of that "
@@ -574,8 +574,6 @@ def tiny_config() -> ModelConfig:
     Layers: 0 window-only, 1 window-only + Engram, 2 Full m=2, 3 Reuse m=2, 4 Full m=1 + candidate source + CED
     boundary, 5 Reuse m=1, 6 Reindex (inside the candidate pool), 7 Reuse after Reindex; one DSpark draft layer.
     """
-    from deepseek_v41.model.engram_hash import engram_table_sizes
-
     base = dict(
         vocab_size=512, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, head_dim=32,
         qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=32, o_groups=2, moe_intermediate_size=32,

@@ -16,6 +16,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import torch
+
 # The names a dtype may be given by (vLLM's ``--dtype`` choices, and float64 for numerics checks).
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 # vLLM's aliases, and the short forms Hugging Face configs and users write.
@@ -67,8 +69,6 @@ def cpu_has_native_bf16() -> bool:
 def device_has_native_bf16(device: Any) -> bool:
     """Whether ``device`` (a ``torch.device`` or its name) computes bf16 natively: CUDA per
     ``torch.cuda.is_bf16_supported``, the CPU per :func:`cpu_has_native_bf16`, anything else (MPS) not assumed."""
-    import torch
-
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -92,8 +92,6 @@ def _allowed(option: str) -> str:
 def _named(name: str) -> Any:
     """The torch dtype of a non-auto dtype name or alias (any case, ``torch.`` prefix allowed as scripts write
     ``"torch.float32"``), or None when it is none of them."""
-    import torch
-
     name = name.strip().lower().removeprefix("torch.")
     canonical = ALIASES.get(name, name)
     return getattr(torch, canonical) if canonical in _LOADABLE else None
@@ -111,8 +109,6 @@ def resolve_dtype(dtype: Any = "auto", device: Any = "cpu", model_dir: str | Pat
     dtype recorded in the config that is none of them (pass an explicit dtype then), and float64 on MPS (which
     has no float64). The message offers a torch.dtype only when ``option`` is not a flag (``--dtype``).
     """
-    import torch
-
     if isinstance(dtype, torch.dtype):
         resolved = dtype if str(dtype).removeprefix("torch.") in _LOADABLE else None
     elif isinstance(dtype, str) and dtype.lower() == "auto":

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 from torch.utils.flop_counter import FlopCounterMode
 
+from deepseek_v41.cache.kv_cache import PagedKVCache
+from deepseek_v41.engine.model_runner import ModelRunner, PrefillMode
+from deepseek_v41.model.attention import Attention
 from deepseek_v41.progress import ProgressCallback
 
 # An expert's matmuls are named by the expert (Expert.forward calls F.linear on w1 / w3 / w2) or, when hooks are
@@ -81,10 +84,6 @@ def _count(counter: FlopCounterMode) -> FlopCount:
 
 def _meta_runner(model, tokens: int, block_size: int, mode: str):
     """A model runner over ``model`` (built on meta) and a one-sequence paged cache of ``tokens`` positions."""
-    from deepseek_v41.cache.kv_cache import PagedKVCache
-    from deepseek_v41.engine.model_runner import ModelRunner, PrefillMode
-    from deepseek_v41.model.attention import Attention
-
     pages = -(-tokens // block_size)
     cache = PagedKVCache(model.config, pages + 1, block_size, 1, 16, "meta")
     for module in model.modules():

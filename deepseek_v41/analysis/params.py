@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from deepseek_v41.config import ModelConfig
+from deepseek_v41.model.checkpoint import keeps_fp32
+from deepseek_v41.model.transformer import Transformer
 
 _ENGRAM_TABLE = re.compile(r"(^|\.)engram\.embed\.(weight|scale)$")
 _VISION = ("vision.", "aligner.", "image_")
@@ -26,8 +28,6 @@ _VISION = ("vision.", "aligner.", "image_")
 
 def build_on_meta(cfg: ModelConfig) -> nn.Module:
     """The full model with every parameter on ``meta`` (no memory, no init cost beyond module creation)."""
-    from deepseek_v41.model.transformer import Transformer
-
     with torch.device("meta"):
         return Transformer(cfg)
 
@@ -78,8 +78,6 @@ def count_params(model: nn.Module) -> dict[str, int]:
 def loaded_bytes(model: nn.Module, dtype_bytes: int = 2) -> int:
     """Bytes the model takes once loaded: every parameter at ``dtype_bytes`` except the fp32 ones (mHC, sinks,
     router biases) at 4, and Engram tables kept FP8 (1 byte per value + 1 UE8M0 byte per 32)."""
-    from deepseek_v41.model.checkpoint import keeps_fp32
-
     total = 0
     for name, p in model.named_parameters():
         if _ENGRAM_TABLE.search(name):

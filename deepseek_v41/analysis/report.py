@@ -9,7 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from deepseek_v41.analysis.flops import DECODE_CONTEXTS, flops_runs, flops_section
 from deepseek_v41.analysis.kv import generations_bytes_per_token
+from deepseek_v41.analysis.params import build_on_meta, count_params, loaded_bytes
+from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.layout import KVLayout
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.plan import build_layer_plan
@@ -43,8 +46,6 @@ def kv_section(cfg: ModelConfig) -> dict[str, Any]:
 
 def params_section(model) -> tuple[dict[str, int], dict[str, int]]:
     """Parameter counts (``params``) and loaded sizes in bytes (``memory``) of a model built on ``meta``."""
-    from deepseek_v41.analysis.params import count_params, loaded_bytes
-
     return count_params(model), {"loaded_bytes_bf16": loaded_bytes(model, 2),
                                  "loaded_bytes_fp32": loaded_bytes(model, 4)}
 
@@ -56,10 +57,6 @@ def build_report(cfg: ModelConfig, name: str = "", flops: bool = True,
     ``progress(done, total, what)`` is called with increasing ``done`` before each step (building the model on
     meta, then each FLOPs run: together most of the command's time) and once at the end.
     """
-    from deepseek_v41.analysis.flops import flops_runs, flops_section
-    from deepseek_v41.analysis.params import build_on_meta
-    from deepseek_v41.cache.kv_cache import PagedKVCache
-
     def report_step(done: int, total: int, what: str = "") -> None:
         if progress is not None:
             progress(done, total, what)
@@ -181,8 +178,6 @@ def plot_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     fig.savefig(paths[0], dpi=120)
     plt.close(fig)
     if "flops" in report:
-        from deepseek_v41.analysis.flops import DECODE_CONTEXTS
-
         flops = report["flops"]
         labels = list(flops["decode_per_token"])
         x = [DECODE_CONTEXTS.get(label, i) for i, label in enumerate(labels)]

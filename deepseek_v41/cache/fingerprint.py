@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from deepseek_v41.model.checkpoint import weight_files
+
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT_VERSION = 1
@@ -68,8 +70,6 @@ def model_fingerprint(model: torch.nn.Module, path: str | Path | None = None) ->
 def checkpoint_files(path: Path) -> list[Path]:
     """The files of the model directory ``path`` that decide what the loaded model computes: config.json, the
     shard index and the shards it names (or every ``*.safetensors``), tokenizer.json when present."""
-    from deepseek_v41.model.checkpoint import weight_files
-
     files = [path / "config.json"]
     index = path / "model.safetensors.index.json"
     if index.is_file():

@@ -12,10 +12,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepseek_v41.chat import encode_messages
+from deepseek_v41.dtypes import resolve_dtype
 from deepseek_v41.engine import options
 from deepseek_v41.engine.engine import EngineArgs, LLMEngine, load_tokenizer
+from deepseek_v41.engine.generation_config import load_sampling_defaults
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.sequence import RequestOutput
+from deepseek_v41.model.checkpoint import load_model
 
 log = logging.getLogger("deepseek_v41")
 # The chat_template_kwargs keys LLM.chat takes (the server's, and reasoning_effort as the argument).
@@ -56,10 +60,6 @@ class LLM:
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, kv_cache_dtype: str = "auto", trust_remote_code: bool = False,
                  **engine_args: Any):
-        from deepseek_v41.dtypes import resolve_dtype
-        from deepseek_v41.engine.generation_config import load_sampling_defaults
-        from deepseek_v41.model.checkpoint import load_model
-
         for why in (options.check_parallel_size("tensor_parallel_size", tensor_parallel_size),
                     options.check_parallel_size("pipeline_parallel_size", pipeline_parallel_size),
                     options.check_kv_cache_dtype(kv_cache_dtype)):
@@ -226,8 +226,6 @@ class LLM:
         ``continue_final_message=True`` leaves the last message (an assistant one) open for the model to continue;
         ``add_generation_prompt=False`` is only served with it (the encoder always opens the assistant turn
         otherwise). Raises ValueError naming the key or argument for anything else."""
-        from deepseek_v41.chat import encode_messages
-
         kwargs = dict(chat_template_kwargs or {})
         unknown = set(kwargs) - set(CHAT_TEMPLATE_KWARGS)
         if unknown:

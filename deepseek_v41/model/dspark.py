@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepseek_v41.config import ModelConfig
+from deepseek_v41.model.block import Block
 from deepseek_v41.model.hyper import collapse
 from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.norm import RMSNorm
-from deepseek_v41.model.transformer import Block
 from deepseek_v41.plan import LayerSpec, build_layer_plan
 from deepseek_v41.quant import fake_quant_fp8
 

@@ -22,7 +22,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Regex, Tokenizer, normalizers
 from torch import nn
+
+from deepseek_v41.engram_sizes import table_sizes
 
 INT64_MAX = np.iinfo(np.int64).max
 DEAD = -1  # cid of a masked position, and of "before the sequence start" in a history
@@ -34,8 +37,6 @@ _SPACE_SENTINEL = "\ue000"
 
 # ---------------------------------------------------------------------------------------------- token map
 def _normalizer() -> Any:
-    from tokenizers import Regex, normalizers
-
     return normalizers.Sequence([
         normalizers.NFKC(),
         normalizers.NFD(),
@@ -61,8 +62,6 @@ def build_token_map(tokenizer_json: str | Path) -> torch.Tensor:
     :data:`V41_TOKEN_MAP_SHA256` (see :func:`token_map_sha256`). Raises FileNotFoundError when the file is
     missing.
     """
-    from tokenizers import Tokenizer
-
     path = Path(tokenizer_json)
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file not found: {path}")
@@ -95,52 +94,6 @@ def token_map_sha256(token_map: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- layout
-def is_prime(value: int) -> bool:
-    """Deterministic primality by trial division (values here are about 1.6e7: fast enough)."""
-    if value < 2:
-        return False
-    if value % 2 == 0:
-        return value == 2
-    factor = 3
-    while factor * factor <= value:
-        if value % factor == 0:
-            return False
-        factor += 2
-    return True
-
-
-def engram_table_sizes(cfg: Any) -> list[list[int]]:
-    """Bucket sizes (primes) of every hash column, per Engram layer, in ``engram_layer_ids`` order.
-
-    ENGRAM.md §4: a global ``seen`` set; for each layer, for each n-gram order n = 2..max, the search restarts at
-    ``engram_vocab_size - 1`` and each of the ``engram_n_heads`` heads takes the smallest unused prime above the
-    previous one. Column ``c = (n - 2) * engram_n_heads + head``. Returns ``[layers][columns]`` ints; a layer's
-    table has ``sum(sizes)`` rows.
-    """
-    return [list(s) for s in _table_sizes(tuple(cfg.engram_layer_ids), cfg.engram_max_ngram_size,
-                                          cfg.engram_vocab_size, cfg.engram_n_heads)]
-
-
-@functools.lru_cache(maxsize=16)
-def _table_sizes(layer_ids: tuple[int, ...], max_ngram: int, vocab_size: int,
-                 n_heads: int) -> tuple[tuple[int, ...], ...]:
-    seen: set[int] = set()
-    out = []
-    for _layer in layer_ids:
-        sizes = []
-        for _order in range(2, max_ngram + 1):
-            current = vocab_size - 1
-            for _head in range(n_heads):
-                candidate = current + 1
-                while candidate in seen or not is_prime(candidate):
-                    candidate += 1
-                seen.add(candidate)
-                sizes.append(candidate)
-                current = candidate
-        out.append(tuple(sizes))
-    return tuple(out)
-
-
 def engram_offsets(sizes: list[int]) -> list[int]:
     """Exclusive prefix sums of one layer's column sizes: column c owns rows [offset[c], offset[c]+size[c])."""
     return [int(v) for v in np.concatenate([[0], np.cumsum(sizes[:-1])])] if sizes else []
@@ -201,7 +154,7 @@ def engram_layout(cfg: Any) -> EngramLayout:
 @functools.lru_cache(maxsize=16)
 def _layout(layer_ids: tuple[int, ...], max_ngram: int, vocab_size: int, n_heads: int,
             compressed_vocab_size: int) -> EngramLayout:
-    primes = _table_sizes(layer_ids, max_ngram, vocab_size, n_heads)
+    primes = table_sizes(layer_ids, max_ngram, vocab_size, n_heads)
     return EngramLayout(
         layer_ids=layer_ids, max_ngram=max_ngram, n_heads=n_heads, compressed_vocab_size=compressed_vocab_size,
         primes=primes, offsets=tuple(tuple(engram_offsets(list(p))) for p in primes),

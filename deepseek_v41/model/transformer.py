@@ -1,4 +1,5 @@
-"""Blocks and the CED stacks: the whole text model (MODEL_REFERENCE.md §3.1, §3.13, §3.15, §3.16).
+"""The whole text model: embedding, the blocks (:mod:`deepseek_v41.model.block`), the CED stacks, the head
+(MODEL_REFERENCE.md §3.1, §3.13, §3.15, §3.16).
 
 ``Transformer(config)(input_ids, image_mask=None) -> logits [B, T, vocab]`` is the exact forward of every
 position (training and evaluation), with the reference fake-quant of the KV on by default
@@ -12,69 +13,15 @@ import torch
 from torch import nn
 
 from deepseek_v41.config import ModelConfig
-from deepseek_v41.model.attention import Attention
+from deepseek_v41.model.block import Block
 from deepseek_v41.model.context import DenseContext
-from deepseek_v41.model.hyper import collapse, expand, hc_mix
-from deepseek_v41.model.moe import MoE
+from deepseek_v41.model.dspark import DSparkDraft
+from deepseek_v41.model.engram import EngramHasher
+from deepseek_v41.model.hyper import collapse
 from deepseek_v41.model.norm import RMSNorm, upcast
-from deepseek_v41.plan import LayerSpec, build_layer_plan
-
-
-class Block(nn.Module):
-    """One layer: (Engram) -> mHC attention site -> mHC FFN site, with the one-sub-layer-late ``pre``.
-
-    ``forward(streams [B, T, hc, D], pre [B, T, hc], ctx, image_mask) -> (streams, pre_out)``; the attention
-    input collapses the streams with the ``pre`` handed in by the previous block (one-hot on stream 0 for the
-    first), the FFN input with this block's attention-site ``pre``; ``pre_out`` is the FFN site's ``pre``.
-    """
-
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec, n_experts: int | None = None, topk: int | None = None):
-        super().__init__()
-        self.spec = spec
-        self.layer_id = spec.layer_id
-        hc, D = cfg.hc_mult, cfg.hidden_size
-        self.hc = hc
-        self.norm_eps, self.hc_eps, self.hc_iters = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
-        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, spec)
-        self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.ffn = MoE(D, cfg.moe_intermediate_size, n_experts or cfg.n_routed_experts,
-                       topk or cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.swiglu_limit,
-                       cfg.routed_scaling_factor, cfg.norm_topk_prob, cfg.vision_config is not None,
-                       gate_temp=cfg.gate_temp)
-        mix = (2 + hc) * hc
-        for site in ("attn", "ffn"):
-            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, hc * D, dtype=torch.float32)))
-            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
-            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
-        self.engram = None
-        if spec.engram:
-            from deepseek_v41.model.engram import Engram
-
-            self.engram = Engram(cfg, spec.layer_id)
-
-    def mix(self, site: str, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The mHC coefficients ``(pre, post, comb)`` of ``site`` ("attn" or "ffn") from the streams (or their
-        upcast copy): :func:`~deepseek_v41.model.hyper.hc_mix` with this block's parameters."""
-        return hc_mix(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                      getattr(self, f"hc_{site}_scale"), self.hc, self.norm_eps, self.hc_eps, self.hc_iters)
-
-    def attention_input(self, streams: torch.Tensor, pre: torch.Tensor, wide: torch.Tensor | None = None
-                        ) -> torch.Tensor:
-        """The normalised attention input [B, T, D] (also what a kv source's compressor reads); ``wide``: the
-        streams upcast, when the caller has them."""
-        return self.attn_norm(collapse(streams, pre, wide))
-
-    def forward(self, streams: torch.Tensor, pre: torch.Tensor, ctx, image_mask: torch.Tensor | None = None,
-                compress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        wide = upcast(streams)  # one fp32 copy of bf16 streams per site, shared by mix / collapse / expand
-        a_pre, a_post, a_comb = self.mix("attn", wide)
-        y = self.attn(self.attention_input(streams, pre, wide), ctx, compress=compress)
-        streams = expand(streams, y, a_post, a_comb, wide)
-        wide = upcast(streams)
-        f_pre, f_post, f_comb = self.mix("ffn", wide)
-        y = self.ffn(self.ffn_norm(collapse(streams, a_pre, wide)), image_mask)
-        return expand(streams, y, f_post, f_comb, wide), f_pre
+from deepseek_v41.model.save import save_pretrained
+from deepseek_v41.model.vision import add_vision, embed_images, image_token_mask
+from deepseek_v41.plan import build_layer_plan
 
 
 class Transformer(nn.Module):
@@ -90,18 +37,12 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.vision_config is not None:
-            from deepseek_v41.model.vision import add_vision
-
             add_vision(self, config)  # vision.*, aligner.*, image_start / newline / end (MODEL_REFERENCE.md §8)
         self.hasher = None
         if config.engram_layer_ids:
-            from deepseek_v41.model.engram import EngramHasher
-
             self.hasher = EngramHasher(config)
         self.mtp = None
         if config.num_nextn_predict_layers:
-            from deepseek_v41.model.dspark import DSparkDraft
-
             self.mtp = DSparkDraft(config)  # mtp.*: the DSpark draft; it shares embed and head (DSPARK.md §1)
         self.reset_parameters()
 
@@ -135,9 +76,7 @@ class Transformer(nn.Module):
     def save_pretrained(self, path, quantization: str = "none", max_shard_bytes: int = 4 * 1024**3,
                         dtype: torch.dtype | None = None):
         """Write config.json + safetensors under the official names; see
-        :func:`deepseek_v41.model.checkpoint.save_pretrained`."""
-        from deepseek_v41.model.checkpoint import save_pretrained
-
+        :func:`deepseek_v41.model.save.save_pretrained`."""
         return save_pretrained(self, path, quantization, max_shard_bytes, dtype)
 
     # ------------------------------------------------------------------ pieces the engine composes
@@ -150,8 +89,6 @@ class Transformer(nn.Module):
         """
         h = self.embed(input_ids)
         if images:
-            from deepseek_v41.model.vision import embed_images
-
             h, _ = embed_images(self, h, token_types, images)
         B, T, D = h.shape
         hc = self.config.hc_mult
@@ -222,8 +159,6 @@ class Transformer(nn.Module):
         shape.
         """
         if token_types is not None:
-            from deepseek_v41.model.vision import image_token_mask
-
             image_mask = image_token_mask(token_types.to(input_ids.device))
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")

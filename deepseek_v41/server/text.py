@@ -21,14 +21,21 @@ import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
 from deepseek_v41.server.errors import APIError
 
-if TYPE_CHECKING:
-    from deepseek_v41.server.common import ServerState
+
+class TextState(Protocol):
+    """What this module reads of the server's state (:class:`deepseek_v41.server.common.ServerState`, which imports
+    this module, so it is named here by what it has): the tokenizer, the byte bound of a prompt text (None: no
+    bound) and the engine, for its ``max_model_len``."""
+
+    tokenizer: Any
+    max_text_bytes: int | None
+    engine: Any
 
 
 def max_token_bytes(tokenizer) -> int:
@@ -45,7 +52,7 @@ def max_token_bytes(tokenizer) -> int:
     return max(1, longest) * (4 if shrinks else 1)
 
 
-def check_text_fits(state: ServerState, text: str, param: str) -> None:
+def check_text_fits(state: TextState, text: str, param: str) -> None:
     """Refuse, before tokenizing it, a prompt text too long to fit ``max_model_len`` tokens whatever its
     tokenization: more UTF-8 bytes than ``max_model_len`` tokens can cover (400 ``context_length_exceeded``). So a
     huge body costs neither a long tokenization nor the memory of its tokens."""
@@ -67,7 +74,7 @@ LARGE_TEXT_CHARS = 64 * 1024
 _large_pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="dsv41-tokenize-large")
 
 
-async def encode(state: ServerState, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+async def encode(state: TextState, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
     """Tokenize ``texts`` on a worker thread with the GIL released (``encode_batch`` runs in Rust without it;
     ``encode`` holds it for the whole text), so the event loop keeps answering (``/health``) meanwhile. Large texts
     go to their own pool (:data:`LARGE_TEXT_CHARS`), so short prompts never wait behind them."""
@@ -79,7 +86,7 @@ async def encode(state: ServerState, texts: list[str], add_special_tokens: bool)
     return [list(e.ids) for e in encodings]
 
 
-async def decode(state: ServerState, sequences: list[list[int]]) -> list[str]:
+async def decode(state: TextState, sequences: list[list[int]]) -> list[str]:
     """Detokenize on a worker thread with the GIL released (``decode_batch``), special tokens kept."""
     return await asyncio.to_thread(state.tokenizer.decode_batch, sequences, skip_special_tokens=False)
 

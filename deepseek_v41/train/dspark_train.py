@@ -32,11 +32,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
+from deepseek_v41.engine.speculative import TargetTaps
+from deepseek_v41.model.checkpoint import load_model, weight_files
 from deepseek_v41.model.context import DenseContext
 from deepseek_v41.model.dspark import dspark_loss, sample_anchors
 from deepseek_v41.model.transformer import Transformer
-from deepseek_v41.train.trainer import balance_experts, lr_at, sample_batch
+from deepseek_v41.train.trainer import balance_experts, load_streams, lr_at, sample_batch
 
 
 @dataclass
@@ -62,8 +65,6 @@ class DSparkTrainArgs:
 def target_features(model: Transformer, ids: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """The frozen target's exact forward over ``ids`` [B, T]: the input streams [B, T, hc, D] of every draft
     target layer, and the logits [B, T, V] fp32."""
-    from deepseek_v41.engine.speculative import TargetTaps
-
     B, T = ids.shape
     ctx = DenseContext(B, T, ids.device, model.fake_quant)
     taps = TargetTaps(model.mtp.target_layer_ids)
@@ -167,10 +168,6 @@ class DSparkDistiller:
 
 def _stored_dtype(path: Path) -> torch.dtype:
     """The dtype the directory stores ``embed.weight`` in (bf16 for an exported model, fp32 otherwise)."""
-    from safetensors import safe_open
-
-    from deepseek_v41.model.checkpoint import weight_files
-
     files = weight_files(path)
     with safe_open(str(files["embed.weight"]), "pt") as f:
         return torch.bfloat16 if f.get_slice("embed.weight").get_dtype() == "BF16" else torch.float32
@@ -213,9 +210,6 @@ def train_dspark_command(model_dir: Path, data: Path, out: Path | None, args: DS
     Raises FileNotFoundError (no model / tokenizer / corpus) and ValueError (no draft in the config, a stream
     shorter than one window).
     """
-    from deepseek_v41.model.checkpoint import load_model
-    from deepseek_v41.train.trainer import load_streams
-
     if threads:
         torch.set_num_threads(threads)
     model_dir, data = Path(model_dir), Path(data)

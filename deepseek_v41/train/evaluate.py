@@ -30,10 +30,11 @@ import numpy as np
 import torch
 
 from deepseek_v41.engine.model_runner import PrefillMode
+from deepseek_v41.model.checkpoint import load_model
 from deepseek_v41.model.context import DenseContext
 from deepseek_v41.progress import ProgressCallback
 from deepseek_v41.train.data import SEPARATOR, read_documents
-from deepseek_v41.train.tokenizer import encode_batches, encode_documents
+from deepseek_v41.train.tokenizer import encode_batches, encode_documents, load_tokenizer
 
 CED_ROWS = 64  # decoder rows (scored tokens) per CED pass: bounds memory at rows x context index scores
 
@@ -194,9 +195,6 @@ def evaluate_files(model_path: str | Path, data: str | Path, context: int | None
     Raises ValueError for an unknown mode or a context outside [1, max_position_embeddings], FileNotFoundError
     for a missing model, tokenizer or file, and what :func:`evaluate` raises.
     """
-    from deepseek_v41 import load_model
-    from deepseek_v41.train.tokenizer import load_tokenizer
-
     try:
         mode = PrefillMode(mode)
     except ValueError as exc:

@@ -13,23 +13,24 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from deepseek_v41.analysis.params import count_params
+from deepseek_v41.engine import LLM, SamplingParams
+from deepseek_v41.model.checkpoint import load_model
 from deepseek_v41.progress import Progress
+from deepseek_v41.train.data import read_documents
+from deepseek_v41.train.evaluate import evaluate
+from deepseek_v41.train.probes import indexer_recall, long_range_nats
+from deepseek_v41.train.tokenizer import encode_documents
 
 
 def measure(model_dir: Path, corpus: Path, context: int = 512, probe_windows: int = 16,
             eval_tokens: int | None = None) -> dict[str, Any]:
     """All the card's measurements of the model in ``model_dir`` on ``corpus/heldout.txt`` (unigram baseline
     counted on ``corpus/train.txt``)."""
-    import torch
-    from tokenizers import Tokenizer
-
-    from deepseek_v41 import load_model
-    from deepseek_v41.analysis.params import count_params
-    from deepseek_v41.train.data import read_documents
-    from deepseek_v41.train.evaluate import evaluate
-    from deepseek_v41.train.probes import indexer_recall, long_range_nats
-    from deepseek_v41.train.tokenizer import encode_documents
-
     model = load_model(model_dir)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     heldout = read_documents(corpus / "heldout.txt")
@@ -55,8 +56,6 @@ def measure(model_dir: Path, corpus: Path, context: int = 512, probe_windows: in
 def continuation(model_dir: Path, prompt: str, max_tokens: int = 48) -> dict[str, Any]:
     """Greedy continuation of ``prompt`` through the engine (CED prefill), in fp32 as the metrics (``LLM``'s
     default dtype is the checkpoint's, bf16 for the bundled one)."""
-    from deepseek_v41.engine import LLM, SamplingParams
-
     out = LLM(model_dir, dtype="float32").generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
     return {"prompt": prompt, "continuation": out.outputs[0].text}
 
@@ -158,8 +157,6 @@ def write_model_card(model_dir: Path, run_dir: Path, corpus: Path, prompt: str, 
     facts["run"] = {**state["args"], "steps": state["state"]["step"], "tokens": state["state"]["tokens"],
                     "wall_hours": state["state"]["wall_seconds"] / 3600}
     facts["manifest"] = json.loads((corpus / "manifest.json").read_text())
-    import numpy as np
-
     stream = next((run_dir / "tokens").glob("train-*.npy"))  # the token stream the run trained on
     facts["train_tokens"] = int(np.load(stream, mmap_mode="r").shape[0])
     facts["sample"] = continuation(model_dir, prompt)

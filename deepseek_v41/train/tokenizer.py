@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from deepseek_v41.chat.tokens import (
     ASSISTANT,
@@ -40,6 +41,7 @@ from deepseek_v41.chat.tokens import (
     THINK_START,
     USER,
 )
+from deepseek_v41.model.engram_hash import build_token_map
 
 PAD = "<｜▁pad▁｜>"  # DeepSeek's pad token (id 2 of its tokenizer.json); the chat format never writes it
 DSPARK_NOISE = "<｜dspark_noise｜>"  # the input of a DSpark draft block's masked slots (DSPARK.md §1, §2)
@@ -57,8 +59,6 @@ ENCODE_BATCH = 256  # documents per encode_batch call: parallel inside, bounded 
 
 def new_tokenizer() -> Any:
     """An untrained byte-level BPE ``tokenizers.Tokenizer`` with DeepSeek's pre-tokenizer and decoder."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         *(pre_tokenizers.Split(Regex(p), "isolated") for p in PRETOKENIZE_PATTERNS),
@@ -75,8 +75,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, show_progress:
     smaller vocabulary (BPE stops when no pair repeats); the reserved tokens keep their relative places.
     Raises ValueError when ``vocab_size`` cannot hold the reserved tokens and the 256 bytes.
     """
-    from tokenizers import AddedToken, pre_tokenizers, processors, trainers
-
     reserved = len(HEAD_TOKENS) + len(CHAT_TOKENS) + len(TAIL_TOKENS)
     if vocab_size < reserved + 256 + 1:
         raise ValueError(f"vocab_size {vocab_size} is too small: {reserved} reserved tokens + 256 bytes + at least "
@@ -134,8 +132,6 @@ def tokenizer_file(path: str | Path) -> Path:
 
 def load_tokenizer(path: str | Path) -> Any:
     """The ``tokenizers.Tokenizer`` of a folder or file (see :func:`tokenizer_file`)."""
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(tokenizer_file(path)))
 
 
@@ -147,8 +143,6 @@ def tokenizer_config_values(tokenizer_dir: str | Path) -> dict[str, int]:
 
     Raises FileNotFoundError without a tokenizer.json and ValueError when a reserved token is missing.
     """
-    from deepseek_v41.model.engram_hash import build_token_map
-
     path = tokenizer_file(tokenizer_dir)
     tokenizer = load_tokenizer(path)
     ids = {}

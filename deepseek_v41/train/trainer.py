@@ -21,8 +21,10 @@ RNGs and data order in safetensors + JSON — no pickles), from which ``--resume
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,12 +33,17 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
-from deepseek_v41.config import ModelConfig
+from deepseek_v41.config import ModelConfig, load_config
 from deepseek_v41.model.context import DenseContext
+from deepseek_v41.model.engram_hash import build_token_map
 from deepseek_v41.model.moe import Gate
 from deepseek_v41.model.transformer import Transformer
+from deepseek_v41.train.data import read_documents
+from deepseek_v41.train.evaluate import stream_nats
 from deepseek_v41.train.indexer_loss import IndexerLosses
+from deepseek_v41.train.tokenizer import encode_documents, tokenizer_config_values
 
 CHECKPOINT_DIR = "checkpoint"
 
@@ -124,8 +131,6 @@ def heldout_nats(model: Transformer, stream: np.ndarray, context: int, tokens: i
     """Mean nats per token of about ``tokens`` held-out tokens: ``ceil(tokens / context)`` windows of ``context``
     tokens spread evenly over the whole held-out stream (the first tokens alone can be one unrepresentative
     document), each scored from its own start."""
-    from deepseek_v41.train.evaluate import stream_nats
-
     was_training = model.training
     model.eval()
     windows = max(1, math.ceil(tokens / context))
@@ -256,13 +261,6 @@ class Trainer:
 def load_streams(data: Path, tokenizer_dir: Path, cache: Path) -> tuple[np.ndarray, np.ndarray]:
     """Token streams of ``data/train.txt`` and ``data/heldout.txt`` (every document ``BOS .. EOS``), cached as
     uint16/int32 ``.npy`` files in ``cache`` keyed by the tokenizer's hash."""
-    import hashlib
-
-    from tokenizers import Tokenizer
-
-    from deepseek_v41.train.data import read_documents
-    from deepseek_v41.train.tokenizer import encode_documents
-
     tok_file = Path(tokenizer_dir) / "tokenizer.json"
     digest = hashlib.sha256(tok_file.read_bytes()).hexdigest()[:12]
     tokenizer = Tokenizer.from_file(str(tok_file))
@@ -289,10 +287,6 @@ def train_command(config: str, data: Path, out: Path, tokenizer: Path | None, ar
                   threads: int | None) -> Path:
     """What ``dsv41 train`` does: tokenize (cached), build the model from ``config`` with the tokenizer's ids,
     train (resuming when asked), export the final weights in bf16 with the tokenizer to ``out/model``."""
-    from deepseek_v41.config import load_config
-    from deepseek_v41.model.engram_hash import build_token_map
-    from deepseek_v41.train.tokenizer import tokenizer_config_values
-
     if threads:
         torch.set_num_threads(threads)
     tokenizer = Path(tokenizer or data / "tokenizer")
@@ -313,8 +307,6 @@ def train_command(config: str, data: Path, out: Path, tokenizer: Path | None, ar
 def export_checkpoint(run: Path, out: Path, tokenizer: Path) -> Path:
     """Export the weights of a run's last checkpoint (``run/checkpoint``) as a bf16 model directory with the
     tokenizer, without touching the run (training may still be going on)."""
-    import shutil
-
     meta = json.loads((Path(run) / CHECKPOINT_DIR / "state.json").read_text())
     tensors = load_file(Path(run) / CHECKPOINT_DIR / "tensors.safetensors")
     config = ModelConfig.from_dict(meta["config"])

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from optional_deps import require
 
 from deepseek_v41.config import flash_config, tiny_config
+from deepseek_v41.engram_sizes import engram_table_sizes
 from deepseek_v41.model.engram_hash import (
     DEAD,
     EngramHasher,
@@ -22,7 +23,6 @@ from deepseek_v41.model.engram_hash import (
     engram_layout,
     engram_offsets,
     engram_row_ids,
-    engram_table_sizes,
     hash_multipliers,
     identity_token_map,
     next_history,

@@ -2,11 +2,12 @@
 
 ``deepseek_v41/model`` is the reference math only (what training, the exact forward and the engine all run).
 This package holds the fast paths: for each model class that has one, an *installer* registered with
-:func:`register` looks at one module instance once — its class is exactly the registered class (not a subclass),
-it has no hooks, its weights have dtypes and shapes the kernels take — packs what its fast forward needs (FP4
-expert copies, stacked weights) and replaces methods of that instance (``forward``, or a named method the
-reference forward calls, e.g. a block's mixing) with fast versions through :func:`override`. A fast version
-serves the shapes it is made for (a few tokens, inference mode, CPU tensors) and calls the reference method
+:func:`~deepseek_v41.kernels.fast.registry.register` (in :mod:`~deepseek_v41.kernels.fast.attention`, ``block``,
+``dense`` and ``moe``, which this package imports) looks at one module instance once — its class is exactly the
+registered class (not a subclass), it has no hooks, its weights have dtypes and shapes the kernels take — packs what
+its fast forward needs (FP4 expert copies, stacked weights) and replaces methods of that instance (``forward``, or a
+named method the reference forward calls, e.g. a block's mixing) with fast versions through :func:`override`. A fast
+version serves the shapes it is made for (a few tokens, inference mode, CPU tensors) and calls the reference method
 otherwise, so results never depend on whether the backend is installed beyond rounding (``tests/kernels``).
 
 :func:`install` walks a model and runs the installers; the engine's model runner calls it once on the model it
@@ -24,82 +25,30 @@ op's implementation once in the same spirit.
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
-from torch.nn.modules import module as _module
 
 from deepseek_v41 import kernels
 
-_OVERRIDES = "_fast_overrides"  # instance attribute: the names this backend replaced on the module
-_GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hooks, _module._global_backward_hooks,
-                 _module._global_backward_pre_hooks)
+# The modules whose installers serve model classes: importing them registers the installers.
+from deepseek_v41.kernels.fast import attention, block, dense, moe  # noqa: F401
+from deepseek_v41.kernels.fast.registry import (
+    INSTALLERS,
+    KERNEL_DTYPES,
+    OVERRIDES,
+    Installer,
+    fused,
+    global_hooks,
+    hooked,
+    override,
+    plain,
+    plain_weight,
+    register,
+)
 
-Installer = Callable[[nn.Module], bool]
-INSTALLERS: dict[type[nn.Module], list[Installer]] = {}
-
-
-def register(cls: type[nn.Module]) -> Callable[[Installer], Installer]:
-    """Decorator: ``fn(module) -> bool`` installs the fast path on one instance of exactly ``cls`` (returns
-    whether it installed anything). Several installers may serve one class; they run in registration order."""
-
-    def add(fn: Installer) -> Installer:
-        INSTALLERS.setdefault(cls, []).append(fn)
-        return fn
-
-    return add
-
-
-def override(module: nn.Module, name: str, fn: Callable) -> None:
-    """Replace ``module.<name>`` for this instance only by ``fn`` bound to the module (``fn(module, *args)``).
-    The reference method stays reachable as ``type(module).<name>(module, ...)``."""
-    module.__dict__[name] = types.MethodType(fn, module)
-    module.__dict__.setdefault(_OVERRIDES, set()).add(name)
-
-
-def hooked(m: nn.Module) -> bool:
-    """Whether ``m`` has a forward or backward hook of its own."""
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
-
-
-def global_hooks() -> bool:
-    """Whether a global module hook (``torch.nn.modules.module.register_module_forward_hook`` and the like) is
-    registered: it observes every module call, which a fast path standing in for submodule calls would skip."""
-    return any(_GLOBAL_HOOKS)
-
-
-def plain(m: nn.Module | None, cls: type[nn.Module]) -> bool:
-    """True when ``m`` is exactly a ``cls`` (not a subclass such as a LoRA wrapper) with no hook of its own: then
-    computing its output from its weights is exactly calling it."""
-    return m is not None and type(m) is cls and not hooked(m)
-
-
-def plain_weight(m: nn.Module | None, cls: type[nn.Module]) -> torch.Tensor | None:
-    """``m.weight`` when :func:`plain` and without bias; else None."""
-    if not plain(m, cls) or m._parameters.get("bias") is not None:
-        return None
-    return m._parameters.get("weight")
-
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the fused CPU kernels take (bf16 widened inside)
-
-
-def fused(*tensors: torch.Tensor) -> bool:
-    """Per call, in a fast version: whether the kernels take these fp32 / bf16 tensors now — CPU, contiguous, and
-    under ``torch.inference_mode`` (the engine's steps). The kernels add in another order than ATen and skip the
-    bf16 roundings between the steps they fuse, so they agree with the reference to rounding; outside inference
-    mode (training, the exact forward with or without ``no_grad``) the reference runs, so those results never
-    depend on the grad mode or on whether the backend is installed."""
-    if not torch.is_inference_mode_enabled():
-        return False
-    for t in tensors:  # a plain loop: this runs ~100 times a decode step
-        if t.dtype not in KERNEL_DTYPES:
-            return False
-    return kernels.usable(*tensors)
-
+__all__ = ["INSTALLERS", "KERNEL_DTYPES", "Installed", "Installer", "fused", "global_hooks", "hooked", "install",
+           "installed", "override", "plain", "plain_weight", "register", "still_valid", "supported", "uninstall"]
 
 @dataclass
 class Installed:
@@ -132,7 +81,6 @@ def install(model: nn.Module) -> Installed:
     """Install the fast paths on every module of ``model`` that has an installer (see the module docstring);
     earlier overrides are removed first. Returns what was installed. Never raises for a model it cannot serve:
     it installs nothing and says why."""
-    _load_installers()
     uninstall(model)
     done = Installed()
     done.reason = supported(model)
@@ -151,7 +99,7 @@ def install(model: nn.Module) -> Installed:
 def uninstall(model: nn.Module) -> None:
     """Remove every override :func:`install` made on ``model``'s modules (the reference methods run again)."""
     for m in model.modules():
-        for name in m.__dict__.pop(_OVERRIDES, ()):
+        for name in m.__dict__.pop(OVERRIDES, ()):
             m.__dict__.pop(name, None)
         for key in [k for k in m.__dict__ if k.startswith("_fast_")]:
             del m.__dict__[key]
@@ -169,8 +117,3 @@ def still_valid(model: nn.Module) -> bool:
         uninstall(model)
         return False
     return True
-
-
-def _load_installers() -> None:
-    """Import the modules that register installers (kept out of import time of this package)."""
-    from deepseek_v41.kernels.fast import installers  # noqa: F401

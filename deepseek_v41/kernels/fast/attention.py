@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from deepseek_v41 import kernels
-from deepseek_v41.kernels.fast import KERNEL_DTYPES, fused, hooked, override, plain, plain_weight, register
+from deepseek_v41.kernels.fast.registry import KERNEL_DTYPES, fused, hooked, override, plain, plain_weight, register
 from deepseek_v41.model import attention as attention_module
 from deepseek_v41.model.attention import Attention, GroupedLinear, SparseAttention, sparse_attention
 from deepseek_v41.model.compressor import Compressor

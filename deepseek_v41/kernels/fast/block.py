@@ -8,7 +8,7 @@ so they agree with the reference to rounding (tests/kernels). bf16 streams go in
 block shares no fp32 copy of them (:func:`_wide`); collapse fuses the sub-layer's RMSNorm when that is a plain
 :class:`~deepseek_v41.model.norm.RMSNorm` (checked once, at install).
 
-Installed on a :class:`~deepseek_v41.model.transformer.Block` (and the draft's
+Installed on a :class:`~deepseek_v41.model.block.Block` (and the draft's
 :class:`~deepseek_v41.model.dspark.DSparkBlock`, whose forward is the block's): ``forward`` and
 ``attention_input``. On a :class:`~deepseek_v41.model.transformer.Transformer`: ``run_layers`` (the same loop,
 with :func:`~deepseek_v41.kernels.fast.warm.warm` before each block of a few-token step) and ``lm_head`` (the GEMV
@@ -20,13 +20,14 @@ from __future__ import annotations
 import torch
 
 from deepseek_v41 import kernels
-from deepseek_v41.kernels.fast import fused, global_hooks, override, plain, register
 from deepseek_v41.kernels.fast.dense import few_token_gemv
+from deepseek_v41.kernels.fast.registry import fused, global_hooks, override, plain, register
 from deepseek_v41.kernels.fast.warm import warm
 from deepseek_v41.model import hyper
+from deepseek_v41.model.block import Block
 from deepseek_v41.model.dspark import DSparkBlock
 from deepseek_v41.model.norm import RMSNorm, cast, upcast
-from deepseek_v41.model.transformer import Block, Transformer
+from deepseek_v41.model.transformer import Transformer
 
 
 # ------------------------------------------------------------------------------------------------ mHC

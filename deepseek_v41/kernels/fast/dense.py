@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from deepseek_v41 import kernels
-from deepseek_v41.kernels.fast import KERNEL_DTYPES, fused, override, plain_weight, register
+from deepseek_v41.kernels.fast.registry import KERNEL_DTYPES, fused, override, plain_weight, register
 from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.norm import RMSNorm, cast, upcast
 from deepseek_v41.model.rope import RotaryEmbedding

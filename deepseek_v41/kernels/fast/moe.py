@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepseek_v41 import kernels
-from deepseek_v41.kernels.fast import KERNEL_DTYPES, fused, override, plain, plain_weight, register
 from deepseek_v41.kernels.fast.dense import gemv
+from deepseek_v41.kernels.fast.registry import KERNEL_DTYPES, fused, override, plain, plain_weight, register
 from deepseek_v41.model.moe import Expert, Gate, MoE, clamped_swiglu
 from deepseek_v41.model.norm import cast, upcast
 from deepseek_v41.quant.weights import FP4_EXPERT_BLOCK
