@@ -36,6 +36,7 @@ from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.engine.sequence import Sequence
 from deepseek_v41.kernels import cpu_share, fast
+from deepseek_v41.kernels.host_memory import keep_freed_memory
 
 
 class PrefillMode(str, enum.Enum):
@@ -195,6 +196,8 @@ class ModelRunner:
         # A helper runner on the engine's model (the speculator's cost measurement) reuses the engine's install
         # instead of packing the expert copies again (install_fast=False).
         self.fast = fast.install(model) if install_fast else fast.installed(model)
+        if self.device.type == "cpu":  # the step's temporaries reuse freed heap instead of faulting in new pages
+            keep_freed_memory()
 
     # ------------------------------------------------------------------ helpers
     def _context(self, seqs: list[Sequence], positions: torch.Tensor, ends: list[int]) -> PagedContext:

@@ -1,0 +1,88 @@
+"""kernels/host_memory.py: glibc's thresholds fixed once for a CPU engine, the user's malloc settings respected.
+
+Each case runs in a fresh interpreter: the thresholds are process-wide and glibc moves them as blocks are freed.
+Whether a block came from mmap is read from ``mallinfo2().hblkhd`` (bytes in mmapped blocks), so the test sees
+the allocator's decision itself, not a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepseek_v41.kernels import host_memory
+
+CHECKPOINT = str(Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny")
+
+GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+
+CHILD = r"""
+import ctypes, json, sys
+import torch
+from deepseek_v41.kernels.host_memory import keep_freed_memory
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+outcome = keep_freed_memory() if sys.argv[1] == "tune" else "untouched"
+again = keep_freed_memory() if sys.argv[1] == "tune" else "untouched"
+before = libc.mallinfo2().hblkhd
+x = torch.empty(20 << 20, dtype=torch.uint8)  # 20 MiB: above glibc's first mmap threshold, below the set one
+x.fill_(1)
+mapped = libc.mallinfo2().hblkhd - before
+del x
+free_heap = libc.mallinfo2().fordblks
+print(json.dumps({"outcome": outcome, "again": again, "mapped": mapped, "free_heap": free_heap}))
+"""
+
+
+def run_child(mode: str, **env: str) -> dict:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    full.pop(host_memory.SWITCH, None)
+    full.update(env)
+    out = subprocess.run([sys.executable, "-c", CHILD, mode], env=full, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt / mallinfo2 are glibc's")
+def test_set_thresholds_keep_a_large_block_on_the_heap():
+    """Untouched, glibc maps a fresh 20 MiB block (and unmaps it when freed); after keep_freed_memory() the block
+    comes from the heap and stays there, free, for the next step."""
+    plain = run_child("plain")
+    assert plain["mapped"] >= 20 << 20
+    tuned = run_child("tune")
+    assert tuned["outcome"] == tuned["again"] == "set"
+    assert tuned["mapped"] == 0
+    assert tuned["free_heap"] >= 20 << 20
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt / mallinfo2 are glibc's")
+@pytest.mark.parametrize("env, outcome", [
+    ({"DSV41_KEEP_FREED_MEMORY": "0"}, "off"),
+    ({"MALLOC_TRIM_THRESHOLD_": "1048576"}, "user"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}, "user"),
+])
+def test_the_users_choice_stands(env, outcome):
+    """Switched off, or with a malloc tunable in the environment, nothing is set: the block is mapped as glibc
+    (or the user's setting) decides."""
+    got = run_child("tune", **env)
+    assert got["outcome"] == got["again"] == outcome
+    assert got["mapped"] >= 20 << 20
+
+
+def test_a_cpu_engine_sets_them_once(monkeypatch):
+    """Building a CPU engine calls keep_freed_memory() from its model runner."""
+    from deepseek_v41.engine import LLM, model_runner
+
+    calls = []
+    monkeypatch.setattr(model_runner, "keep_freed_memory", lambda: calls.append(1) or "set")
+    LLM(CHECKPOINT, dtype="float32", max_model_len=64, enable_prefix_caching=False)
+    assert calls == [1]
