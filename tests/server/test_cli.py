@@ -154,7 +154,7 @@ def bad_device() -> str:
 ])
 def test_serve_refuses_bad_settings_cleanly(model_dir, tmp_path, monkeypatch, flags, message):
     """Exit 2 with the message on stderr (no traceback, no silent default), and no cache directory created."""
-    import deepseek_v41.server.cli as serve_cli
+    import deepseek_v41.cli.serve as serve_cli
 
     monkeypatch.setattr(serve_cli, "DEFAULT_CACHE_DIR", tmp_path / "home" / ".cache" / "prefix-cache")
     result = run_serve("--model", str(model_dir), *flags)
@@ -210,7 +210,7 @@ def test_help_at_80_columns_shows_every_flag_whole(command):
 
 
 def test_default_served_model_name_is_the_directory_name(tmp_path):
-    from deepseek_v41.server.cli import default_model_name
+    from deepseek_v41.cli.serve import default_model_name
 
     (tmp_path / "v41-tiny").mkdir()
     assert default_model_name(tmp_path / "v41-tiny") == "v41-tiny"
