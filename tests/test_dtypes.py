@@ -121,7 +121,7 @@ def test_cpu_probe_reads_the_cpuinfo_flags(tmp_path, monkeypatch, cpuinfo, nativ
 
 
 def test_serve_cli_resolution(tmp_path, native_bf16, capsys):
-    from deepseek_v41.server.cli import resolve_dtype as cli_resolve
+    from deepseek_v41.cli.serve import resolve_dtype as cli_resolve
 
     cpu = torch.device("cpu")
     native_bf16(False)
@@ -140,7 +140,7 @@ def test_generate_cli_defaults_to_auto(tmp_path, monkeypatch, native_bf16):
     """``dsv41 generate`` without --dtype loads the checkpoint's recorded dtype (it loaded float32 before)."""
     from typer.testing import CliRunner
 
-    import deepseek_v41.engine
+    import deepseek_v41.cli.generate
     from deepseek_v41.cli import app
 
     seen = []
@@ -149,7 +149,7 @@ def test_generate_cli_defaults_to_auto(tmp_path, monkeypatch, native_bf16):
         seen.append(dtype)
         raise ValueError("stopped after the dtype")
 
-    monkeypatch.setattr(deepseek_v41.engine, "LLM", fake_llm)
+    monkeypatch.setattr(deepseek_v41.cli.generate, "LLM", fake_llm)
     native_bf16(False)
     folder = write_config(tmp_path / "m", {"torch_dtype": "float64"})
     for flags, expected in (([], torch.float64), (["--dtype", "auto"], torch.float64),

@@ -44,8 +44,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("analysis", ("deepseek_v41/analysis/",)),
     ("train", ("deepseek_v41/train/",)),
     ("server", ("deepseek_v41/server/",)),
-    # The command line. Its modules still live in three places; they move into deepseek_v41/cli/ (issue 24).
-    ("cli", ("deepseek_v41/cli.py", "deepseek_v41/server/cli.py", "deepseek_v41/engine/generate_cli.py")),
+    # The command line (dsv41 and its subcommands): the top; nothing imports it.
+    ("cli", ("deepseek_v41/cli/",)),
 ]
 
 # Function-level imports of the package's own modules that stay: (importing file, imported module, or "*" for
@@ -56,16 +56,6 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
         "(tests/test_package_api.py)",
     ("deepseek_v41/__init__.py", "deepseek_v41.model.checkpoint"):
         "deepseek_v41.load_model, same reason",
-    # Temporary, 2026-12-03 (issue 24): files other helpers are reshaping; fix at merge, then delete the entry.
-    # None of these imports is upward or would close a cycle at the top of its file.
-    ("deepseek_v41/engine/options.py", "*"): "moved here by polish23 at the same time; hoist next (issue 24)",
-    ("deepseek_v41/cache/kv_cache_manager.py", "*"): "written by kvmgr at the same time; hoist next (issue 24)",
-    ("deepseek_v41/engine/speculative.py", "*"): "engine/*: reshaped by kvmgr; fix at merge",
-    ("deepseek_v41/engine/generate_cli.py", "*"):
-        "edited by polish23; hoist when the command line moves into deepseek_v41/cli/ (tests/test_dtypes.py "
-        "patches deepseek_v41.engine.LLM, which this file now looks up at call time)",
-    ("deepseek_v41/server/cli.py", "*"):
-        "edited by polish23; hoist when the command line moves into deepseek_v41/cli/",
 }
 
 # Other modules (third-party or the standard library) that may be imported inside a function: top-level name -> why
@@ -75,15 +65,11 @@ DEFERRED: dict[str, str] = {
     "PIL": "only image inputs are decoded with it",
     "rich": "progress bars and tables, drawn only on a terminal or on request",
     "tqdm": "LLM's and training's progress bars, only when asked for (use_tqdm)",
-    "redis": "only with --redis-url",
     "mlx": "an oracle of the tests, optional", "xgrammar": "optional", "ray": "optional", "nixl": "optional",
 }
 # The same, for one file: (file, top-level name) -> why.
 DEFERRED_IN_FILE: dict[tuple[str, str], str] = {
     ("deepseek_v41/__init__.py", "torch"): "`import deepseek_v41` imports no torch (tests/test_package_api.py)",
-    # Temporary, 2026-12-03 (issue 24): merged after the rule was written; hoist with the cli/ move.
-    ("deepseek_v41/engine/options.py", "torch"): "polish23's engine/options.py; hoist next",
-    ("deepseek_v41/engine/engine.py", "tokenizers"): "load_tokenizer; hoist next",
 }
 
 # Imports of a higher layer that stay: (importing file, imported module) -> why. Each must also be in

@@ -29,6 +29,7 @@ import torch
 from deepseek_v41.cache.fingerprint import model_fingerprint
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.prefix_cache import PrefixCache, chain_hashes
+from deepseek_v41.cache.redis_store import RedisPages, RedisStore
 from deepseek_v41.cache.store import PageCodec, PageStore
 from deepseek_v41.cache.swa_pool import SwaPool, default_swa_pool_bytes
 
@@ -248,10 +249,7 @@ def _prefix_cache(model, cache: PagedKVCache, settings: CacheConfig, swa_bytes: 
         page_store = PageStore(Path(settings.cache_dir).expanduser() / fingerprint[:16], fingerprint,
                                cache.page_layout(), settings.cache_max_bytes)
     if settings.redis_url is not None:
-        # Redis shares the pages (any cache_dir, or none) and, unless swa_pool_bytes=0, the SWA snapshots. The
-        # redis client is an optional dependency: imported only here.
-        from deepseek_v41.cache.redis_store import RedisPages, RedisStore
-
+        # Redis shares the pages (any cache_dir, or none) and, unless swa_pool_bytes=0, the SWA snapshots.
         redis_store = RedisStore(settings.redis_url, namespace=fingerprint[:32])
         remote_pages = RedisPages(redis_store, PageCodec(fingerprint, cache.page_layout()))
         swa_pool = redis_store if swa_bytes else None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
 from deepseek_v41.cache.kv_cache_manager import KVCacheManager, build_kv_cache_manager
 from deepseek_v41.engine.args import EngineArgs
@@ -268,7 +269,6 @@ class LLMEngine:
 def load_tokenizer(path: str | Path):
     """The model directory's ``tokenizer.json`` (or ``tokenizer/tokenizer.json``) as a ``tokenizers.Tokenizer``,
     or None when the directory has none (token-id prompts only)."""
-    from tokenizers import Tokenizer
 
     path = Path(path)
     for candidate in (path / "tokenizer.json", path / "tokenizer" / "tokenizer.json"):

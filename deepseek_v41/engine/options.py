@@ -19,6 +19,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from deepseek_v41.config import ModelConfig
+from deepseek_v41.model.transformer import Transformer
+
 KV_CACHE_DTYPES = ("auto",)
 
 
@@ -52,7 +57,6 @@ def available_ram_bytes() -> int:
 def free_memory_bytes(device: Any) -> int:
     """Free memory of the torch ``device``: the GPU's free bytes for CUDA, available RAM for CPU and MPS
     (unified memory)."""
-    import torch
 
     device = torch.device(device)
     if device.type == "cuda":
@@ -65,10 +69,7 @@ def weight_bytes(model_dir: str | Path, dtype: Any) -> int:
     """Bytes the weights of ``model_dir`` take once loaded with the torch ``dtype`` (parameters and buffers of the
     model built on the meta device: nothing is allocated). Raises FileNotFoundError / ConfigError for a missing or
     bad ``config.json``."""
-    import torch
 
-    from deepseek_v41.config import ModelConfig
-    from deepseek_v41.model.transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(ModelConfig.from_pretrained(model_dir))

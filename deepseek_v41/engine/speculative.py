@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
+from deepseek_v41.engine.model_runner import ModelRunner
 from deepseek_v41.engine.sampler import (
     LogprobsTensors,
     Sampler,
@@ -369,8 +371,6 @@ class DSparkSpeculator:
         noise). Uses a scratch slot and pages, returned afterwards, and a scratch runner (the engine's counters
         stay untouched). None when the pool cannot hold the scratch sequence (then the whole block is verified).
         """
-        from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
-        from deepseek_v41.engine.model_runner import ModelRunner
 
         cache = self.cache
         n = self.window

@@ -62,9 +62,10 @@ def _apply() -> str:
         return "user"
     try:
         libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # glibc only: musl and macOS have no such symbol
         mallopt = libc.mallopt
     except (OSError, AttributeError):
+        return "not glibc"
+    if not hasattr(libc, "gnu_get_libc_version"):  # musl has a mallopt that does nothing
         return "not glibc"
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int

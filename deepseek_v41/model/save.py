@@ -30,6 +30,18 @@ ENGRAM_TABLE = re.compile(r".*engram\.embed\.weight$")
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
+def named_weights(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``model``'s parameters with their state-dict names, in the order ``Module.parameters()`` yields them, each
+    once (a parameter shared by two modules under its first name); buffers left out."""
+    seen: set[int] = set()
+    out = []
+    for name, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.nn.Parameter) and id(value) not in seen:
+            seen.add(id(value))
+            out.append((name, value))
+    return out
+
+
 def keeps_fp32(name: str) -> bool:
     """True for parameters stored and used in fp32 in every model dtype."""
     return name.endswith(_FP32_SUFFIXES) and not name.endswith(".scale")
@@ -83,7 +95,7 @@ def save_pretrained(model, path: str | Path, quantization: str = "none",
         stale.unlink(missing_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    parameters = {name for name, _ in model.named_parameters()}
+    parameters = {name for name, _ in named_weights(model)}
     for name, value in model.state_dict().items():
         if dtype is not None and name in parameters and not keeps_fp32(name):
             value = value.to(dtype)
@@ -121,7 +133,7 @@ def _stored_dtype(model, dtype: torch.dtype | None) -> str | None:
     weights are cast to it, else the dtype of the model's floating parameters outside :func:`keeps_fp32` (the
     dtype ``LLM(dtype="auto")`` then loads them in again); None for a model without such parameters."""
     if dtype is None:
-        dtype = next((p.dtype for name, p in model.named_parameters()
+        dtype = next((p.dtype for name, p in named_weights(model)
                       if p.dtype in _PLAIN_DTYPES and not keeps_fp32(name)), None)
     return None if dtype is None else str(dtype).removeprefix("torch.")
 

@@ -19,7 +19,7 @@ from deepseek_v41.model.dspark import DSparkDraft
 from deepseek_v41.model.engram import EngramHasher
 from deepseek_v41.model.hyper import collapse
 from deepseek_v41.model.norm import RMSNorm, upcast
-from deepseek_v41.model.save import save_pretrained
+from deepseek_v41.model.save import named_weights, save_pretrained
 from deepseek_v41.model.vision import add_vision, embed_images, image_token_mask
 from deepseek_v41.plan import build_layer_plan
 
@@ -44,14 +44,14 @@ class Transformer(nn.Module):
         self.mtp = None
         if config.num_nextn_predict_layers:
             self.mtp = DSparkDraft(config)  # mtp.*: the DSpark draft; it shares embed and head (DSPARK.md §1)
-        self.reset_parameters()
+        self.init_weights()
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def init_weights(self) -> None:
         """Random init for training from scratch: normal(0, initializer_range) matrices, unit norms, zero biases,
         sinks and mHC bases, unit mHC scales."""
         std = 0.02
-        for name, p in self.named_parameters():
+        for name, p in named_weights(self):
             if p.device.type == "meta":
                 continue
             leaf = name.rsplit(".", 1)[-1]

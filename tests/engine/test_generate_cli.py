@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from deepseek_v41.chat import encode_messages
 from deepseek_v41.cli import app
-from deepseek_v41.engine import generate_cli
+from deepseek_v41.cli import generate as generate_cli
 from deepseek_v41.engine.engine import LLMEngine
 
 # The tiny model directory with a tokenizer is built by the server tests' helper.

@@ -165,3 +165,17 @@ def test_a_loaded_model_saves_a_directory_that_serves(tmp_path):
     expected = LLM(bundled, dtype="float32", max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids
     assert LLM(tmp_path / "plain", max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids == expected
     assert len(LLM(tmp_path / "official", max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids) == 6
+
+
+def test_named_weights_is_named_parameters():
+    """save.named_weights (which the model package uses instead of a torch-internals read) lists what
+    Module.named_parameters does, in the same order, for a model whose draft shares the embedding and head."""
+    from deepseek_v41.config import tiny_config
+    from deepseek_v41.model.save import named_weights
+    from deepseek_v41.model.transformer import Transformer
+
+    model = Transformer(tiny_config())
+    got = named_weights(model)
+    want = list(model.named_parameters())
+    assert [n for n, _ in got] == [n for n, _ in want]
+    assert all(a is b for (_, a), (_, b) in zip(got, want, strict=True))

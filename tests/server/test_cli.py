@@ -154,7 +154,7 @@ def bad_device() -> str:
 ])
 def test_serve_refuses_bad_settings_cleanly(model_dir, tmp_path, monkeypatch, flags, message):
     """Exit 2 with the message on stderr (no traceback, no silent default), and no cache directory created."""
-    import deepseek_v41.server.cli as serve_cli
+    import deepseek_v41.cli.serve as serve_cli
 
     monkeypatch.setattr(serve_cli, "DEFAULT_CACHE_DIR", tmp_path / "home" / ".cache" / "prefix-cache")
     result = run_serve("--model", str(model_dir), *flags)
@@ -210,7 +210,7 @@ def test_help_at_80_columns_shows_every_flag_whole(command):
 
 
 def test_default_served_model_name_is_the_directory_name(tmp_path):
-    from deepseek_v41.server.cli import default_model_name
+    from deepseek_v41.cli.serve import default_model_name
 
     (tmp_path / "v41-tiny").mkdir()
     assert default_model_name(tmp_path / "v41-tiny") == "v41-tiny"
@@ -274,7 +274,7 @@ def test_serve_accepts_vllm_sizes_and_parallel_one(tmp_path):
 ])
 def test_serve_takes_the_api_key_from_the_environment(model_dir, tmp_path, monkeypatch, env, flags, keys):
     """``VLLM_API_KEY`` (vLLM's) and ``DSV41_API_KEY`` guard the server when ``--api-key`` is not given."""
-    import deepseek_v41.server.common as common
+    import deepseek_v41.cli.serve as serve_cli
 
     for name in ("DSV41_API_KEY", "VLLM_API_KEY"):
         monkeypatch.delenv(name, raising=False)
@@ -286,7 +286,7 @@ def test_serve_takes_the_api_key_from_the_environment(model_dir, tmp_path, monke
         seen.append(settings["api_keys"])
         raise ValueError("stopped at the server config")
 
-    monkeypatch.setattr(common, "ServerConfig", stop)
+    monkeypatch.setattr(serve_cli, "ServerConfig", stop)  # where `dsv41 serve` looks it up
     result = run_serve(str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--max-model-len", "64", *flags)
     assert "stopped at the server config" in str(result.exception), (result.output, result.exception)
     assert seen == [keys]
@@ -297,15 +297,15 @@ def test_gpu_memory_utilization_logs_the_pool_allocated(model_dir, tmp_path, mon
     allocated (capped at max_num_seqs x max_model_len), which is what the engine holds."""
     import logging
 
+    import deepseek_v41.cli.serve as serve_cli
     import deepseek_v41.engine.options as engine_options
-    import deepseek_v41.server.common as common
 
     monkeypatch.setattr(engine_options, "free_memory_bytes", lambda device: 64 * 2**30)  # a large budget
 
     def stop(**settings):
         raise ValueError("stopped at the server config")
 
-    monkeypatch.setattr(common, "ServerConfig", stop)
+    monkeypatch.setattr(serve_cli, "ServerConfig", stop)  # where `dsv41 serve` looks it up
     caplog.set_level(logging.INFO, logger="deepseek_v41")
     result = run_serve(str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--max-model-len", "64",
                        "--max-num-seqs", "2", "--block-size", "16", "--gpu-memory-utilization", "0.9")

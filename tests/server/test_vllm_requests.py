@@ -27,7 +27,7 @@ HI = [{"role": "user", "content": "Hello"}]
 def serve_app(model_dir, tmp_path, monkeypatch, *flags: str):
     """``dsv41 serve checkpoints/v41-tiny FLAGS`` from ``tmp_path`` (the tiny model copied there, with a greedy
     ``generation_config.json`` as the bundled checkpoint has); returns the app it would serve."""
-    import deepseek_v41.server.launch as launch
+    import deepseek_v41.cli.serve as serve_cli
 
     target = tmp_path / PATH
     shutil.copytree(model_dir, target)
@@ -45,7 +45,7 @@ def serve_app(model_dir, tmp_path, monkeypatch, *flags: str):
         captured["app"] = app
         return _Server()
 
-    monkeypatch.setattr(launch, "make_server", fake_make_server)
+    monkeypatch.setattr(serve_cli, "make_server", fake_make_server)  # where `dsv41 serve` looks it up
     result = CliRunner().invoke(cli_app, ["serve", PATH, "--cache-dir", str(tmp_path / "cache"), "--threads", "1",
                                           "--no-enable-prefix-caching", "--max-model-len", "128", *flags])
     assert result.exit_code == 0, result.output
@@ -217,7 +217,7 @@ def test_unimplemented_vllm_fields_say_why(client, field, value, why):
 
 
 def test_model_path_aliases():
-    from deepseek_v41.server.cli import model_path_aliases
+    from deepseek_v41.cli.serve import model_path_aliases
 
     names = model_path_aliases(Path(PATH))
     assert PATH in names and PATH + "/" in names and str(Path(PATH).absolute()) in names

@@ -9,10 +9,10 @@ import typer
 
 from deepseek_v41 import __version__
 from deepseek_v41.analysis.report import build_report, plot_report, print_report
+from deepseek_v41.cli.generate import generate
+from deepseek_v41.cli.serve import serve
 from deepseek_v41.config import ConfigError, load_config
-from deepseek_v41.engine.generate_cli import generate
 from deepseek_v41.progress import Progress
-from deepseek_v41.server.cli import serve
 from deepseek_v41.train.data import prepare, read_documents
 from deepseek_v41.train.dspark_train import DSparkTrainArgs, train_dspark_command
 from deepseek_v41.train.evaluate import evaluate_files
@@ -228,7 +228,3 @@ def eval_(
         for key in ("perplexity", "bits_per_byte", "unigram_bits_per_byte", "tokens", "bytes"):
             value = result[key]
             typer.echo(f"{key:>22}: {value:,.4f}" if isinstance(value, float) else f"{key:>22}: {value:,}")
-
-
-if __name__ == "__main__":
-    app()

@@ -32,15 +32,21 @@ from __future__ import annotations
 
 import itertools
 import json
+import resource
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import typer
 
-from deepseek_v41.server.cli import DTYPES, check_device, choose_model, fail, resolve_dtype
+from deepseek_v41.chat import encode_messages
+from deepseek_v41.cli.serve import DTYPES, check_device, choose_model, fail, resolve_dtype
+from deepseek_v41.config import ConfigError
+from deepseek_v41.engine import LLM, SamplingParams
+from deepseek_v41.model.checkpoint import CheckpointError
 from deepseek_v41.server.generation_config import GenerationConfigError, load_sampling_defaults
 
 # Sampling without an option and without a generation config: greedy, 128 tokens per turn.
@@ -89,10 +95,6 @@ def generate(
 ) -> None:
     """Generate a continuation, streaming it to stdout, then print the stats on stderr (prompt and cached tokens,
     TTFT, tokens/s, peak memory, KV cache bytes)."""
-    from deepseek_v41.chat import encode_messages
-    from deepseek_v41.config import ConfigError
-    from deepseek_v41.engine import LLM, SamplingParams
-    from deepseek_v41.model.checkpoint import CheckpointError
 
     model = choose_model(model_tag, model, "dsv41 generate MODEL")
     if (prompt is None) == (prompt_file is None):
@@ -262,10 +264,8 @@ def peak_memory_bytes(device) -> tuple[int, str]:
     device, as mlx-lm's peak is its allocator's), elsewhere the process's peak resident set size (weights, KV
     cache and Python included; ``ru_maxrss``, KiB on Linux, bytes on macOS)."""
     if device.type == "cuda":
-        import torch
 
         return torch.cuda.max_memory_allocated(device), "CUDA allocated"
-    import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return (peak if sys.platform == "darwin" else peak * 1024), "process peak RSS"

@@ -15,10 +15,22 @@ import os
 from pathlib import Path
 from typing import NoReturn
 
+import torch
 import typer
 
+from deepseek_v41 import __version__
+from deepseek_v41.config import ConfigError
 from deepseek_v41.dtypes import DTYPES
+from deepseek_v41.dtypes import resolve_dtype as resolve
+from deepseek_v41.engine import LLM
+from deepseek_v41.engine import options as engine_options
+from deepseek_v41.engine.async_engine import AsyncLLMEngine
+from deepseek_v41.model.checkpoint import CheckpointError
 from deepseek_v41.server import options
+from deepseek_v41.server.app import build_app
+from deepseek_v41.server.common import ServerConfig
+from deepseek_v41.server.generation_config import GenerationConfigError, describe, load_sampling_defaults
+from deepseek_v41.server.launch import ConnectionLimits, make_server
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "deepseek_v41" / "prefix-cache"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -33,7 +45,6 @@ def fail(message: str) -> NoReturn:
 
 def available_devices() -> list[str]:
     """The torch devices this process can run on: ``cpu``, then ``cuda`` / ``cuda:0`` ... and ``mps`` when present."""
-    import torch
 
     out = ["cpu"]
     if torch.cuda.is_available():
@@ -48,7 +59,6 @@ def check_device(device: str, option: str = "--device"):
     """``device`` parsed as a ``torch.device`` that exists here; exits 2 with the available devices otherwise (a
     malformed name, CUDA on a CPU-only torch or machine, a CUDA index beyond the GPUs, a type this CLI cannot
     run on such as ``meta``)."""
-    import torch
 
     available = ", ".join(available_devices())
     try:
@@ -77,7 +87,6 @@ def resolve_dtype(dtype: str, device, model_dir: Path | None = None, option: str
     records, else bfloat16 where ``device`` computes bf16 natively, else float32:
     :func:`deepseek_v41.dtypes.resolve_dtype`) for the parsed ``device``; exits 2 with the reason and the allowed
     values otherwise."""
-    from deepseek_v41.dtypes import resolve_dtype as resolve
 
     try:
         return resolve(dtype, device, model_dir, option)
@@ -131,7 +140,6 @@ def _remove_created(dirs: list[Path]) -> None:
 
 def _print_version(value: bool) -> None:
     if value:
-        from deepseek_v41 import __version__
 
         typer.echo(__version__)
         raise typer.Exit()
@@ -246,7 +254,6 @@ def serve(
     for flag, level in (("--log-level", log_level), ("--uvicorn-log-level", uvicorn_log_level)):
         if level is not None and level.lower() not in LOG_LEVELS:
             fail(f"{flag} must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
-    from deepseek_v41.engine import options as engine_options  # the engine package imports torch: not at the top
 
     if chat_template is not None:
         fail(options.chat_template_refusal(chat_template))
@@ -285,25 +292,16 @@ def serve(
     if not model.is_dir():
         fail(f"model directory {model} not found")
 
-    from deepseek_v41.server.generation_config import GenerationConfigError, describe, load_sampling_defaults
 
     try:
         defaults, defaults_origin = load_sampling_defaults(generation_config, model, override_generation_config)
     except GenerationConfigError as exc:
         fail(str(exc))
 
-    import torch
 
     torch_device = check_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, model)
 
-    from deepseek_v41.config import ConfigError
-    from deepseek_v41.engine import LLM
-    from deepseek_v41.engine.async_engine import AsyncLLMEngine
-    from deepseek_v41.model.checkpoint import CheckpointError
-    from deepseek_v41.server.app import build_app
-    from deepseek_v41.server.common import ServerConfig
-    from deepseek_v41.server.launch import ConnectionLimits, make_server
 
     logging.basicConfig(level=log_level.upper() if log_level.lower() != "trace" else 5,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
