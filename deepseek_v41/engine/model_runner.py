@@ -36,7 +36,7 @@ from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.engine.sequence import Sequence
 from deepseek_v41.kernels import cpu_share, fast
-from deepseek_v41.kernels.host_memory import keep_freed_memory
+from deepseek_v41.kernels.host_memory import keep_freed_memory, release_freed_memory
 
 
 class PrefillMode(str, enum.Enum):
@@ -198,6 +198,8 @@ class ModelRunner:
         self.fast = fast.install(model) if install_fast else fast.installed(model)
         if self.device.type == "cpu":  # the step's temporaries reuse freed heap instead of faulting in new pages
             keep_freed_memory()
+            if install_fast:
+                release_freed_memory()  # what loading and packing freed (e.g. the experts before stacking)
 
     # ------------------------------------------------------------------ helpers
     def _context(self, seqs: list[Sequence], positions: torch.Tensor, ends: list[int]) -> PagedContext:

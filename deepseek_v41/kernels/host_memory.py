@@ -21,7 +21,8 @@ The engine's model runner calls it for a CPU model. It changes nothing
 - where the C library is not glibc (macOS, musl): their allocators have other rules.
 
 The cost is memory: up to :data:`TRIM_THRESHOLD` of freed heap stays in the process's resident set between
-steps, and is reused by the next one.
+steps, and is reused by the next one. What loading and packing a model freed is handed back once, after the fast
+backend's install (:func:`release_freed_memory`, glibc's ``malloc_trim``), so it is not kept for nothing.
 """
 
 from __future__ import annotations
@@ -53,6 +54,22 @@ def keep_freed_memory() -> str:
         if _state["outcome"] is None:
             _state["outcome"] = _apply()
         return _state["outcome"]
+
+
+def release_freed_memory() -> bool:
+    """Hand the free pages of glibc's heaps back to the OS now (``malloc_trim(0)``): after loading and packing a
+    model, the blocks its loading freed would otherwise stay resident until a forward reuses them. True when
+    memory was released; False where nothing was (or the C library is not glibc). Never raises."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim(0) == 1
 
 
 def _apply() -> str:

@@ -86,3 +86,33 @@ def test_a_cpu_engine_sets_them_once(monkeypatch):
     monkeypatch.setattr(model_runner, "keep_freed_memory", lambda: calls.append(1) or "set")
     LLM(CHECKPOINT, dtype="float32", max_model_len=64, enable_prefix_caching=False)
     assert calls == [1]
+
+
+RELEASE_CHILD = r"""
+import json
+import torch
+from deepseek_v41.kernels.host_memory import keep_freed_memory, release_freed_memory
+
+def resident_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+keep_freed_memory()
+blocks = [torch.ones(1 << 18) for _ in range(200)]  # 200 x 1 MiB on the heap
+keep = blocks[-1]
+del blocks[:-1]  # freed, below the last block: glibc keeps them (not at the heap's top)
+before = resident_mb()
+released = release_freed_memory()
+print(json.dumps({"released": released, "dropped_mb": before - resident_mb()}))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+def test_release_hands_freed_heap_back():
+    """After loading, the model runner hands the heap's free pages back (malloc_trim): ~199 MiB freed below a live
+    block leave the resident set."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    out = subprocess.run([sys.executable, "-c", RELEASE_CHILD], env=full, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["released"] is True
+    assert got["dropped_mb"] > 150
