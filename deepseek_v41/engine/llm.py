@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 from deepseek_v41.chat import encode_messages
 from deepseek_v41.dtypes import resolve_dtype
@@ -39,6 +40,8 @@ class LLM:
     ``generation_config``: where :meth:`get_default_sampling_params` reads its defaults, as vLLM's
     (``"auto"`` = the model directory's ``generation_config.json``, ``"vllm"`` = none, or a folder holding one).
     ``enforce_eager`` is accepted for vLLM compatibility: the engine is always eager.
+    ``tokenizer``: None (the model directory's ``tokenizer.json``), a folder holding ``tokenizer.json`` or the file
+    itself (vLLM's ``tokenizer=``), or a ``tokenizers.Tokenizer``; ValueError for a folder without one.
 
     vLLM's engine options mean what ``dsv41 serve``'s flags of the same names mean (:mod:`engine.options`):
     ``gpu_memory_utilization`` (a fraction in (0, 1]) sizes the KV pool's byte budget as that fraction of the memory
@@ -88,6 +91,12 @@ class LLM:
                           options.module_bytes(model))
             if budget is not None:
                 engine_args["kv_cache_memory_bytes"] = max(1, budget[1])
+        if isinstance(tokenizer, str | Path):  # vLLM's tokenizer=<folder>: its tokenizer.json
+            where = tokenizer
+            tokenizer = Tokenizer.from_file(str(where)) if Path(where).is_file() else load_tokenizer(where)
+            if tokenizer is None:
+                raise ValueError(f"tokenizer={str(where)!r}: no tokenizer.json there (give a folder holding "
+                                 "tokenizer.json, the file itself, or a tokenizers.Tokenizer)")
         if path is not None:
             self.model = load_model(path, dtype=dtype, device=device)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.engine.sequence import Sequence
 from deepseek_v41.kernels import cpu_share, fast
 from deepseek_v41.kernels.host_memory import keep_freed_memory, release_freed_memory
+
+log = logging.getLogger(__name__)
 
 
 class PrefillMode(str, enum.Enum):
@@ -196,10 +199,14 @@ class ModelRunner:
         # A helper runner on the engine's model (the speculator's cost measurement) reuses the engine's install
         # instead of packing the expert copies again (install_fast=False).
         self.fast = fast.install(model) if install_fast else fast.installed(model)
+        if install_fast:
+            log.info("CPU fast paths: %s", ", ".join(f"{n} {k}" for k, n in self.fast.modules.items())
+                     if self.fast else f"none ({self.fast.reason})")
         if self.device.type == "cpu":  # the step's temporaries reuse freed heap instead of faulting in new pages
-            keep_freed_memory()
-            if install_fast:
+            outcome = keep_freed_memory()
+            if install_fast and outcome == "set":
                 release_freed_memory()  # what loading and packing freed (e.g. the experts before stacking)
+            log.debug("glibc malloc thresholds: %s", outcome)
 
     # ------------------------------------------------------------------ helpers
     def _context(self, seqs: list[Sequence], positions: torch.Tensor, ends: list[int]) -> PagedContext:

@@ -15,14 +15,15 @@ changes.
 up to :data:`MMAP_THRESHOLD` come from the heap, and up to :data:`TRIM_THRESHOLD` of free heap is kept for reuse.
 The engine's model runner calls it for a CPU model. It changes nothing
 
-- when the environment already sets a malloc tunable (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
-  ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_`` or ``GLIBC_TUNABLES``): the user's choice stands;
+- when the environment already sets a malloc setting (any ``MALLOC_..._`` variable, e.g.
+  ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_ARENA_MAX``, or ``GLIBC_TUNABLES``): the user's choice stands;
 - when ``DSV41_KEEP_FREED_MEMORY=0``;
 - where the C library is not glibc (macOS, musl): their allocators have other rules.
 
 The cost is memory: up to :data:`TRIM_THRESHOLD` of freed heap stays in the process's resident set between
 steps, and is reused by the next one. What loading and packing a model freed is handed back once, after the fast
-backend's install (:func:`release_freed_memory`, glibc's ``malloc_trim``), so it is not kept for nothing.
+backend's install (:func:`release_freed_memory`, glibc's ``malloc_trim``; only where the thresholds were set),
+so it is not kept for nothing.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # bytes: glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 256 << 20  # bytes of free heap kept for the next step
-USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
-                 "GLIBC_TUNABLES")
+USER_SETTINGS = ("MALLOC_", "GLIBC_TUNABLES")  # prefixes of the environment variables glibc's malloc reads
 SWITCH = "DSV41_KEEP_FREED_MEMORY"
 
 _lock = threading.Lock()
@@ -75,7 +75,7 @@ def release_freed_memory() -> bool:
 def _apply() -> str:
     if os.environ.get(SWITCH, "1").strip() == "0":
         return "off"
-    if any(name in os.environ for name in USER_SETTINGS):
+    if any(name.startswith(USER_SETTINGS) for name in os.environ):
         return "user"
     try:
         libc = ctypes.CDLL(None)

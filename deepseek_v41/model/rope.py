@@ -63,7 +63,7 @@ class RotaryEmbedding(nn.Module):
         ``cache``: a dict that lives for one forward whose positions do not change (the context's ``shared``):
         every layer with this table then reuses one computation. Keyed by the table's settings, dtype and
         device, so tables built alike share it."""
-        inv_freq = self._buffers["inv_freq"]  # (not self.inv_freq: Module.__getattr__ costs ~1 µs a lookup)
+        inv_freq = self.inv_freq
         key = ("rope", *self._table, inv_freq.dtype, inv_freq.device)
         if cache is not None and key in cache:
             return cache[key]

@@ -115,3 +115,23 @@ def test_chat_takes_vllms_keyword_arguments(llm):
         llm.chat(MESSAGES, ONE, chat_template_kwargs={"tokenize": True})
     with pytest.raises(ValueError, match=r"chat_template_kwargs\['thinking'\] must be True or False"):
         llm.chat(MESSAGES, ONE, chat_template_kwargs={"thinking": "yes"})
+
+
+def test_tokenizer_takes_a_folder_or_a_file(tmp_path):
+    """vLLM's ``tokenizer=``: a folder with tokenizer.json (or the file) is loaded, not kept as a string; a folder
+    without one is refused at construction, naming what is allowed."""
+    import shutil
+    from pathlib import Path
+
+    from deepseek_v41 import LLM, SamplingParams
+
+    bundled = Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny"
+    (tmp_path / "tok").mkdir()
+    shutil.copy(bundled / "tokenizer.json", tmp_path / "tok" / "tokenizer.json")
+    params = SamplingParams(temperature=0, max_tokens=2)
+    want = LLM(str(bundled), dtype="float32", max_model_len=64).generate(["Hello"], params)[0].prompt_token_ids
+    for given in (tmp_path / "tok", str(tmp_path / "tok" / "tokenizer.json")):
+        llm = LLM(str(bundled), dtype="float32", max_model_len=64, tokenizer=given)
+        assert llm.generate(["Hello"], params)[0].prompt_token_ids == want
+    with pytest.raises(ValueError, match="no tokenizer.json there"):
+        LLM(str(bundled), dtype="float32", max_model_len=64, tokenizer=str(tmp_path))

@@ -139,9 +139,16 @@ def test_a_global_hook_uninstalls_before_the_next_step(library):
         assert not fast.still_valid(model)
         assert not any(overridden(m) for m in model.modules())
         assert fast.install(model).reason == "a global module hook is registered"
+        assert fast.still_valid(model) and not fast.installed(model)  # the hook stays: the reference runs
     finally:
         handle.remove()
-    assert fast.install(model)
+    assert fast.still_valid(model) and not fast.installed(model)  # nothing was suspended by still_valid
+    fast.install(model)
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    assert not fast.still_valid(model)
+    handle.remove()
+    assert fast.still_valid(model)  # the hook is gone: installed again, without a call to install
+    assert fast.installed(model) and any(overridden(m) for m in model.modules())
 
 
 def test_nothing_is_installed_with_the_kernels_off(library):

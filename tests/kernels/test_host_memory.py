@@ -68,6 +68,7 @@ def test_set_thresholds_keep_a_large_block_on_the_heap():
 @pytest.mark.parametrize("env, outcome", [
     ({"DSV41_KEEP_FREED_MEMORY": "0"}, "off"),
     ({"MALLOC_TRIM_THRESHOLD_": "1048576"}, "user"),
+    ({"MALLOC_ARENA_MAX": "2"}, "user"),
     ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}, "user"),
 ])
 def test_the_users_choice_stands(env, outcome):
@@ -78,14 +79,17 @@ def test_the_users_choice_stands(env, outcome):
     assert got["mapped"] >= 20 << 20
 
 
-def test_a_cpu_engine_sets_them_once(monkeypatch):
-    """Building a CPU engine calls keep_freed_memory() from its model runner."""
+@pytest.mark.parametrize("outcome, released", [("set", 1), ("off", 0), ("user", 0), ("not glibc", 0)])
+def test_a_cpu_engine_sets_them_once(monkeypatch, outcome, released):
+    """Building a CPU engine calls keep_freed_memory() from its model runner, and hands the freed heap back only
+    where it set the thresholds (switched off or set by the user, glibc is left alone)."""
     from deepseek_v41.engine import LLM, model_runner
 
-    calls = []
-    monkeypatch.setattr(model_runner, "keep_freed_memory", lambda: calls.append(1) or "set")
+    calls, releases = [], []
+    monkeypatch.setattr(model_runner, "keep_freed_memory", lambda: calls.append(1) or outcome)
+    monkeypatch.setattr(model_runner, "release_freed_memory", lambda: releases.append(1) or True)
     LLM(CHECKPOINT, dtype="float32", max_model_len=64, enable_prefix_caching=False)
-    assert calls == [1]
+    assert calls == [1] and len(releases) == released
 
 
 RELEASE_CHILD = r"""

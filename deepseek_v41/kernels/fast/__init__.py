@@ -16,7 +16,9 @@ the C library is unavailable (``DSV41_CPU_KERNELS=0``, no compiler). :func:`unin
 methods. Installing again replaces earlier overrides, so after changing weights in place, loading a state dict,
 or registering a hook on a submodule, call :func:`install` again (or :func:`uninstall`): the fast versions read
 weights and packed copies captured at install time. :func:`still_valid` detects what is cheap to detect — a
-global module hook registered after install — and the model runner checks it once per step.
+global module hook registered after install — and the engine checks it before each step (``LLMEngine._step``):
+while such a hook is registered the reference runs (logged once), and when it is removed the backend is installed
+again. Changed weights and hooks on submodules are not detected.
 
 Installers work per module instance, so a sharded linear (tensor parallelism) gets its fast path the same way as
 an unsharded one. Source: issue 24; vLLM's ``CustomOp`` (``forward_native`` beside ``forward_cpu``) decides an
@@ -25,6 +27,7 @@ op's implementation once in the same spirit.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -46,6 +49,8 @@ from deepseek_v41.kernels.fast.registry import (
     plain_weight,
     register,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["INSTALLERS", "KERNEL_DTYPES", "Installed", "Installer", "fused", "global_hooks", "hooked", "install",
            "installed", "override", "plain", "plain_weight", "register", "still_valid", "supported", "uninstall"]
@@ -111,9 +116,20 @@ def installed(model: nn.Module) -> Installed | None:
 
 
 def still_valid(model: nn.Module) -> bool:
-    """Cheap check before a step: False (after uninstalling) when a global module hook appeared since install.
-    Hooks on submodules and changed weights are not detected: reinstall after such changes."""
-    if model.__dict__.get("_fast_installed") and global_hooks():
+    """Cheap check before a step. A global module hook registered since install: uninstall (the hook then sees
+    every module call), log it once, return False. That hook removed again: install again (logged) and return
+    True. Hooks on submodules and changed weights are not detected: reinstall after such changes."""
+    hooks = global_hooks()
+    done = model.__dict__.get("_fast_installed")
+    if done and hooks:
         uninstall(model)
+        model.__dict__["_fast_suspended"] = True
+        log.warning("a global module hook was registered: the engine runs the reference model (no CPU fast paths) "
+                    "until it is removed")
         return False
+    if hooks or not model.__dict__.get("_fast_suspended"):
+        return True
+    done = install(model)  # (drops the _fast_suspended mark with the other _fast_ entries)
+    log.info("the global module hooks are gone: CPU fast paths installed again (%s)",
+             ", ".join(f"{n} {k}" for k, n in done.modules.items()) or done.reason)
     return True
