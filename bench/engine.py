@@ -210,6 +210,8 @@ def plot(results: dict[str, float | None], peers: dict[str, dict[str, float | No
     if at_floor:
         ax.scatter(*zip(*at_floor, strict=True), marker="v", s=60, color="black", zorder=3,
                    label="vs memory floor (1 = at the floor)")
+        for x, share in at_floor:
+            ax.annotate(f"{1 / share:.1f}x floor", (x, share), textcoords="offset points", xytext=(8, -3), fontsize=8)
     ax.set_yscale("log")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))], keys, rotation=25, ha="right", fontsize=8)
     ax.set_ylabel("ours / other (> 1: ours better)")
