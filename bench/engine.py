@@ -147,7 +147,8 @@ def measure(model_dir: Path, what: str, dtype: str, repeat: int, with_floor: boo
         out["decode_ms_1k"], out["decode_ms_16k"] = (statistics.median(times[n]) * 1e3 for n in lengths)
         out["decode_16k_over_1k"] = statistics.median(b / a for a, b in zip(times[1024], times[16384], strict=True))
         if with_floor:
-            out["_floor"] = {"measures": floor.floors(llms[1024].model, ["decode_ms_1k"], floor.copy_bandwidth())}
+            out["_floor"] = {"measures": floor.floors(llms[1024].model, ["decode_ms_1k", "decode_ms_16k"],
+                                                      floor.copy_bandwidth())}
     elif what == "rss":
         import resource
 

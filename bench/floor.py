@@ -9,7 +9,8 @@ import statistics
 import time
 
 # measure -> (batch, context) of the decode step it times
-DECODE_MEASURES = {"decode_b1_tok_s": (1, 1024), "decode_b8_tok_s": (8, 1024), "decode_ms_1k": (1, 1024)}
+DECODE_MEASURES = {"decode_b1_tok_s": (1, 1024), "decode_b8_tok_s": (8, 1024), "decode_ms_1k": (1, 1024),
+                   "decode_ms_16k": (1, 16384)}
 COPY_BYTES = 256 << 20  # much larger than any L3, so the copy streams from memory
 
 

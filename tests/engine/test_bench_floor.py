@@ -36,13 +36,15 @@ def test_floors_of_the_engines_model_are_its_bytes_over_the_bandwidth(tmp_path):
         tmp_path / "m", quantization="official")
     llm = LLM(tmp_path / "m", dtype=torch.float32, max_model_len=64, enable_prefix_caching=False)
     floor = load("floor")
-    info = floor.floors(llm.model, ["decode_b1_tok_s", "decode_b8_tok_s", "decode_ms_1k", "prefill_1k_tok_s"], 10.0)
-    assert set(info) == {"decode_b1_tok_s", "decode_b8_tok_s", "decode_ms_1k"}  # prefill has no memory floor
-    for key, batch in (("decode_b1_tok_s", 1), ("decode_b8_tok_s", 8), ("decode_ms_1k", 1)):
-        total = decode_step_bytes(llm.model, batch, 1024)["total"]
+    keys = ["decode_b1_tok_s", "decode_b8_tok_s", "decode_ms_1k", "decode_ms_16k", "prefill_1k_tok_s"]
+    info = floor.floors(llm.model, keys, 10.0)
+    assert set(info) == set(keys[:-1])  # prefill has no memory floor
+    for key, batch, context in (("decode_b1_tok_s", 1, 1024), ("decode_b8_tok_s", 8, 1024),
+                                ("decode_ms_1k", 1, 1024), ("decode_ms_16k", 1, 16384)):
+        total = decode_step_bytes(llm.model, batch, context)["total"]
         assert info[key]["experts"] == "packed FP4"  # the engine installed the FP4 copies
         assert info[key]["floor_ms"] == pytest.approx(total / 10e9 * 1e3)
-        expected = info[key]["floor_ms"] if key == "decode_ms_1k" else batch * 1e3 / info[key]["floor_ms"]
+        expected = info[key]["floor_ms"] if key.startswith("decode_ms") else batch * 1e3 / info[key]["floor_ms"]
         assert info[key]["floor"] == pytest.approx(expected)
     assert floor.times_floor("decode_b1_tok_s", 50.0, 200.0) == 4.0
     assert floor.times_floor("decode_ms_1k", 6.0, 2.0) == 3.0
