@@ -11,7 +11,9 @@ context over the same at 1K (a ratio); peak RSS of an 8K prefill above the RSS r
 process per measurement, so peaks do not mix). Prompts prefill in chunks of 2048 tokens
 (``max_num_batched_tokens``, mlx-lm's prefill step too); for decode a batch prefills in one step, so decode
 timings hold decode steps only. ``--dtype`` fp32 (default) or bf16. The table prints each number with the issue's
-target.
+target, and each decode measure with its memory floor (``bench/floor.py``): the bytes a step reads, computed from
+the loaded model in the formats the engine reads, over the host's copy bandwidth measured in the same process;
+``x floor`` is how many times the measured step time is above it.
 
 ``--contention 1,2`` measures instead a 1K prefill and decode at batch 1 and 8 while 1 and then 2 busy processes,
 and separately a second engine doing the same work, share the machine, as ratios to the quiet speed measured in
@@ -38,6 +40,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import floor  # bench/floor.py (this script's folder is on sys.path)
 
 FAMILIES = ("prefill", "decode", "long", "rss")
 TARGETS = {"prefill_1k_tok_s": 4000, "prefill_8k_tok_s": 3000, "decode_b1_tok_s": 150, "decode_b8_tok_s": 800,
@@ -93,8 +97,9 @@ def _ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 8192) for _ in range(n)]
 
 
-def measure(model_dir: Path, what: str, dtype: str, repeat: int) -> dict[str, float]:
-    """One family of measurements in this process."""
+def measure(model_dir: Path, what: str, dtype: str, repeat: int, with_floor: bool = False) -> dict[str, float]:
+    """One family of measurements in this process; with ``with_floor``, decode measures add their memory floors
+    under ``"_floor"`` (:func:`floor.floors`, with the copy bandwidth measured here after the timings)."""
     from deepseek_v41.engine import SamplingParams
 
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -121,6 +126,10 @@ def measure(model_dir: Path, what: str, dtype: str, repeat: int) -> dict[str, fl
                 decode = max(o.metrics.finished_time for o in outs) - min(o.metrics.first_token_time for o in outs)
                 rates.append(batch * steps / decode)
             out[key] = statistics.median(rates[1:])
+            if not with_floor:
+                continue
+            out.setdefault("_floor", {"measures": {}})["measures"].update(
+                floor.floors(llm.model, [key], floor.copy_bandwidth()))
     elif what == "long":
         # The two lengths alternate, so each 16K run has a 1K run beside it in time: the host's speed drifts by up
         # to 2x within minutes, and measuring all of one length first made the ratio follow the drift.
@@ -137,6 +146,9 @@ def measure(model_dir: Path, what: str, dtype: str, repeat: int) -> dict[str, fl
                 times[n].append((o.metrics.finished_time - o.metrics.first_token_time) / steps)
         out["decode_ms_1k"], out["decode_ms_16k"] = (statistics.median(times[n]) * 1e3 for n in lengths)
         out["decode_16k_over_1k"] = statistics.median(b / a for a, b in zip(times[1024], times[16384], strict=True))
+        if with_floor:
+            out["_floor"] = {"measures": floor.floors(llms[1024].model, ["decode_ms_1k", "decode_ms_16k"],
+                                                      floor.copy_bandwidth())}
     elif what == "rss":
         import resource
 
@@ -174,9 +186,11 @@ def _run_child(command: list[str], peer: bool = False) -> dict[str, float | None
 
 
 def plot(results: dict[str, float | None], peers: dict[str, dict[str, float | None]], path: Path,
-         title: str) -> None:
+         title: str, floors: dict[str, dict] | None = None) -> None:
     """Bar chart of ``ours / peer`` per measure (log scale; > 1 means ours is better), with ours / target for the
-    measures that have one, written to ``path`` (PNG)."""
+    measures that have one and, for the decode measures with a memory floor (``floors``, :func:`floor.floors`),
+    floor / ours (the share of the floor's speed reached: <= 1, 1 = at the floor) drawn as a marker, written to
+    ``path`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,6 +206,13 @@ def plot(results: dict[str, float | None], peers: dict[str, dict[str, float | No
     for i, (label, values) in enumerate(series.items()):
         ax.bar([x + i * width for x in range(len(keys))], values, width, label=label)
     ax.axhline(1.0, color="black", linewidth=0.8)
+    at_floor = [(x + 0.4 - width / 2, 1 / floor.times_floor(k, results[k], floors[k]["floor"]))
+                for x, k in enumerate(keys) if k in (floors or {})]
+    if at_floor:
+        ax.scatter(*zip(*at_floor, strict=True), marker="v", s=60, color="black", zorder=3,
+                   label="vs memory floor (1 = at the floor)")
+        for x, share in at_floor:
+            ax.annotate(f"{1 / share:.1f}x floor", (x, share), textcoords="offset points", xytext=(8, -3), fontsize=8)
     ax.set_yscale("log")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))], keys, rotation=25, ha="right", fontsize=8)
     ax.set_ylabel("ours / other (> 1: ours better)")
@@ -219,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: speed beside N busy processes (and beside a second engine) over quiet speed")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of --contention measurements")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)  # a child also reports floors
     args = parser.parse_args(argv)
     families = parse_families(parser, args.only)
     busy = parse_contention(parser, args.contention, args.rounds) if args.contention is not None else None
@@ -227,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        print(json.dumps(measure(args.model_dir, args.child, args.dtype, args.repeat)))
+        print(json.dumps(measure(args.model_dir, args.child, args.dtype, args.repeat, args.floor)))
         return 0
     if args.model_dir is None:  # a temporary bench model, removed afterwards
         with tempfile.TemporaryDirectory(prefix="dsv41-bench8m-") as tmp:
@@ -265,12 +287,16 @@ def _compare(args: argparse.Namespace, families: list[str]) -> int:
     common = ["--model-dir", str(model_dir), "--dtype", args.dtype, "--repeat", str(args.repeat)]
     common += ["--threads", str(args.threads)] if args.threads else []
     results: dict[str, float | None] = {}
+    floors: dict[str, dict] = {}
     for what in families:
         try:
-            results.update(_run_child([sys.executable, __file__, "--child", what, *common]))
+            measured = _run_child([sys.executable, __file__, "--child", what, "--floor", *common])
         except RuntimeError as exc:
             print(exc, file=sys.stderr)
             return 1
+        if "_floor" in measured:
+            floors.update(measured.pop("_floor")["measures"])
+        results.update(measured)
     peers: dict[str, dict[str, float | None]] = {}
     for item in args.peer_json:
         name, _, file = item.partition("=")
@@ -284,10 +310,13 @@ def _compare(args: argparse.Namespace, families: list[str]) -> int:
             peers[peer] = {}
     print(f"bench-8m, {args.dtype}, threads={args.threads or 'default'}, median of {args.repeat}"
           + (" (ours / peer: > 1 means ours is better)" if peers else ""))
-    header = f"{'measure':<26}{'ours':>10}" + "".join(f"{p:>14}{'ours/' + p[:5]:>12}" for p in peers)
+    header = (f"{'measure':<26}{'ours':>10}{'floor':>10}{'x floor':>9}"
+              + "".join(f"{p:>14}{'ours/' + p[:5]:>12}" for p in peers))
     print(header + f"{'target':>10}")
     for key, value in results.items():
         line = f"{key:<26}{value:>10.2f}"
+        f = floors.get(key)
+        line += f"{f['floor']:>10.2f}{floor.times_floor(key, value, f['floor']):>8.2f}x" if f and value else " " * 19
         for peer in peers.values():
             theirs = peer.get(key)
             if theirs is None or value is None or not value or not theirs:
@@ -300,10 +329,13 @@ def _compare(args: argparse.Namespace, families: list[str]) -> int:
             met = value <= target if _lower_is_better(key) else value >= target
             line += f"{target:>10}{' ok' if met else ' MISS'}"
         print(line)
+    if floors:
+        print("\n".join(floor.breakdown(floors)))
     if args.save_json:
-        args.save_json.write_text(json.dumps({"dtype": args.dtype, "ours": results, "peers": peers}, indent=1))
+        args.save_json.write_text(json.dumps({"dtype": args.dtype, "ours": results, "peers": peers,
+                                              "floor": floors}, indent=1))
     if args.plot:
-        plot(results, peers, args.plot, f"bench-8m, {args.dtype}, median of {args.repeat}")
+        plot(results, peers, args.plot, f"bench-8m, {args.dtype}, median of {args.repeat}", floors)
     return 0
 
 
