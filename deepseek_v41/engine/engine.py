@@ -143,7 +143,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 seq.finished_time = time.time()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget the cached prefixes of this process (vLLM's ``LLMEngine.reset_prefix_cache``): the device tier's
         index (every page is free then and keeps no prefix hash) and the snapshots of the in-memory SWA pool, so
         that no later request reuses KV computed before. For a model whose weights were changed in place: change
@@ -151,16 +151,22 @@ class LLMEngine:
         weights captured at install time), then reset.
 
         Returns True when the cache was reset (or there is no prefix cache), False, changing nothing, while
-        requests hold device pages (running, or added but not finished): finish or abort them first. Call it
-        between steps (the async engine runs it on its worker thread).
+        requests hold device pages (running, or added but not finished): finish or abort them first, or pass
+        ``reset_running_requests=True`` (vLLM's keyword): the running requests are preempted first (their pages
+        freed; they go back to the front of the queue and recompute their prompt and output so far, with no
+        prefix hit, then continue; preemption never changes their tokens). Call it between steps (the async
+        engine runs it on its worker thread).
 
         The persistent tiers are kept: disk pages under ``cache_dir`` and Redis entries are keyed by the
         fingerprint of the checkpoint taken when the engine was built, so after changing the weights in place an
         engine with ``cache_dir`` or ``redis_url`` would read them again; use a new engine (and a new
         ``cache_dir`` / Redis database) for changed weights (logged as a warning when those tiers exist)."""
+        if reset_running_requests:
+            for seq in reversed(list(self.scheduler.running)):
+                self.scheduler.preempt(seq)
         if not self.kv_cache_manager.reset_prefix_cache():
-            log.warning("reset_prefix_cache: not reset, %d requests hold KV pages (finish or abort them first)",
-                        len(self.scheduler.running))
+            log.warning("reset_prefix_cache: not reset, %d requests hold KV pages (finish or abort them first, or "
+                        "pass reset_running_requests=True)", len(self.scheduler.running))
             return False
         pc = self.prefix_cache
         if pc is not None and (pc.page_store is not None or pc.remote_pages is not None

@@ -95,6 +95,28 @@ def test_reset_while_a_request_holds_pages_is_refused_and_changes_nothing(model6
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == cold.outputs[0].token_ids
 
 
+def test_reset_running_requests_preempts_them_and_their_tokens_do_not_change(model64):
+    llm = engine(model64)
+    eng = llm.engine
+    blocks = eng.kv_cache_manager.blocks
+    prompts = [tokens(2 * P + 3, 6), tokens(P + 9, 7)]
+    cold = [run(llm, p).outputs[0].token_ids for p in prompts]
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, GREEDY)
+    eng.step()
+    eng.step()
+    assert len(eng.scheduler.running) == 2 and blocks.num_used
+    preemptions = eng.scheduler.num_preemptions
+    assert llm.reset_prefix_cache(reset_running_requests=True) is True
+    assert eng.scheduler.num_preemptions == preemptions + 2 and not eng.scheduler.running
+    assert blocks.num_used == 0 and not blocks.hash_page
+    outputs = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            outputs[out.request_id] = out
+    assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(2)] == cold
+
+
 def test_reset_after_changing_the_weights_matches_a_fresh_engine():
     model = tiny_model(torch.float32, seed=0)
     new = tiny_model(torch.float32, seed=1)
@@ -116,3 +138,18 @@ def test_reset_after_changing_the_weights_matches_a_fresh_engine():
     assert old.outputs[0].token_ids != fresh.outputs[0].token_ids  # (the change shows in the tokens)
     hit = run(llm, prompt)  # the cache of the new weights is consistent with them
     assert hit.num_cached_tokens == 3 * P and hit.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_reset_keeps_the_disk_tier_and_says_so(model64, tmp_path, caplog):
+    # The disk pages are keyed by the fingerprint taken at load (shared with other processes serving the same
+    # checkpoint): a reset keeps them, and warns that changed weights need a new engine and cache_dir.
+    llm = engine(model64, cache_dir=str(tmp_path), replay="exact")  # (no snapshot after the reset: exact replay)
+    prompt = tokens(3 * P + 5, 8)
+    cold = run(llm, prompt)
+    with caplog.at_level("WARNING", logger="deepseek_v41.engine.engine"):
+        assert llm.reset_prefix_cache() is True
+    assert "persistent tiers (cache_dir, Redis) are kept" in caplog.text
+    read = llm.stats["prefix_cache"]["disk_pages_read"]
+    again = run(llm, prompt)
+    assert again.num_cached_tokens == 3 * P and llm.stats["prefix_cache"]["disk_pages_read"] == read + 3
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids

@@ -31,9 +31,9 @@ def test_async_reset_runs_on_the_engine_thread_and_is_refused_while_a_request_ho
     threads = []
     reset = llm.engine.reset_prefix_cache
 
-    def recording():
+    def recording(*args):
         threads.append(threading.current_thread().name)
-        return reset()
+        return reset(*args)
 
     monkeypatch.setattr(llm.engine, "reset_prefix_cache", recording)
 
@@ -52,10 +52,17 @@ def test_async_reset_runs_on_the_engine_thread_and_is_refused_while_a_request_ho
         assert await engine.reset_prefix_cache() is True
         again = await final(engine, "again", PROMPT)
         assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == cold.outputs[0].token_ids
+        # reset_running_requests: the streamed request is preempted, recomputes and ends as before.
+        stream = engine.generate("preempted", PROMPT, long)
+        await anext(stream)
+        assert await engine.reset_prefix_cache(reset_running_requests=True) is True
+        rest = [out async for out in stream]
+        assert rest[-1].output.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert llm.engine.scheduler.num_preemptions >= 1
         await engine.shutdown()
 
     asyncio.run(run())
-    assert len(threads) == 2 and all(name.startswith("dsv41-engine") for name in threads)
+    assert len(threads) == 3 and all(name.startswith("dsv41-engine") for name in threads)
 
 
 def client_for(llm, **config) -> TestClient:
@@ -84,8 +91,18 @@ def test_the_route_is_served_in_dev_mode_only(llm):
 def test_the_route_answers_409_when_the_engine_refuses(llm, monkeypatch):
     # (The engine refuses while requests hold KV pages, tested above and in tests/engine; a TestClient cannot hold
     # a request open beside another, so the refusal is the engine's answer here.)
-    monkeypatch.setattr(llm.engine, "reset_prefix_cache", lambda: False)
+    monkeypatch.setattr(llm.engine, "reset_prefix_cache", lambda reset_running_requests=False: False)
     with client_for(llm, dev_mode=True) as client:
         response = client.post("/reset_prefix_cache")
         assert response.status_code == 409
         assert response.json()["error"]["code"] == "requests_running"
+
+
+def test_the_route_passes_reset_running_requests(llm, monkeypatch):
+    calls = []
+    monkeypatch.setattr(llm.engine, "reset_prefix_cache", lambda reset_running_requests=False: calls.append(
+        reset_running_requests) or True)
+    with client_for(llm, dev_mode=True) as client:
+        assert client.post("/reset_prefix_cache").status_code == 200
+        assert client.post("/reset_prefix_cache?reset_running_requests=true").status_code == 200
+    assert calls == [False, True]
