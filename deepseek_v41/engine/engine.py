@@ -161,6 +161,8 @@ class LLMEngine:
         fingerprint of the checkpoint taken when the engine was built, so after changing the weights in place an
         engine with ``cache_dir`` or ``redis_url`` would read them again; use a new engine (and a new
         ``cache_dir`` / Redis database) for changed weights (logged as a warning when those tiers exist)."""
+        if self.prefix_cache is None:
+            return True  # nothing cached: no request is preempted for nothing
         if reset_running_requests:
             for seq in reversed(list(self.scheduler.running)):
                 self.scheduler.preempt(seq)

@@ -58,6 +58,12 @@ def test_reset_without_prefix_caching_is_a_no_op(model64):
     llm = engine(model64, enable_prefix_caching=False)
     run(llm, tokens(2 * P + 1, 2))
     assert llm.reset_prefix_cache() is True
+    eng = llm.engine
+    eng.add_request("r", tokens(2 * P + 1, 2), GREEDY)
+    eng.step()
+    assert eng.scheduler.running
+    assert llm.reset_prefix_cache(reset_running_requests=True) is True
+    assert eng.scheduler.num_preemptions == 0 and eng.scheduler.running  # nothing cached: nobody preempted
 
 
 def test_reset_while_a_request_holds_pages_is_refused_and_changes_nothing(model64):
