@@ -140,6 +140,11 @@ class KVCacheManager:
             self.cache.release_slot(seq.slot)
             seq.slot = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes of this process (:meth:`PrefixCache.reset`); True when done (also without
+        prefix caching: nothing to forget), False while a sequence holds device pages."""
+        return True if self.prefix_cache is None else self.prefix_cache.reset()
+
     def flush(self) -> None:
         """Wait for the pages (and snapshots) queued for the persistent tiers to be written."""
         if self.prefix_cache is not None:

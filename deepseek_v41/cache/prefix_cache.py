@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from deepseek_v41.cache.kv_cache import PagedKVCache
+from deepseek_v41.cache.swa_pool import SwaPool
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +292,24 @@ class PrefixCache:
         blocks = self.cache.blocks
         for page in [p for p in blocks.page_hash if blocks.ref_count[p] == 0]:
             del blocks.hash_page[blocks.page_hash.pop(page)]
+
+    def reset(self) -> bool:
+        """Forget this process's cached prefixes (``LLMEngine.reset_prefix_cache``): the device index and the
+        snapshots of the in-memory SWA pool. Only when no device page is in use (no sequence holds a page): then
+        every page is free and loses its prefix hash, and True is returned; otherwise nothing changes and False is
+        returned (a running sequence's pages and its registered hashes must stay consistent).
+
+        The persistent tiers are not touched: the disk pages under ``cache_dir`` and Redis (pages, and snapshots
+        when Redis is the SWA pool) are keyed by the model fingerprint taken when the engine was built, and other
+        processes serving the same checkpoint may share them. After changing the weights in place, an engine with
+        those tiers would read them again: use a new engine (or a new ``cache_dir`` / Redis database)."""
+        blocks = self.cache.blocks
+        if blocks.num_used:
+            return False
+        self.drop_device_tier()
+        if isinstance(self.swa_pool, SwaPool):  # the in-memory pool (a Redis pool is a persistent tier)
+            self.swa_pool.clear()
+        return True
 
     def restore(self, slot: int, hit: Hit) -> None:
         """Put a hit's snapshot into the sequence's slot."""

@@ -138,6 +138,15 @@ class SwaPool:
             entry = self._entries.get(key)
             return entry is not None and self.clock() - entry[2] <= self.ttl_seconds
 
+    def clear(self) -> int:
+        """Drop every snapshot (``LLMEngine.reset_prefix_cache``); returns how many there were. Counters are kept
+        (they are cumulative, like the engine's)."""
+        with self._lock:
+            n = len(self._entries)
+            self._entries.clear()
+            self._occupancy = 0
+            return n
+
     @property
     def occupancy_bytes(self) -> int:
         """Bytes of the stored snapshots (expired ones not yet dropped included)."""

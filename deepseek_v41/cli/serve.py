@@ -333,8 +333,12 @@ def serve(
                               model_path=str(model), api_keys=api_key, sampling_defaults_origin=defaults_origin,
                               max_body_bytes=int(max_body_mb * 1024 * 1024), log_stats_interval_s=log_stats_interval,
                               drain_timeout_s=drain_timeout, sampling_defaults=defaults, **cors,
-                              allow_credentials=allow_credentials, log_requests=enable_log_requests)
+                              allow_credentials=allow_credentials, log_requests=enable_log_requests,
+                              dev_mode=os.environ.get("DSV41_SERVER_DEV_MODE", "0") not in ("", "0"))
         app = build_app(engine, config)
+        if config.dev_mode:
+            log.warning("DSV41_SERVER_DEV_MODE: development routes on (POST /reset_prefix_cache), guarded by no "
+                        "API key; do not serve them on a public address")
         limits = ConnectionLimits(timeout_keep_alive, timeout_header, timeout_body, limit_concurrency, timeout_write)
         server = make_server(app, host, port, drain_timeout, (uvicorn_log_level or log_level).lower(), limits)
         log.info("serving %s as %s on http://%s:%d (max_model_len %d, %d KV pages, %s, %s; %s, %s; at most %d "

@@ -203,6 +203,20 @@ class AsyncLLMEngine:
             self._aborts.append(request_id)
             self._wake.set()
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """:meth:`LLMEngine.reset_prefix_cache` on the engine's worker thread, between two steps (never during
+        one): True when the cache was reset, False while requests hold KV pages (unless
+        ``reset_running_requests``: they are preempted and recompute, their streams continue). Raises
+        EngineDeadError after a failure of the loop, EngineDrainingError during shutdown."""
+        if self._dead is not None:
+            raise self.dead_error()
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down")
+        # The single worker thread runs one job at a time: this waits for a step in progress and runs before the
+        # next (the loop awaits its own jobs on the same executor).
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache,
+                                                                 reset_running_requests)
+
     # ------------------------------------------------------------------ the loop
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -9,6 +9,7 @@ snapshots), samples, detokenizes, frees finished sequences and returns the outpu
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from deepseek_v41.cache.kv_cache_manager import KVCacheManager, build_kv_cache_manager
+from deepseek_v41.cache.swa_pool import SwaPool
 from deepseek_v41.engine.args import EngineArgs
 from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
 from deepseek_v41.engine.model_runner import ModelRunner, PrefillMode, few_token_kernels, step_threads
@@ -32,6 +34,8 @@ from deepseek_v41.engine.sequence import (
 )
 from deepseek_v41.engine.speculative import build_speculator, speculative_max_len
 from deepseek_v41.kernels import fast
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -138,6 +142,41 @@ class LLMEngine:
             if not seq.finished:
                 self.scheduler.finish(seq)
                 seq.finished_time = time.time()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the cached prefixes of this process (vLLM's ``LLMEngine.reset_prefix_cache``): the device tier's
+        index (every page is free then and keeps no prefix hash) and the snapshots of the in-memory SWA pool, so
+        that no later request reuses KV computed before. For a model whose weights were changed in place: change
+        them, reinstall the CPU fast paths (``deepseek_v41.kernels.fast.install(engine.model)``, which read the
+        weights captured at install time), then reset.
+
+        Returns True when the cache was reset (or there is no prefix cache), False, changing nothing, while
+        requests hold device pages (running, or added but not finished): finish or abort them first, or pass
+        ``reset_running_requests=True`` (vLLM's keyword): the running requests are preempted first (their pages
+        freed; they go back to the front of the queue and recompute their prompt and output so far, with no
+        prefix hit, then continue; preemption never changes their tokens). Call it between steps (the async
+        engine runs it on its worker thread).
+
+        The persistent tiers are kept: disk pages under ``cache_dir`` and Redis entries are keyed by the
+        fingerprint of the checkpoint taken when the engine was built, so after changing the weights in place an
+        engine with ``cache_dir`` or ``redis_url`` would read them again; use a new engine (and a new
+        ``cache_dir`` / Redis database) for changed weights (logged as a warning when those tiers exist)."""
+        if self.prefix_cache is None:
+            return True  # nothing cached: no request is preempted for nothing
+        if reset_running_requests:
+            for seq in reversed(list(self.scheduler.running)):
+                self.scheduler.preempt(seq)
+        if not self.kv_cache_manager.reset_prefix_cache():
+            log.warning("reset_prefix_cache: not reset, %d requests hold KV pages (finish or abort them first, or "
+                        "pass reset_running_requests=True)", len(self.scheduler.running))
+            return False
+        pc = self.prefix_cache
+        if pc is not None and (pc.page_store is not None or pc.remote_pages is not None
+                               or (pc.swa_pool is not None and not isinstance(pc.swa_pool, SwaPool))):
+            log.warning("reset_prefix_cache: the device tier and the in-memory SWA pool were reset; the persistent "
+                        "tiers (cache_dir, Redis) are kept and keyed by the checkpoint's fingerprint taken at load: "
+                        "after changing the weights in place, use a new engine with a new cache_dir / Redis database")
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work

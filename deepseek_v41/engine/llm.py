@@ -292,6 +292,15 @@ class LLM:
             self.engine.abort_request(rid)
             self.engine.release(rid)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the cached prefixes of this process (vLLM's ``LLM.reset_prefix_cache``; see
+        :meth:`LLMEngine.reset_prefix_cache`): True when reset, False while requests hold KV pages (unless
+        ``reset_running_requests``: they are preempted and recompute). After
+        changing the model's weights in place, reinstall the CPU fast paths
+        (``deepseek_v41.kernels.fast.install(llm.engine.model)``) and reset; the disk and Redis tiers are kept
+        (keyed by the checkpoint's fingerprint taken at load): use a new ``LLM`` for them."""
+        return self.engine.reset_prefix_cache(reset_running_requests)
+
     @property
     def stats(self) -> dict[str, Any]:
         return self.engine.stats

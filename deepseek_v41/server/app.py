@@ -1,7 +1,10 @@
 """The FastAPI application: routes, API keys, the body limit and the engine's lifecycle (SPEC.md §4.6).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
-``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics``. As in vLLM, the
+``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics``; with
+``ServerConfig.dev_mode`` also ``POST /reset_prefix_cache`` (200 when reset, 409 while requests hold KV pages
+unless ``?reset_running_requests=true``; :meth:`LLMEngine.reset_prefix_cache`, run on the engine's thread between
+steps). As in vLLM, the
 API keys guard the ``/v1`` routes only (a CORS preflight needs none); each key gets its own prefix-cache salt, so
 no prompt of one key can hit another key's cache. Bodies over ``max_body_bytes`` get a 413; every refusal is an
 OpenAI-shaped error. CORS follows ``ServerConfig.allow_*`` (FastAPI's ``CORSMiddleware``, vLLM's defaults).
@@ -234,6 +237,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if config.dev_mode:
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(reset_running_requests: bool = False):
+            if state.draining:
+                raise APIError("the server is shutting down", None, "shutting_down", 503)
+            if not await engine.reset_prefix_cache(reset_running_requests):
+                raise APIError("the prefix cache was not reset: requests hold KV pages; retry when they are done",
+                               None, "requests_running", 409)
+            return Response(status_code=200)
 
     return app
 

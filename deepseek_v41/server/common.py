@@ -52,7 +52,9 @@ class ServerConfig:
     they come from (for error messages: the file, or the flag); ``allow_origins``,
     ``allow_methods``, ``allow_headers``, ``allow_credentials``: CORS (vLLM's defaults: any origin, method and
     header, no credentials); ``log_requests``: log one line per request (id, prompt tokens, sampling parameters;
-    never the prompt text), vLLM's ``--enable-log-requests``.
+    never the prompt text), vLLM's ``--enable-log-requests``; ``dev_mode``: serve the development routes
+    (``POST /reset_prefix_cache``; vLLM's ``VLLM_SERVER_DEV_MODE``, here ``DSV41_SERVER_DEV_MODE=1``), which no API
+    key guards: never on a public address.
     """
 
     served_model_names: list[str]
@@ -70,6 +72,7 @@ class ServerConfig:
     allow_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     log_requests: bool = False
+    dev_mode: bool = False
 
 
 @dataclass
