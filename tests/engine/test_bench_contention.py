@@ -5,32 +5,18 @@ outlives the measurement."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from bench_scripts import load_bench
 
 from deepseek_v41.config import tiny_config
 from deepseek_v41.model.transformer import Transformer
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_contention_measures_every_condition_and_leaves_no_process(tmp_path, monkeypatch):
     torch.manual_seed(0)
     Transformer(tiny_config()).save_pretrained(tmp_path / "m")
-    contention = load("contention")
+    contention = load_bench("contention")
     monkeypatch.setattr(contention, "DECODE_STEPS", 2)
     monkeypatch.setattr(contention, "SETTLE", 0.05)
     started = []
@@ -56,15 +42,15 @@ def test_contention_measures_every_condition_and_leaves_no_process(tmp_path, mon
 
 @pytest.mark.parametrize("bad", ["0", "x", "1,-2", ""])
 def test_contention_flag_takes_counts_of_at_least_one(bad, capsys):
-    engine = load("engine")
+    engine = load_bench("engine")
     with pytest.raises(SystemExit):
         engine.main(["--contention", bad, "--model-dir", "unused"])
     assert "--contention" in capsys.readouterr().err
 
 
 def test_contention_flag_prints_the_table(tmp_path, monkeypatch, capsys):
-    engine = load("engine")
-    contention = load("contention")
+    engine = load_bench("engine")
+    contention = load_bench("contention")
     ratios = {"prefill 1024": {"quiet": [1.0], "quiet fixed": [0.9], "busy 1": [0.6], "engine": [0.3]}}
     monkeypatch.setattr(contention, "measure", lambda model_dir, dtype, busy, rounds: (
         ratios, {"prefill 1024": [5000.0]}, {"quiet": [2], "quiet fixed": [2], "busy 1": [1], "engine": [1]}))

@@ -1,31 +1,18 @@
 """bench/dtypes.py runs end to end on a tiny model: one ratio per measure and round (the long prefill every other
 round), each a positive fp32 / bf16 time ratio, and the printed table has a row per measure."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
+from bench_scripts import load_bench
 
 from deepseek_v41.config import tiny_config
 from deepseek_v41.model.transformer import Transformer
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "dtypes.py"
-
-
-def load_bench():
-    sys.path.insert(0, str(BENCH.parent))
-    spec = importlib.util.spec_from_file_location("bench_dtypes", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_bench_pairs_every_measure(tmp_path, capsys, monkeypatch):
     torch.manual_seed(0)
     Transformer(tiny_config()).save_pretrained(tmp_path / "m")
-    bench = load_bench()
+    bench = load_bench("dtypes", "bench_dtypes")
     monkeypatch.setattr(bench, "DECODE_STEPS", 2)
     monkeypatch.setattr(bench.engine, "_ids", lambda n, seed: [3 + (7 * seed + i) % 500 for i in range(n)])  # vocab 512
     ratios = bench.measure(tmp_path / "m", rounds=3, short=24, long=48, context=16)

@@ -4,28 +4,15 @@ breakdown names the parts, --save-json keeps them and --plot draws them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load_bench
 
 from deepseek_v41.analysis.decode_bytes import decode_step_bytes
 from deepseek_v41.config import tiny_config
 from deepseek_v41.model.transformer import Transformer
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_floors_of_the_engines_model_are_its_bytes_over_the_bandwidth(tmp_path):
@@ -35,7 +22,7 @@ def test_floors_of_the_engines_model_are_its_bytes_over_the_bandwidth(tmp_path):
     Transformer(tiny_config().replace(engram_layer_ids=[], engram_num_embeddings=[])).save_pretrained(
         tmp_path / "m", quantization="official")
     llm = LLM(tmp_path / "m", dtype=torch.float32, max_model_len=64, enable_prefix_caching=False)
-    floor = load("floor")
+    floor = load_bench("floor")
     keys = ["decode_b1_tok_s", "decode_b8_tok_s", "decode_ms_1k", "decode_ms_16k", "prefill_1k_tok_s"]
     info = floor.floors(llm.model, keys, 10.0)
     assert set(info) == set(keys[:-1])  # prefill has no memory floor
@@ -52,7 +39,7 @@ def test_floors_of_the_engines_model_are_its_bytes_over_the_bandwidth(tmp_path):
 
 
 def test_table_json_and_plot_show_the_floor(tmp_path, monkeypatch, capsys):
-    engine = load("engine")
+    engine = load_bench("engine")
     floor_info = {"batch": 1, "context": 1024, "experts": "packed FP4", "bandwidth_gb_s": 12.5, "floor_ms": 2.0,
                   "floor": 500.0, "bytes": {"dense": 1.5e7, "lm_head": 8e6, "embedding": 1e3, "routed_experts": 1.7e6,
                                             "kv": 2e5, "total": 2.5e7}}
@@ -84,7 +71,7 @@ def test_table_json_and_plot_show_the_floor(tmp_path, monkeypatch, capsys):
 
 
 def test_children_report_floors_only_when_asked(tmp_path, monkeypatch, capsys):
-    engine = load("engine")  # bench/ab.py reads the children's output as measures only
+    engine = load_bench("engine")  # bench/ab.py reads the children's output as measures only
     monkeypatch.setattr(engine, "measure", lambda model_dir, what, dtype, repeat, with_floor=False:
                         {"with_floor": with_floor})
     assert engine.main(["--child", "decode", "--model-dir", str(tmp_path)]) == 0

@@ -1,30 +1,18 @@
 """bench/speculative.py runs end to end on a tiny model: every mode of every batch size prints a row, the greedy
 output of both DSpark modes equals plain decoding, and a model without a draft is refused."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
+from bench_scripts import load_bench
 
 from deepseek_v41.config import tiny_config
 from deepseek_v41.model.transformer import Transformer
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "speculative.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_speculative", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_bench_prints_every_mode(tmp_path, capsys):
     torch.manual_seed(0)
     Transformer(tiny_config()).save_pretrained(tmp_path / "m")
-    bench = load_bench()
+    bench = load_bench("speculative", "bench_speculative")
     assert bench.main(["--model", str(tmp_path / "m"), "--batch-sizes", "1", "3", "--max-tokens", "6",
                        "--prompt-tokens", "20"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
@@ -36,5 +24,5 @@ def test_bench_prints_every_mode(tmp_path, capsys):
 def test_bench_refuses_a_model_without_draft(tmp_path, capsys):
     cfg = tiny_config().replace(num_nextn_predict_layers=0, compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1])
     Transformer(cfg).save_pretrained(tmp_path / "m")
-    assert load_bench().main(["--model", str(tmp_path / "m")]) == 2
+    assert load_bench("speculative", "bench_speculative").main(["--model", str(tmp_path / "m")]) == 2
     assert "no DSpark draft" in capsys.readouterr().err

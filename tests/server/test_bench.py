@@ -1,25 +1,14 @@
 """``bench/serve.py`` runs end to end on a tiny random model and refuses a missing model directory clearly."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_serve", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_bench
 
 
 def test_bench_serve_table(model_dir, capsys):
-    rows = load_bench().main(["--model", str(model_dir), "--clients", "1", "3", "--rounds", "1", "--prompt-len", "8",
-                              "--max-tokens", "4"])
+    bench = load_bench("serve", "bench_serve")
+    rows = bench.main(["--model", str(model_dir), "--clients", "1", "3", "--rounds", "1", "--prompt-len", "8",
+                       "--max-tokens", "4"])
     assert [r["clients"] for r in rows] == [1, 3] and [r["requests"] for r in rows] == [1, 3]
     for row in rows:
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
@@ -29,10 +18,10 @@ def test_bench_serve_table(model_dir, capsys):
 
 def test_bench_serve_missing_model(tmp_path):
     with pytest.raises(SystemExit, match="no model at"):
-        load_bench().main(["--model", str(tmp_path / "missing")])
+        load_bench("serve", "bench_serve").main(["--model", str(tmp_path / "missing")])
 
 
 def test_percentile():
-    bench = load_bench()
+    bench = load_bench("serve", "bench_serve")
     assert bench.percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert bench.percentile([0.0, 10.0], 99) == pytest.approx(9.9)

@@ -1,27 +1,16 @@
 """``bench/stress.py`` runs end to end (a tiny configuration of it): streaming clients with disconnects, then a
 fuzz round, against a real ``dsv41 serve`` subprocess; its report adds up."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "stress.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_stress", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_bench
 
 
 def test_stress_smoke(model_dir, capsys):
-    result = load_bench().main(["--model", str(model_dir), "--clients", "3", "--requests", "2", "--disconnect-every",
-                                "3", "--max-tokens", "6", "--fuzz", "24", "--num-kv-pages", "128", "--max-model-len",
-                                "256", "--prompt-scale", "0.1", "--timeout", "120"])
+    bench = load_bench("stress", "bench_stress")
+    result = bench.main(["--model", str(model_dir), "--clients", "3", "--requests", "2", "--disconnect-every",
+                         "3", "--max-tokens", "6", "--fuzz", "24", "--num-kv-pages", "128", "--max-model-len",
+                         "256", "--prompt-scale", "0.1", "--timeout", "120"])
     load, fuzz = result["phases"]
     assert load.requests == 6 and load.disconnected == 2 and load.ok == 4, load
     assert (load.failures, load.hangs, load.server_errors) == (0, 0, 0), load.examples
@@ -35,4 +24,4 @@ def test_stress_smoke(model_dir, capsys):
 
 def test_stress_missing_model(tmp_path):
     with pytest.raises(SystemExit, match="no model at"):
-        load_bench().main(["--model", str(tmp_path / "missing")])
+        load_bench("stress", "bench_stress").main(["--model", str(tmp_path / "missing")])
