@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,13 @@ class LLMEngine:
         a duplicate id."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        try:  # ints, numpy or 0-d torch integers; not text (vLLM's engine also takes text, ours token ids only)
+            if isinstance(prompt_token_ids, str | bytes):
+                raise TypeError
+            prompt_token_ids = [operator.index(t) for t in prompt_token_ids]
+        except TypeError:
+            raise TypeError("LLMEngine.add_request takes the prompt as token ids (a list of ints); for text, use "
+                            "LLM.generate or encode it with the engine's tokenizer first") from None
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.config.vocab_size

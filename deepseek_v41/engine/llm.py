@@ -93,7 +93,11 @@ class LLM:
                 engine_args["kv_cache_memory_bytes"] = max(1, budget[1])
         if isinstance(tokenizer, str | Path):  # vLLM's tokenizer=<folder>: its tokenizer.json
             where = tokenizer
-            tokenizer = Tokenizer.from_file(str(where)) if Path(where).is_file() else load_tokenizer(where)
+            try:
+                tokenizer = Tokenizer.from_file(str(where)) if Path(where).is_file() else load_tokenizer(where)
+            except Exception as exc:  # tokenizers raises a bare Exception for a file that is not a tokenizer
+                raise ValueError(f"tokenizer={str(where)!r} is not a tokenizer.json the tokenizers library reads "
+                                 f"({exc})") from exc
             if tokenizer is None:
                 raise ValueError(f"tokenizer={str(where)!r}: no tokenizer.json there (give a folder holding "
                                  "tokenizer.json, the file itself, or a tokenizers.Tokenizer)")

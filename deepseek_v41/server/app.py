@@ -240,7 +240,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     if config.dev_mode:
         @app.post("/reset_prefix_cache")
-        async def reset_prefix_cache(reset_running_requests: bool = False):
+        async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False):
+            if reset_external:  # vLLM's switch for its external KV connector; ours are the disk / Redis tiers
+                raise APIError("reset_external is not supported: the persistent tiers (disk pages, Redis) are kept; "
+                               "start the server with another --cache-dir to begin a new one", "reset_external",
+                               "unsupported", 400)
             if state.draining:
                 raise APIError("the server is shutting down", None, "shutting_down", 503)
             if not await engine.reset_prefix_cache(reset_running_requests):

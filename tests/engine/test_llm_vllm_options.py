@@ -135,3 +135,28 @@ def test_tokenizer_takes_a_folder_or_a_file(tmp_path):
         assert llm.generate(["Hello"], params)[0].prompt_token_ids == want
     with pytest.raises(ValueError, match="no tokenizer.json there"):
         LLM(str(bundled), dtype="float32", max_model_len=64, tokenizer=str(tmp_path))
+
+
+def test_a_file_that_is_no_tokenizer_is_refused_with_its_path():
+    from pathlib import Path
+
+    from deepseek_v41 import LLM
+
+    bundled = Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny"
+    with pytest.raises(ValueError, match="config.json.* is not a tokenizer.json"):
+        LLM(str(bundled), dtype="float32", max_model_len=64, tokenizer=str(bundled / "config.json"))
+
+
+def test_engine_add_request_takes_token_ids_and_says_so():
+    """vLLM's engine takes text too; ours takes token ids: a string (or non-int ids) gets a TypeError saying what
+    to pass instead of a comparison error from inside."""
+    from pathlib import Path
+
+    from deepseek_v41 import LLM, SamplingParams
+
+    llm = LLM(str(Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny"), dtype="float32",
+              max_model_len=64)
+    for prompt in ("some text", [1, "2"], [1.0, 2.0]):
+        with pytest.raises(TypeError, match="token ids"):
+            llm.engine.add_request("a", prompt, SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()

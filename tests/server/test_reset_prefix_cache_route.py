@@ -106,3 +106,16 @@ def test_the_route_passes_reset_running_requests(llm, monkeypatch):
         assert client.post("/reset_prefix_cache").status_code == 200
         assert client.post("/reset_prefix_cache?reset_running_requests=true").status_code == 200
     assert calls == [False, True]
+
+
+def test_reset_external_is_refused_with_the_reason(llm, monkeypatch):
+    """vLLM's reset_external would clear its KV connector; ours keeps the disk / Redis tiers, so the switch is
+    refused (400, naming it) rather than ignored, and nothing is reset."""
+    calls = []
+    monkeypatch.setattr(llm.engine, "reset_prefix_cache", lambda reset_running_requests=False: calls.append(1) or True)
+    with client_for(llm, dev_mode=True) as client:
+        response = client.post("/reset_prefix_cache?reset_external=true")
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "reset_external"
+        assert "persistent tiers" in response.json()["error"]["message"]
+    assert calls == []
