@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from deepseek_v41 import kernels
 from deepseek_v41.cache.layout import KVLayout
+from deepseek_v41.kernels.fast.moe import pack_copies
 from deepseek_v41.model.moe import MoE
 
 
@@ -21,10 +22,12 @@ def expected_distinct_experts(n_experts: int, k: int, batch: int) -> float:
 def _expert_bytes(moe: MoE, batch: int) -> tuple[float, str]:
     """Bytes of one routed expert of ``moe`` in the format a ``batch``-token decode step reads, and its name: the
     fast backend's packed FP4 copy (codes + UE8M0 scales) or bf16 copy when it holds every expert and the step
-    takes the few-token kernel, else the experts' parameters."""
+    takes the few-token kernel, else the experts' parameters. The copies are made now if no decode step made them
+    yet (:func:`~deepseek_v41.kernels.fast.moe.pack_copies`)."""
     experts = list(moe.experts)
     packed = moe.__dict__.get("_fast_moe")
     if packed is not None and batch <= kernels.FEW_ROWS:
+        pack_copies(packed)
         if packed.fp4 is not None and packed.fp4_all:
             return sum(t.nbytes for t in packed.fp4) / len(experts), "packed FP4"
         if packed.bf16 is not None and packed.bf16_all:

@@ -21,9 +21,13 @@ The engine's model runner calls it for a CPU model. It changes nothing
 - where the C library is not glibc (macOS, musl): their allocators have other rules.
 
 The cost is memory: up to :data:`TRIM_THRESHOLD` of freed heap stays in the process's resident set between
-steps, and is reused by the next one. What loading and packing a model freed is handed back once, after the fast
-backend's install (:func:`release_freed_memory`, glibc's ``malloc_trim``; only where the thresholds were set),
-so it is not kept for nothing.
+steps, and is reused by the next one. The values are a measured balance (bench/README.md, "Issue 24"): at glibc's
+largest mmap threshold (32 MiB) with a 256 MiB trim threshold, every temporary of a 2K-token prefill chunk came
+from the heap, whose fragmentation raised an 8K prefill's peak resident memory by 5-30 % from run to run; at
+8 MiB / 64 MiB the peak matches glibc's own choice and a repeated 1K or 2K prefill still faults almost no pages
+(the blocks above 8 MiB are few and large, so their faults are a small share of the step). What loading a model
+freed is handed back once, after the fast backend's install (:func:`release_freed_memory`, glibc's
+``malloc_trim``; only where the thresholds were set), so it is not kept for nothing.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ import threading
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 32 << 20  # bytes: glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
-TRIM_THRESHOLD = 256 << 20  # bytes of free heap kept for the next step
+MMAP_THRESHOLD = 8 << 20  # bytes: larger blocks are mapped and unmapped (see below)
+TRIM_THRESHOLD = 64 << 20  # bytes of free heap kept for the next step
 USER_SETTINGS = ("MALLOC_", "GLIBC_TUNABLES")  # prefixes of the environment variables glibc's malloc reads
 SWITCH = "DSV41_KEEP_FREED_MEMORY"
 

@@ -11,6 +11,7 @@ from deepseek_v41 import kernels
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.kernels import fast
+from deepseek_v41.kernels.fast.moe import pack_copies
 from deepseek_v41.model.attention import SparseAttention
 from deepseek_v41.model.indexer import Indexer
 from deepseek_v41.model.moe import Gate, MoE
@@ -191,9 +192,10 @@ def moe_calls(calls) -> int:
 
 
 def packed(moe: MoE):
-    """The copies the fast backend packs for ``moe``, installed (again) now."""
+    """The copies the fast backend packs for ``moe``, installed (again) now and packed as a first decode step
+    would."""
     fast.install(moe)
-    return moe.__dict__["_fast_moe"]
+    return pack_copies(moe.__dict__["_fast_moe"])
 
 
 def moe_both_ways(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

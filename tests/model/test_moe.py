@@ -20,6 +20,7 @@ from optional_deps import require
 
 from deepseek_v41 import kernels
 from deepseek_v41.kernels import fast
+from deepseek_v41.kernels.fast.moe import pack_copies
 from deepseek_v41.model.moe import Expert, Gate, MoE
 from deepseek_v41.quant import dequantize_fp4, quantize_fp4
 
@@ -199,21 +200,32 @@ def test_a_hooked_instance_or_a_subclass_gets_no_override():
     assert "forward" not in moe.gate.__dict__ and "forward" not in moe.experts[2].__dict__
     assert "forward" in moe.__dict__ and "forward" in moe.experts[1].__dict__
     assert done.modules == {"MoE": 1, "Expert": 8}
-    assert not moe.__dict__["_fast_moe"].fp4_ok[2]  # its tokens take the torch code, which calls it
+    packed = moe.__dict__["_fast_moe"]
+    assert packed.fp4 is None and packed.pending is not None  # the decode copies wait for the first decode step
+    assert not pack_copies(packed).fp4_ok[2]  # its tokens take the torch code, which calls it
     sub = MyMoE(64, 32, 8, 2, 1, LIMIT, 1.5, True, False)
     done = installed(sub)
     assert "MyMoE" not in done.modules and "forward" not in sub.__dict__
 
 
-def test_install_packs_fp4_copies_once_and_reinstalling_follows_changed_weights(calls):
-    """The copies are made at install, from the weights then: a change in place is not seen by the FP4 copies
-    until the backend is installed again (the documented contract), after which the result is the reference's."""
+def test_fp4_copies_are_packed_once_at_the_first_few_token_step_and_reinstalling_follows_changed_weights(calls):
+    """Install packs no decode copies; the first few-token step makes them, from the weights then (a many-token
+    forward, a prefill, leaves them unmade). A change in place after that is not seen by the FP4 copies until the
+    backend is installed again (the documented contract), after which the result is the reference's."""
     moe = random_moe(10, fp4=True)
     with torch.no_grad():
         moe.gate.bias[3] = 100.0  # every token picks expert 3
     x = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(11))
+    many = torch.randn(1, kernels.FEW_ROWS + 1, 64, generator=torch.Generator().manual_seed(12))
     installed(moe)
-    assert moe.experts[3].w3.weight.data_ptr() == moe.__dict__["_fast_moe"].stacked[0][3, 32:].data_ptr()
+    packed = moe.__dict__["_fast_moe"]
+    assert moe.experts[3].w3.weight.data_ptr() == packed.stacked[0][3, 32:].data_ptr()
+    with torch.inference_mode():
+        moe(many)
+    assert packed.fp4 is None and packed.pending is not None and calls["moe_fp4"] == 0
+    with torch.inference_mode():
+        moe(x)
+    assert packed.fp4 is not None and packed.fp4_all and packed.pending is None and calls["moe_fp4"] == 1
     with torch.no_grad():
         moe.experts[3].w2.weight.mul_(2)  # still FP4 values
         want = moe(x)
@@ -222,7 +234,7 @@ def test_install_packs_fp4_copies_once_and_reinstalling_follows_changed_weights(
     installed(moe)
     with torch.inference_mode():
         fresh = moe(x)
-    assert calls["moe_fp4"] == 2
+    assert calls["moe_fp4"] == 3
     assert (stale - want).abs().max() > 0.1
     assert (fresh - want).abs().max() <= 2e-6 * want.abs().max()
 

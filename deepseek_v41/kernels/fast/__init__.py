@@ -15,10 +15,10 @@ serves. It installs nothing on CUDA, on ``meta`` tensors, or when
 the C library is unavailable (``DSV41_CPU_KERNELS=0``, no compiler). :func:`uninstall` restores the reference
 methods. Installing again replaces earlier overrides, so after changing weights in place, loading a state dict,
 or registering a hook on a submodule, call :func:`install` again (or :func:`uninstall`): the fast versions read
-weights and packed copies captured at install time. :func:`still_valid` detects what is cheap to detect — a
-global module hook registered after install — and the engine checks it before each step (``LLMEngine._step``):
-while such a hook is registered the reference runs (logged once), and when it is removed the backend is installed
-again. Changed weights and hooks on submodules are not detected.
+weights captured at install time (and the MoE's decode copies, packed at the first few-token step).
+:func:`still_valid` detects what is cheap to detect — a global module hook registered after install — and the engine
+checks it before each step (``LLMEngine._step``): while such a hook is registered the reference runs (logged once),
+and when it is removed the backend is installed again. Changed weights and hooks on submodules are not detected.
 
 Installers work per module instance, so a sharded linear (tensor parallelism) gets its fast path the same way as
 an unsharded one. Source: issue 24; vLLM's ``CustomOp`` (``forward_native`` beside ``forward_cpu``) decides an

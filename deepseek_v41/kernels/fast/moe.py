@@ -12,15 +12,18 @@
   sort; more tokens without autograd run every expert at once by ``torch._grouped_mm`` (bf16 groups padded to
   ``GROUP_ROWS`` rows). Everything else is the reference.
 
-Packing happens here, at install: the FP4 copies (E2M1 codes, UE8M0 scales per 32: a quarter of bf16's bytes, so
-a decode step reads the experts ~4x faster), bf16 copies of fp32 experts exact in bf16 (only when some expert's
-weights are no FP4 values), and the experts' parameters restacked as views of one ``w13`` [E, 2 * inter, D] /
-``w2`` [E, D, inter] tensor each (the same memory as before; ``torch._grouped_mm`` and ``moe_bf16`` read bf16
-experts there). Which experts each copy holds exactly is recorded per expert, so a wrapped or hooked expert only
-keeps the tokens that pick it off the kernel. The copies are made from the weights as they are at install:
-after changing expert weights (training, ``load_state_dict``, ``.data`` writes), moving the model or hooking an
-expert, install again (:func:`deepseek_v41.kernels.fast.install`); in-place changes reach the stacked views but
-not the FP4 / bf16 copies.
+What to pack is decided here, at install; the copies are made once, when the first few-token step reaches the
+MoE (:func:`pack_copies`): the FP4 copies (E2M1 codes, UE8M0 scales per 32: a quarter of bf16's bytes, so a decode
+step reads the experts ~4x faster) and bf16 copies of fp32 experts exact in bf16 (only when some expert's weights
+are no FP4 values) serve only decode and speculative verify, so an engine that only prefills (a prefill worker,
+a scoring run) never holds them: an fp32 8K prefill's peak memory is the reference's (bench/README.md). The
+experts' parameters are restacked at install as views of one ``w13`` [E, 2 * inter, D] / ``w2`` [E, D, inter]
+tensor each (the same memory as before; ``torch._grouped_mm`` and ``moe_bf16`` read bf16 experts there). Which
+experts each copy holds exactly is recorded per expert, so a wrapped or hooked expert only keeps the tokens that
+pick it off the kernel. The copies are made from the weights as they are when packed: after changing expert
+weights (training, ``load_state_dict``, ``.data`` writes), moving the model or hooking an expert, install again
+(:func:`deepseek_v41.kernels.fast.install`); in-place changes reach the stacked views but not the FP4 / bf16
+copies once made.
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ class Packed:
     (``*_all``: every expert's does); ``stacked`` the experts' parameters as one tensor each (views), which the
     grouped matmuls read when ``grouped`` (every expert plain); ``shared`` the shared expert's (w1, w3, w2) for
     the fused kernel, ``shared_ok`` whether the kernel may stand for the routed experts plus the shared expert
-    (no shared expert, or a plain one)."""
+    (no shared expert, or a plain one). ``pending``: until :func:`pack_copies` ran, the plain experts' (w1, w3, w2)
+    (None for the others) from which it makes ``fp4`` / ``bf16``; None once packed, or when nothing is to pack."""
 
     D: int
     limit: float
@@ -132,6 +136,26 @@ class Packed:
     grouped: bool = False
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     shared_ok: bool = False
+    pending: list | None = None
+    inter: int = 0
+
+
+def pack_copies(packed: Packed) -> Packed:
+    """Make ``packed``'s FP4 copies (and bf16 copies where some plain expert has no FP4 copy) from its pending
+    weights, once; returns ``packed``. A no-op when already packed or nothing is to pack."""
+    weights, packed.pending = packed.pending, None
+    if weights is None:
+        return packed
+    inter, D = packed.inter, packed.D
+    plain_ok = [ws is not None for ws in weights]
+    with torch.inference_mode(False), torch.no_grad():
+        if D % FP4_EXPERT_BLOCK == 0 and inter % FP4_EXPERT_BLOCK == 0:
+            packed.fp4, packed.fp4_ok = _pack_fp4(weights, inter, D)
+            packed.fp4_all = all(packed.fp4_ok)
+        if packed.fp4 is None or not all(ok for ok, p in zip(packed.fp4_ok, plain_ok, strict=True) if p):
+            packed.bf16, packed.bf16_ok = _pack_bf16(weights, packed.stacked, inter, D)
+            packed.bf16_all = all(packed.bf16_ok)
+    return packed
 
 
 @register(MoE)
@@ -152,20 +176,14 @@ def install_moe(moe: MoE) -> bool:
     dtype, device = kinds.pop()
     if device != "cpu":
         return False
-    packed = Packed(D=D, limit=moe.swiglu_limit)
-    with torch.inference_mode(False), torch.no_grad():
-        if all(ws is not None for ws in raw):
+    packed = Packed(D=D, limit=moe.swiglu_limit, inter=inter)
+    if all(ws is not None for ws in raw):
+        with torch.inference_mode(False), torch.no_grad():
             packed.stacked = _stack(experts, raw, inter, D)
-            packed.grouped = all(plain_ok) and dtype in KERNEL_DTYPES  # (no float64 grouped matmuls)
-            raw = [_linear_weights(e) for e in experts]  # the views
-        weights = [ws if ok else None for ws, ok in zip(raw, plain_ok, strict=True)]
-        if dtype in KERNEL_DTYPES and any(plain_ok):
-            if D % FP4_EXPERT_BLOCK == 0 and inter % FP4_EXPERT_BLOCK == 0:
-                packed.fp4, packed.fp4_ok = _pack_fp4(weights, inter, D)
-                packed.fp4_all = all(packed.fp4_ok)
-            if packed.fp4 is None or not all(ok for ok, p in zip(packed.fp4_ok, plain_ok, strict=True) if p):
-                packed.bf16, packed.bf16_ok = _pack_bf16(weights, packed.stacked, inter, D)
-                packed.bf16_all = all(packed.bf16_ok)
+        packed.grouped = all(plain_ok) and dtype in KERNEL_DTYPES  # (no float64 grouped matmuls)
+        raw = [_linear_weights(e) for e in experts]  # the views
+    if dtype in KERNEL_DTYPES and any(plain_ok):
+        packed.pending = [ws if ok else None for ws, ok in zip(raw, plain_ok, strict=True)]
     se = moe._modules.get("shared_experts")
     if se is None:
         packed.shared_ok = True
@@ -209,8 +227,12 @@ def _stack(experts: list[nn.Module], weights: list, inter: int, D: int) -> tuple
                     and w2.data_ptr() == base2 + e * inter * D * size for e, (w1, w3, w2) in enumerate(weights))):
         return (first[0].detach().as_strided((E, 2 * inter, D), (2 * inter * D, D, 1), first[0].storage_offset()),
                 first[2].detach().as_strided((E, D, inter), (D * inter, inter, 1), first[2].storage_offset()))
-    w13 = torch.stack([torch.cat((w1, w3)) for w1, w3, _ in weights])
-    w2 = torch.stack([w for _, _, w in weights])
+    # Copied in expert by expert (no list of per-expert temporaries: at install the old and new layouts are both
+    # resident, nothing more).
+    w13 = first[0].new_empty((E, 2 * inter, D))
+    w2 = first[2].new_empty((E, D, inter))
+    for e, (w1, w3, w) in enumerate(weights):
+        w13[e, :inter], w13[e, inter:], w2[e] = w1, w3, w
     for i, e in enumerate(experts):
         m = e._modules
         m["w1"].weight.data, m["w3"].weight.data, m["w2"].weight.data = w13[i, :inter], w13[i, inter:], w2[i]
@@ -317,6 +339,8 @@ def _fused_experts(packed: Packed, flat: torch.Tensor, indices: torch.Tensor, we
             and indices.dtype == torch.int64 and weights.dtype == torch.float32 and weights.shape == indices.shape
             and indices.shape[0] == flat.shape[0] and fused(flat, weights) and kernels.usable(indices)):
         return None
+    if packed.pending is not None:
+        pack_copies(packed)
     picked = None
     if packed.fp4 is not None:
         if not packed.fp4_all:
