@@ -1,0 +1,130 @@
+"""The default backend: xgrammar (``TokenizerInfo``, ``GrammarCompiler``, ``GrammarMatcher``).
+
+JSON schemas compile with any whitespace between tokens and no properties beyond the schema's (xgrammar's
+``strict_mode``), as vLLM compiles them. Choices compile to an EBNF alternation of string literals.
+:func:`unsupported_json_features` lists the schema keywords xgrammar does not enforce (it compiles them but drops
+them); the manager sends such schemas to llguidance, as vLLM's ``auto`` backend does.
+
+Source: xgrammar's Python API (``xgrammar/compiler.py``, ``matcher.py``); vLLM
+``vllm/v1/structured_output/backend_xgrammar.py`` (behaviour only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from torch import Tensor
+
+from deepseek_v41.structured.backend import GrammarMatcher, StructuredOutputBackend, Vocabulary
+
+# String formats xgrammar's JSON-schema converter turns into grammar rules; any other "format" is dropped by it.
+XGRAMMAR_STRING_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri", "uri-reference",
+    "uri-template", "json-pointer", "relative-json-pointer"})
+
+
+def unsupported_json_features(schema: Any) -> list[str]:
+    """The keywords of a JSON schema (a dict, walked through every nested schema) that xgrammar compiles without
+    enforcing: ``multipleOf``; ``uniqueItems`` / ``contains`` / ``minContains`` / ``maxContains``; a string
+    ``format`` it does not know; ``minLength`` / ``maxLength`` beside a ``pattern`` or ``format`` (the length is
+    dropped). Returns them sorted and de-duplicated ([] when xgrammar enforces the whole schema)."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+            return
+        if not isinstance(node, dict):
+            return
+        found.update(k for k in ("multipleOf", "uniqueItems", "contains", "minContains", "maxContains")
+                     if k in node)
+        fmt = node.get("format")
+        if isinstance(fmt, str) and fmt not in XGRAMMAR_STRING_FORMATS:
+            found.add(f"format={fmt}")
+        if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+            found.add("minLength/maxLength with pattern/format")
+        for key, value in node.items():
+            if key not in ("enum", "const", "default", "examples"):  # values, not schemas
+                walk(value)
+
+    walk(schema)
+    return sorted(found)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly ``choices``: ``root ::= "a" | "b"`` with JSON-escaped literals
+    (xgrammar's string literals take the same escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    """xgrammar for one vocabulary. Its own compile cache is off: the manager's LRU caches compiled grammars.
+
+    Args:
+        vocab: the model's :class:`Vocabulary` (special tokens and ids the tokenizer lacks are never allowed).
+    """
+
+    name = "xgrammar"
+
+    def __init__(self, vocab: Vocabulary):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        encoded = [b"" if t is None else t for t in vocab.token_bytes]  # "" = special to xgrammar
+        self.stop_token_ids = [vocab.eos_token_id] if vocab.eos_token_id is not None else []
+        info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab.vocab_size,
+                                 stop_token_ids=self.stop_token_ids or None, add_prefix_space=False)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=max(1, min(8, os.cpu_count() or 1)),
+                                            cache_enabled=False)
+
+    def compile(self, kind: str, spec: str) -> Any:
+        c = self.compiler
+        try:
+            if kind == "json":
+                return c.compile_json_schema(spec, any_whitespace=True, strict_mode=True)
+            if kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=True, strict_mode=True)
+            if kind == "regex":
+                return c.compile_regex(spec)
+            if kind == "choice":
+                return c.compile_grammar(choice_grammar(json.loads(spec)))
+            if kind == "grammar":
+                return c.compile_grammar(spec)
+            if kind == "structural_tag":
+                return c.compile_structural_tag(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"xgrammar cannot compile this {kind}: {_first_line(exc)}") from exc
+        raise ValueError(f"unknown structured output kind {kind!r}")
+
+    def matcher(self, compiled: Any) -> XgrammarMatcher:
+        return XgrammarMatcher(self._xgr.GrammarMatcher(compiled, terminate_without_stop_token=not self.stop_token_ids),
+                               frozenset(self.stop_token_ids))
+
+
+class XgrammarMatcher(GrammarMatcher):
+    """An ``xgrammar.GrammarMatcher``: a pushdown automaton with unlimited rollback."""
+
+    def __init__(self, matcher, stop_token_ids: frozenset[int]):
+        self._matcher = matcher
+        self.stop_token_ids = stop_token_ids
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._matcher.accept_token(token_id)
+
+    def fill_bitmask(self, bitmask: Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__

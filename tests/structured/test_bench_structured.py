@@ -1,0 +1,18 @@
+"""bench/structured.py runs end to end on the bundled checkpoint: a row per mode and batch size, the constrained
+rows valid, and a missing model refused."""
+
+from bench_scripts import load_bench
+
+
+def test_bench_prints_free_and_schema_rows(grammar_engines, capsys):
+    bench = load_bench("structured", "bench_structured")
+    assert bench.main(["--batch-sizes", "1", "2", "--max-tokens", "48"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("1", "free"), ("1", "json"), ("2", "free"), ("2", "json")]
+    assert rows[0][-1] == "-" and rows[1][-1] == "1/1" and rows[3][-1] == "2/2"
+    assert float(rows[1][-2]) > 0  # the mask cost per token was measured
+
+
+def test_bench_refuses_a_missing_model(tmp_path, capsys):
+    assert load_bench("structured", "bench_structured").main(["--model", str(tmp_path)]) == 2
+    assert "no model at" in capsys.readouterr().err

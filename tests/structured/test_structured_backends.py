@@ -1,0 +1,162 @@
+"""deepseek_v41.structured without the model: the vocabulary read from the tokenizer, the bitmask, the manager's
+backend choice and LRU, and the matchers' rollback (both backends).
+
+Oracles: the tokenizer's own decode of each token (the vocabulary), a boolean mask built by hand (the bitmask),
+the tokenizer's encoding of valid texts (what a grammar must accept) and the bitmask filled before a rollback."""
+
+import pytest
+import torch
+from optional_deps import require
+
+from deepseek_v41.engine.sampling_params import StructuredOutputsParams
+from deepseek_v41.structured import StructuredOutputManager, Vocabulary, apply_token_bitmask
+from deepseek_v41.structured.bitmask import allocate_token_bitmask, token_allowed
+
+EOS = 1
+VOCAB = 8192
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+          "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def manager(tokenizer, grammar_engines):
+    return StructuredOutputManager(tokenizer, VOCAB, EOS)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def allowed_ids(bitmask: torch.Tensor, row: int, vocab: int = VOCAB) -> set[int]:
+    return {t for t in range(vocab) if token_allowed(bitmask, row, t)}
+
+
+# ---------------------------------------------------------------------------------------------- vocabulary
+def test_vocabulary_bytes_are_what_the_tokenizer_decodes(tokenizer):
+    vocab = Vocabulary.from_tokenizer(tokenizer, VOCAB + 5, EOS)  # a model vocabulary wider than the tokenizer's
+    assert len(vocab.token_bytes) == VOCAB + 5 and vocab.token_bytes[VOCAB:] == (None,) * 5
+    added = tokenizer.get_added_tokens_decoder()
+    checked = 0
+    for token_id in range(VOCAB):
+        data = vocab.token_bytes[token_id]
+        if token_id in added:
+            assert data == (None if added[token_id].special else added[token_id].content.encode())
+            continue
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:  # a piece of a multi-byte character: the tokenizer cannot show it alone
+            continue
+        assert tokenizer.decode([token_id], skip_special_tokens=False) == text, token_id
+        checked += 1
+    assert checked > 7000
+    assert vocab.token_bytes[EOS] is None and vocab.token_bytes[tokenizer.token_to_id("</think>")] == b"</think>"
+
+
+def test_vocabulary_refuses_a_tokenizer_that_is_not_byte_level():
+    tokenizers = require("tokenizers")
+    model = tokenizers.models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")
+    with pytest.raises(ValueError, match="structured outputs need a byte-level BPE tokenizer"):
+        Vocabulary.from_tokenizer(tokenizers.Tokenizer(model), 2, None)
+
+
+# ---------------------------------------------------------------------------------------------- bitmask
+def test_apply_token_bitmask_matches_a_boolean_mask():
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 3, 70  # 70 = 2 full words + 6 bits of a third
+    keep = torch.rand(rows, vocab, generator=gen) < 0.3
+    bitmask = allocate_token_bitmask(rows, vocab)
+    assert bitmask.shape == (3, 3) and bitmask.dtype == torch.int32
+    bitmask.zero_()
+    for r, t in keep.nonzero().tolist():
+        word = int(bitmask[r, t // 32]) | (1 << (t % 32))
+        bitmask[r, t // 32] = word - (1 << 32) if word >= 1 << 31 else word  # as int32
+    logits = torch.randn(rows, vocab, generator=gen)
+    expected = logits.masked_fill(~keep, float("-inf"))
+    apply_token_bitmask(logits, bitmask)
+    assert torch.equal(logits, expected)
+    assert all(token_allowed(bitmask, r, t) == bool(keep[r, t]) for r in range(rows) for t in range(vocab))
+    with pytest.raises(ValueError, match="cannot mask logits"):
+        apply_token_bitmask(torch.zeros(3, 100), bitmask)
+
+
+# ---------------------------------------------------------------------------------------------- manager
+def test_lru_keeps_at_most_cache_size_grammars(tokenizer, grammar_engines):
+    manager = StructuredOutputManager(tokenizer, VOCAB, EOS, cache_size=2)
+    a, b, c = (StructuredOutputsParams(regex=r) for r in ("a+", "b+", "c+"))
+    manager.compile(a)
+    manager.compile(b)
+    manager.compile(a)  # a hit: a becomes the most recent
+    manager.compile(c)  # evicts b, the least recently used
+    assert manager.cached == [("regex", "a+"), ("regex", "c+")]
+    assert (manager.num_compiled, manager.num_cache_hits) == (3, 1)
+    manager.compile(b)
+    assert manager.cached == [("regex", "c+"), ("regex", "b+")] and manager.num_compiled == 4
+    with pytest.raises(ValueError, match="cache_size must be a positive integer"):
+        StructuredOutputManager(tokenizer, VOCAB, EOS, cache_size=0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        StructuredOutputManager(tokenizer, VOCAB, EOS, backend="outlines")
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    (StructuredOutputsParams(regex="(unclosed"), r"structured_outputs.regex is not a valid constraint: xgrammar"),
+    (StructuredOutputsParams(grammar="root ::= missing_rule"), r"structured_outputs.grammar is not a valid"),
+    (StructuredOutputsParams(json={"type": "no-such-type"}), r"structured_outputs.json is not a valid"),
+    (StructuredOutputsParams(structural_tag='{"type": "structural_tag", "format": {"type": "nope"}}'),
+     r"structured_outputs.structural_tag is not a valid constraint: xgrammar"),
+])
+def test_a_bad_constraint_is_a_value_error_and_is_not_cached(manager, params, message):
+    before = manager.cached
+    with pytest.raises(ValueError, match=message):
+        manager.compile(params)
+    assert manager.cached == before
+
+
+def test_auto_sends_schemas_xgrammar_does_not_enforce_to_llguidance(manager):
+    assert manager.compile(StructuredOutputsParams(json=SCHEMA)).backend == "xgrammar"
+    dropped = {"type": "integer", "minimum": 0, "maximum": 100, "multipleOf": 7}
+    assert manager.compile(StructuredOutputsParams(json=dropped)).backend == "guidance"
+    nested = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
+    assert manager.compile(StructuredOutputsParams(json=nested)).backend == "guidance"
+    # "enum" values are data, not schemas: a value named like a keyword does not send it to llguidance
+    assert manager.compile(StructuredOutputsParams(json={"enum": [{"multipleOf": 2}]})).backend == "xgrammar"
+
+
+# ---------------------------------------------------------------------------------------------- matchers
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_matcher_follows_a_valid_text_and_rolls_back(tokenizer, grammar_engines, backend):
+    manager = StructuredOutputManager(tokenizer, VOCAB, EOS, backend=backend)
+    matcher = manager.matcher(manager.compile(StructuredOutputsParams(json=SCHEMA)))
+    ids = encode(tokenizer, '{"n": 42}')
+    masks = allocate_token_bitmask(len(ids) + 1, VOCAB)
+    for i, token in enumerate(ids):
+        matcher.fill_bitmask(masks, i)
+        assert token_allowed(masks, i, token)
+        assert not token_allowed(masks, i, EOS)  # the object is not complete yet
+        assert matcher.accept_token(token)
+    matcher.fill_bitmask(masks, len(ids))
+    assert allowed_ids(masks, len(ids)) == {EOS}  # complete, and strict: only the stop token may follow
+    bad = encode(tokenizer, "x")[0]
+    assert not matcher.accept_token(bad)  # refused, state unchanged
+    # Roll back 3 tokens: the mask is the one filled 3 tokens earlier, and the same tokens are accepted again.
+    matcher.rollback(3)
+    again = allocate_token_bitmask(1, VOCAB)
+    matcher.fill_bitmask(again, 0)
+    assert torch.equal(again[0], masks[len(ids) - 3])
+    assert all(matcher.accept_token(t) for t in ids[-3:])
+    assert not matcher.is_terminated()
+    assert matcher.accept_token(EOS) and matcher.is_terminated()
+    matcher.rollback(1)  # a rejected stop token rolled back: the matcher continues
+    assert not matcher.is_terminated()
+    assert matcher.accept_token(EOS) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_special_tokens_are_never_allowed(tokenizer, grammar_engines, backend):
+    manager = StructuredOutputManager(tokenizer, VOCAB, EOS, backend=backend)
+    matcher = manager.matcher(manager.compile(StructuredOutputsParams(json={"type": "string"})))
+    assert matcher.accept_token(encode(tokenizer, '"')[0])
+    mask = allocate_token_bitmask(1, VOCAB)
+    matcher.fill_bitmask(mask, 0)
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    assert special and not special & allowed_ids(mask, 0)
+    assert len(allowed_ids(mask, 0)) > 5000  # inside a string almost everything is allowed
