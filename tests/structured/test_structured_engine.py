@@ -2,16 +2,16 @@
 is the mask's doing). Each kind at temperature 1 over several seeds, a batch mixing constrained and free
 requests, DSpark (greedy output identical with and without speculation), llguidance's fallback, refused input.
 
-Oracles: json.loads plus a small schema validator (schema_oracle.py), Python's ``re.fullmatch`` for the regex and
-the grammar (the grammar's language written as a regex), membership for choices, and the engine's own output for
-the free requests run alone (the sampler is batch invariant) and for non-speculative decoding."""
+Oracles: json.loads plus a small schema validator (json_schema_oracle.py), Python's ``re.fullmatch`` for the regex
+and the grammar (the grammar's language written as a regex), membership for choices, and the engine's own output
+for the free requests run alone (the sampler is batch invariant) and for non-speculative decoding."""
 
 import json
 import logging
 import re
 
 import pytest
-from schema_oracle import errors
+from json_schema_oracle import errors
 
 from deepseek_v41.engine import SamplingParams, StructuredOutputsParams
 
@@ -127,6 +127,24 @@ def test_batch_mixing_constrained_and_free_requests(llm):
     assert [mixed[i].outputs[0].token_ids for i in (0, 3, 5)] == [o.outputs[0].token_ids for o in alone]
     for i in (1, 2, 4, 6):
         assert errors(json.loads(mixed[i].outputs[0].text), SCHEMA) == [], mixed[i].outputs[0].text
+
+
+def test_a_preempted_constrained_request_resumes_in_its_grammar(llm):
+    """Preemption recomputes the prompt and the output so far; the matcher keeps its state (no token is fed
+    twice, none skipped), so the output still validates."""
+    engine = llm.engine
+    engine.add_request("pre", llm.tokenizer.encode(PROMPT).ids, constrained(5, json=SCHEMA))
+    seq = engine.requests["pre"][0]
+    preempted = False
+    while engine.has_unfinished_requests():
+        if not preempted and len(seq.output_token_ids) >= 6:
+            engine.scheduler.preempt(seq)
+            preempted = True
+        engine.step()
+    out = engine.request_output("pre").outputs[0]
+    engine.release("pre")
+    assert preempted and out.finish_reason == "stop"
+    assert errors(json.loads(out.text), SCHEMA) == [], out.text
 
 
 # ---------------------------------------------------------------------------------------------- DSpark

@@ -22,7 +22,7 @@ def test_exactly_one_field_is_set():
     ({"regex": ""}, r"structured_outputs.regex must be a non-empty string"),
     ({"grammar": 5}, r"structured_outputs.grammar must be a non-empty string"),
     ({"choice": "yes"}, r"structured_outputs.choice must be a non-empty list of strings"),
-    ({"choice": []}, r"got none"),  # an empty list counts as not set
+    ({"choice": []}, r"structured_outputs.choice must be a non-empty list of strings"),
     ({"choice": ["a", 1]}, r"structured_outputs.choice must be a non-empty list of strings"),
     ({"json_object": "yes"}, r"structured_outputs.json_object must be True or None"),
 ])
