@@ -56,10 +56,10 @@ class GuidanceBackend(StructuredOutputBackend):
             else:
                 raise ValueError(f"llguidance does not read {kind}")
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"llguidance cannot compile this {kind}: {exc}") from exc
+            raise ValueError(f"llguidance cannot compile this {kind}: {' '.join(str(exc).split())}") from exc
         error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
-            raise ValueError(f"llguidance cannot compile this {kind}: {error}")
+            raise ValueError(f"llguidance cannot compile this {kind}: {' '.join(error.split())}")
         return grammar
 
     def matcher(self, compiled: Any) -> GuidanceMatcher:
@@ -70,27 +70,23 @@ class GuidanceBackend(StructuredOutputBackend):
 
 
 class GuidanceMatcher(GrammarMatcher):
-    """An ``llguidance.LLMatcher``; terminated once a stop token was consumed in an accepting state."""
+    """An ``llguidance.LLMatcher``. Stop tokens are not fed to it: llguidance does not count an EOS taken in its
+    stopped state as a token (a rollback over it would undo a real token), so termination is kept here: a stop
+    token is accepted when the grammar is complete, and rolling it back only clears the flag."""
 
     def __init__(self, matcher, stop_token_ids: frozenset[int]):
         self._matcher = matcher
         self.stop_token_ids = stop_token_ids
-        self._terminated_at: int | None = None  # tokens accepted when a stop token terminated the matcher
-        self._accepted = 0
+        self._terminated = False
 
     def accept_token(self, token_id: int) -> bool:
-        if self._terminated_at is not None:
+        if self._terminated:
             return False
-        stop = token_id in self.stop_token_ids
-        if stop and not self._matcher.is_accepting():
-            return False
+        if token_id in self.stop_token_ids:
+            self._terminated = self._matcher.is_accepting()
+            return self._terminated
         # A token the grammar refuses would put the matcher in its error state for good: check first.
-        if self._matcher.validate_tokens([token_id]) != 1 or not self._matcher.consume_token(token_id):
-            return False
-        self._accepted += 1
-        if stop:
-            self._terminated_at = self._accepted
-        return True
+        return self._matcher.validate_tokens([token_id]) == 1 and self._matcher.consume_token(token_id)
 
     def fill_bitmask(self, bitmask: Tensor, row: int) -> None:
         target = bitmask[row]
@@ -99,14 +95,11 @@ class GuidanceMatcher(GrammarMatcher):
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
 
     def rollback(self, num_tokens: int) -> None:
-        if not num_tokens:
-            return
-        if num_tokens > self._accepted:
-            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._accepted} accepted")
-        self._matcher.rollback(num_tokens)
-        self._accepted -= num_tokens
-        if self._terminated_at is not None and self._accepted < self._terminated_at:
-            self._terminated_at = None
+        if num_tokens and self._terminated:
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise ValueError(f"llguidance cannot roll back {num_tokens} tokens: {self._matcher.get_error()}")
 
     def is_terminated(self) -> bool:
-        return self._terminated_at is not None
+        return self._terminated

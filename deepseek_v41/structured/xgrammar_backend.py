@@ -3,7 +3,8 @@
 JSON schemas compile with any whitespace between tokens and no properties beyond the schema's (xgrammar's
 ``strict_mode``), as vLLM compiles them. Choices compile to an EBNF alternation of string literals.
 :func:`unsupported_json_features` lists the schema keywords xgrammar does not enforce (it compiles them but drops
-them); the manager sends such schemas to llguidance, as vLLM's ``auto`` backend does.
+them); the manager sends such schemas to llguidance, as vLLM's ``auto`` backend does (llguidance enforces length
+bounds beside a pattern and refuses the rest: such a schema is refused rather than silently not enforced).
 
 Source: xgrammar's Python API (``xgrammar/compiler.py``, ``matcher.py``); vLLM
 ``vllm/v1/structured_output/backend_xgrammar.py`` (behaviour only).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from torch import Tensor
@@ -23,13 +25,19 @@ from deepseek_v41.structured.backend import GrammarMatcher, StructuredOutputBack
 XGRAMMAR_STRING_FORMATS = frozenset({
     "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri", "uri-reference",
     "uri-template", "json-pointer", "relative-json-pointer"})
+# Keywords xgrammar 0.2.9 compiles without enforcing (checked: a violating instance is accepted).
+XGRAMMAR_DROPPED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "not", "dependentRequired",
+                             "dependentSchemas", "dependencies")
+# Keywords whose value maps names to subschemas (the names are not keywords).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("enum", "const", "default", "examples", "required", "dependentRequired")  # values, not schemas
 
 
 def unsupported_json_features(schema: Any) -> list[str]:
-    """The keywords of a JSON schema (a dict, walked through every nested schema) that xgrammar compiles without
-    enforcing: ``multipleOf``; ``uniqueItems`` / ``contains`` / ``minContains`` / ``maxContains``; a string
-    ``format`` it does not know; ``minLength`` / ``maxLength`` beside a ``pattern`` or ``format`` (the length is
-    dropped). Returns them sorted and de-duplicated ([] when xgrammar enforces the whole schema)."""
+    """The keywords of a JSON schema (walked through every nested schema) that xgrammar 0.2.9 compiles without
+    enforcing: those of ``XGRAMMAR_DROPPED_KEYWORDS``, a string ``format`` it does not know, and ``minLength`` /
+    ``maxLength`` beside a ``pattern`` or ``format`` (the length is dropped). Sorted, de-duplicated; [] when
+    xgrammar enforces the whole schema."""
     found: set[str] = set()
 
     def walk(node: Any) -> None:
@@ -39,15 +47,17 @@ def unsupported_json_features(schema: Any) -> list[str]:
             return
         if not isinstance(node, dict):
             return
-        found.update(k for k in ("multipleOf", "uniqueItems", "contains", "minContains", "maxContains")
-                     if k in node)
+        found.update(k for k in XGRAMMAR_DROPPED_KEYWORDS if k in node)
         fmt = node.get("format")
         if isinstance(fmt, str) and fmt not in XGRAMMAR_STRING_FORMATS:
             found.add(f"format={fmt}")
         if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
             found.add("minLength/maxLength with pattern/format")
         for key, value in node.items():
-            if key not in ("enum", "const", "default", "examples"):  # values, not schemas
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                for subschema in value.values():
+                    walk(subschema)
+            elif key not in _DATA:
                 walk(value)
 
     walk(schema)
@@ -96,7 +106,7 @@ class XgrammarBackend(StructuredOutputBackend):
             if kind == "structural_tag":
                 return c.compile_structural_tag(spec)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise ValueError(f"xgrammar cannot compile this {kind}: {_first_line(exc)}") from exc
+            raise ValueError(f"xgrammar cannot compile this {kind}: {_message(exc)}") from exc
         raise ValueError(f"unknown structured output kind {kind!r}")
 
     def matcher(self, compiled: Any) -> XgrammarMatcher:
@@ -125,6 +135,7 @@ class XgrammarMatcher(GrammarMatcher):
         return self._matcher.is_terminated()
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[-1] if text else type(exc).__name__
+def _message(exc: BaseException) -> str:
+    """xgrammar's error text without its log prefix ("[18:46:57] /project/cpp/regex_converter.cc:94: ")."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", text)

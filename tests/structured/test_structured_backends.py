@@ -4,6 +4,8 @@ backend choice and LRU, and the matchers' rollback (both backends).
 Oracles: the tokenizer's own decode of each token (the vocabulary), a boolean mask built by hand (the bitmask),
 the tokenizer's encoding of valid texts (what a grammar must accept) and the bitmask filled before a rollback."""
 
+import json
+
 import pytest
 import torch
 from optional_deps import require
@@ -11,6 +13,7 @@ from optional_deps import require
 from deepseek_v41.engine.sampling_params import StructuredOutputsParams
 from deepseek_v41.structured import StructuredOutputManager, Vocabulary, apply_token_bitmask, mask_draft_positions
 from deepseek_v41.structured.bitmask import allocate_token_bitmask, token_allowed
+from deepseek_v41.structured.xgrammar_backend import unsupported_json_features
 
 EOS = 1
 VOCAB = 8192
@@ -63,7 +66,7 @@ def test_the_real_v4_vocabulary_and_dsml_text(grammar_engines):
     vocab = Vocabulary.from_tokenizer(tok, 129280, EOS)
     assert vocab.token_bytes[tok.token_to_id("｜DSML｜")] == "｜DSML｜".encode()
     assert vocab.token_bytes[tok.token_to_id("</think>")] == b"</think>"
-    assert vocab.token_bytes[EOS] is None and vocab.token_bytes[tok.token_to_id(" the")] == b" the"
+    assert vocab.token_bytes[EOS] is None and vocab.token_bytes[tok.token_to_id("\u0120the")] == b" the"
     manager = StructuredOutputManager(tok, 129280, EOS)
     matcher = manager.matcher(manager.compile(StructuredOutputsParams(regex=r"</think><｜DSML｜invoke>[a-z_]+")))
     ids = encode(tok, "</think><｜DSML｜invoke>get_weather")
@@ -130,14 +133,44 @@ def test_a_bad_constraint_is_a_value_error_and_is_not_cached(manager, params, me
     assert manager.cached == before
 
 
-def test_auto_sends_schemas_xgrammar_does_not_enforce_to_llguidance(manager):
+def test_auto_falls_back_to_llguidance(manager):
     assert manager.compile(StructuredOutputsParams(json=SCHEMA)).backend == "xgrammar"
-    dropped = {"type": "integer", "minimum": 0, "maximum": 100, "multipleOf": 7}
-    assert manager.compile(StructuredOutputsParams(json=dropped)).backend == "guidance"
-    nested = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
+    assert manager.compile(StructuredOutputsParams(json={"type": "integer", "multipleOf": 7})).backend == "xgrammar"
+    # xgrammar drops a length bound beside a pattern (it accepts "abcdef" here); llguidance enforces it.
+    bounded = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}
+    assert manager.compile(StructuredOutputsParams(json=bounded)).backend == "guidance"
+    nested = {"type": "object", "properties": {"code": bounded}}
     assert manager.compile(StructuredOutputsParams(json=nested)).backend == "guidance"
-    # "enum" values are data, not schemas: a value named like a keyword does not send it to llguidance
-    assert manager.compile(StructuredOutputsParams(json={"enum": [{"multipleOf": 2}]})).backend == "xgrammar"
+    # xgrammar refuses Unicode classes in a regex; llguidance compiles them.
+    assert manager.compile(StructuredOutputsParams(regex=r"\p{Lu}[a-z]+")).backend == "guidance"
+    # Property names and enum values are not keywords: a property named "not" stays with xgrammar.
+    named = {"type": "object", "properties": {"not": {"type": "integer"}}, "enum": [{"contains": 1}]}
+    assert manager.compile(StructuredOutputsParams(json=named)).backend == "xgrammar"
+
+
+def test_a_keyword_neither_backend_enforces_is_refused(manager):
+    """uniqueItems: xgrammar would compile it without enforcing it, llguidance refuses it: a ValueError naming
+    both, never an output that breaks the schema."""
+    with pytest.raises(ValueError, match=r"llguidance cannot compile this json: .*uniqueItems"):
+        manager.compile(StructuredOutputsParams(json={"type": "array", "uniqueItems": True}))
+
+
+def test_unsupported_json_features_are_the_ones_xgrammar_drops(manager, tokenizer):
+    """The routing list checked against xgrammar itself: for each listed keyword a violating instance passes
+    xgrammar's matcher (so routing is needed), and for multipleOf (not listed) it does not."""
+    from deepseek_v41.structured.xgrammar_backend import XgrammarBackend
+
+    xgr = XgrammarBackend(manager.vocab)
+    cases = [({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1,1]", True),
+             ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1,2]", True),
+             ({"type": "string", "format": "no-such-format"}, '"abc"', True),
+             ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, '"abcdef"', True),
+             ({"not": {"type": "integer"}}, "3", True),
+             ({"type": "integer", "multipleOf": 7}, "15", False)]
+    for schema, bad, dropped in cases:
+        matcher = xgr.matcher(xgr.compile("json", json.dumps(schema)))
+        passes = all(matcher.accept_token(t) for t in encode(tokenizer, bad)) and matcher.accept_token(EOS)
+        assert passes == dropped == bool(unsupported_json_features(schema)), schema
 
 
 # ---------------------------------------------------------------------------------------------- matchers

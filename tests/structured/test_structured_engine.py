@@ -106,14 +106,20 @@ def test_grammar_end_stops_even_with_ignore_eos(llm):
     assert out.token_ids[-1] == llm.engine.config.eos_token_id  # the grammar's stop token ended it
 
 
-def test_llguidance_fallback_output_satisfies_the_schema(llm):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 500,
-                                                     "multipleOf": 7}}, "required": ["n"],
-              "additionalProperties": False}
+def test_llguidance_fallback_outputs_satisfy_the_constraint(llm):
+    """Constraints auto sends to llguidance: a length bound beside a pattern (xgrammar would drop it) and a regex
+    with a Unicode class (xgrammar refuses it)."""
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "minLength": 2,
+                                                        "maxLength": 5}},
+              "required": ["code"], "additionalProperties": False}
     manager = llm.engine.structured_output_manager
     assert manager.compile(StructuredOutputsParams(json=schema)).backend == "guidance"
     for text in texts(llm, [constrained(s, json=schema) for s in SEEDS]):
         assert errors(json.loads(text), schema) == [], text
+    regex = r"\p{Lu}[a-z]{2,6}"
+    assert manager.compile(StructuredOutputsParams(regex=regex)).backend == "guidance"
+    for text in texts(llm, [constrained(s, regex=regex) for s in SEEDS]):
+        assert text[:1].isupper() and re.fullmatch("[a-z]{2,6}", text[1:]), text
 
 
 # ---------------------------------------------------------------------------------------------- batches
