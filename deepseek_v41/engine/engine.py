@@ -35,7 +35,7 @@ from deepseek_v41.engine.sequence import (
 )
 from deepseek_v41.engine.speculative import build_speculator, speculative_max_len
 from deepseek_v41.kernels import fast
-from deepseek_v41.structured import CompiledGrammar, StructuredOutputManager
+from deepseek_v41.structured import CompiledGrammar, StructuredOutputManager, StructuredOutputsConfig
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class LLMEngine:
         self.num_steps = 0
         # Structured outputs: built at the first constrained request (it reads the whole vocabulary and imports
         # the grammar engines; an engine that never gets one pays nothing).
+        self.structured_outputs_config = StructuredOutputsConfig.of(args.structured_outputs_config)
         self._structured: StructuredOutputManager | None = None
 
     @property
@@ -95,7 +96,7 @@ class LLMEngine:
                 raise ValueError("structured_outputs needs the model's tokenizer (tokenizer.json); this engine has "
                                  "none (token-id prompts only)")
             self._structured = StructuredOutputManager(self.tokenizer, self.config.vocab_size,
-                                                       self.config.eos_token_id)
+                                                       self.config.eos_token_id, self.structured_outputs_config)
         return self._structured
 
     @property

@@ -20,9 +20,10 @@ from deepseek_v41.structured.manager import (
     BACKENDS,
     CompiledGrammar,
     StructuredOutputManager,
+    StructuredOutputsConfig,
     mask_draft_positions,
 )
 
 __all__ = ["BACKENDS", "KINDS", "CompiledGrammar", "GrammarMatcher", "StructuredOutputBackend",
-           "StructuredOutputManager", "Vocabulary", "allocate_token_bitmask", "apply_token_bitmask",
-           "mask_draft_positions"]
+           "StructuredOutputManager", "StructuredOutputsConfig", "Vocabulary", "allocate_token_bitmask",
+           "apply_token_bitmask", "mask_draft_positions"]

@@ -26,11 +26,13 @@ class GuidanceBackend(StructuredOutputBackend):
 
     Args:
         vocab: the model's :class:`Vocabulary` (its ``tokenizer_json``, ``vocab_size`` and ``eos_token_id``).
+        any_whitespace: JSON may have any whitespace between its tokens; False: ``", "`` and ``": "`` only.
     """
 
     name = "guidance"
 
-    def __init__(self, vocab: Vocabulary):
+    def __init__(self, vocab: Vocabulary, any_whitespace: bool = False):
+        self.any_whitespace = any_whitespace
         import llguidance
 
         self._llg = llguidance
@@ -41,7 +43,8 @@ class GuidanceBackend(StructuredOutputBackend):
 
     def compile(self, kind: str, spec: str) -> str:
         llg = self._llg
-        whitespace = {"whitespace_flexible": True}
+        whitespace = ({"whitespace_flexible": True} if self.any_whitespace else
+                      {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
         try:
             if kind == "json":
                 grammar = llg.LLMatcher.grammar_from_json_schema(spec, defaults=whitespace)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -37,6 +38,44 @@ BACKENDS = ("auto", "xgrammar", "guidance")
 DEFAULT_CACHE_SIZE = 64  # compiled grammars kept (a JSON schema's grammar over a 129K vocabulary: ~1-10 MB)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Engine-wide structured-output settings (vLLM's ``StructuredOutputsConfig`` names).
+
+    ``backend``: ``"auto"`` (xgrammar, llguidance as the fallback), ``"xgrammar"`` or ``"guidance"``.
+    ``disable_any_whitespace``: JSON (schemas, ``json_object``) gets ``json.dumps``' separators and no other
+    whitespace. Default True, unlike vLLM's False: small models (the bundled one) given free whitespace emit
+    whitespace until max_tokens, and the whitespace of a JSON value carries no meaning.
+
+    Raises:
+        ValueError: an unknown backend or a non-bool ``disable_any_whitespace``.
+    """
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_config backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs_config disable_any_whitespace must be true or false, got "
+                             f"{self.disable_any_whitespace!r}")
+
+    @classmethod
+    def of(cls, value: StructuredOutputsConfig | Mapping[str, Any] | None) -> StructuredOutputsConfig:
+        """The config of an engine argument: None (defaults), a dict of these fields or a config. Raises
+        ValueError for an unknown key (naming the known ones) or value."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if not isinstance(value, Mapping):
+            raise ValueError(f"structured_outputs_config must be a dict or None, got {type(value).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown keys {unknown}; known: {known}")
+        return cls(**value)
+
+
 class CompiledGrammar(NamedTuple):
     """A constraint compiled by one backend: ``backend`` (its name) and the backend's own ``handle``."""
 
@@ -51,21 +90,21 @@ class StructuredOutputManager:
         tokenizer: the model's ``tokenizers.Tokenizer`` (byte-level BPE).
         vocab_size: the model's vocabulary size V (the logits' width).
         eos_token_id: the stop token a finished grammar allows (None: the grammar ends without one).
-        backend: ``"auto"`` (xgrammar, llguidance as fallback), ``"xgrammar"`` or ``"guidance"``.
+        config: a :class:`StructuredOutputsConfig` or its dict (None: the defaults).
         cache_size: compiled grammars kept (LRU), at least 1.
 
     Raises:
-        ValueError: an unknown backend, a cache size below 1, or a tokenizer that is not byte-level BPE.
+        ValueError: a bad config, a cache size below 1, or a tokenizer that is not byte-level BPE.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, backend: str = "auto",
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None,
+                 config: StructuredOutputsConfig | Mapping[str, Any] | None = None,
                  cache_size: int = DEFAULT_CACHE_SIZE):
-        if backend not in BACKENDS:
-            raise ValueError(f"structured outputs backend must be one of {BACKENDS}, got {backend!r}")
+        self.config = StructuredOutputsConfig.of(config)
         if not isinstance(cache_size, int) or cache_size < 1:
             raise ValueError(f"cache_size must be a positive integer, got {cache_size!r}")
         self.vocab = Vocabulary.from_tokenizer(tokenizer, vocab_size, eos_token_id)
-        self.backend = backend
+        self.backend = self.config.backend
         self.cache_size = cache_size
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
@@ -78,11 +117,11 @@ class StructuredOutputManager:
             if name == "xgrammar":
                 from deepseek_v41.structured.xgrammar_backend import XgrammarBackend
 
-                backend = XgrammarBackend(self.vocab)
+                backend = XgrammarBackend(self.vocab, not self.config.disable_any_whitespace)
             else:
                 from deepseek_v41.structured.guidance_backend import GuidanceBackend
 
-                backend = GuidanceBackend(self.vocab)
+                backend = GuidanceBackend(self.vocab, not self.config.disable_any_whitespace)
             self._backends[name] = backend
         return backend
 

@@ -1,7 +1,8 @@
 """The default backend: xgrammar (``TokenizerInfo``, ``GrammarCompiler``, ``GrammarMatcher``).
 
-JSON schemas compile with any whitespace between tokens and no properties beyond the schema's (xgrammar's
-``strict_mode``), as vLLM compiles them. Choices compile to an EBNF alternation of string literals.
+JSON schemas compile with no properties beyond the schema's (xgrammar's ``strict_mode``, as vLLM) and, unless
+``any_whitespace``, with ``json.dumps``' separators and no other whitespace. Choices compile to an EBNF
+alternation of string literals.
 :func:`unsupported_json_features` lists the schema keywords xgrammar does not enforce (it compiles them but drops
 them); the manager sends such schemas to llguidance, as vLLM's ``auto`` backend does (llguidance enforces length
 bounds beside a pattern and refuses the rest: such a schema is refused rather than silently not enforced).
@@ -75,11 +76,14 @@ class XgrammarBackend(StructuredOutputBackend):
 
     Args:
         vocab: the model's :class:`Vocabulary` (special tokens and ids the tokenizer lacks are never allowed).
+        any_whitespace: JSON may have any whitespace between its tokens (vLLM's default); False: ``", "`` and
+            ``": "`` only.
     """
 
     name = "xgrammar"
 
-    def __init__(self, vocab: Vocabulary):
+    def __init__(self, vocab: Vocabulary, any_whitespace: bool = False):
+        self.any_whitespace = any_whitespace
         import xgrammar as xgr
 
         self._xgr = xgr
@@ -94,9 +98,10 @@ class XgrammarBackend(StructuredOutputBackend):
         c = self.compiler
         try:
             if kind == "json":
-                return c.compile_json_schema(spec, any_whitespace=True, strict_mode=True)
+                return c.compile_json_schema(spec, any_whitespace=self.any_whitespace, strict_mode=True)
             if kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=True, strict_mode=True)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace,
+                                             strict_mode=True)
             if kind == "regex":
                 return c.compile_regex(spec)
             if kind == "choice":

@@ -115,8 +115,11 @@ def test_lru_keeps_at_most_cache_size_grammars(tokenizer, grammar_engines):
     assert manager.cached == [("regex", "c+"), ("regex", "b+")] and manager.num_compiled == 4
     with pytest.raises(ValueError, match="cache_size must be a positive integer"):
         StructuredOutputManager(tokenizer, VOCAB, EOS, cache_size=0)
+    with pytest.raises(ValueError, match=r"unknown keys \['disable_fallback'\]; known: \['backend', "
+                                         r"'disable_any_whitespace'\]"):
+        StructuredOutputManager(tokenizer, VOCAB, EOS, {"disable_fallback": True})
     with pytest.raises(ValueError, match="backend must be one of"):
-        StructuredOutputManager(tokenizer, VOCAB, EOS, backend="outlines")
+        StructuredOutputManager(tokenizer, VOCAB, EOS, {"backend": "outlines"})
 
 
 @pytest.mark.parametrize(("params", "message"), [
@@ -161,8 +164,8 @@ def test_unsupported_json_features_are_the_ones_xgrammar_drops(manager, tokenize
     from deepseek_v41.structured.xgrammar_backend import XgrammarBackend
 
     xgr = XgrammarBackend(manager.vocab)
-    cases = [({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1,1]", True),
-             ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1,2]", True),
+    cases = [({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", True),
+             ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1, 2]", True),
              ({"type": "string", "format": "no-such-format"}, '"abc"', True),
              ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, '"abcdef"', True),
              ({"not": {"type": "integer"}}, "3", True),
@@ -176,7 +179,7 @@ def test_unsupported_json_features_are_the_ones_xgrammar_drops(manager, tokenize
 # ---------------------------------------------------------------------------------------------- matchers
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 def test_matcher_follows_a_valid_text_and_rolls_back(tokenizer, grammar_engines, backend):
-    manager = StructuredOutputManager(tokenizer, VOCAB, EOS, backend=backend)
+    manager = StructuredOutputManager(tokenizer, VOCAB, EOS, {"backend": backend})
     matcher = manager.matcher(manager.compile(StructuredOutputsParams(json=SCHEMA)))
     ids = encode(tokenizer, '{"n": 42}')
     masks = allocate_token_bitmask(len(ids) + 1, VOCAB)
@@ -203,8 +206,26 @@ def test_matcher_follows_a_valid_text_and_rolls_back(tokenizer, grammar_engines,
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_json_whitespace_is_free_only_when_asked(tokenizer, grammar_engines, backend):
+    """disable_any_whitespace (default True): after '{' only the key may come; False (vLLM's default): whitespace
+    too. Either way the canonical separators ', ' and ': ' are accepted."""
+    space, tab = encode(tokenizer, " ")[0], encode(tokenizer, "\t")[0]
+    for disable, expected in ((True, False), (False, True)):
+        manager = StructuredOutputManager(tokenizer, VOCAB, EOS, {"backend": backend,
+                                                                   "disable_any_whitespace": disable})
+        compiled = manager.compile(StructuredOutputsParams(json=SCHEMA))
+        matcher = manager.matcher(compiled)
+        assert matcher.accept_token(encode(tokenizer, "{")[0])
+        mask = allocate_token_bitmask(1, VOCAB)
+        matcher.fill_bitmask(mask, 0)
+        assert token_allowed(mask, 0, space) == token_allowed(mask, 0, tab) == expected, (backend, disable)
+        matcher = manager.matcher(compiled)
+        assert all(matcher.accept_token(t) for t in encode(tokenizer, '{"n": 5}')) and matcher.accept_token(EOS)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 def test_special_tokens_are_never_allowed(tokenizer, grammar_engines, backend):
-    manager = StructuredOutputManager(tokenizer, VOCAB, EOS, backend=backend)
+    manager = StructuredOutputManager(tokenizer, VOCAB, EOS, {"backend": backend})
     matcher = manager.matcher(manager.compile(StructuredOutputsParams(json={"type": "string"})))
     assert matcher.accept_token(encode(tokenizer, '"')[0])
     mask = allocate_token_bitmask(1, VOCAB)
