@@ -9,8 +9,8 @@ with the same seeds:
 
 and prints decode tokens/s (generated tokens after each request's first / time from the first token to the last),
 the ratio to free, the tokens generated, the per-token mask cost in ms (filling the bitmask rows, applying them to
-the logits and advancing the matchers, per constrained token) and whether every constrained output parses and has
-the schema's required keys. The first compile of the schema (a cache miss) is printed once. One run: these
+the logits and advancing the matchers, per constrained token) and, of the constrained outputs, how many parse with
+the schema's required keys / how many the grammar ended (the rest reached ``--max-tokens``) / all. The first compile of the schema (a cache miss) is printed once. One run: these
 machines are noisy, read the ratios, not the absolute rates.
 
     python bench/structured.py --model checkpoints/v41-tiny/ [--batch-sizes 1 8] [--max-tokens 64]
@@ -29,12 +29,12 @@ PROMPT = "The model configuration, as JSON:"
 SCHEMA = {
     "type": "object",
     "properties": {
-        "model": {"type": "string", "maxLength": 24},
+        "model": {"type": "string", "pattern": "^[A-Za-z0-9 .-]{1,24}$"},
         "layers": {"type": "integer", "minimum": 1, "maximum": 128},
         "dtype": {"enum": ["bf16", "fp8", "fp4"]},
         "experts": {"type": "array", "maxItems": 8, "items": {
             "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 255},
-                                             "name": {"type": "string", "maxLength": 8}},
+                                             "name": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
             "required": ["id", "name"], "additionalProperties": False}},
     },
     "required": ["model", "layers", "dtype", "experts"],
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model}, vocab {llm.engine.config.vocab_size}, up to {args.max_tokens} tokens at "
           f"temperature 1, torch threads {torch.get_num_threads()}, schema compiled in {compile_ms:.1f} ms "
           f"(backend {manager.compile(constraint).backend})")
-    print(f"{'batch':>5}  {'mode':<12} {'decode tok/s':>12} {'ratio':>6} {'tokens':>7} {'mask ms/token':>13}  valid")
+    print(f"{'batch':>5}  {'mode':<12} {'decode tok/s':>12} {'ratio':>6} {'tokens':>7} {'mask ms/token':>13}  "
+          f"valid/ended/requests")
     for size in args.batch_sizes:
         base = None
         for mode, make in (("free", free), ("json schema", schema)):
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             base = base or rate
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             mask = f"{timer.seconds * 1e3 / max(1, tokens):.3f}" if mode != "free" else "-"
-            ok = "-" if mode == "free" else f"{sum(valid(o.outputs[0].text) for o in outputs)}/{size}"
+            ended = [o.outputs[0] for o in outputs if o.outputs[0].finish_reason == "stop"]
+            ok = "-" if mode == "free" else f"{sum(valid(c.text) for c in ended)}/{len(ended)}/{size}"
             print(f"{size:>5}  {mode:<12} {rate:>12.1f} {rate / base:>6.2f} {tokens:>7} {mask:>13}  {ok}", flush=True)
     return 0
 

@@ -4,8 +4,9 @@ JSON schemas compile with no properties beyond the schema's (xgrammar's ``strict
 ``any_whitespace``, with ``json.dumps``' separators and no other whitespace. Choices compile to an EBNF
 alternation of string literals.
 :func:`unsupported_json_features` lists the schema keywords xgrammar does not enforce (it compiles them but drops
-them); the manager sends such schemas to llguidance, as vLLM's ``auto`` backend does (llguidance enforces length
-bounds beside a pattern and refuses the rest: such a schema is refused rather than silently not enforced).
+them, or in the case of string length bounds, compiles wrongly); the manager sends such schemas to llguidance, as
+vLLM's ``auto`` backend does (llguidance enforces string lengths and refuses the rest: such a schema is refused
+rather than silently not enforced).
 
 Source: xgrammar's Python API (``xgrammar/compiler.py``, ``matcher.py``); vLLM
 ``vllm/v1/structured_output/backend_xgrammar.py`` (behaviour only).
@@ -35,9 +36,10 @@ _DATA = ("enum", "const", "default", "examples", "required", "dependentRequired"
 
 
 def unsupported_json_features(schema: Any) -> list[str]:
-    """The keywords of a JSON schema (walked through every nested schema) that xgrammar 0.2.9 compiles without
-    enforcing: those of ``XGRAMMAR_DROPPED_KEYWORDS``, a string ``format`` it does not know, and ``minLength`` /
-    ``maxLength`` beside a ``pattern`` or ``format`` (the length is dropped). Sorted, de-duplicated; [] when
+    """The keywords of a JSON schema (walked through every nested schema) that xgrammar 0.2.9 does not enforce
+    correctly: those of ``XGRAMMAR_DROPPED_KEYWORDS`` (dropped), a string ``format`` it does not know (dropped),
+    and ``minLength`` / ``maxLength`` (dropped beside a ``pattern`` or ``format``; alone, the bounded string lets
+    raw control characters through, which is not JSON, and refuses escapes). Sorted, de-duplicated; [] when
     xgrammar enforces the whole schema."""
     found: set[str] = set()
 
@@ -52,8 +54,8 @@ def unsupported_json_features(schema: Any) -> list[str]:
         fmt = node.get("format")
         if isinstance(fmt, str) and fmt not in XGRAMMAR_STRING_FORMATS:
             found.add(f"format={fmt}")
-        if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
-            found.add("minLength/maxLength with pattern/format")
+        if "minLength" in node or "maxLength" in node:
+            found.add("minLength/maxLength")
         for key, value in node.items():
             if key in _SCHEMA_MAPS and isinstance(value, dict):
                 for subschema in value.values():

@@ -160,7 +160,7 @@ def test_a_keyword_neither_backend_enforces_is_refused(manager):
 
 def test_unsupported_json_features_are_the_ones_xgrammar_drops(manager, tokenizer):
     """The routing list checked against xgrammar itself: for each listed keyword a violating instance passes
-    xgrammar's matcher (so routing is needed), and for multipleOf (not listed) it does not."""
+    xgrammar's matcher (so routing is needed), and for multipleOf or a pattern (not listed) it does not."""
     from deepseek_v41.structured.xgrammar_backend import XgrammarBackend
 
     xgr = XgrammarBackend(manager.vocab)
@@ -168,6 +168,8 @@ def test_unsupported_json_features_are_the_ones_xgrammar_drops(manager, tokenize
              ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1, 2]", True),
              ({"type": "string", "format": "no-such-format"}, '"abc"', True),
              ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, '"abcdef"', True),
+             ({"type": "string", "maxLength": 5}, '"a\tb"', True),  # a raw tab: not JSON
+             ({"type": "string", "pattern": "^a.b$"}, '"a\tb"', False),
              ({"not": {"type": "integer"}}, "3", True),
              ({"type": "integer", "multipleOf": 7}, "15", False)]
     for schema, bad, dropped in cases:
