@@ -10,7 +10,8 @@ with the same seeds:
 and prints decode tokens/s (generated tokens after each request's first / time from the first token to the last),
 the ratio to free, the tokens generated, the per-token mask cost in ms (filling the bitmask rows, applying them to
 the logits and advancing the matchers, per constrained token) and, of the constrained outputs, how many parse with
-the schema's required keys / how many the grammar ended (the rest reached ``--max-tokens``) / all. The first compile of the schema (a cache miss) is printed once. One run: these
+the schema's required keys / how many the grammar ended (the rest reached ``--max-tokens``) / all. The first
+compile of the schema (a cache miss) is printed once. One run: these
 machines are noisy, read the ratios, not the absolute rates.
 
     python bench/structured.py --model checkpoints/v41-tiny/ [--batch-sizes 1 8] [--max-tokens 64]
