@@ -33,7 +33,7 @@ SCHEMA = {
         "model": {"type": "string", "pattern": "^[A-Za-z0-9 .-]{1,24}$"},
         "layers": {"type": "integer", "minimum": 1, "maximum": 128},
         "dtype": {"enum": ["bf16", "fp8", "fp4"]},
-        "experts": {"type": "array", "maxItems": 8, "items": {
+        "experts": {"type": "array", "maxItems": 3, "items": {
             "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 255},
                                              "name": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
             "required": ["id", "name"], "additionalProperties": False}},

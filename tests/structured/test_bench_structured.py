@@ -6,7 +6,7 @@ from bench_scripts import load_bench
 
 def test_bench_prints_free_and_schema_rows(grammar_engines, capsys):
     bench = load_bench("structured", "bench_structured")
-    assert bench.main(["--batch-sizes", "1", "2", "--max-tokens", "96"]) == 0
+    assert bench.main(["--batch-sizes", "1", "2", "--max-tokens", "32"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
     assert [(r[0], r[1]) for r in rows] == [("1", "free"), ("1", "json"), ("2", "free"), ("2", "json")]
     assert rows[0][-1] == "-"
