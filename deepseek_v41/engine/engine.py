@@ -44,7 +44,7 @@ class LLMEngine:
     """Owns the model, the scheduler (which owns the KV cache manager), the runner and the sampler.
 
     Raises ValueError for settings that cannot work (prefill mode, sizes, a pool too small for one sequence,
-    speculative settings the checkpoint or the window slack cannot support).
+    speculative settings the checkpoint or the window slack cannot support, a bad ``structured_outputs_config``).
     """
 
     def __init__(self, model, args: EngineArgs, tokenizer: Any | None = None, model_path: str | Path | None = None):

@@ -218,3 +218,16 @@ def test_min_tokens_past_the_grammar_end_stops_without_crashing(llm, caplog):
         out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
     assert out.text.startswith("ok") and out.finish_reason == "stop"
     assert "outside its structured output's grammar" in caplog.text
+
+
+def test_structured_outputs_config_is_checked_at_engine_start(llm):
+    from deepseek_v41.config import tiny_config
+    from deepseek_v41.engine import LLM
+    from deepseek_v41.model.transformer import Transformer
+
+    with pytest.raises(ValueError, match=r"structured_outputs_config has unknown keys \['bogus'\]"):
+        LLM(Transformer(tiny_config()), dtype="float32", max_model_len=64, structured_outputs_config={"bogus": 1})
+    with pytest.raises(ValueError, match="structured_outputs_config backend must be one of"):
+        LLM(Transformer(tiny_config()), dtype="float32", max_model_len=64,
+            structured_outputs_config={"backend": "outlines"})
+    assert llm.engine.structured_output_manager.config.disable_any_whitespace  # the default here
