@@ -11,7 +11,13 @@ import torch
 from optional_deps import require
 
 from deepseek_v41.engine.sampling_params import StructuredOutputsParams
-from deepseek_v41.structured import StructuredOutputManager, Vocabulary, apply_token_bitmask, mask_draft_positions
+from deepseek_v41.structured import (
+    GrammarMatcher,
+    StructuredOutputManager,
+    Vocabulary,
+    apply_token_bitmask,
+    mask_draft_positions,
+)
 from deepseek_v41.structured.bitmask import allocate_token_bitmask, token_allowed
 from deepseek_v41.structured.xgrammar_backend import unsupported_json_features
 
@@ -271,3 +277,77 @@ def test_draft_positions_are_masked_with_the_state_after_the_drafts_before_them(
     again = allocate_token_bitmask(1, VOCAB)
     matcher.fill_bitmask(again, 0)
     assert torch.equal(again[0], expected[0]) and not matcher.is_terminated()
+
+
+class _TableMatcher(GrammarMatcher):
+    """A grammar by table: after k accepted tokens, ``allowed[min(k, last)]`` may come next (no stop token)."""
+
+    def __init__(self, allowed: list[set[int]]):
+        self.allowed, self.k = allowed, 0
+
+    def _now(self) -> set[int]:
+        return self.allowed[min(self.k, len(self.allowed) - 1)]
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id not in self._now():
+            return False
+        self.k += 1
+        return True
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        bitmask[row] = 0
+        for t in self._now():
+            word = int(bitmask[row, t // 32]) | (1 << (t % 32))
+            bitmask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+    def rollback(self, num_tokens: int) -> None:
+        self.k -= num_tokens
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_masked_speculative_sampling_is_lossless():
+    """DSPARK.md §6.2 with a grammar: drafts from an unconstrained q (often disallowed) verified against masked
+    target logits. The first emitted token must follow the masked P_0 and, after an accepted first draft, the
+    second the masked P_1. Cutting the block before a disallowed draft (sampling P directly there instead of
+    rejecting it into the residual) would bias the first token towards P_0 where q is large."""
+    from deepseek_v41.engine.sampler import Sampler, SamplingState
+    from deepseek_v41.engine.sampling_params import SamplingParams
+    from deepseek_v41.engine.speculative import verify_sequence
+
+    V, N = 6, 6000
+    allowed = [{0, 2, 3}, {1, 3, 4}, set(range(V))]
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, V, generator=gen) * 1.5
+    q = torch.softmax(torch.randn(2, V, generator=gen) * 2, -1)
+    state = SamplingState(SamplingParams(temperature=1.0, seed=5, max_tokens=10), [1])
+    sampler = Sampler()
+    first, second = torch.zeros(V), torch.zeros(V)
+    for _ in range(N):
+        drafts = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
+        matcher = _TableMatcher(allowed)
+        rows = logits.clone()
+        verified, walked = mask_draft_positions(rows, matcher, drafts)
+        verdict = verify_sequence(sampler, rows[: verified + 1], state, drafts[:verified], q[:verified])
+        matcher.rollback(walked - verdict.accepted)
+        assert matcher.k == verdict.accepted and all(t in allowed[i] for i, t in enumerate(verdict.tokens))
+        first[verdict.tokens[0]] += 1
+        if verdict.accepted >= 1:  # position 1's logits are the same whatever the first token
+            second[verdict.tokens[1]] += 1
+
+    def masked(row, keep):
+        return torch.softmax(row.masked_fill(~torch.isin(torch.arange(V), torch.tensor(sorted(keep))), -1e30), -1)
+
+    assert chi_square_p(first, masked(logits[0], allowed[0])) > 1e-3
+    assert second.sum() > 200 and chi_square_p(second, masked(logits[1], allowed[1])) > 1e-3
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness-of-fit p-value of ``counts`` against ``probs`` (cells of probability 0 must be empty)."""
+    assert counts[probs < 1e-12].sum() == 0, "a token the grammar does not allow was emitted"
+    keep = probs >= 1e-12
+    expected = probs[keep].double() * counts.sum()
+    stat = ((counts[keep].double() - expected) ** 2 / expected).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
