@@ -125,20 +125,20 @@ class StructuredOutputManager:
             self._backends[name] = backend
         return backend
 
-    def _order(self, kind: str, spec: str) -> list[str]:
-        """Backends to try, in order, for one constraint."""
+    def _order(self, kind: str, spec: str) -> tuple[list[str], list[str]]:
+        """Backends to try, in order, for one constraint, and why xgrammar was skipped (if it was)."""
         if self.backend != "auto":
-            return [self.backend]
+            return [self.backend], []
         if kind == "structural_tag":
-            return ["xgrammar"]
+            return ["xgrammar"], []
         if kind == "json":
             from deepseek_v41.structured.xgrammar_backend import unsupported_json_features
 
             dropped = unsupported_json_features(json.loads(spec))
             if dropped:
                 log.info("JSON schema uses %s, which xgrammar does not enforce: compiled by llguidance", dropped)
-                return ["guidance"]
-        return ["xgrammar", "guidance"]
+                return ["guidance"], [f"xgrammar does not enforce {', '.join(dropped)}"]
+        return ["xgrammar", "guidance"], []
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of ``params`` (from the cache when compiled before).
@@ -152,8 +152,8 @@ class StructuredOutputManager:
             self._cache.move_to_end(key)
             self.num_cache_hits += 1
             return hit
-        reasons = []
-        for name in self._order(*key):
+        order, reasons = self._order(*key)
+        for name in order:
             try:
                 compiled = CompiledGrammar(name, self._backend(name).compile(*key))
                 break

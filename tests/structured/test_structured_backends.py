@@ -160,7 +160,8 @@ def test_auto_falls_back_to_llguidance(manager):
 def test_a_keyword_neither_backend_enforces_is_refused(manager):
     """uniqueItems: xgrammar would compile it without enforcing it, llguidance refuses it: a ValueError naming
     both, never an output that breaks the schema."""
-    with pytest.raises(ValueError, match=r"llguidance cannot compile this json: .*uniqueItems"):
+    with pytest.raises(ValueError, match=r"xgrammar does not enforce uniqueItems; llguidance cannot compile this "
+                                         r"json: .*uniqueItems"):
         manager.compile(StructuredOutputsParams(json={"type": "array", "uniqueItems": True}))
 
 
