@@ -28,14 +28,15 @@ def load_model(path, dtype=None, device="cpu", fake_quant=True):
     return _load(path, dtype=dtype or torch.float32, device=device, fake_quant=fake_quant)
 
 
-_ENGINE_NAMES = ("LLM", "SamplingParams", "EngineArgs", "LLMEngine", "RequestOutput", "CompletionOutput")
+_ENGINE_NAMES = ("LLM", "SamplingParams", "StructuredOutputsParams", "EngineArgs", "LLMEngine", "RequestOutput",
+                 "CompletionOutput")
 __all__ = ["load_model", *_ENGINE_NAMES]
 
 
 def __getattr__(name):
-    """``from deepseek_v41 import LLM, SamplingParams`` (as ``from vllm import LLM, SamplingParams``): the engine's
-    names are imported on first use, so ``import deepseek_v41`` alone imports no torch. Raises AttributeError for
-    any other missing name."""
+    """``from deepseek_v41 import LLM, SamplingParams, StructuredOutputsParams`` (as ``from vllm import LLM,
+    SamplingParams``): the engine's names are imported on first use, so ``import deepseek_v41`` alone imports no
+    torch. Raises AttributeError for any other missing name."""
     if name in _ENGINE_NAMES:
         from deepseek_v41 import engine
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 from deepseek_v41.cache.kv_cache_manager import CacheConfig
 
@@ -29,6 +30,10 @@ class EngineArgs:
     ``speculative_cost_table``: relative cost of a target forward verifying ℓ drafts per sequence, as a list
     indexed by ℓ or a dict ℓ -> cost over 0..speculative_max_len; None (default) measures it at engine start;
     ``"fixed"`` verifies ``speculative_max_len`` drafts every step.
+
+    Structured outputs: ``structured_outputs_config`` (vLLM's name), a dict of
+    :class:`~deepseek_v41.structured.StructuredOutputsConfig` fields: ``backend`` ("auto", "xgrammar",
+    "guidance") and ``disable_any_whitespace`` (default True here, False in vLLM); None = the defaults.
     """
 
     prefill_mode: str | None = None
@@ -49,6 +54,7 @@ class EngineArgs:
     speculative: str | None = None
     speculative_max_len: int | None = None
     speculative_cost_table: dict[int, float] | list[float] | str | None = None
+    structured_outputs_config: dict[str, Any] | None = None
 
     def cache_config(self, max_model_len: int) -> CacheConfig:
         """The cache settings of these arguments, for an engine of ``max_model_len`` tokens per sequence."""

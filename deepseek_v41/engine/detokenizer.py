@@ -3,8 +3,9 @@
 ``IncrementalDetokenizer.append`` takes the tokens accepted in one engine step (one, or several under
 speculative decoding) and returns the text to stream, whether the sequence finished, why, and how many of the
 given tokens to keep. Per token, in order (vLLM v1 ``check_stop`` and ``Detokenizer.update``):
-  1. a stop token (EOS unless ``ignore_eos``, or one of ``stop_token_ids``) once at least ``min_tokens`` tokens
-     exist -> finish "stop"; the token is kept, its text dropped unless ``include_stop_str_in_output``;
+  1. a stop token (EOS unless ``ignore_eos`` without ``structured_outputs``, or one of ``stop_token_ids``) once at
+     least ``min_tokens`` tokens exist -> finish "stop"; the token is kept, its text dropped unless
+     ``include_stop_str_in_output``;
   2. its text is decoded; if a stop string now ends in the text (only checked once more than ``min_tokens``
      tokens exist) -> finish "stop", the text cut before the stop string (after it with
      ``include_stop_str_in_output``), and this token is the last one kept;
@@ -166,7 +167,9 @@ class IncrementalDetokenizer:
         self.params = params
         caps = [m for m in (params.max_tokens, max_tokens) if m is not None]
         self.max_tokens = min(caps) if caps else None
-        self._eos = None if params.ignore_eos else eos_token_id
+        # A structured output's grammar allows EOS only once it is complete, and the output ends there even with
+        # ignore_eos (a grammar has nothing after its end).
+        self._eos = None if params.ignore_eos and params.structured_outputs is None else eos_token_id
         self._stop_ids = frozenset(params.stop_token_ids)
         self._stops = stop_matcher(tuple(params.stop)) if params.stop else None
         self._stop_state = 0  # the matcher's state after all text decoded so far
@@ -232,6 +235,15 @@ class IncrementalDetokenizer:
         if self.finished:
             emitted.append(self._flush())
         return DetokenizerUpdate("".join(emitted), self.finished, self.finish_reason, kept)
+
+    def stop(self) -> str:
+        """Finish now with reason "stop": a structured output's grammar ended without a stop token the checks
+        above see (a model without EOS) or refused a token, and nothing may follow. Returns the held-back text
+        it releases; "" when already finished."""
+        if self.finished:
+            return ""
+        self._finish("stop", None)
+        return self._flush()
 
     def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:
         self.finished = True

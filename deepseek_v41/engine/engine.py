@@ -35,6 +35,7 @@ from deepseek_v41.engine.sequence import (
 )
 from deepseek_v41.engine.speculative import build_speculator, speculative_max_len
 from deepseek_v41.kernels import fast
+from deepseek_v41.structured import CompiledGrammar, StructuredOutputManager, StructuredOutputsConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class LLMEngine:
     """Owns the model, the scheduler (which owns the KV cache manager), the runner and the sampler.
 
     Raises ValueError for settings that cannot work (prefill mode, sizes, a pool too small for one sequence,
-    speculative settings the checkpoint or the window slack cannot support).
+    speculative settings the checkpoint or the window slack cannot support, a bad ``structured_outputs_config``).
     """
 
     def __init__(self, model, args: EngineArgs, tokenizer: Any | None = None, model_path: str | Path | None = None):
@@ -81,6 +82,22 @@ class LLMEngine:
         # a copy per step: at 16K tokens that copy cost ~50 µs of each decode step).
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}
         self.num_steps = 0
+        # Structured outputs: built at the first constrained request (it reads the whole vocabulary and imports
+        # the grammar engines; an engine that never gets one pays nothing).
+        self.structured_outputs_config = StructuredOutputsConfig.of(args.structured_outputs_config)
+        self._structured: StructuredOutputManager | None = None
+
+    @property
+    def structured_output_manager(self) -> StructuredOutputManager:
+        """The engine's :class:`~deepseek_v41.structured.StructuredOutputManager` (built on first use). Raises
+        ValueError when the engine has no tokenizer or the tokenizer is not byte-level BPE."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer (tokenizer.json); this engine has "
+                                 "none (token-id prompts only)")
+            self._structured = StructuredOutputManager(self.tokenizer, self.config.vocab_size,
+                                                       self.config.eos_token_id, self.structured_outputs_config)
+        return self._structured
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -94,7 +111,8 @@ class LLMEngine:
         """Queue a request (``params.n`` sequences). Raises ValueError, with nothing queued, for an empty prompt,
         token ids outside ``[0, vocab_size)``, ``params.logprobs`` above ``vocab_size``, a ``cache_salt`` that is
         not None or a non-empty string, a prompt longer than ``max_model_len`` or than the KV pool can ever hold,
-        a duplicate id."""
+        a duplicate id, ``params.structured_outputs`` that no backend compiles (a bad schema, regex or grammar) or
+        on an engine without a tokenizer."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         try:  # ints, numpy or 0-d torch integers; not text (vLLM's engine also takes text, ours token ids only)
@@ -123,6 +141,9 @@ class LLMEngine:
         if n + 1 > capacity:
             raise ValueError(f"the prompt needs {n + 1} token positions but the KV pool holds {capacity}; "
                              f"raise num_kv_pages or kv_cache_memory_bytes")
+        grammar: CompiledGrammar | None = None
+        if params.structured_outputs is not None:
+            grammar = self.structured_output_manager.compile(params.structured_outputs)
         arrival = arrival_time or time.time()
         decoder_start = self.model.plan.decoder_start(n)
         seqs = []
@@ -137,6 +158,8 @@ class LLMEngine:
             seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, sampling, detok,
                            decoder_start=decoder_start, arrival_time=arrival,
                            cache_salt=cache_salt)
+            if grammar is not None:
+                seq.grammar = self._structured.matcher(grammar)
             seqs.append(seq)
         # Queue only once every sample was built: a failure above leaves nothing half-added.
         for seq in seqs:
@@ -235,7 +258,10 @@ class LLMEngine:
                 sampled.append((seq, logits[row]))
         touched = {seq.request_id for seq, _ in sampled} | {seq.request_id for seq, _ in verdicts}
         if sampled:
-            out = self.sampler.sample(torch.stack([l for _, l in sampled]), [s.sampling for s, _ in sampled])
+            logits = torch.stack([l for _, l in sampled])
+            if any(seq.grammar is not None for seq, _ in sampled):
+                self._structured.mask_logits(logits, [seq.grammar for seq, _ in sampled])
+            out = self.sampler.sample(logits, [s.sampling for s, _ in sampled])
             tokens = out.token_ids.tolist()
             for row, (seq, _) in enumerate(sampled):
                 entries = None
@@ -243,18 +269,27 @@ class LLMEngine:
                     entries = [out.logprobs.to_dict(row, seq.params.logprobs)]
                 self._append(seq, [tokens[row]], entries)
         for seq, verdict in verdicts:
-            self._append(seq, verdict.tokens, verdict.logprobs, speculative=True)
+            self._append(seq, verdict.tokens, verdict.logprobs, speculative=True, matched=verdict.accepted)
         self.num_steps += 1
         return [self.request_output(rid) for rid in touched]
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None, speculative: bool = False) -> None:
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None, speculative: bool = False,
+                matched: int = 0) -> None:
         """Add one step's tokens (one, or the accepted drafts + one under speculation) with their logprobs
         entries. A speculative step computed the accepted drafts already: its committed length is cut back to
-        the tokens kept (a stop inside the block) before the new full pages are registered."""
+        the tokens kept (a stop inside the block) before the new full pages are registered.
+
+        Structured outputs: the sequence's matcher accepts the kept tokens (the first ``matched`` of them are in
+        it already: the speculator walked the accepted drafts); a matcher that terminated (its EOS ends the
+        output in the detokenizer already, even with ``ignore_eos``) or refused a token finishes it ("stop")."""
         now = time.time()
         seq.first_token_time = seq.first_token_time or now
         update = seq.detokenizer.append(tokens)
-        seq.new_text = update.new_text
+        new_text, finished = update.new_text, update.finished
+        if seq.grammar is not None and not finished and not self._advance_grammar(seq, tokens[matched: update.kept]):
+            new_text += seq.detokenizer.stop()
+            finished = True
+        seq.new_text = new_text
         seq.new_token_ids = tokens[: update.kept]
         if logprobs is not None and seq.params.logprobs is not None:
             for token, entry in zip(seq.new_token_ids, logprobs, strict=False):
@@ -263,9 +298,23 @@ class LLMEngine:
         if speculative:
             seq.num_computed = min(seq.num_computed, seq.num_tokens)
             self.kv_cache_manager.on_computed(seq, prompt_done=True)
-        if update.finished:  # its window at its last page boundary goes to the SWA pool (SPEC.md §4.3 policy)
+        if finished:  # its window at its last page boundary goes to the SWA pool (SPEC.md §4.3 policy)
             self.scheduler.finish(seq, snapshot=True)
             seq.finished_time = now
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, tokens: list[int]) -> bool:
+        """Feed ``tokens`` to ``seq.grammar``; False when the sequence must stop: the grammar is complete (its stop
+        token accepted) or refused a token (only when every token was masked, e.g. ``min_tokens`` hiding the EOS
+        a complete grammar needs: logged)."""
+        grammar = seq.grammar
+        for token in tokens:
+            if not grammar.accept_token(token):
+                log.warning("request %s: token %d is outside its structured output's grammar (every token was "
+                            "masked: is min_tokens longer than the grammar allows?); the output stops here",
+                            seq.request_id, token)
+                return False
+        return not grammar.is_terminated()
 
     def request_output(self, request_id: str) -> RequestOutput:
         seqs = self.requests[request_id]

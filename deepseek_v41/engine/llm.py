@@ -42,6 +42,9 @@ class LLM:
     ``enforce_eager`` is accepted for vLLM compatibility: the engine is always eager.
     ``tokenizer``: None (the model directory's ``tokenizer.json``), a folder holding ``tokenizer.json`` or the file
     itself (vLLM's ``tokenizer=``), or a ``tokenizers.Tokenizer``; ValueError for a folder without one.
+    ``structured_outputs_config``: ``{"backend": "auto"|"xgrammar"|"guidance", "disable_any_whitespace": bool}``
+    (vLLM's name; :class:`~deepseek_v41.structured.StructuredOutputsConfig`) for requests with
+    ``SamplingParams(structured_outputs=...)``.
 
     vLLM's engine options mean what ``dsv41 serve``'s flags of the same names mean (:mod:`engine.options`):
     ``gpu_memory_utilization`` (a fraction in (0, 1]) sizes the KV pool's byte budget as that fraction of the memory

@@ -1,6 +1,9 @@
 """The sampler: logits [B, V] -> one token per row, each row with its own parameters and generator.
 
 Processing order (vLLM v1, ``vllm/v1/sample/sampler.py``), on fp32 logits:
+  0. structured outputs: before the sampler, the engine sets the logits of the tokens a constrained row's grammar
+     does not allow to -inf (``deepseek_v41.structured``; vLLM applies its grammar bitmask there too), so every
+     step below, and the logprobs, see the masked logits;
   1. min_tokens: EOS (unless ``ignore_eos``) and ``stop_token_ids`` -> -inf while fewer than ``min_tokens``
      tokens are generated;
   2. penalties (vLLM's formulas): repetition over prompt + output tokens (positive logits / r, negative * r),

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deepseek_v41.cache.block_table import BlockTable
 from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
 from deepseek_v41.engine.sampler import Logprob, SamplingState
 from deepseek_v41.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepseek_v41.structured import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -29,6 +33,7 @@ class Sequence:
     layer has run over (the CED decoder lags ``num_computed`` during a prompt and after a prefix-cache hit).
     ``rebuild_engram_history``: set by the KV cache manager on a prefix hit; the model runner rebuilds the slot's
     Engram history from the tokens before ``num_computed`` at the next prefill chunk, then clears it.
+    ``grammar``: the structured-output matcher (``deepseek_v41.structured``), None for free text.
     """
 
     seq_id: int
@@ -65,6 +70,9 @@ class Sequence:
     # Speculative decoding (DSPARK.md §6): drafts accepted (bonus tokens not counted) and verify steps.
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
+    # Structured outputs: the matcher of the request's constraint, at the state after every output token (None:
+    # free text). The engine masks this sequence's logits with it and advances it by each emitted token.
+    grammar: GrammarMatcher | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

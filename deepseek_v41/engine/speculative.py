@@ -10,7 +10,10 @@ One speculative step for the decoding sequences (each has committed positions < 
 3. **Verify** (§6): the target runs ``[t*, d_1..d_ℓ]`` of every sequence in one batched forward
    (:meth:`~deepseek_v41.engine.model_runner.ModelRunner.verify`); :func:`verify_sequence` accepts the longest
    prefix matching the target's greedy tokens, or by lossless speculative sampling with the sampler's own
-   processed distribution, and emits the accepted drafts plus one target token.
+   processed distribution, and emits the accepted drafts plus one target token. A structured-output sequence's
+   position i is masked with its grammar's state after drafts 0..i-1 (the drafts are walked through its
+   matcher, up to the first one the grammar refuses, which is verified and rejected, or its stop token), and the
+   rejected drafts are rolled back: its tokens follow non-speculative constrained decoding's distribution.
 4. **Commit** (§7): pending pairs and Engram history of the accepted prefix
    (:meth:`~deepseek_v41.engine.model_runner.ModelRunner.commit_verify`), the draft rings take the anchor and
    accepted rows only; window rows and compressed entries of rejected positions lie beyond the committed length,
@@ -44,6 +47,7 @@ from deepseek_v41.engine.sampler import (
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.sequence import Sequence
 from deepseek_v41.model.dspark import DSparkState
+from deepseek_v41.structured import mask_draft_positions
 
 SPECULATIVE_METHODS = ("dspark",)
 FIXED = "fixed"  # speculative_cost_table value: no cost table, verify speculative_max_len drafts every step
@@ -346,11 +350,18 @@ class DSparkSpeculator:
         taps = TargetTaps(self.draft.target_layer_ids)
         logits, state = self.runner.verify(seqs, ids, taps)
         drafts = tokens.tolist()
+        walked = [0] * len(seqs)
+        for b, seq in enumerate(seqs):
+            if seq.grammar is not None:  # mask each position; verify the drafts the grammar can reach
+                lengths[b], walked[b] = mask_draft_positions(logits[b, : lengths[b] + 1], seq.grammar,
+                                                             drafts[b][: lengths[b]])
         verdicts = []
         for b, seq in enumerate(seqs):
             ell = lengths[b]
             verdicts.append(verify_sequence(self.sampler, logits[b, : ell + 1], seq.sampling, drafts[b][:ell],
                                             None if probs is None else probs[b, :ell]))
+            if seq.grammar is not None:  # the matcher walked drafts: keep the accepted ones
+                seq.grammar.rollback(walked[b] - verdicts[-1].accepted)
         accepted = [v.accepted for v in verdicts]
         self.runner.commit_verify(seqs, state, accepted)
         starts = torch.tensor([s.num_computed for s in seqs], device=device)

@@ -1,0 +1,72 @@
+"""A small JSON-schema validator, the oracle of the structured-output tests (jsonschema is not a dependency).
+
+It knows the keywords the tests' schemas use: type (one or a list), enum, const, properties, required,
+additionalProperties (false or a schema), items, minItems, maxItems, minLength, maxLength, pattern, minimum,
+maximum, exclusiveMinimum, exclusiveMaximum, multipleOf. An unknown keyword is an error of the test, not ignored.
+"""
+
+from __future__ import annotations
+
+import re
+
+KNOWN = {"type", "enum", "const", "properties", "required", "additionalProperties", "items", "minItems",
+         "maxItems", "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum",
+         "exclusiveMaximum", "multipleOf", "title", "description"}
+TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+
+
+def _is_type(value, name: str) -> bool:
+    if name == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if name == "number":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, TYPES[name])
+
+
+def errors(value, schema: dict, path: str = "$") -> list[str]:
+    """Why ``value`` is not valid under ``schema`` ([] when it is)."""
+    unknown = set(schema) - KNOWN
+    if unknown:
+        raise ValueError(f"the oracle does not know {sorted(unknown)}")
+    out: list[str] = []
+    if "type" in schema:
+        names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(_is_type(value, n) for n in names):
+            return [f"{path}: {value!r} is not of type {names}"]
+    if "enum" in schema and value not in schema["enum"]:
+        out.append(f"{path}: {value!r} not in {schema['enum']}")
+    if "const" in schema and value != schema["const"]:
+        out.append(f"{path}: {value!r} != {schema['const']!r}")
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        out += [f"{path}: missing {k!r}" for k in schema.get("required", []) if k not in value]
+        for key, item in value.items():
+            if key in props:
+                out += errors(item, props[key], f"{path}.{key}")
+            elif schema.get("additionalProperties") is False:
+                out.append(f"{path}: unexpected property {key!r}")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                out += errors(item, schema["additionalProperties"], f"{path}.{key}")
+    if isinstance(value, list):
+        if "items" in schema:
+            for i, item in enumerate(value):
+                out += errors(item, schema["items"], f"{path}[{i}]")
+        if len(value) < schema.get("minItems", 0) or len(value) > schema.get("maxItems", len(value)):
+            out.append(f"{path}: {len(value)} items outside [{schema.get('minItems')}, {schema.get('maxItems')}]")
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", len(value)):
+            out.append(f"{path}: length {len(value)} outside [{schema.get('minLength')}, {schema.get('maxLength')}]")
+        if "pattern" in schema and re.search(schema["pattern"], value) is None:
+            out.append(f"{path}: {value!r} does not match {schema['pattern']!r}")
+    if _is_type(value, "number"):
+        if "minimum" in schema and value < schema["minimum"]:
+            out.append(f"{path}: {value} < minimum {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            out.append(f"{path}: {value} > maximum {schema['maximum']}")
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            out.append(f"{path}: {value} <= exclusiveMinimum {schema['exclusiveMinimum']}")
+        if "exclusiveMaximum" in schema and value >= schema["exclusiveMaximum"]:
+            out.append(f"{path}: {value} >= exclusiveMaximum {schema['exclusiveMaximum']}")
+        if "multipleOf" in schema and value % schema["multipleOf"] != 0:
+            out.append(f"{path}: {value} is not a multiple of {schema['multipleOf']}")
+    return out
