@@ -1,0 +1,1 @@
+"""Structured outputs: grammars that constrain generation (JSON schemas, regexes, choices, DSML tool calls)."""
