@@ -2,7 +2,7 @@
 (type, enum, const, properties, required, additionalProperties, items, minimum / maximum, minItems / maxItems),
 written from the specification, so a grammar is never checked against its own compiler.
 
-Imported as `from schema_oracle import violations` (tests/ is on sys.path)."""
+Imported as `from schema_oracle import errors` (tests/ is on sys.path)."""
 
 from typing import Any
 
@@ -17,7 +17,7 @@ def _is_type(value: Any, kind: str) -> bool:
     return isinstance(value, _TYPES[kind])
 
 
-def violations(value: Any, schema: dict[str, Any], path: str = "$") -> list[str]:
+def errors(value: Any, schema: dict[str, Any], path: str = "$") -> list[str]:
     """Where ``value`` breaks ``schema`` (empty when it is valid)."""
     problems = []
     kind = schema.get("type")
@@ -41,11 +41,11 @@ def violations(value: Any, schema: dict[str, Any], path: str = "$") -> list[str]
                 problems.append(f"{path}: missing required {key!r}")
         for key, item in value.items():
             if key in properties:
-                problems += violations(item, properties[key], f"{path}.{key}")
+                problems += errors(item, properties[key], f"{path}.{key}")
             elif schema.get("additionalProperties") is False:
                 problems.append(f"{path}: unexpected property {key!r}")
             elif isinstance(schema.get("additionalProperties"), dict):
-                problems += violations(item, schema["additionalProperties"], f"{path}.{key}")
+                problems += errors(item, schema["additionalProperties"], f"{path}.{key}")
     if isinstance(value, list):
         if "minItems" in schema and len(value) < schema["minItems"]:
             problems.append(f"{path}: fewer than {schema['minItems']} items")
@@ -53,5 +53,5 @@ def violations(value: Any, schema: dict[str, Any], path: str = "$") -> list[str]
             problems.append(f"{path}: more than {schema['maxItems']} items")
         if isinstance(schema.get("items"), dict):
             for i, item in enumerate(value):
-                problems += violations(item, schema["items"], f"{path}[{i}]")
+                problems += errors(item, schema["items"], f"{path}[{i}]")
     return problems

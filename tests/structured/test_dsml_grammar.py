@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from chat.test_encoding import EXAMPLE_3, WEATHER_TOOL
 from optional_deps import require
-from schema_oracle import violations
+from schema_oracle import errors
 
 from deepseek_v41.chat import EOS, parse_output
 from deepseek_v41.chat.dsml import render_tool_calls
@@ -239,7 +239,7 @@ def test_random_walks_parse_into_schema_valid_calls(xgr, compiler, tokenizer, ch
             function = call["function"]
             assert name in (None, function["name"])
             arguments = json.loads(function["arguments"])
-            assert violations(arguments, schemas[function["name"]]) == [], text
+            assert errors(arguments, schemas[function["name"]]) == [], text
     assert finished >= 6
 
 
