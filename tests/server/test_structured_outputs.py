@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from schema_oracle import errors
-from serving_helpers import KEYS, MODEL
+from serving_helpers import KEYS, MODEL, scripted
+
+from deepseek_v41.chat.tokens import CALLS_CLOSE, CALLS_OPEN, EOS, INVOKE_CLOSE, INVOKE_OPEN, PARAM_CLOSE, PARAM_OPEN
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
           "required": ["ok", "color"], "additionalProperties": False}
@@ -128,6 +130,30 @@ def test_auto_still_answers_in_text(client):
                          for c in reply.choices[0].message.tool_calls])
 
 
+THINKING = {"chat_template_kwargs": {"thinking": True}}
+
+
+def test_thinking_stays_free_and_the_constraint_follows_it(server, client):
+    """In thinking mode the grammar starts after </think>: a scripted answer (the real engine and grammar, only the
+    sampler replays the text) with reasoning, then the JSON / the tool call, goes through whole."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
+    with scripted(server, 'Colours: "red" is fine.</think>{"ok": true, "color": "red"}' + EOS):
+        reply = client.chat.completions.create(model=MODEL, messages=QUESTION, response_format=fmt, max_tokens=60,
+                                               extra_body=THINKING)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "stop" and json.loads(message.content) == {"ok": True, "color": "red"}
+    assert message.model_extra["reasoning_content"] == 'Colours: "red" is fine.'
+    call = (f'\n\n{CALLS_OPEN}\n{INVOKE_OPEN}ping">\n{PARAM_OPEN}host" string="true">beta{PARAM_CLOSE}\n'
+            f"{INVOKE_CLOSE}\n{CALLS_CLOSE}")
+    with scripted(server, "Ping beta.</think>" + call + EOS):
+        reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required",
+                                               max_tokens=80, extra_body=THINKING)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.model_extra["reasoning_content"] == "Ping beta."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("ping", {"host": "beta"})]
+
+
 def test_vllm_structured_outputs_and_guided_fields(client):
     colors = ["red", "green", "blue"]
     for extra in ({"structured_outputs": {"choice": colors}}, {"guided_choice": colors}):
@@ -136,7 +162,7 @@ def test_vllm_structured_outputs_and_guided_fields(client):
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8,
                                            extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
     assert re.fullmatch("[0-9]{3}", reply.choices[0].message.content)
-    reply = client.completions.create(model=MODEL, prompt="Colour:", max_tokens=8,
+    reply = client.completions.create(model=MODEL, prompt="Colour:", max_tokens=BUDGET,
                                       extra_body={"guided_json": json.dumps(SCHEMA)})
     if reply.choices[0].finish_reason == "stop":
         assert errors(json.loads(reply.choices[0].text), SCHEMA) == []
