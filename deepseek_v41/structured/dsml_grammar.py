@@ -23,7 +23,8 @@ not enforced on raw values. JSON values are written with at most one whitespace 
 in them may hold ``</｜DSML｜ parameter>`` (the parser ends the value there).
 
 Modes (``tool_choice``): "required" (one block of at least one call, any tool), "named" (one call of that tool),
-"auto" (free text; once ``<｜DSML｜ calls>`` appears the block must be valid, and the answer ends with it).
+"auto" (free text; once ``<｜DSML｜ calls>`` appears the block must be valid, and the answer ends with it; the text
+holds no other DSML: no V4 / V3.2 / unspaced block, no invoke or parameter tag outside a block).
 "none" has no grammar: the tools are not rendered and the server never returns DSML as calls.
 
 Thinking (CHAT_FORMAT.md §2, §5): when the prompt ends with ``<think>`` the output starts with free reasoning that
@@ -41,6 +42,7 @@ from deepseek_v41.chat.tokens import (
     CALLS_CLOSE,
     CALLS_OPEN,
     CALLS_SEPARATOR,
+    DSML,
     INVOKE_CLOSE,
     INVOKE_OPEN,
     PARAM_CLOSE,
@@ -53,6 +55,11 @@ ToolChoice = Literal["auto", "required", "named"]
 Format = dict[str, Any]
 
 _JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "array", "object", "null"})
+# DSML that must not appear in "auto"'s free text: other spellings of a block (V4, V3.2, unspaced) and its inner
+# tags outside one; only the exact opener starts a block (an exclude cannot cover "｜DSML｜" itself: the opener holds
+# it).
+_STRAY_DSML = (f"<{DSML}tool_calls", f"<{DSML}function_calls", f"<{DSML}calls", f"<{DSML}invoke", f"<{DSML} invoke",
+               f"<{DSML}parameter", f"<{DSML} parameter", f"</{DSML}")
 # Consecutive whitespace characters allowed inside a JSON parameter value (json.dumps writes at most one).
 _MAX_JSON_WHITESPACE = 1
 
@@ -116,7 +123,7 @@ def tool_call_tag(tools: Sequence[Mapping[str, Any]], choice: ToolChoice, name: 
     if choice == "auto":
         block = {"type": "tag", "begin": f"{CALLS_OPEN}\n", "content": body, "end": CALLS_CLOSE}
         fmt: Format = {"type": "triggered_tags", "triggers": [CALLS_OPEN], "tags": [block],
-                       "stop_after_first": True, "excludes": [THINK_START, THINK_END]}
+                       "stop_after_first": True, "excludes": [THINK_START, THINK_END, *_STRAY_DSML]}
     else:
         fmt = {"type": "sequence", "elements": [_const(f"{CALLS_SEPARATOR}{CALLS_OPEN}\n"), body,
                                                 _const(CALLS_CLOSE)]}

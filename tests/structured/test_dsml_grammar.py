@@ -68,9 +68,12 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def compiler(xgr, tokenizer):
     size = tokenizer.get_vocab_size(with_added_tokens=True)
-    vocab = [""] * size
+    vocab = [""] * size  # "" is a special token to xgrammar (never produced by a grammar)
     for token, i in tokenizer.get_vocab(with_added_tokens=True).items():
         vocab[i] = token
+    for i, added in tokenizer.get_added_tokens_decoder().items():
+        if added.special:
+            vocab[i] = ""
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_LEVEL, vocab_size=size, stop_token_ids=[EOS_ID])
     return xgr.GrammarCompiler(info, cache_enabled=False)
 
