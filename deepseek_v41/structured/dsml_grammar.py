@@ -14,7 +14,8 @@ Tool calls follow CHAT_FORMAT.md §3(d) byte for byte (the model's own output fo
 
 with one ASCII space after ``｜DSML｜``; a call without arguments is ``">\\n\\n</｜DSML｜ invoke>``. Invoke names
 are the tools given; parameters are the tool's ``parameters.properties`` in schema order, the ``required`` ones
-always present, each at most once. A value whose schema admits only strings is raw text with ``string="true"``
+always present, each at most once, then other names where ``additionalProperties`` allows them (see
+:func:`invoke_format`). A value whose schema admits only strings is raw text with ``string="true"``
 (as the official encoder renders every string); a value whose schema admits no string is JSON valid under the
 parameter's schema with ``string="false"``; a schema admitting both (or none given) takes either form. Raw
 string values honour ``enum`` / ``const`` and ``pattern``; other string keywords (``minLength``, ``format``) are
@@ -133,10 +134,11 @@ def tool_call_tag(tools: Sequence[Mapping[str, Any]], choice: ToolChoice, name: 
 def invoke_format(name: str, parameters: Any, where: str = "parameters") -> Format:
     """One ``<｜DSML｜ invoke name="NAME">`` ... ``</｜DSML｜ invoke>\\n`` whose parameters follow ``parameters``.
 
-    parameters: the tool's JSON schema, ``type: "object"``; None is no parameters. The declared ``properties``
-    come in schema order; other names only when ``additionalProperties`` is true or a schema (absent counts as
-    false, as xgrammar's strict JSON schemas do, so ``{}`` takes no parameters). ``$defs`` / ``definitions`` of the
-    root stay reachable from each parameter's schema. Raises ToolGrammarError naming ``where`` otherwise.
+    parameters: the tool's JSON schema, ``type: "object"``; None is any parameters. The declared ``properties``
+    come in schema order; other names only when ``additionalProperties`` is true or a schema. Absent, it counts as
+    false when properties are declared and true when none are (as xgrammar's strict JSON schemas read an object:
+    ``{"type": "object"}`` is any object). ``$defs`` / ``definitions`` of the root stay reachable from each
+    parameter's schema. Raises ToolGrammarError naming ``where`` otherwise.
     """
     if parameters is None:
         parameters = {}
@@ -157,7 +159,7 @@ def invoke_format(name: str, parameters: Any, where: str = "parameters") -> Form
     shared = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
     items = [(_parameter(_const(f"{PARAM_OPEN}{key}"), schema, shared, f"{where}.properties.{key}"),
               key in required) for key, schema in properties.items()]
-    additional = parameters.get("additionalProperties", False)
+    additional = parameters.get("additionalProperties", not properties)
     extra = None
     if additional is True or isinstance(additional, Mapping):
         name_text = _seq([_const(PARAM_OPEN), {"type": "regex", "pattern": '[^"<>\\n]+'}])

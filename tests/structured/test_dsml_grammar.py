@@ -259,3 +259,18 @@ def test_json_after_the_reasoning(accepts):
     assert accepts(structural_tag(choice_format(["yes", "no"]), thinking=True), "Hm.</think>no" + EOS)
     assert accepts(structural_tag(regex_format("[0-9]+"), thinking=True), "</think>42" + EOS)
     assert not accepts(structural_tag(regex_format("[0-9]+"), thinking=True), "</think>4a" + EOS)
+
+
+def test_additional_properties(accepts):
+    """Other parameter names only where additionalProperties allows them: absent means false next to declared
+    properties and true without any (xgrammar's reading of an object schema)."""
+    free = tool("f")
+    free["function"]["parameters"].pop("properties")
+    extra = calls(("f", {"anything": "x", "n": 2}))
+    assert accepts(tool_call_tag([free], "required"), extra)
+    assert accepts(tool_call_tag([free], "required"), calls(("f", {})))
+    assert not accepts(tool_call_tag([PING], "required"), calls(("ping", {"host": "x", "n": 2})))
+    typed = tool("f", {"a": {"type": "integer"}}, additionalProperties={"type": "integer"})
+    assert accepts(tool_call_tag([typed], "required"), calls(("f", {"a": 1, "b": 2})))
+    assert accepts(tool_call_tag([typed], "required"), calls(("f", {"b": 2})))
+    assert not accepts(tool_call_tag([typed], "required"), calls(("f", {"a": 1, "b": "x"})))
