@@ -49,6 +49,10 @@ def json_answers(client, count):
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", choice
         assert errors(json.loads(choice.message.content), SCHEMA) == [], choice.message.content
+    for content, calls, finishes in many(count, lambda: streamed(
+            client, messages=QUESTION, response_format=fmt, temperature=1.0, max_tokens=BUDGET)):
+        assert finishes == ["stop"] and not calls
+        assert errors(json.loads(content), SCHEMA) == [], content
 
 
 def test_json_schema_5_of_5(client):
