@@ -11,11 +11,13 @@ medium/high/xhigh -> high, max/ultra -> max) and ints 1..100 pass through. ``cha
 defaults to true. ``continue_final_message`` leaves the last assistant turn open (``wo_eos``).
 
 Tools: ``tool_choice`` "auto" (default with tools), "none" (tools not rendered, DSML output not returned as
-calls), "required" and a named function. There is no constrained decoding: "required" and named choices are
-enforced through the prompt. In chat mode the answer is prefilled with the opening of a DSML block (and the
-invoke header of the named function), which the model cannot leave out; in thinking mode, where the reasoning
-must come first, a closing system turn tells the model which call to make. ``parallel_tool_calls: false`` returns
-only the first call. Images -> 400 "this model does not take images" (the engine does not feed images yet).
+calls, no grammar), "required" and a named function. "required" and named choices are enforced by grammar-
+constrained decoding with the V4.1 DSML structural tag (:mod:`deepseek_v41.structured.dsml_grammar`): the answer is
+one tool-call block whose invokes name the given tools and whose arguments are valid under each tool's schema (after
+free reasoning in thinking mode). "auto" constrains a tool block only once the model opens one. ``response_format``,
+``structured_outputs`` and ``guided_*`` map onto the same engine API (:mod:`deepseek_v41.server.structured`).
+``parallel_tool_calls: false`` allows (and returns) only the first call. Images -> 400 "this model does not take
+images" (the engine does not feed images yet).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from deepseek_v41.chat import ChatFormatError, StreamingParser, encode_messages, merge_deltas
-from deepseek_v41.chat.tokens import CALLS_OPEN, CALLS_SEPARATOR, INVOKE_OPEN
 from deepseek_v41.engine.async_engine import EngineDeadError, EngineDrainingError, StepOutput
 from deepseek_v41.server.common import (
     ServerState,
@@ -46,6 +47,7 @@ from deepseek_v41.server.common import (
 from deepseek_v41.server.errors import APIError
 from deepseek_v41.server.protocol import ChatCompletionRequest
 from deepseek_v41.server.streaming import SSEResponse
+from deepseek_v41.server.structured import Constraint, engine_params, request_constraint, tool_constraint
 from deepseek_v41.server.text import check_text_fits, encode
 
 _EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "high", "max": "max",
@@ -62,8 +64,8 @@ class ChatPlan:
     ids: list[int]
     thinking: bool  # the parser's starting state: inside the reasoning
     tools_active: bool  # DSML calls in the output are returned as tool_calls
-    prefix: str  # text prefilled at the start of the answer (tool_choice required / named, chat mode)
     parallel: bool
+    constraint: Constraint | None  # structured-output constraint (response_format, tool_choice, ...), after thinking
 
 
 def resolve_thinking(req: ChatCompletionRequest) -> tuple[bool, int | str | None, bool]:
@@ -133,22 +135,6 @@ def _tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
     return "named", name
 
 
-def _response_format(messages: list[dict[str, Any]], fmt: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Only ``{"type": "text"}`` (or no response_format) is served: this server has no constrained decoding, so
-    ``json_object`` / ``json_schema`` get a 400 "not supported" (as ``logit_bias``) instead of a reply that may not
-    be JSON. A schema for the model to read can still go on a system message as the chat format's
-    ``response_format`` field (CHAT_FORMAT.md), which the encoder renders as an instruction."""
-    kind = (fmt or {}).get("type", "text")
-    if kind == "text":
-        return messages
-    if kind in ("json_object", "json_schema"):
-        raise APIError(f"response_format type {kind!r} is not supported: this server has no constrained (JSON) "
-                       f"decoding; only {{'type': 'text'}} is accepted (omit response_format)", "response_format",
-                       "unsupported_parameter")
-    raise APIError(f"response_format.type must be 'text' (the only type this server supports), got {kind!r}",
-                   "response_format.type", "invalid_value")
-
-
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_length: bool = True) -> ChatPlan:
     """Validate and render the request; APIError 400 naming the field for anything that cannot be served.
     ``check_length=False`` (for /tokenize) lets a prompt over ``max_model_len`` tokens through, but not one whose
@@ -165,7 +151,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_len
     _check_images(messages)
     thinking, effort, drop = resolve_thinking(req)
     choice, name = _tool_choice(req)
-    messages = _response_format(messages, req.response_format)
+    constraint = _constraint(req, choice, name, thinking)
     if req.continue_final_message:
         if messages[-1].get("role") != "assistant":
             raise APIError("continue_final_message needs an assistant message last", "continue_final_message",
@@ -174,25 +160,37 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_len
     elif not req.add_generation_prompt:
         raise APIError("add_generation_prompt: false is only supported with continue_final_message: true",
                        "add_generation_prompt", "invalid_value")
-    prefix = ""
-    if choice in ("required", "named"):
-        if thinking:
-            what = f"the tool {name!r}" if name else "at least one of the tools"
-            messages = [*messages, {"role": "system", "content": f"You must call {what} in this reply."}]
-        else:
-            prefix = f"{CALLS_SEPARATOR}{CALLS_OPEN}\n{INVOKE_OPEN}" + (f'{name}">\n' if name else "")
     try:
         prompt = encode_messages(messages, tools=req.tools if choice != "none" else None, thinking=thinking,
                                  reasoning_effort=effort, drop_thinking=drop)
     except ChatFormatError as exc:
         raise APIError(str(exc), exc.where, "invalid_value") from exc
-    prompt += prefix
     check_text_fits(state, prompt, "messages")  # the rendered prompt holds every message's text
     (ids,) = await encode(state, [prompt], add_special_tokens=req.add_special_tokens)
     if check_length:
         check_prompt_ids(state, ids, "messages")
-    return ChatPlan(prompt, ids, thinking and not req.continue_final_message, choice != "none", prefix,
-                    req.parallel_tool_calls is not False)
+    return ChatPlan(prompt, ids, thinking and not req.continue_final_message, choice != "none",
+                    req.parallel_tool_calls is not False, constraint)
+
+
+def _constraint(req: ChatCompletionRequest, choice: str, name: str | None, thinking: bool) -> Constraint | None:
+    """The request's structured-output constraint: an explicit one (response_format, structured_outputs,
+    guided_*), else the DSML grammar of tool_choice "required" / named / "auto" with tools. A constrained answer
+    starts at the beginning of the assistant turn, so continue_final_message takes none ("auto" then runs
+    unconstrained, as the tool block is parsed from text either way)."""
+    explicit = request_constraint(req)
+    if explicit is not None and choice in ("required", "named"):
+        raise APIError(f"tool_choice {choice!r} constrains the answer to a tool call, so it cannot be combined with "
+                       f"{explicit.param}; use tool_choice 'auto' or 'none'", "tool_choice", "invalid_value")
+    if req.continue_final_message:
+        if explicit is not None or choice in ("required", "named"):
+            raise APIError(f"{explicit.param if explicit else 'tool_choice'} constrains the whole answer, which "
+                           f"continue_final_message does not start; drop one of them", "continue_final_message",
+                           "invalid_value")
+        return None
+    if explicit is None and choice != "none" and req.tools:
+        return tool_constraint(req.tools, choice, name, thinking, req.parallel_tool_calls is not False)
+    return explicit
 
 
 class _Choice:
@@ -201,13 +199,11 @@ class _Choice:
     def __init__(self, plan: ChatPlan):
         self.plan = plan
         self.parser = StreamingParser(plan.thinking)
-        self.pending = self.parser.feed(plan.prefix) if plan.prefix else []
         self.num_tokens = 0
         self.finished = False
 
     def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
-        deltas = self.pending + self.parser.feed(text)
-        self.pending = []
+        deltas = self.parser.feed(text)
         if finished:
             self.finished = True
             deltas += self.parser.finish()
@@ -232,10 +228,12 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, salt: 
     top = req.top_logprobs or 0
     params = sampling_params(state, req, len(plan.ids), max_tokens_field=(
         "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"),
-        logprobs=top if req.logprobs else None, logprobs_field="top_logprobs", skip_special_tokens=False)
+        logprobs=top if req.logprobs else None, logprobs_field="top_logprobs", skip_special_tokens=False,
+        structured_outputs=engine_params(plan.constraint, plan.thinking))
     request_id, engine_id = request_ids("chatcmpl", req)
     stream, first = await start_generation(state, engine_id, plan.ids, params, plan.prompt,
-                                           request_salt(salt, req.cache_salt), arrival, "messages")
+                                           request_salt(salt, req.cache_salt), arrival,
+                                           plan.constraint.param if plan.constraint else "messages")
     created = int(time.time())
     if req.stream:
         return SSEResponse(_chunks(state, req, plan, request_id, created, stream, first))
@@ -252,7 +250,7 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
     choices = []
     for completion in out.outputs:
         choice = _Choice(plan)
-        parsed = merge_deltas(choice.feed(completion.text, finished=True))  # = parse_output(prefix + text)
+        parsed = merge_deltas(choice.feed(completion.text, finished=True))  # = parse_output(text)
         calls = parsed["tool_calls"]
         message: dict[str, Any] = {"role": "assistant", "content": parsed["content"] or (None if calls else "")}
         if plan.thinking:

@@ -181,8 +181,11 @@ def check_prompt_ids(state: ServerState, ids: list[int], param: str) -> None:
 
 
 def sampling_params(state: ServerState, req: Any, prompt_len: int, *, max_tokens_field: str,
-                    logprobs: int | None, logprobs_field: str, skip_special_tokens: bool) -> SamplingParams:
-    """The request's SamplingParams, or APIError 400 naming the field that cannot be honoured."""
+                    logprobs: int | None, logprobs_field: str, skip_special_tokens: bool,
+                    structured_outputs: Any = None) -> SamplingParams:
+    """The request's SamplingParams, or APIError 400 naming the field that cannot be honoured.
+    ``structured_outputs``: the request's ``StructuredOutputsParams`` (:mod:`deepseek_v41.server.structured`), or
+    None for free generation."""
     if req.n > state.max_n:
         raise APIError(f"n must be at most {state.max_n} on this server, got {req.n}", "n", "invalid_value")
     if req.stop and state.tokenizer is None:
@@ -209,9 +212,10 @@ def sampling_params(state: ServerState, req: Any, prompt_len: int, *, max_tokens
                 for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     if req.n > 1 and sampling["temperature"] < SAMPLING_EPS:
         raise APIError(_greedy_n_message(state, req), "n", "invalid_value")
+    constrained = {} if structured_outputs is None else {"structured_outputs": structured_outputs}
     try:
         return SamplingParams(
-            n=req.n, **sampling, seed=req.seed, presence_penalty=req.presence_penalty,
+            **constrained, n=req.n, **sampling, seed=req.seed, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             max_tokens=requested, min_tokens=req.min_tokens, logprobs=logprobs,

@@ -4,7 +4,8 @@
 Several prompts are submitted together (they share engine steps) and run concurrently; choice ``index`` is
 ``prompt_index * n + sample_index``. Token-id prompts work on a model without a tokenizer (the text is then empty:
 use ``return_token_ids``). ``echo`` puts the prompt text in front; ``best_of`` must equal ``n`` (no server-side
-reranking); ``suffix`` is refused. Source: the OpenAI completions API; vLLM ``serving_completion.py``.
+reranking); ``suffix`` is refused. ``response_format``, ``structured_outputs`` and ``guided_*`` constrain every
+choice (:mod:`deepseek_v41.server.structured`). Source: the OpenAI completions API; vLLM ``serving_completion.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from deepseek_v41.server.common import (
 from deepseek_v41.server.errors import APIError
 from deepseek_v41.server.protocol import CompletionRequest
 from deepseek_v41.server.streaming import SSEResponse
+from deepseek_v41.server.structured import engine_params, request_constraint
 from deepseek_v41.server.text import check_text_fits, encode
 
 
@@ -99,17 +101,19 @@ async def completion(state: ServerState, req: CompletionRequest, salt: str | Non
     if req.echo and req.logprobs is not None:
         raise APIError("echo with logprobs needs prompt logprobs, which are not supported yet", "echo",
                        "unsupported_parameter")
+    constraint = request_constraint(req)
     prompts = await _prompts(state, req)
     request_id, engine_id = request_ids("cmpl", req)
     salt_ = request_salt(salt, req.cache_salt)
     params = [sampling_params(state, req, len(p.ids), max_tokens_field="max_tokens", logprobs=req.logprobs,
-                              logprobs_field="logprobs", skip_special_tokens=req.skip_special_tokens)
-              for p in prompts]
+                              logprobs_field="logprobs", skip_special_tokens=req.skip_special_tokens,
+                              structured_outputs=engine_params(constraint)) for p in prompts]
     # All prompts are submitted at once, so they share engine steps (the first token of 32 prompts comes as soon
     # as one's).
     started = await start_all([
         start_generation(state, f"{engine_id}-{i}", prompt.ids, params[i], prompt.text, salt_, arrival,
-                         "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, prompt in enumerate(prompts)])
+                         constraint.param if constraint else "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        for i, prompt in enumerate(prompts)])
     created = int(time.time())
     run = _Run(state, req, prompts, request_id, created)
     if req.stream:

@@ -79,12 +79,13 @@ class _Sampling(_Strict):
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False  # logprobs tokens spelled token_id:N (vLLM)
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     logits_processors: Any = None
+    # vLLM's structured outputs (checked and mapped in deepseek_v41.server.structured).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     # field -> why it is refused when set to anything but its default (a 400 naming the field).
     UNSUPPORTED: ClassVar[dict[str, str]] = {
@@ -97,8 +98,6 @@ class _Sampling(_Strict):
         "truncate_prompt_tokens": "truncate_prompt_tokens is not supported: a prompt over max_model_len is refused "
                                   "(400) rather than cut; shorten it on the client",
         "prompt_logprobs": "prompt_logprobs is not supported yet",
-        **{name: f"{name} is not supported: this server has no constrained (structured output) decoding"
-           for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")},
         "logits_processors": "logits_processors are not supported: the server runs no user code",
     }
 
@@ -162,6 +161,7 @@ class CompletionRequest(_Sampling):
     best_of: Annotated[int, Field(ge=1)] | None = None
     add_special_tokens: bool = True
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # vLLM: json_object / json_schema / structural_tag on completions
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         **_Sampling.UNSUPPORTED,

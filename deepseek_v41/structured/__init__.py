@@ -9,7 +9,9 @@ state after the drafts before it and rolls the rejected drafts back.
 
 Backends (vLLM's names): xgrammar (default) and llguidance (``"guidance"``, the fallback for schemas xgrammar
 rejects or does not enforce). Modules: :mod:`.backend` (the interface and the vocabulary), :mod:`.xgrammar_backend`,
-:mod:`.guidance_backend`, :mod:`.bitmask`, :mod:`.manager` (choice of backend, compiled-grammar LRU, masking).
+:mod:`.guidance_backend`, :mod:`.bitmask`, :mod:`.manager` (choice of backend, compiled-grammar LRU, masking),
+:mod:`.dsml_grammar` (V4.1's DSML tool-call block and the thinking prefix as xgrammar structural tags, built from
+a request's ``tools``; the server's ``tool_choice`` and ``response_format`` use it).
 
 Source: vLLM ``vllm/v1/structured_output/`` (behaviour and names); xgrammar and llguidance's Python APIs.
 """

@@ -1,8 +1,8 @@
-"""Helpers of the server tests: a tiny random model with a small byte-level BPE (vocab 512, the chat special
-tokens at their ids), a real uvicorn server on a free loopback port started in a thread of this process, raw SSE
-reads, /metrics parsing, and a scripted-output sampler (a test backend that makes the real engine emit a fixed
-text, for tool-call and thinking round trips). A uniquely named module: conftest modules of different test
-folders collide under ``from conftest import``."""
+"""Helpers of the server tests: a tiny random model with a small byte-level BPE (vocab 512, the chat format's
+tokens at their ids, special as in the V4.1 table), a real uvicorn server on a free loopback port started in a
+thread of this process, raw SSE reads, /metrics parsing, and a scripted-output sampler (a test backend that makes
+the real engine emit a fixed text, for tool-call and thinking round trips). A uniquely named module: conftest
+modules of different test folders collide under ``from conftest import``."""
 
 import contextlib
 import json
@@ -61,7 +61,12 @@ def train_tokenizer(vocab_size: int = 512):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(corpus, trainer)
     assert tokenizer.get_vocab_size() == vocab_size
-    return tokenizer
+    # As in the V4.1 table, only BOS, EOS and pad are special; the chat markers (<think>, ｜DSML｜, ...) are ordinary
+    # added tokens, which a structured-output grammar may emit (grammars never allow a special token).
+    data = json.loads(tokenizer.to_str())
+    for added in data["added_tokens"]:
+        added["special"] = added["id"] < 3
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def save_tiny_model(path, with_tokenizer: bool = True) -> None:

@@ -179,16 +179,9 @@ def test_metrics_names(server, client):
     assert values[("dsv41:generation_tokens_total", ())] >= 2
 
 
-@pytest.mark.parametrize("fmt", [{"type": "json_object"},
-                                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}])
-def test_response_format_json_is_refused_like_logit_bias(client, fmt):
-    """No constrained decoding: a JSON response_format is a 400 'not supported' (as logit_bias), never a 200 whose
-    content may not be JSON; an unknown type names response_format.type; 'text' is served."""
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, response_format=fmt)
-    error = error_of(info.value)
-    assert (error["param"], error["code"]) == ("response_format", "unsupported_parameter")
-    assert "not supported" in error["message"] and fmt["type"] in error["message"]
+def test_response_format_text_is_served_and_unknown_types_name_the_field(client):
+    """json_object / json_schema are served by constrained decoding (tests/server/test_structured_outputs.py);
+    an unknown type names response_format.type."""
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, response_format={"type": "xml"})
     assert error_of(info.value)["param"] == "response_format.type"

@@ -85,36 +85,40 @@ def test_tool_call_round_trip(server, client):
 
 def test_parallel_calls_and_tool_choice(server, client):
     with scripted(server, TWO_CALLS + EOS):
-        both, one, (content, _, calls, _), none = together(
+        both, none = together(
             lambda: client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=200),
-            lambda: client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=200,
-                                                   parallel_tool_calls=False),
-            lambda: streamed(client, messages=QUESTION, tools=TOOLS, max_tokens=200, parallel_tool_calls=False),
             lambda: client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=200,
                                                    tool_choice="none"))
     assert both.choices[0].message.content == "Let me check."
     assert [json.loads(c.function.arguments)["city"] for c in both.choices[0].message.tool_calls] == ["Paris", "Tokyo"]
+    assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason == "stop"
+    # parallel_tool_calls: false lets the grammar take one call only, so the script makes one.
+    one_call = f"Let me check.\n\n{CALLS_OPEN}\n{invoke('Paris', 2)}\n{CALLS_CLOSE}"
+    with scripted(server, one_call + EOS):
+        one, (content, _, calls, _) = together(
+            lambda: client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=200,
+                                                   parallel_tool_calls=False),
+            lambda: streamed(client, messages=QUESTION, tools=TOOLS, max_tokens=200, parallel_tool_calls=False))
     assert [json.loads(c.function.arguments)["city"] for c in one.choices[0].message.tool_calls] == ["Paris"]
     assert content == "Let me check." and list(calls) == [0]
-    assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason == "stop"
 
 
-def test_named_tool_choice_is_prefilled(server, client):
-    """In chat mode a named choice prefills the DSML block and invoke header; the model writes the parameters."""
-    rest = f'{PARAM_OPEN}city" string="true">Oslo{PARAM_CLOSE}\n{INVOKE_CLOSE}\n{CALLS_CLOSE}'
+def test_named_and_required_tool_choice(server, client):
+    """A named or required choice is decoded under the DSML grammar: the model writes the whole block."""
+    script = (f'\n\n{CALLS_OPEN}\n{INVOKE_OPEN}get_weather">\n{PARAM_OPEN}city" string="true">Oslo{PARAM_CLOSE}\n'
+              f"{INVOKE_CLOSE}\n{CALLS_CLOSE}")
     named = {"type": "function", "function": {"name": "get_weather"}}
-    with scripted(server, rest + EOS):
-        full, (_, _, calls, finishes) = together(
+    with scripted(server, script + EOS):
+        full, (_, _, calls, finishes), required = together(
             lambda: client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=named,
                                                    max_tokens=60),
-            lambda: streamed(client, messages=QUESTION, tools=TOOLS, tool_choice=named, max_tokens=60))
+            lambda: streamed(client, messages=QUESTION, tools=TOOLS, tool_choice=named, max_tokens=60),
+            lambda: client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                                   tool_choice="required", max_tokens=60))
     (call,) = full.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
     assert full.choices[0].finish_reason == "tool_calls" and finishes == ["tool_calls"]
     assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Oslo"}
-    with scripted(server, 'get_weather">\n' + rest + EOS):
-        required = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
-                                                  tool_choice="required", max_tokens=60)
     assert json.loads(required.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,

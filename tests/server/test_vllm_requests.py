@@ -202,7 +202,6 @@ def test_chat_add_special_tokens(client, llm):
 @pytest.mark.parametrize(("field", "value", "why"), [
     ("use_beam_search", True, "beam search"), ("bad_words", ["x"], "bad_words"),
     ("allowed_token_ids", [1], "allowed_token_ids"), ("truncate_prompt_tokens", 4, "refused (400) rather than cut"),
-    ("guided_json", {"type": "object"}, "structured output"), ("structured_outputs", {"json": {}}, "structured"),
     ("prompt_logprobs", 1, "prompt_logprobs"),
 ])
 def test_unimplemented_vllm_fields_say_why(client, field, value, why):
