@@ -41,6 +41,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # sit above model/ although they live under kernels/) and the paged KV cache / prefix cache (its attention
     # context calls the fast paths).
     ("fast paths and cache", ("deepseek_v41/kernels/fast/", "deepseek_v41/cache/")),
+    # Constrained decoding: grammars (xgrammar / llguidance, the DSML tool-call tags) and token bitmasks; the engine
+    # masks its logits with them.
+    ("structured", ("deepseek_v41/structured/",)),
     ("engine", ("deepseek_v41/engine/",)),
     # Accounting from the code (KV bytes, FLOPs, parameters); a model card (train/) uses it.
     ("analysis", ("deepseek_v41/analysis/",)),
@@ -58,6 +61,10 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
         "(tests/test_package_api.py)",
     ("deepseek_v41/__init__.py", "deepseek_v41.model.checkpoint"):
         "deepseek_v41.load_model, same reason",
+    ("deepseek_v41/structured/manager.py", "deepseek_v41.structured.xgrammar_backend"):
+        "imports xgrammar (and through it transformers): only an engine that gets a constrained request pays",
+    ("deepseek_v41/structured/manager.py", "deepseek_v41.structured.guidance_backend"):
+        "imports llguidance: only when xgrammar refuses a constraint",
 }
 
 # Other modules (third-party or the standard library) that may be imported inside a function: top-level name -> why
@@ -67,7 +74,9 @@ DEFERRED: dict[str, str] = {
     "PIL": "only image inputs are decoded with it",
     "rich": "progress bars and tables, drawn only on a terminal or on request",
     "tqdm": "LLM's and training's progress bars, only when asked for (use_tqdm)",
-    "mlx": "an oracle of the tests, optional", "xgrammar": "optional", "ray": "optional", "nixl": "optional",
+    "mlx": "an oracle of the tests, optional", "ray": "optional", "nixl": "optional",
+    "xgrammar": "constrained decoding; it imports transformers (seconds): only an engine with a constrained request",
+    "llguidance": "constrained decoding's fallback, only for a constraint xgrammar refuses",
 }
 # The same, for one file: (file, top-level name) -> why.
 DEFERRED_IN_FILE: dict[tuple[str, str], str] = {

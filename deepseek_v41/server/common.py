@@ -212,10 +212,10 @@ def sampling_params(state: ServerState, req: Any, prompt_len: int, *, max_tokens
                 for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     if req.n > 1 and sampling["temperature"] < SAMPLING_EPS:
         raise APIError(_greedy_n_message(state, req), "n", "invalid_value")
-    constrained = {} if structured_outputs is None else {"structured_outputs": structured_outputs}
     try:
         return SamplingParams(
-            **constrained, n=req.n, **sampling, seed=req.seed, presence_penalty=req.presence_penalty,
+            structured_outputs=structured_outputs, n=req.n, **sampling, seed=req.seed,
+            presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             max_tokens=requested, min_tokens=req.min_tokens, logprobs=logprobs,

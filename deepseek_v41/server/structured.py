@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from deepseek_v41.engine.sampling_params import StructuredOutputsParams
 from deepseek_v41.server.errors import APIError
 from deepseek_v41.structured import dsml_grammar
 
@@ -205,8 +206,6 @@ def engine_params(constraint: Constraint | None, thinking: bool = False):
     refuses the value."""
     if constraint is None:
         return None
-    from deepseek_v41.engine.sampling_params import StructuredOutputsParams
-
     try:
         return StructuredOutputsParams(**constraint.engine_kwargs(thinking))
     except ValueError as exc:

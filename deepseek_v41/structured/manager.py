@@ -30,7 +30,7 @@ from deepseek_v41.structured.backend import GrammarMatcher, StructuredOutputBack
 from deepseek_v41.structured.bitmask import allocate_token_bitmask, apply_token_bitmask, token_allowed
 
 if TYPE_CHECKING:
-    from deepseek_v41.engine.sampling_params import StructuredOutputsParams
+    from deepseek_v41.structured.params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
