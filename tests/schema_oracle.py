@@ -1,57 +1,72 @@
-"""An independent JSON-schema check for the structured-output tests: the subset of JSON Schema those tests use
-(type, enum, const, properties, required, additionalProperties, items, minimum / maximum, minItems / maxItems),
-written from the specification, so a grammar is never checked against its own compiler.
+"""A small JSON-schema validator, the oracle of the structured-output tests (jsonschema is not a dependency).
 
-Imported as `from schema_oracle import errors` (tests/ is on sys.path)."""
+It knows the keywords the tests' schemas use: type (one or a list), enum, const, properties, required,
+additionalProperties (false or a schema), items, minItems, maxItems, minLength, maxLength, pattern, minimum,
+maximum, exclusiveMinimum, exclusiveMaximum, multipleOf. An unknown keyword is an error of the test, not ignored.
+"""
 
-from typing import Any
+from __future__ import annotations
 
-_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+import re
+
+KNOWN = {"type", "enum", "const", "properties", "required", "additionalProperties", "items", "minItems",
+         "maxItems", "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum",
+         "exclusiveMaximum", "multipleOf", "title", "description"}
+TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
 
 
-def _is_type(value: Any, kind: str) -> bool:
-    if kind == "integer":
+def _is_type(value, name: str) -> bool:
+    if name == "integer":
         return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
+    if name == "number":
         return isinstance(value, int | float) and not isinstance(value, bool)
-    return isinstance(value, _TYPES[kind])
+    return isinstance(value, TYPES[name])
 
 
-def errors(value: Any, schema: dict[str, Any], path: str = "$") -> list[str]:
-    """Where ``value`` breaks ``schema`` (empty when it is valid)."""
-    problems = []
-    kind = schema.get("type")
-    if kind is not None:
-        kinds = [kind] if isinstance(kind, str) else kind
-        if not any(_is_type(value, k) for k in kinds):
-            return [f"{path}: {value!r} is not of type {kind}"]
+def errors(value, schema: dict, path: str = "$") -> list[str]:
+    """Why ``value`` is not valid under ``schema`` ([] when it is)."""
+    unknown = set(schema) - KNOWN
+    if unknown:
+        raise ValueError(f"the oracle does not know {sorted(unknown)}")
+    out: list[str] = []
+    if "type" in schema:
+        names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(_is_type(value, n) for n in names):
+            return [f"{path}: {value!r} is not of type {names}"]
     if "enum" in schema and value not in schema["enum"]:
-        problems.append(f"{path}: {value!r} is not one of {schema['enum']}")
+        out.append(f"{path}: {value!r} not in {schema['enum']}")
     if "const" in schema and value != schema["const"]:
-        problems.append(f"{path}: {value!r} is not {schema['const']!r}")
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if "minimum" in schema and value < schema["minimum"]:
-            problems.append(f"{path}: {value} < minimum {schema['minimum']}")
-        if "maximum" in schema and value > schema["maximum"]:
-            problems.append(f"{path}: {value} > maximum {schema['maximum']}")
+        out.append(f"{path}: {value!r} != {schema['const']!r}")
     if isinstance(value, dict):
-        properties = schema.get("properties", {})
-        for key in schema.get("required", []):
-            if key not in value:
-                problems.append(f"{path}: missing required {key!r}")
+        props = schema.get("properties", {})
+        out += [f"{path}: missing {k!r}" for k in schema.get("required", []) if k not in value]
         for key, item in value.items():
-            if key in properties:
-                problems += errors(item, properties[key], f"{path}.{key}")
+            if key in props:
+                out += errors(item, props[key], f"{path}.{key}")
             elif schema.get("additionalProperties") is False:
-                problems.append(f"{path}: unexpected property {key!r}")
+                out.append(f"{path}: unexpected property {key!r}")
             elif isinstance(schema.get("additionalProperties"), dict):
-                problems += errors(item, schema["additionalProperties"], f"{path}.{key}")
+                out += errors(item, schema["additionalProperties"], f"{path}.{key}")
     if isinstance(value, list):
-        if "minItems" in schema and len(value) < schema["minItems"]:
-            problems.append(f"{path}: fewer than {schema['minItems']} items")
-        if "maxItems" in schema and len(value) > schema["maxItems"]:
-            problems.append(f"{path}: more than {schema['maxItems']} items")
-        if isinstance(schema.get("items"), dict):
+        if "items" in schema:
             for i, item in enumerate(value):
-                problems += errors(item, schema["items"], f"{path}[{i}]")
-    return problems
+                out += errors(item, schema["items"], f"{path}[{i}]")
+        if len(value) < schema.get("minItems", 0) or len(value) > schema.get("maxItems", len(value)):
+            out.append(f"{path}: {len(value)} items outside [{schema.get('minItems')}, {schema.get('maxItems')}]")
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", len(value)):
+            out.append(f"{path}: length {len(value)} outside [{schema.get('minLength')}, {schema.get('maxLength')}]")
+        if "pattern" in schema and re.search(schema["pattern"], value) is None:
+            out.append(f"{path}: {value!r} does not match {schema['pattern']!r}")
+    if _is_type(value, "number"):
+        if "minimum" in schema and value < schema["minimum"]:
+            out.append(f"{path}: {value} < minimum {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            out.append(f"{path}: {value} > maximum {schema['maximum']}")
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            out.append(f"{path}: {value} <= exclusiveMinimum {schema['exclusiveMinimum']}")
+        if "exclusiveMaximum" in schema and value >= schema["exclusiveMaximum"]:
+            out.append(f"{path}: {value} >= exclusiveMaximum {schema['exclusiveMaximum']}")
+        if "multipleOf" in schema and value % schema["multipleOf"] != 0:
+            out.append(f"{path}: {value} is not a multiple of {schema['multipleOf']}")
+    return out

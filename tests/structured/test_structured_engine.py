@@ -11,7 +11,7 @@ import logging
 import re
 
 import pytest
-from json_schema_oracle import errors
+from schema_oracle import errors
 
 from deepseek_v41.engine import SamplingParams, StructuredOutputsParams
 
