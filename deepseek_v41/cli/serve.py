@@ -10,6 +10,7 @@ FastAPI) happen inside the command so that ``dsv41 --help`` stays fast.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -212,6 +213,10 @@ def serve(
                                           "or a folder holding a generation_config.json."),
     override_generation_config: str | None = typer.Option(None, help="JSON object over the generation config, "
                                                           "e.g. '{\"temperature\": 0.6}' (vLLM's)."),
+    structured_outputs_config: str | None = typer.Option(None, help="Constrained decoding, a JSON object (vLLM's): "
+                                                         "'{\"backend\": \"auto\"|\"xgrammar\"|\"guidance\", "
+                                                         "\"disable_any_whitespace\": true|false}' (default: "
+                                                         "auto, true)."),
     allowed_origins: str = typer.Option('["*"]', help="CORS: allowed origins, a JSON list or one value."),
     allowed_methods: str = typer.Option('["*"]', help="CORS: allowed methods, a JSON list or one value."),
     allowed_headers: str = typer.Option('["*"]', help="CORS: allowed headers, a JSON list or one value."),
@@ -297,6 +302,14 @@ def serve(
         defaults, defaults_origin = load_sampling_defaults(generation_config, model, override_generation_config)
     except GenerationConfigError as exc:
         fail(str(exc))
+    structured = None
+    if structured_outputs_config is not None:
+        try:
+            structured = json.loads(structured_outputs_config)
+        except json.JSONDecodeError as exc:
+            fail(f"--structured-outputs-config must be a JSON object, e.g. '{{\"backend\": \"xgrammar\"}}': {exc}")
+        if not isinstance(structured, dict):
+            fail(f"--structured-outputs-config must be a JSON object, got {structured_outputs_config!r}")
 
 
     torch_device = check_device(device)
@@ -315,7 +328,8 @@ def serve(
                        cache_dir=str(cache_path),  # SPEC.md §4.3: serve persists by default
                        enable_prefix_caching=enable_prefix_caching, swa_pool_bytes=swa_pool_bytes, replay=replay,
                        redis_url=redis_url,
-                       speculative=speculative, speculative_max_len=speculative_max_len)
+                       speculative=speculative, speculative_max_len=speculative_max_len,
+                       structured_outputs_config=structured)
     # LLM turns the fraction into the pool's budget (engine.options) and logs the budget and the pool allocated.
     vllm_options = dict(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, kv_cache_dtype=kv_cache_dtype,

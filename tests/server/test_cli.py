@@ -145,6 +145,10 @@ def bad_device() -> str:
     (["--generation-config", "/nonexistent-dir"], "no generation_config.json in that folder"),
     (["--override-generation-config", "[1]"], "--override-generation-config must be a JSON object"),
     (["--override-generation-config", '{"temp": 1}'], "--override-generation-config: unknown keys ['temp']"),
+    (["--structured-outputs-config", "[1]"], "--structured-outputs-config must be a JSON object"),
+    (["--structured-outputs-config", "{bad"], "--structured-outputs-config must be a JSON object"),
+    (["--structured-outputs-config", '{"backend": "outlines"}'], "structured_outputs_config backend must be one of"),
+    (["--structured-outputs-config", '{"whitespace": 1}'], "structured_outputs_config has unknown keys"),
     (["-tp", "2"], "this engine runs on one device (no tensor parallelism)"),
     (["-pp", "2"], "--pipeline-parallel-size 2: this engine runs on one device (no pipeline parallelism)"),
     (["--max-model-len", "4x"], "'4x' is not an integer"),
@@ -314,3 +318,20 @@ def test_gpu_memory_utilization_logs_the_pool_allocated(model_dir, tmp_path, mon
     assert len(lines) == 1, caplog.text
     assert "KV pool budget" in lines[0] and "MiB at most" in lines[0]
     assert "allocated 8 KV pages" in lines[0] and "max_num_seqs 2 x max_model_len 64 tokens = 8 pages" in lines[0]
+
+
+def test_serve_passes_structured_outputs_config_to_the_engine(model_dir, tmp_path, monkeypatch):
+    """``--structured-outputs-config`` (vLLM's flag) reaches the engine as the dict it parses to."""
+    import deepseek_v41.cli.serve as serve_cli
+
+    seen = {}
+
+    def fake_llm(*args, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(serve_cli, "LLM", fake_llm)
+    result = run_serve("--model", str(model_dir), "--cache-dir", str(tmp_path / "c"), "--structured-outputs-config",
+                       '{"backend": "guidance", "disable_any_whitespace": false}')
+    assert result.exit_code == 2 and "stop here" in result.stderr
+    assert seen["structured_outputs_config"] == {"backend": "guidance", "disable_any_whitespace": False}
