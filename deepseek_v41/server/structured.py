@@ -198,7 +198,7 @@ def tool_constraint(tools: list[dict[str, Any]], choice: str, name: str | None, 
         tag = dsml_grammar.tool_call_tag(tools, choice, name, thinking=thinking, parallel=parallel)
     except dsml_grammar.ToolGrammarError as exc:
         raise APIError(str(exc), exc.param, "invalid_value") from exc
-    return Constraint("structural_tag", tag, "tool_choice", covers_reasoning=True)
+    return Constraint("structural_tag", tag, "tools", covers_reasoning=True)  # a tag that fails to compile: a schema
 
 
 def engine_params(constraint: Constraint | None, thinking: bool = False):

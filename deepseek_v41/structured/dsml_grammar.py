@@ -197,7 +197,7 @@ def _parameter(opening: Format, schema: Any, shared: Mapping[str, Any], where: s
         forms.append(_tag('" string="true">', _raw_string(schema), f"{PARAM_CLOSE}\n"))
     if others:
         # The parser ends a value at the first close tag, so no JSON string may hold one.
-        value = {"type": "json_schema", "json_schema": {**shared, **schema},
+        value = {"type": "json_schema", "json_schema": without_string_lengths({**shared, **schema}),
                  "max_whitespace_cnt": _MAX_JSON_WHITESPACE, "excludes": [PARAM_CLOSE]}
         forms.append(_tag('" string="false">', value, f"{PARAM_CLOSE}\n"))
     if not forms:
@@ -237,9 +237,37 @@ def _raw_string(schema: Mapping[str, Any]) -> Format:
 
 
 def json_format(schema: Mapping[str, Any] | bool | None) -> Format:
-    """A JSON value valid under ``schema``; None is any JSON object (``response_format`` ``json_object``)."""
-    return {"type": "json_schema", "json_schema": {"type": "object"} if schema is None else dict(schema)
-            if isinstance(schema, Mapping) else schema}
+    """A JSON value valid under ``schema``; None is any JSON object (``response_format`` ``json_object``). At most
+    one whitespace character in a row (given free whitespace, the bundled model writes tabs until ``max_tokens``);
+    string length bounds dropped (:func:`without_string_lengths`)."""
+    body = {"type": "object"} if schema is None else without_string_lengths(dict(schema)) \
+        if isinstance(schema, Mapping) else schema
+    return {"type": "json_schema", "json_schema": body, "max_whitespace_cnt": _MAX_JSON_WHITESPACE}
+
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
+
+
+def without_string_lengths(schema: Any) -> Any:
+    """``schema`` with every ``minLength`` / ``maxLength`` removed, through all nested schemas (property names are
+    left alone). Inside a structural tag xgrammar 0.2.9 compiles a bounded JSON string into a rule that admits raw
+    control characters (not JSON), and a structural tag cannot fall back to llguidance: the bound is dropped so the
+    value stays JSON (README, "Structured outputs": which keywords tool calls do not enforce)."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: v for k, v in schema.items() if k not in ("minLength", "maxLength")}
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: without_string_lengths(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [without_string_lengths(sub) for sub in out[key]]
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = without_string_lengths(out[key])
+    return out
 
 
 def choice_format(choices: Sequence[str]) -> Format:

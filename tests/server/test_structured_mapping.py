@@ -51,8 +51,9 @@ def test_completions_take_the_same_fields():
 
 
 @pytest.mark.parametrize(("fields", "inner"), [
-    ({"response_format": {"type": "json_object"}}, {"type": "json_schema", "json_schema": {"type": "object"}}),
-    ({"guided_json": SCHEMA}, {"type": "json_schema", "json_schema": SCHEMA}),
+    ({"response_format": {"type": "json_object"}},
+     {"type": "json_schema", "json_schema": {"type": "object"}, "max_whitespace_cnt": 1}),
+    ({"guided_json": SCHEMA}, {"type": "json_schema", "json_schema": SCHEMA, "max_whitespace_cnt": 1}),
     ({"guided_regex": "a+"}, {"type": "regex", "pattern": "a+"}),
     ({"guided_choice": ["x", "y"]}, {"type": "or", "elements": [{"type": "const_string", "value": "x"},
                                                                 {"type": "const_string", "value": "y"}]}),
@@ -79,7 +80,7 @@ def test_tool_constraint_is_a_structural_tag_with_its_own_reasoning_prefix():
     for thinking in (False, True):
         constraint = tool_constraint([PING], "required", None, thinking, True)
         (kind, tag), = constraint.engine_kwargs(thinking).items()
-        assert kind == "structural_tag" and constraint.param == "tool_choice"
+        assert kind == "structural_tag" and constraint.param == "tools"  # a tag that does not compile: a schema
         elements = json.loads(tag)["format"]["elements"]
         assert (elements[0].get("end") == "</think>") is thinking
     with pytest.raises(APIError) as info:

@@ -16,6 +16,7 @@ from schema_oracle import errors
 
 from deepseek_v41.chat import EOS, parse_output
 from deepseek_v41.chat.dsml import render_tool_calls
+from deepseek_v41.structured import dsml_grammar
 from deepseek_v41.structured.dsml_grammar import (
     ToolGrammarError,
     choice_format,
@@ -274,3 +275,22 @@ def test_additional_properties(accepts):
     assert accepts(tool_call_tag([typed], "required"), calls(("f", {"a": 1, "b": 2})))
     assert accepts(tool_call_tag([typed], "required"), calls(("f", {"b": 2})))
     assert not accepts(tool_call_tag([typed], "required"), calls(("f", {"a": 1, "b": "x"})))
+
+
+def test_string_length_bounds_are_dropped_inside_tags_so_values_stay_json():
+    """xgrammar 0.2.9 compiles a bounded JSON string inside a structural tag into a rule that admits raw control
+    characters; the tool grammar drops minLength / maxLength at every depth (a property named like a keyword
+    stays)."""
+    schema = {"type": "object", "properties": {"maxLength": {"type": "string", "maxLength": 3},
+                                               "tags": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                                               "alt": {"anyOf": [{"type": "string", "maxLength": 2},
+                                                                 {"type": "null"}]}},
+              "required": ["maxLength"]}
+    out = dsml_grammar.without_string_lengths(schema)
+    assert out == {"type": "object", "properties": {"maxLength": {"type": "string"},
+                                                    "tags": {"type": "array", "items": {"type": "string"}},
+                                                    "alt": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+                   "required": ["maxLength"]}
+    assert schema["properties"]["maxLength"] == {"type": "string", "maxLength": 3}  # the request's schema is kept
+    fmt = json.loads(dsml_grammar.structural_tag(dsml_grammar.json_format(schema)))["format"]
+    assert "maxLength" not in json.dumps(fmt["json_schema"]["properties"]["tags"])
