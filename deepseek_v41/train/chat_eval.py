@@ -201,10 +201,11 @@ def _check_record(record: Any, where: str) -> None:
 def _generate(llm: LLM, jobs: list[tuple[dict[str, Any], str]], params: SamplingParams,
               batch_size: int) -> Iterable[tuple[dict[str, Any], str, Any]]:
     """(record, tool_choice, CompletionOutput) for each job, batching records that share tools and thinking mode
-    (``LLM.chat`` takes one ``tools`` list per call), in order within each group."""
+    (``LLM.chat`` takes one ``tools`` list per call), in order within each group. Tools are the same when their
+    JSON is, key order included: the order is part of the rendered prompt (CHAT_FORMAT.md §3(c))."""
     groups: dict[tuple[str, bool, str], list[dict[str, Any]]] = {}
     for record, choice in jobs:
-        groups.setdefault((json.dumps(record["tools"], sort_keys=True), record["thinking"], choice), []).append(record)
+        groups.setdefault((json.dumps(record["tools"]), record["thinking"], choice), []).append(record)
     for (_, thinking, choice), records in groups.items():
         for start in range(0, len(records), batch_size):
             batch = records[start:start + batch_size]
