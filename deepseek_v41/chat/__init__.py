@@ -7,7 +7,7 @@ delta. No model logic and no HTTP here. Source: CHAT_FORMAT.md.
 
 from .encoding import effort_budget, encode_messages
 from .errors import ChatFormatError
-from .parsing import merge_deltas, parse_output
+from .parsing import ChoiceParser, assistant_message, merge_deltas, parse_output
 from .streaming import StreamingParser
 from .tokens import (
     ASSISTANT,
@@ -34,7 +34,9 @@ __all__ = [
     "THINK_START",
     "USER",
     "ChatFormatError",
+    "ChoiceParser",
     "StreamingParser",
+    "assistant_message",
     "effort_budget",
     "encode_messages",
     "merge_deltas",

@@ -51,3 +51,59 @@ def parse_output(text: str, thinking: bool = False) -> dict[str, Any]:
     """
     parser = StreamingParser(thinking=thinking)
     return merge_deltas(parser.feed(text) + parser.finish())
+
+
+class ChoiceParser:
+    """One chat choice's :class:`StreamingParser` with the request's tool policy, as ``/v1/chat/completions`` and
+    ``LLM.chat`` return an answer.
+
+    thinking: the prompt ended with ``<think>`` (the parser starts inside the reasoning).
+    tools_active: DSML calls are returned as ``tool_calls`` (False for ``tool_choice`` "none": they are dropped,
+        and the markup never reaches the content either way).
+    parallel: ``parallel_tool_calls``; False keeps only the first call.
+    """
+
+    def __init__(self, thinking: bool = False, tools_active: bool = True, parallel: bool = True):
+        self.parser = StreamingParser(thinking)
+        self.thinking, self.tools_active, self.parallel = thinking, tools_active, parallel
+
+    def feed(self, text: str, finished: bool = False) -> list[Delta]:
+        """The deltas ``text`` settles (all that is left when ``finished``), tool calls filtered by the policy."""
+        deltas = self.parser.feed(text)
+        if finished:
+            deltas += self.parser.finish()
+        return [d for d in (self._filter(d) for d in deltas) if d]
+
+    def _filter(self, delta: Delta) -> Delta | None:
+        if "tool_calls" not in delta:
+            return delta
+        if not self.tools_active:
+            return None
+        calls = [c for c in delta["tool_calls"] if self.parallel or c["index"] == 0]
+        return {"tool_calls": calls} if calls else None
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The whole completion ``text`` (special tokens kept; this parser's only input) -> the OpenAI assistant
+        message: ``{"role": "assistant", "content": str | None, "reasoning_content": str (thinking only),
+        "tool_calls": [...] (only when there are calls)}``; ``content`` is None when calls come with no text
+        before them. Calls as :func:`merge_deltas` joins them."""
+        parsed = merge_deltas(self.feed(text, finished=True))
+        calls = parsed["tool_calls"]
+        message: dict[str, Any] = {"role": "assistant", "content": parsed["content"] or (None if calls else "")}
+        if self.thinking:
+            message["reasoning_content"] = parsed["reasoning_content"]
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+    def finish_reason(self, reason: str) -> str:
+        """The OpenAI ``finish_reason`` of an engine's ``reason``: "tool_calls" for a stop after a completed call."""
+        completed = self.parser.completed_tool_calls
+        return "tool_calls" if reason == "stop" and self.tools_active and completed else reason
+
+
+def assistant_message(text: str, thinking: bool = False, tools_active: bool = True,
+                      parallel: bool = True) -> dict[str, Any]:
+    """A whole completion ``text`` (special tokens kept) -> the OpenAI assistant message the server returns
+    (:meth:`ChoiceParser.message`). Never raises on model output."""
+    return ChoiceParser(thinking, tools_active, parallel).message(text)

@@ -9,6 +9,7 @@ import typer
 
 from deepseek_v41 import __version__
 from deepseek_v41.analysis.report import build_report, plot_report, print_report
+from deepseek_v41.cli.eval_chat import eval_chat, eval_chat_table
 from deepseek_v41.cli.generate import generate
 from deepseek_v41.cli.serve import serve
 from deepseek_v41.config import ConfigError, load_config
@@ -65,6 +66,8 @@ def report(
 
 app.command()(serve)
 app.command()(generate)
+app.command("eval-chat")(eval_chat)
+app.command("eval-chat-table")(eval_chat_table)
 
 
 data_app = typer.Typer(no_args_is_help=True, help="Training corpus.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -13,14 +14,15 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from deepseek_v41.chat import encode_messages
+from deepseek_v41.chat import assistant_message, encode_messages
 from deepseek_v41.dtypes import resolve_dtype
 from deepseek_v41.engine import options
 from deepseek_v41.engine.engine import EngineArgs, LLMEngine, load_tokenizer
 from deepseek_v41.engine.generation_config import load_sampling_defaults
-from deepseek_v41.engine.sampling_params import SamplingParams
+from deepseek_v41.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from deepseek_v41.engine.sequence import RequestOutput
 from deepseek_v41.model.checkpoint import load_model
+from deepseek_v41.structured.tool_choice import resolve_tool_choice, tool_choice_tag
 
 log = logging.getLogger("deepseek_v41")
 # The chat_template_kwargs keys LLM.chat takes (the server's, and reasoning_effort as the argument).
@@ -227,21 +229,36 @@ class LLM:
             self._abort(ids)
             raise
 
-    def chat(self, messages: list | list[list], sampling_params: SamplingParams | None = None,
+    def chat(self, messages: list | list[list], sampling_params: SamplingParams | list | None = None,
              tools: list | None = None, thinking: bool = False, reasoning_effort: Any = None,
              drop_thinking: bool = True, use_tqdm: bool | Callable[..., Any] = True,
              chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, tool_choice: str | dict[str, Any] | None = None
+             ) -> list[RequestOutput]:
         """Render each conversation with the official encoder (:func:`deepseek_v41.chat.encode_messages`) and
         generate. ``messages`` is one conversation (a list of messages) or a list of conversations;
-        ``sampling_params`` and ``use_tqdm`` as in :meth:`generate`.
+        ``sampling_params`` (one for all or one per conversation) and ``use_tqdm`` as in :meth:`generate`.
 
         vLLM's keyword arguments, with the server's meaning (``/v1/chat/completions``): ``chat_template_kwargs``
         may set ``thinking`` / ``enable_thinking`` (bools, thinking mode), ``drop_thinking`` (bool) and
         ``reasoning_effort`` (as the argument); a key given there wins over the argument of the same meaning.
         ``continue_final_message=True`` leaves the last message (an assistant one) open for the model to continue;
         ``add_generation_prompt=False`` is only served with it (the encoder always opens the assistant turn
-        otherwise). Raises ValueError naming the key or argument for anything else."""
+        otherwise).
+
+        ``tools`` (OpenAI function tools) and ``tool_choice`` as the server maps them
+        (:mod:`deepseek_v41.structured.tool_choice`): None is "auto" with tools and "none" without; "auto" renders
+        the tools and constrains a tool block only once the model opens one (free text otherwise); "required" and
+        ``{"type": "function", "function": {"name": ...}}`` constrain the answer (after free reasoning in thinking
+        mode) to one DSML block of calls (one call of that function) whose arguments are valid under each tool's
+        ``parameters`` schema; "none" does not render the tools and returns no calls. The constraint is set on a
+        copy of each ``SamplingParams``; a given ``structured_outputs`` wins over "auto" and cannot be combined
+        with "required" / named. Every output's ``message`` is the OpenAI assistant message the server returns
+        (``content``, ``reasoning_content`` in thinking mode, ``tool_calls`` with JSON ``arguments``), parsed from
+        its tokens with special tokens kept (:func:`deepseek_v41.chat.assistant_message`).
+
+        Raises ValueError naming the key or argument for anything else (a ``tool_choice`` that is none of those
+        or names a function not in ``tools``, "required" without tools, a tool whose grammar cannot be built)."""
         kwargs = dict(chat_template_kwargs or {})
         unknown = set(kwargs) - set(CHAT_TEMPLATE_KWARGS)
         if unknown:
@@ -256,15 +273,49 @@ class LLM:
         if not add_generation_prompt and not continue_final_message:
             raise ValueError("add_generation_prompt=False is only supported with continue_final_message=True: the "
                              "V4.1 encoder always opens the assistant turn after the last message")
+        mode, name = resolve_tool_choice(tools, tool_choice)
+        if continue_final_message and mode in ("required", "named"):
+            raise ValueError(f"tool_choice {tool_choice!r} constrains the whole answer, which "
+                             "continue_final_message does not start; drop one of them")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if continue_final_message:
             for i, conversation in enumerate(conversations):
                 if not conversation or conversation[-1].get("role") != "assistant":
                     raise ValueError(f"continue_final_message needs an assistant message last (conversation {i})")
             conversations = [[*c[:-1], {**c[-1], "wo_eos": True}] for c in conversations]
-        prompts = [encode_messages(c, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort,
-                                   drop_thinking=drop_thinking) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)
+        # A continued answer starts mid-turn, where no grammar starts: "auto" then runs free (as the server does).
+        tag = None if continue_final_message else tool_choice_tag(tools, mode, name, thinking=thinking)
+        params = self._with_tool_grammar(sampling_params, len(conversations), tag, mode)
+        prompts = [encode_messages(c, tools=tools if mode != "none" else None, thinking=thinking,
+                                   reasoning_effort=reasoning_effort, drop_thinking=drop_thinking)
+                   for c in conversations]
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, add_special_tokens=False)
+        for output in outputs:
+            for completion in output.outputs:
+                text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
+                completion.message = assistant_message(text, thinking and not continue_final_message,
+                                                       tools_active=mode != "none")
+        return outputs
+
+    def _with_tool_grammar(self, sampling_params: SamplingParams | list | None, count: int, tag: str | None,
+                           mode: str) -> SamplingParams | list | None:
+        """``sampling_params`` with the tool-call structural ``tag`` (None: unchanged) on a copy of each: one per
+        conversation. A given ``structured_outputs`` wins over "auto"; with "required" / named it is an error."""
+        if tag is None:
+            return sampling_params
+        given = sampling_params if isinstance(sampling_params, list) else [
+            sampling_params if sampling_params is not None else self.get_default_sampling_params()] * count
+        out = []
+        for p in given:
+            if p.structured_outputs is not None:
+                if mode != "auto":
+                    raise ValueError(f"tool_choice {mode!r} constrains the answer to a tool call, so it cannot be "
+                                     "combined with sampling_params.structured_outputs; use tool_choice 'auto' or "
+                                     "'none'")
+                out.append(p)
+            else:
+                out.append(dataclasses.replace(p, structured_outputs=StructuredOutputsParams(structural_tag=tag)))
+        return out
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         engine = self.engine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deepseek_v41.cache.block_table import BlockTable
 from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
@@ -125,7 +125,9 @@ class EngineRequest:
 @dataclass
 class CompletionOutput:
     """One sample of a request (vLLM's ``CompletionOutput``); ``new_text`` / ``new_token_ids`` are the delta of
-    the step that produced this output."""
+    the step that produced this output. ``message``: set by ``LLM.chat`` only, the sample as the OpenAI assistant
+    message ``/v1/chat/completions`` returns (``content``, ``reasoning_content`` in thinking mode, ``tool_calls``;
+    :func:`deepseek_v41.chat.assistant_message`)."""
 
     index: int
     text: str
@@ -136,6 +138,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     new_text: str = ""  # what the last engine step added (for streaming)
     new_token_ids: list[int] = field(default_factory=list)
+    message: dict[str, Any] | None = None
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions``: messages -> the official prompt -> the engine -> OpenAI messages or SSE chunks.
 
 The prompt is rendered by :func:`deepseek_v41.chat.encode_messages`; the completion is split into
-``reasoning_content``, ``content`` and ``tool_calls`` by one :class:`~deepseek_v41.chat.StreamingParser` per
+``reasoning_content``, ``content`` and ``tool_calls`` by one :class:`~deepseek_v41.chat.ChoiceParser` per
 choice, in both modes, so a streamed answer concatenates to the non-streamed one (CHAT_FORMAT.md §5).
 
 Request mapping (CHAT_FORMAT.md §3(g), §6): thinking is **off** unless ``chat_template_kwargs.thinking`` /
@@ -30,7 +30,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from deepseek_v41.chat import ChatFormatError, StreamingParser, encode_messages, merge_deltas
+from deepseek_v41.chat import ChatFormatError, ChoiceParser, encode_messages
 from deepseek_v41.engine.async_engine import EngineDeadError, EngineDrainingError, StepOutput
 from deepseek_v41.server.common import (
     ServerState,
@@ -49,6 +49,8 @@ from deepseek_v41.server.protocol import ChatCompletionRequest
 from deepseek_v41.server.streaming import SSEResponse
 from deepseek_v41.server.structured import Constraint, engine_params, request_constraint, tool_constraint
 from deepseek_v41.server.text import check_text_fits, encode
+from deepseek_v41.structured.dsml_grammar import ToolGrammarError
+from deepseek_v41.structured.tool_choice import resolve_tool_choice
 
 _EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "high", "max": "max",
             "ultra": "max"}
@@ -110,29 +112,12 @@ def _check_images(messages: list[dict[str, Any]]) -> None:
 
 
 def _tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
-    """("auto" | "none" | "required" | "named", function name) with the request's tools checked."""
-    tools = req.tools or []
-    choice = req.tool_choice
-    if choice is None:
-        return ("auto" if tools else "none"), None
-    if isinstance(choice, str):
-        if choice not in ("auto", "none", "required"):
-            raise APIError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {choice!r}",
-                           "tool_choice", "invalid_value")
-        if choice == "required" and not tools:
-            raise APIError("tool_choice 'required' needs tools", "tool_choice", "invalid_value")
-        return choice, None
-    function = choice.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
-    if choice.get("type") != "function" or not isinstance(name, str):
-        raise APIError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}", "tool_choice",
-                       "invalid_value")
-    names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)
-             and isinstance(t.get("function"), dict)]
-    if name not in names:
-        raise APIError(f"tool_choice names {name!r}, which is not in tools {names}", "tool_choice.function.name",
-                       "invalid_value")
-    return "named", name
+    """("auto" | "none" | "required" | "named", function name) with the request's tools checked
+    (:func:`deepseek_v41.structured.tool_choice.resolve_tool_choice`; its errors as 400s naming the field)."""
+    try:
+        return resolve_tool_choice(req.tools, req.tool_choice)
+    except ToolGrammarError as exc:
+        raise APIError(str(exc), exc.param, "invalid_value") from exc
 
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_length: bool = True) -> ChatPlan:
@@ -188,38 +173,23 @@ def _constraint(req: ChatCompletionRequest, choice: str, name: str | None, think
                            f"continue_final_message does not start; drop one of them", "continue_final_message",
                            "invalid_value")
         return None
-    if explicit is None and choice != "none" and req.tools:
+    if explicit is None:
         return tool_constraint(req.tools, choice, name, thinking, req.parallel_tool_calls is not False)
     return explicit
 
 
-class _Choice:
-    """One choice's parser and what its stream has sent."""
+class _Choice(ChoiceParser):
+    """One choice's parser (:class:`~deepseek_v41.chat.ChoiceParser`, the request's tool policy) and what its
+    stream has sent."""
 
     def __init__(self, plan: ChatPlan):
-        self.plan = plan
-        self.parser = StreamingParser(plan.thinking)
+        super().__init__(plan.thinking, plan.tools_active, plan.parallel)
         self.num_tokens = 0
         self.finished = False
 
-    def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
-        deltas = self.parser.feed(text)
-        if finished:
-            self.finished = True
-            deltas += self.parser.finish()
-        return [d for d in (self._filter(d) for d in deltas) if d]
-
-    def _filter(self, delta: dict[str, Any]) -> dict[str, Any] | None:
-        if "tool_calls" not in delta:
-            return delta
-        if not self.plan.tools_active:
-            return None
-        calls = [c for c in delta["tool_calls"] if self.plan.parallel or c["index"] == 0]
-        return {"tool_calls": calls} if calls else None
-
-    def finish_reason(self, reason: str) -> str:
-        completed = self.parser.completed_tool_calls
-        return "tool_calls" if reason == "stop" and self.plan.tools_active and completed else reason
+    def feed(self, text: str, finished: bool = False) -> list[dict[str, Any]]:
+        self.finished = self.finished or finished
+        return super().feed(text, finished)
 
 
 async def chat_completion(state: ServerState, req: ChatCompletionRequest, salt: str | None, arrival: float):
@@ -250,13 +220,7 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
     choices = []
     for completion in out.outputs:
         choice = _Choice(plan)
-        parsed = merge_deltas(choice.feed(completion.text, finished=True))  # = parse_output(text)
-        calls = parsed["tool_calls"]
-        message: dict[str, Any] = {"role": "assistant", "content": parsed["content"] or (None if calls else "")}
-        if plan.thinking:
-            message["reasoning_content"] = parsed["reasoning_content"]
-        if calls:
-            message["tool_calls"] = calls
+        message = choice.message(completion.text)  # = parse_output(text), tool policy applied
         entry: dict[str, Any] = {"index": completion.index, "message": message, "logprobs": None,
                                  "finish_reason": choice.finish_reason(completion.finish_reason or "abort"),
                                  "stop_reason": completion.stop_reason}

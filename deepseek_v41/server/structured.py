@@ -24,6 +24,7 @@ from typing import Any
 from deepseek_v41.engine.sampling_params import StructuredOutputsParams
 from deepseek_v41.server.errors import APIError
 from deepseek_v41.structured import dsml_grammar
+from deepseek_v41.structured.tool_choice import tool_choice_tag
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 LEGACY_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -191,13 +192,16 @@ def _no_other_keys(body: dict[str, Any], allowed: tuple[str, ...], where: str) -
 
 
 def tool_constraint(tools: list[dict[str, Any]], choice: str, name: str | None, thinking: bool,
-                    parallel: bool) -> Constraint:
+                    parallel: bool) -> Constraint | None:
     """``tool_choice`` "required" / named / "auto" -> the DSML structural tag (with the reasoning prefix when
-    thinking); APIError 400 naming the tool field the grammar cannot be built from."""
+    thinking; :func:`deepseek_v41.structured.tool_choice.tool_choice_tag`), None for "none" or no tools; APIError
+    400 naming the tool field the grammar cannot be built from."""
     try:
-        tag = dsml_grammar.tool_call_tag(tools, choice, name, thinking=thinking, parallel=parallel)
+        tag = tool_choice_tag(tools, choice, name, thinking=thinking, parallel=parallel)
     except dsml_grammar.ToolGrammarError as exc:
         raise APIError(str(exc), exc.param, "invalid_value") from exc
+    if tag is None:
+        return None
     return Constraint("structural_tag", tag, "tools", covers_reasoning=True)  # a tag that fails to compile: a schema
 
 

@@ -11,7 +11,9 @@ Backends (vLLM's names): xgrammar (default) and llguidance (``"guidance"``, the 
 rejects or does not enforce). Modules: :mod:`.backend` (the interface and the vocabulary), :mod:`.xgrammar_backend`,
 :mod:`.guidance_backend`, :mod:`.bitmask`, :mod:`.manager` (choice of backend, compiled-grammar LRU, masking),
 :mod:`.dsml_grammar` (V4.1's DSML tool-call block and the thinking prefix as xgrammar structural tags, built from
-a request's ``tools``; the server's ``tool_choice`` and ``response_format`` use it).
+a request's ``tools``; the server's ``tool_choice`` and ``response_format`` use it), :mod:`.tool_choice`
+(``tool_choice`` -> mode and grammar, for the server and ``LLM.chat``), :mod:`.schema_check` (a JSON-schema validator
+that knows no grammar: the tests' oracle and ``dsv41 eval-chat``'s check of tool arguments).
 
 Source: vLLM ``vllm/v1/structured_output/`` (behaviour and names); xgrammar and llguidance's Python APIs.
 """
