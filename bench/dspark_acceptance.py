@@ -5,8 +5,10 @@ step verifies the whole block, so every position is measured) at each batch size
 ``spec_decode_*`` counters (vLLM's SpecDecodingStats):
 
 - the mean accepted length: accepted drafts + the bonus token per verify step;
-- the acceptance per position j: accepted / verified drafts at position j, i.e. P(draft j accepted | drafts
-  1..j-1 accepted) — conditional, as DSPARK.md §3.4's confidence;
+- the acceptance per position j as vLLM reports it: accepted / verified drafts at position j (every step
+  verifies every position here, so this is the share of steps whose prefix survives through draft j);
+- the conditional acceptance per position: P(draft j accepted | drafts 1..j-1 accepted), what DSPARK.md §3.4's
+  confidence estimates;
 - whether the greedy tokens equal plain decoding's (``--check``).
 
 ``--block-size`` runs the checkpoint's draft at another ``dspark_block_size`` (a temporary model folder with the
@@ -50,16 +52,19 @@ def with_block_size(model: Path, block_size: int, workdir: Path) -> Path:
     return out
 
 
-def measure(model: Path, prompts: list[list[int]], batch: int, max_tokens: int, dtype: str, speculative: bool):
-    """Greedy outputs of ``prompts`` run ``batch`` at a time, and the engine's spec counters over them."""
+def measure(model: Path, prompts: list[list[int]], batch: int, max_tokens: int, dtype: str, speculative: bool,
+            temperature: float = 0.0):
+    """Outputs of ``prompts`` run ``batch`` at a time (greedy, or sampled at ``temperature`` with seeds 0..N-1),
+    and the engine's spec counters over them."""
     from deepseek_v41.engine import LLM, SamplingParams
 
     args = {"speculative": "dspark", "speculative_cost_table": "fixed"} if speculative else {}
     llm = LLM(model, dtype=dtype, max_num_seqs=max(8, batch), **args)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     before = dict(llm.stats)
     tokens = []
     for i in range(0, len(prompts), batch):
+        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i + j)
+                  for j in range(len(prompts[i:i + batch]))]
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]], params, use_tqdm=False)
         tokens += [list(o.outputs[0].token_ids) for o in outputs]
     stats = llm.stats
@@ -70,8 +75,11 @@ def measure(model: Path, prompts: list[list[int]], batch: int, max_tokens: int, 
     verified = [a - b for a, b in zip(stats["spec_decode_num_verified_tokens_per_pos"],
                                       before["spec_decode_num_verified_tokens_per_pos"], strict=True)]
     drafts = stats["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    reached = [drafts, *accepted[:-1]]
     return tokens, {"drafts": drafts, "mean_accepted_length": 1 + sum(accepted) / max(1, drafts),
                     "acceptance_per_position": [a / v if v else 0.0 for a, v in zip(accepted, verified, strict=True)],
+                    "conditional_acceptance_per_position": [a / r if r else 0.0
+                                                            for a, r in zip(accepted, reached, strict=True)],
                     "accepted_per_position": accepted, "verified_per_position": verified}
 
 
@@ -85,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--block-size", type=int, default=None, help="run the draft at this dspark_block_size")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sampled")
     parser.add_argument("--check", action="store_true", help="also compare with plain greedy decoding")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -100,17 +109,21 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model if args.block_size is None else with_block_size(args.model, args.block_size, Path(tmp))
         block = json.loads((model / "config.json").read_text())
         block = (block.get("text_config") or block)["dspark_block_size"]
+        mode = "greedy" if args.temperature <= 0 else f"temperature {args.temperature}"
         print(f"model {args.model}, dspark_block_size {block}, {len(prompts)} held-out prompts of "
-              f"{args.prompt_tokens} tokens, {args.max_tokens} greedy tokens each, full block verified")
-        plain = measure(model, prompts, 8, args.max_tokens, args.dtype, False)[0] if args.check else None
+              f"{args.prompt_tokens} tokens, {args.max_tokens} tokens each ({mode}), full block verified")
+        check = args.check and args.temperature <= 0
+        plain = measure(model, prompts, 8, args.max_tokens, args.dtype, False)[0] if check else None
         for batch in args.batch_sizes:
-            tokens, stats = measure(model, prompts, batch, args.max_tokens, args.dtype, True)
+            tokens, stats = measure(model, prompts, batch, args.max_tokens, args.dtype, True, args.temperature)
             same = None if plain is None else sum(t == p for t, p in zip(tokens, plain, strict=True))
             per = " ".join(f"{a:.3f}" for a in stats["acceptance_per_position"])
+            cond = " ".join(f"{a:.3f}" for a in stats["conditional_acceptance_per_position"])
             print(f"batch {batch}: mean accepted length {stats['mean_accepted_length']:.3f} over "
-                  f"{stats['drafts']} steps; acceptance per position [{per}]"
+                  f"{stats['drafts']} steps; acceptance per position [{per}], conditional [{cond}]"
                   + ("" if same is None else f"; {same}/{len(tokens)} outputs equal plain greedy"), flush=True)
-            results.append({"batch": batch, "block_size": block, **stats, "equal_plain": same})
+            results.append({"batch": batch, "block_size": block, "temperature": args.temperature, **stats,
+                            "equal_plain": same})
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -224,6 +224,7 @@ def train_dspark(
     block_size: int | None = typer.Option(None, help="dspark_block_size to train and write (default: the model's)."),
     loss_weights: str = typer.Option("0.1,0.9,1.0", help="Weights of the CE, L1 and confidence losses."),
     checkpoint_every: int = typer.Option(50, help="Steps between resumable checkpoints (0: none)."),
+    eval_windows: int = typer.Option(16, help="Held-out windows (greedy rows) measured before and after."),
     resume: bool = typer.Option(False, help="Continue from the checkpoint beside OUT (same arguments)."),
 ) -> None:
     """Distil the DSpark draft (mtp.*) from a frozen trained target and write the model with it (DSPARK.md §8)."""
@@ -237,7 +238,8 @@ def train_dspark(
         raise typer.Exit(2) from None
     args = DSparkTrainArgs(steps=steps, batch_size=batch_size, context=context, num_anchors=num_anchors, lr=lr,
                            warmup_steps=max(1, steps // 25), seed=seed, targets=targets, loss_weights=weights,
-                           block_size=block_size, checkpoint_every=checkpoint_every)
+                           block_size=block_size, checkpoint_every=checkpoint_every,
+                           eval_windows=eval_windows)
     try:
         path, summary = train_dspark_command(model, data, out, args, cache, threads, greedy_data=greedy_data,
                                              greedy_heldout=greedy_heldout, resume=resume)

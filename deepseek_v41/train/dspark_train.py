@@ -107,15 +107,41 @@ def draft_loss(model: Transformer, ids: torch.Tensor, num_anchors: int, generato
 @torch.no_grad()
 def greedy_counts(out, target_logits: torch.Tensor) -> dict[str, torch.Tensor]:
     """Greedy agreement of teacher-forced draft rows with the target (see :func:`draft_loss`): ``greedy_matched``
-    and ``greedy_prefix`` [K] float64 counts over the anchors whose K slots are all supervised."""
+    and ``greedy_prefix`` [K] float64 counts over the anchors whose K slots are all supervised, and
+    ``greedy_runs`` [B, A] long: each anchor's number of leading rows equal to the target's argmax (-1 where the
+    anchor's block is not fully supervised)."""
     B, A, K, _ = out.logits.shape
     T = target_logits.shape[1]
     rows = (out.anchors.clamp(min=0)[..., None] + torch.arange(K, device=out.logits.device)).clamp(max=T - 1)
     target = target_logits.argmax(-1).gather(1, rows.view(B, A * K)).view(B, A, K)
     full = out.mask.all(-1)
-    hit = (out.logits.argmax(-1) == target).long().cumprod(-1)[full].double()
+    run = (out.logits.argmax(-1) == target).long().cumprod(-1)
+    hit = run[full].double()
     prefix = torch.cat((torch.ones_like(hit[:, :1]), hit[:, :-1]), 1)
-    return {"greedy_matched": hit.sum(0), "greedy_prefix": prefix.sum(0)}
+    return {"greedy_matched": hit.sum(0), "greedy_prefix": prefix.sum(0),
+            "greedy_runs": torch.where(full, run.sum(-1), -1)}
+
+
+def engine_walk(runs: torch.Tensor, anchors: torch.Tensor, start: int, block_size: int
+                ) -> tuple[int, int, list[int]]:
+    """(verify steps, tokens emitted, steps that accepted draft j for each j < ``block_size``) of a greedy engine
+    walking one sequence from the anchor at ``start``: each step at anchor s emits its accepted drafts + the bonus,
+    ``runs[s] + 1`` tokens, and moves to s + runs[s] + 1, until an anchor without a full block.
+
+    ``runs`` [A] / ``anchors`` [A]: :func:`greedy_counts`' runs of one row at its anchors. Weighting each verify
+    step once, as the engine's mean accepted length does (not each position, as an average over uniform anchors
+    does), is what makes it the engine's number."""
+    by_pos = {int(a): int(r) for a, r in zip(anchors.tolist(), runs.tolist(), strict=True) if a >= 0 and r >= 0}
+    steps = tokens = 0
+    accepted = [0] * block_size
+    s = start
+    while s in by_pos:
+        steps += 1
+        tokens += by_pos[s] + 1
+        for j in range(by_pos[s]):
+            accepted[j] += 1
+        s += by_pos[s] + 1
+    return steps, tokens, accepted
 
 
 def expected_accepted_length(acceptance: torch.Tensor) -> float:
@@ -253,20 +279,36 @@ class DSparkDistiller:
         total = torch.zeros(draft.block_size, dtype=torch.float64)
         matched = torch.zeros(draft.block_size, dtype=torch.float64)
         prefix = torch.zeros(draft.block_size, dtype=torch.float64)
+        walk_steps = walk_tokens = 0
+        walk_accepted = torch.zeros(draft.block_size, dtype=torch.float64)
         for ids in windows:
             mask = torch.zeros_like(ids, dtype=torch.bool)
             mask[:, prompt:] = True
-            _, stats = draft_loss(self.model, ids, ids.shape[1], None, args.loss_decay, mask)
+            anchors = torch.arange(ids.shape[1], dtype=torch.long)[None]
+            taps, logits = target_features(self.model, ids)
+            out = draft.teacher_forced(taps, ids, self.model.embed.weight, self.model.head.weight, anchors=anchors,
+                                       loss_mask=mask)
+            _, stats = dspark_loss(out, logits, args.loss_decay, args.loss_weights)
+            counts = greedy_counts(out, logits)
             total += stats["acceptance"].double()
-            matched += stats["greedy_matched"]
-            prefix += stats["greedy_prefix"]
+            matched += counts["greedy_matched"]
+            prefix += counts["greedy_prefix"]
+            if self.greedy is not None:
+                steps, tokens, accepted = engine_walk(counts["greedy_runs"][0], anchors[0], prompt, draft.block_size)
+                walk_steps, walk_tokens = walk_steps + steps, walk_tokens + tokens
+                walk_accepted += torch.tensor(accepted, dtype=torch.float64)
         draft.train(was_training)
         acceptance = total / len(windows)
         greedy = matched / prefix.clamp(min=1)
-        return {"acceptance_per_position": acceptance.tolist(),
-                "expected_accepted_length": expected_accepted_length(acceptance),
-                "greedy_acceptance_per_position": greedy.tolist(),
-                "greedy_expected_accepted_length": expected_accepted_length(greedy), "windows": len(windows)}
+        result = {"acceptance_per_position": acceptance.tolist(),
+                  "expected_accepted_length": expected_accepted_length(acceptance),
+                  "greedy_acceptance_per_position": greedy.tolist(),
+                  "greedy_expected_accepted_length": expected_accepted_length(greedy), "windows": len(windows)}
+        if walk_steps:  # what a greedy engine verifying full blocks counts on these rows (see engine_walk)
+            result["engine_walk_mean_accepted_length"] = walk_tokens / walk_steps
+            result["engine_walk_accepted_per_position"] = (walk_accepted / walk_steps).tolist()
+            result["engine_walk_steps"] = walk_steps
+        return result
 
 
 def _stored_dtype(path: Path) -> torch.dtype:

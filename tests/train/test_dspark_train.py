@@ -241,3 +241,13 @@ def test_cli_greedy_data_then_greedy_training_at_block_5(model_dir, tmp_path):
     assert list(got) == list(expected) and spec.stats["spec_decode_max_len"] == 5
     bad = runner.invoke(app, ["train-dspark", "--model", str(source), "--targets", "greedy", "--out", str(out)])
     assert bad.exit_code == 2 and "greedy_data and greedy_heldout" in bad.output
+
+
+def test_engine_walk_counts_verify_steps_not_positions():
+    from deepseek_v41.train.dspark_train import engine_walk
+
+    # anchors 10..19; from 10: run 4 -> 15 (run 0) -> 16 (run 2) -> 19 (run -1: block not supervised) stops
+    anchors = torch.arange(10, 20)
+    runs = torch.tensor([4, 0, 0, 0, 0, 0, 2, 0, 0, -1])
+    steps, tokens, accepted = engine_walk(runs, anchors, 10, 5)
+    assert (steps, tokens, accepted) == (3, 5 + 1 + 3, [2, 2, 1, 1, 0])
