@@ -239,6 +239,20 @@ def test_cli_greedy_data_then_greedy_training_at_block_5(model_dir, tmp_path):
     spec = LLM(out, dtype="float32", max_model_len=256, speculative="dspark", speculative_cost_table="fixed")
     got = spec.generate({"prompt_token_ids": tokens[0, :16].tolist()}, params)[0].outputs[0].token_ids
     assert list(got) == list(expected) and spec.stats["spec_decode_max_len"] == 5
+    assert (tmp_path / ".out.dspark-train.pt").is_file()  # the resumable checkpoint beside OUT
+    summary = json.loads((out / "dspark_train.json").read_text())
+    resumed = runner.invoke(app, ["train-dspark", "--model", str(source), "--targets", "greedy", "--greedy-data",
+                                  str(tmp_path / "train"), "--greedy-heldout", str(tmp_path / "heldout"),
+                                  "--block-size", "5", "--steps", "2", "--out", str(out), "--batch-size", "2",
+                                  "--num-anchors", "8", "--threads", "1", "--resume"])
+    assert resumed.exit_code == 0, resumed.output  # nothing left to train: the saved state is written again
+    again = json.loads((out / "dspark_train.json").read_text())
+    assert again["final"] == summary["final"] and again["heldout_before"] == summary["heldout_before"]
+    other = runner.invoke(app, ["train-dspark", "--model", str(source), "--targets", "greedy", "--greedy-data",
+                                str(tmp_path / "train"), "--greedy-heldout", str(tmp_path / "heldout"),
+                                "--block-size", "5", "--steps", "3", "--out", str(out), "--batch-size", "2",
+                                "--num-anchors", "8", "--threads", "1", "--resume"])
+    assert other.exit_code == 2 and "other arguments (steps" in other.output
     bad = runner.invoke(app, ["train-dspark", "--model", str(source), "--targets", "greedy", "--out", str(out)])
     assert bad.exit_code == 2 and "greedy_data and greedy_heldout" in bad.output
 
