@@ -107,6 +107,36 @@ def data_prepare(
         typer.echo(f"{split}: {t['documents']} documents, {t['bytes']:,} bytes -> {Path(out) / (split + '.txt')}")
 
 
+@data_app.command("greedy")
+def data_greedy(
+    model: Path = typer.Option(..., help="Model folder of the target (config.json, safetensors, tokenizer.json)."),
+    data: Path = typer.Option(..., help="Corpus folder from `dsv41 data prepare` (train.txt, heldout.txt)."),
+    out: Path = typer.Option(..., help="Output folder: tokens.npy (int32 [N, prompt + continuation]), greedy.json."),
+    split: str = typer.Option("train", help="Corpus split the prompts come from: train | heldout."),
+    num_prompts: int = typer.Option(2048, help="Prompts (windows of the split's token stream)."),
+    prompt_tokens: int = typer.Option(128, help="Tokens per prompt."),
+    max_tokens: int = typer.Option(96, help="Greedy tokens generated per prompt (EOS ignored)."),
+    batch_size: int = typer.Option(64, help="Requests per engine batch."),
+    seed: int = typer.Option(0, help="Seed of the prompt offsets."),
+    cache: Path | None = typer.Option(None, help="Token-stream cache folder (default: DATA/tokens-dspark)."),
+    threads: int | None = typer.Option(None, help="torch threads (1 avoids OpenMP spin-waits on a busy machine)."),
+) -> None:
+    """The target's own greedy continuations of corpus windows: the DSpark draft's distillation data."""
+    from deepseek_v41.train.greedy_data import greedy_data_command
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    try:
+        summary = greedy_data_command(model, data, out, split, num_prompts, prompt_tokens, max_tokens, batch_size,
+                                      seed, cache, log=lambda line: typer.echo(line, err=True))
+    except (FileNotFoundError, ValueError, ConfigError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"wrote {out / 'tokens.npy'} {summary['shape']} in {summary['seconds']:.0f} s")
+
+
 @tokenizer_app.command("train")
 def tokenizer_train(
     data: Path = typer.Option(..., help="Corpus folder (its train.txt is read) or a corpus file."),
@@ -179,7 +209,8 @@ def model_card(
 def train_dspark(
     model: Path = typer.Option(..., help="Model folder of the trained target (config.json, safetensors, "
                                          "tokenizer.json)."),
-    data: Path = typer.Option(..., help="Corpus folder from `dsv41 data prepare` (train.txt, heldout.txt)."),
+    data: Path | None = typer.Option(None, help="Corpus folder from `dsv41 data prepare` (train.txt, heldout.txt); "
+                                                "needed for --targets corpus."),
     steps: int = typer.Option(2000),
     out: Path | None = typer.Option(None, help="Output model folder (default: write the draft back into MODEL)."),
     batch_size: int = typer.Option(8),
@@ -189,20 +220,42 @@ def train_dspark(
     seed: int = typer.Option(0),
     cache: Path | None = typer.Option(None, help="Token-stream cache folder (default: DATA/tokens-dspark)."),
     threads: int | None = typer.Option(None, help="torch threads (1 avoids OpenMP spin-waits on a busy machine)."),
+    targets: str = typer.Option("corpus", help="corpus: windows of the corpus; greedy: the target's own greedy "
+                                               "continuations (--greedy-data, --greedy-heldout)."),
+    greedy_data: Path | None = typer.Option(None, help="`dsv41 data greedy` folder of training prompts."),
+    greedy_heldout: Path | None = typer.Option(None, help="`dsv41 data greedy` folder of held-out prompts."),
+    block_size: int | None = typer.Option(None, help="dspark_block_size to train and write (default: the model's)."),
+    loss_weights: str = typer.Option("0.1,0.9,1.0", help="Weights of the CE, L1 and confidence losses."),
+    checkpoint_every: int = typer.Option(50, help="Steps between resumable checkpoints (0: none)."),
+    eval_windows: int = typer.Option(16, help="Held-out windows (greedy rows) measured before and after."),
+    resume: bool = typer.Option(False, help="Continue from the checkpoint beside OUT (same arguments)."),
 ) -> None:
     """Distil the DSpark draft (mtp.*) from a frozen trained target and write the model with it (DSPARK.md §8)."""
-    args = DSparkTrainArgs(steps=steps, batch_size=batch_size, context=context, num_anchors=num_anchors, lr=lr,
-                           warmup_steps=max(1, steps // 25), seed=seed)
     try:
-        path, summary = train_dspark_command(model, data, out, args, cache, threads)
+        weights = tuple(float(w) for w in loss_weights.split(","))
+        if len(weights) != 3 or min(weights) < 0:
+            raise ValueError
+    except ValueError:
+        typer.echo(f"error: --loss-weights must be three non-negative numbers 'ce,l1,conf', got {loss_weights!r}",
+                   err=True)
+        raise typer.Exit(2) from None
+    args = DSparkTrainArgs(steps=steps, batch_size=batch_size, context=context, num_anchors=num_anchors, lr=lr,
+                           warmup_steps=max(1, steps // 25), seed=seed, targets=targets, loss_weights=weights,
+                           block_size=block_size, checkpoint_every=checkpoint_every,
+                           eval_windows=eval_windows)
+    try:
+        path, summary = train_dspark_command(model, data, out, args, cache, threads, greedy_data=greedy_data,
+                                             greedy_heldout=greedy_heldout, resume=resume)
     except (FileNotFoundError, ValueError, ConfigError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     for name in ("heldout_before", "heldout_after"):
         result = summary[name]
         acceptance = ", ".join(f"{a:.3f}" for a in result["acceptance_per_position"])
+        greedy = ", ".join(f"{a:.3f}" for a in result["greedy_acceptance_per_position"])
         typer.echo(f"{name}: acceptance per position [{acceptance}], expected accepted length "
-                   f"{result['expected_accepted_length']:.3f}")
+                   f"{result['expected_accepted_length']:.3f}; greedy [{greedy}], expected accepted length "
+                   f"{result['greedy_expected_accepted_length']:.3f}")
     typer.echo(f"model with the trained draft written to {path}")
 
 

@@ -1,8 +1,8 @@
 """The bundled checkpoint (issues 5 and 7): what it ships, and its DSpark draft's acceptance on held-out prompts.
 
 Oracles: the issue's limits (at most 10M parameters in bf16, every mechanism on, 64K positions), plain greedy
-decoding (speculation must not change a token) and the issue's acceptance floor (mean accepted length >= 1.8 at
-a full block, bonus token counted) on prompts cut from held-out documents (tests/data/README.md).
+decoding (speculation must not change a token) and the acceptance floor of issue 26 (mean accepted length >= 2.5
+at a full block of 5, bonus token counted) on prompts cut from held-out documents (tests/data/README.md).
 """
 
 import json
@@ -47,5 +47,5 @@ def test_the_bundled_draft_is_accepted_on_held_out_prompts():
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     accepted = sum(o.spec_accepted_tokens for o in outs)
     steps = sum(o.spec_verify_steps for o in outs)
-    assert spec.stats["spec_decode_mean_verify_length"] == pytest.approx(4, abs=0.2)  # a full block
-    assert 1 + accepted / steps >= 1.8
+    assert spec.stats["spec_decode_mean_verify_length"] == pytest.approx(5, abs=0.25)  # a full block
+    assert 1 + accepted / steps >= 2.5

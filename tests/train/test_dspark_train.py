@@ -125,3 +125,143 @@ def test_cli_errors_name_the_problem(tmp_path):
 
     result = CliRunner().invoke(app, ["train-dspark", "--model", str(tmp_path / "none"), "--data", str(tmp_path)])
     assert result.exit_code == 2 and "no model at" in result.output
+
+
+# ---------------------------------------------------------------------- greedy targets (issue 26)
+def test_greedy_counts_are_conditional_prefix_agreement():
+    from deepseek_v41.model.dspark import TeacherForced
+    from deepseek_v41.train.dspark_train import greedy_counts
+
+    V, K, T = 6, 3, 8
+    target = torch.full((1, T, V), -5.0)
+    target[0, torch.arange(T), torch.arange(T) % V] = 5.0  # the target's argmax at position t is t mod V
+    draft = torch.zeros(1, 3, K, V)
+    anchors = torch.tensor([[1, 2, 5]])
+    guesses = [[1, 2, 0], [2, 0, 4], [5, 0, 1]]  # anchor 1: rows 0,1 agree; anchor 2: row 0; anchor 5: rows 0,1
+    for a, row in enumerate(guesses):
+        for k, g in enumerate(row):
+            draft[0, a, k, g] = 1.0
+    mask = torch.tensor([[[True] * K, [True] * K, [True, True, False]]])  # anchor 5 runs off the sequence
+    out = TeacherForced(draft, torch.zeros(1, 3, K), torch.zeros(1, 3, K, dtype=torch.long), mask, anchors)
+    counts = greedy_counts(out, target)
+    # only the two full blocks count: prefix [2, 2, 1] anchors reached row k, [2, 1, 0] matched through it
+    assert counts["greedy_prefix"].tolist() == [2.0, 2.0, 1.0]
+    assert counts["greedy_matched"].tolist() == [2.0, 1.0, 0.0]
+
+
+def test_prompt_windows_are_deterministic_slices_of_the_stream():
+    from deepseek_v41.train.greedy_data import prompt_windows
+
+    stream = np.arange(1000)
+    a, b = prompt_windows(stream, 5, 32, seed=3), prompt_windows(stream, 5, 32, seed=3)
+    assert a.shape == (5, 32) and np.array_equal(a, b)
+    assert all(np.array_equal(row, np.arange(row[0], row[0] + 32)) for row in a)
+    assert not np.array_equal(a, prompt_windows(stream, 5, 32, seed=4))
+    with pytest.raises(ValueError, match="fewer than one prompt"):
+        prompt_windows(stream[:10], 2, 32, seed=0)
+
+
+def test_greedy_training_supervises_only_the_continuation():
+    model = peaky_target()
+    rows = np.stack([byte_stream()[i * 40: i * 40 + 40] for i in range(6)])
+    prompt = 24
+    args = DSparkTrainArgs(steps=2, batch_size=2, num_anchors=8, lr=3e-3, warmup_steps=1, eval_windows=2,
+                           targets="greedy", block_size=5)
+    distiller = DSparkDistiller(model, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), args,
+                                greedy=(rows, rows[:2], prompt))
+    assert model.mtp.block_size == 5 and model.config.dspark_block_size == 5  # the tiny config's is 4
+    ids, mask = distiller._batch(np.random.default_rng(0))
+    assert ids.shape == (2, 40) and mask[:, :prompt].sum() == 0 and mask[:, prompt:].all()
+    from deepseek_v41.model.dspark import sample_anchors
+
+    anchors = sample_anchors(mask, 64)
+    assert ((anchors == -1) | (anchors >= prompt)).all() and (anchors >= prompt).sum() == 2 * (40 - 1 - prompt)
+    result = distiller.evaluate()
+    assert len(result["greedy_acceptance_per_position"]) == 5 and result["greedy_expected_accepted_length"] >= 1
+    distiller.train(progress=False)
+    assert distiller.step == 2
+
+
+def test_checkpoint_resumes_where_it_stopped(tmp_path):
+    args = DSparkTrainArgs(steps=4, batch_size=2, context=32, num_anchors=8, lr=3e-3, warmup_steps=1,
+                           eval_windows=2, checkpoint_every=2)
+    stream = byte_stream()
+    full = DSparkDistiller(peaky_target(), stream, stream[-3000:], args)
+    full.train(progress=False)
+    half = DSparkDistiller(peaky_target(), stream, stream[-3000:], DSparkTrainArgs(**{**vars(args), "steps": 4}))
+    half.args.steps = 2
+    half.train(progress=False, checkpoint=tmp_path / "ck.pt")
+    resumed = DSparkDistiller(peaky_target(), stream, stream[-3000:], args)
+    with pytest.raises(ValueError, match="other arguments"):  # written with steps=2
+        resumed.load_checkpoint(tmp_path / "ck.pt")
+    half.args.steps = 4
+    half.save_checkpoint(tmp_path / "ck.pt")
+    resumed.load_checkpoint(tmp_path / "ck.pt")
+    assert resumed.step == 2
+    resumed.train(progress=False)
+    assert [h["loss"] for h in resumed.history] == pytest.approx([h["loss"] for h in full.history], rel=1e-5)
+    for k, v in full.model.mtp.state_dict().items():
+        assert torch.allclose(v, resumed.model.mtp.state_dict()[k], atol=1e-6), k
+
+
+def test_cli_greedy_data_then_greedy_training_at_block_5(model_dir, tmp_path):
+    import json
+
+    from deepseek_v41.cli import app
+    from deepseek_v41.engine import LLM, SamplingParams
+
+    source, corpus = model_dir
+    runner = CliRunner()
+    for split, n in (("train", 6), ("heldout", 2)):
+        result = runner.invoke(app, ["data", "greedy", "--model", str(source), "--data", str(corpus), "--out",
+                                     str(tmp_path / split), "--split", split, "--num-prompts", str(n),
+                                     "--prompt-tokens", "16", "--max-tokens", "12", "--batch-size", "4",
+                                     "--cache", str(tmp_path / "tokens"), "--threads", "1"])
+        assert result.exit_code == 0, result.output
+    tokens = np.load(tmp_path / "train" / "tokens.npy", allow_pickle=False)
+    assert tokens.shape == (6, 28) and tokens.dtype == np.int32
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(source, dtype="float32", max_model_len=256)
+    expected = llm.generate({"prompt_token_ids": tokens[0, :16].tolist()}, params)[0].outputs[0].token_ids
+    assert tokens[0, 16:].tolist() == list(expected)  # the target's own greedy continuation
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["train-dspark", "--model", str(source), "--targets", "greedy", "--greedy-data",
+                                 str(tmp_path / "train"), "--greedy-heldout", str(tmp_path / "heldout"),
+                                 "--block-size", "5", "--steps", "2", "--out", str(out), "--batch-size", "2",
+                                 "--num-anchors", "8", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "greedy [" in result.output
+    config = json.loads((out / "config.json").read_text())
+    assert (config.get("text_config") or config)["dspark_block_size"] == 5
+    old, new = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
+    assert old.keys() == new.keys()
+    assert all(name.startswith("mtp.") or torch.equal(new[name], t) for name, t in old.items())
+    spec = LLM(out, dtype="float32", max_model_len=256, speculative="dspark", speculative_cost_table="fixed")
+    got = spec.generate({"prompt_token_ids": tokens[0, :16].tolist()}, params)[0].outputs[0].token_ids
+    assert list(got) == list(expected) and spec.stats["spec_decode_max_len"] == 5
+    assert (tmp_path / ".out.dspark-train.pt").is_file()  # the resumable checkpoint beside OUT
+    summary = json.loads((out / "dspark_train.json").read_text())
+    resumed = runner.invoke(app, ["train-dspark", "--model", str(source), "--targets", "greedy", "--greedy-data",
+                                  str(tmp_path / "train"), "--greedy-heldout", str(tmp_path / "heldout"),
+                                  "--block-size", "5", "--steps", "2", "--out", str(out), "--batch-size", "2",
+                                  "--num-anchors", "8", "--threads", "1", "--resume"])
+    assert resumed.exit_code == 0, resumed.output  # nothing left to train: the saved state is written again
+    again = json.loads((out / "dspark_train.json").read_text())
+    assert again["final"] == summary["final"] and again["heldout_before"] == summary["heldout_before"]
+    other = runner.invoke(app, ["train-dspark", "--model", str(source), "--targets", "greedy", "--greedy-data",
+                                str(tmp_path / "train"), "--greedy-heldout", str(tmp_path / "heldout"),
+                                "--block-size", "5", "--steps", "3", "--out", str(out), "--batch-size", "2",
+                                "--num-anchors", "8", "--threads", "1", "--resume"])
+    assert other.exit_code == 2 and "other arguments (steps" in other.output
+    bad = runner.invoke(app, ["train-dspark", "--model", str(source), "--targets", "greedy", "--out", str(out)])
+    assert bad.exit_code == 2 and "greedy_data and greedy_heldout" in bad.output
+
+
+def test_engine_walk_counts_verify_steps_not_positions():
+    from deepseek_v41.train.dspark_train import engine_walk
+
+    # anchors 10..19; from 10: run 4 -> 15 (run 0) -> 16 (run 2) -> 19 (run -1: block not supervised) stops
+    anchors = torch.arange(10, 20)
+    runs = torch.tensor([4, 0, 0, 0, 0, 0, 2, 0, 0, -1])
+    steps, tokens, accepted = engine_walk(runs, anchors, 10, 5)
+    assert (steps, tokens, accepted) == (3, 5 + 1 + 3, [2, 2, 1, 1, 0])
