@@ -294,37 +294,45 @@ class DSparkSpeculator:
         positions = torch.arange(end - n, end, device=self.cache.device)[None]
         self._commit_rows([seq], {j: t[:, -n:] for j, t in taps.items()}, positions, None)
 
-    @torch.no_grad()
     def defer_context(self, seqs: list[Sequence], taps: Mapping[int, torch.Tensor]) -> None:
-        """After a plain decode step (``taps`` from :meth:`decode_taps`, [B, 1, hc, D] per target layer): keep each
-        sequence's row of the position it computed, reduced over the mHC streams as the draft reduces it, in
-        its backlog (at most W rows). The rows reach the draft ring at its next speculative step, in one batch
-        (:meth:`_flush`): a plain step pays three means, not the draft's projections."""
-        streams = torch.stack([taps[j] for j in self.draft.target_layer_ids], 2)  # [B, 1, S, hc, D]
-        means = streams.float().mean(-2).to(streams.dtype)  # [B, 1, S, D]
+        """After a plain decode step (``taps`` from :meth:`decode_taps`, [B, 1, hc, D] per target layer): put the
+        position each sequence computed in its backlog (at most W entries), with a reference to the step's taps
+        and its row there. No tensor work: the rows reach the draft ring at the sequence's next speculative step,
+        all in one batch (:meth:`_flush`). Memory: the taps of the last W plain steps stay referenced (W x 3 x B
+        x hc x D values; for V4.1 in bf16 about 15 MB per sequence)."""
+        step = tuple(taps[j] for j in self.draft.target_layer_ids)
         for b, seq in enumerate(seqs):
             backlog = seq.draft_backlog
-            backlog.append((seq.num_computed, means[b]))
+            backlog.append((seq.num_computed, step, b))
             if len(backlog) > self.window:
                 del backlog[0]
 
+    @torch.no_grad()
     def _flush(self, seqs: list[Sequence]) -> None:
-        """Write the backlog rows of ``seqs`` into their draft rings (padded to the longest backlog)."""
+        """Write the backlog rows of ``seqs`` into their draft rings: gathered per plain step (one index per step
+        and target layer), padded to the longest backlog, staged and committed in one draft projection."""
         waiting = [s for s in seqs if s.draft_backlog]
         if not waiting:
             return
         device = self.cache.device
         L = max(len(s.draft_backlog) for s in waiting)
-        first = waiting[0].draft_backlog[0][1]
-        rows = torch.zeros(len(waiting), L, *first.shape[1:], dtype=first.dtype, device=device)  # [B', L, S, D]
+        first = waiting[0].draft_backlog[0][1][0]
+        rows = [torch.zeros(len(waiting), L, *first.shape[2:], dtype=first.dtype, device=device)
+                for _ in self.draft.target_layer_ids]  # per target layer [B', L, hc, D]
         positions = torch.full((len(waiting), L), -1, dtype=torch.long, device=device)
-        for b, seq in enumerate(waiting):
-            rows[b, : len(seq.draft_backlog)] = torch.cat([r for _, r in seq.draft_backlog])
-            positions[b, : len(seq.draft_backlog)] = torch.tensor([p for p, _ in seq.draft_backlog], device=device)
+        steps: dict[int, tuple[tuple[torch.Tensor, ...], list[int], list[int], list[int]]] = {}
+        for w, seq in enumerate(waiting):
+            for t, (_, step, b) in enumerate(seq.draft_backlog):
+                group = steps.setdefault(id(step), (step, [], [], []))
+                group[1].append(w)
+                group[2].append(t)
+                group[3].append(b)
+            positions[w, : len(seq.draft_backlog)] = torch.tensor([p for p, _, _ in seq.draft_backlog])
             seq.draft_backlog.clear()
-        # One stream per layer: the mean over one stream is the row itself, so main_x reads exactly these rows.
-        taps = {j: rows[:, :, i, None] for i, j in enumerate(self.draft.target_layer_ids)}
-        self._commit_rows(waiting, taps, positions, None)
+        for step, ws, ts, bs in steps.values():
+            for layer, tap in zip(rows, step, strict=True):
+                layer[ws, ts] = tap[bs, 0]
+        self._commit_rows(waiting, dict(zip(self.draft.target_layer_ids, rows, strict=True)), positions, None)
 
     def _state(self, slots: torch.Tensor) -> DSparkState:
         return DSparkState(self.cache.draft_keys[:, slots], self.cache.draft_pos[slots])
