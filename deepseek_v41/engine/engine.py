@@ -255,13 +255,12 @@ class LLMEngine:
         if plan.decodes and spec is not None and spec.speculate(plan.decodes):
             verdicts = list(zip(plan.decodes, spec.step(plan.decodes), strict=True))
         elif plan.decodes:
-            forward = time.perf_counter()
             if spec is None:
                 logits = self.runner.decode(plan.decodes)
             else:  # a plain step of a speculative engine: the draft's context rows wait in a backlog
                 taps = spec.decode_taps()
                 logits = self.runner.decode(plan.decodes, taps)
-                spec.record_plain(plan.decodes, time.perf_counter() - forward)
+                spec.record_plain(plan.decodes)
                 spec.defer_context(plan.decodes, taps)
             for row, seq in enumerate(plan.decodes):
                 seq.num_computed += 1

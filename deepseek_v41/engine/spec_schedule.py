@@ -8,7 +8,8 @@ the engine really spends, online, from a few ``perf_counter`` calls per decode s
 - ``plain(B)``: the whole plain decode step at batch B (schedule, forward, sampling, outputs);
 - ``fixed(B)``: the part of a speculative step at batch B that does not depend on the verification length ℓ
   (the whole step minus its target forward: draft forward, verification, commit, outputs);
-- ``forward(B, T)``: the target forward over T = 1 + ℓ tokens of B sequences (a plain step's forward is T = 1).
+- ``forward(B, T)``: the verify forward over T = 1 + ℓ tokens of B sequences (a plain step's decode forward is
+  not one of them: the verify path costs more even at T = 1, and mixing them would read that as a slope in T).
 
 Each key keeps the median of its last observations (robust to a busy neighbour); the forward is a line in T
 fitted per batch size to those medians, so widths rarely chosen are estimated from the others (:class:`StepCosts`).
@@ -24,7 +25,7 @@ the measured costs, :func:`choose_verify_length` picks the ℓ in 0..L with the 
 second, where ℓ = 0 is the plain decode step (no draft forward) — DSpark steps aside whenever plain decoding is
 faster. The decision reads only past steps, never this step's drafts, so speculative sampling stays lossless and
 greedy output is the target's whatever the choice (DSPARK.md §5.1). The losing kind is still probed now and then
-(every ``interval`` steps, chosen so that probing costs about 1 % of the time) so that speculation comes back
+(every ``interval`` steps, chosen so that probing costs about 0.5 % of the time) so that speculation comes back
 when acceptance rises or the machine's load changes, and its estimates stay fresh; every batch size gets a first
 plain and a first speculative step to measure.
 """
@@ -117,7 +118,8 @@ class StepCosts:
     ``plain(B)`` and ``fixed(B)``: the median of the batch size's observations, interpolated between observed
     batch sizes. ``forward(B, T)``: a line a_B + b_B·(T - 1) fitted to the medians of the batch's observed
     widths (weighted by their counts, so one slow step moves it little); with a single width, the per-row slope
-    b_B / B of the nearest batch size that has two; for an unobserved batch, a_B interpolated over batch sizes.
+    b_B / B of the nearest batch size that has two, or 0 (a flat line: longer verifies look cheap until one is
+    measured); for an unobserved batch, a_B interpolated over batch sizes.
     Each returns None when nothing of its kind was observed."""
 
     def __init__(self, window: int = 15):
@@ -130,10 +132,9 @@ class StepCosts:
         if seconds > 0:
             table.setdefault(key, _Window(self.size)).add(seconds)
 
-    def observe_plain(self, batch: int, step: float, forward: float) -> None:
-        """A plain decode step of ``batch`` sequences: the whole step and its target forward, seconds."""
+    def observe_plain(self, batch: int, step: float) -> None:
+        """A plain decode step of ``batch`` sequences took ``step`` seconds (the whole step)."""
         self._add(self._plain, batch, step)
-        self._add(self._forward, (batch, 1), forward)
 
     def observe_spec(self, batch: int, width: int, step: float, forward: float) -> None:
         """A speculative step of ``batch`` sequences whose verify forward ran ``width`` = 1 + max ℓ tokens each:
@@ -262,7 +263,7 @@ class SpeculationPolicy:
     batch size (it costs tens of µs of Python and the estimates move slowly). ``decisions[kind]`` counts the
     choices, probes included."""
 
-    def __init__(self, max_len: int, probe_budget: float = 0.01, min_interval: int = 8, max_interval: int = 512,
+    def __init__(self, max_len: int, probe_budget: float = 0.005, min_interval: int = 8, max_interval: int = 512,
                  window: int = 15, refresh: int = 4):
         if not (0 < probe_budget < 1 and 1 <= min_interval <= max_interval):
             raise ValueError(f"need 0 < probe_budget < 1 and 1 <= min_interval <= max_interval, got {probe_budget}, "

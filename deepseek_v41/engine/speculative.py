@@ -360,10 +360,10 @@ class DSparkSpeculator:
             return True
         return self.policy.decide(self.caps(seqs)) == SPEC
 
-    def record_plain(self, seqs: list[Sequence], forward: float) -> None:
-        """A plain decode step of ``seqs`` ran; its target forward took ``forward`` seconds."""
+    def record_plain(self, seqs: list[Sequence]) -> None:
+        """A plain decode step of ``seqs`` ran."""
         self.stats.record_plain(len(seqs))
-        self._last = (PLAIN, len(seqs), 1, forward, 0.0)
+        self._last = (PLAIN, len(seqs), 1, 0.0, 0.0)
 
     def observe_step(self, seconds: float) -> None:
         """The engine's wall time of the decode-only step that just ended (plain or speculative)."""
@@ -372,7 +372,7 @@ class DSparkSpeculator:
             return
         kind, batch, width, forward, flush = last
         if kind == PLAIN:
-            self.policy.costs.observe_plain(batch, seconds, forward)
+            self.policy.costs.observe_plain(batch, seconds)
         else:
             self.policy.costs.observe_spec(batch, width, seconds - flush, forward)
 

@@ -58,14 +58,17 @@ def test_choice_of_the_verification_length_from_timings_and_survival():
 def test_step_costs_are_running_medians_and_a_fitted_forward_line():
     costs = StepCosts(window=3)
     assert costs.plain(1) is None and costs.spec_times(1, K) is None
-    costs.observe_plain(1, 9.0, 8.0)  # the first step at a shape is warm-up: dropped
+    costs.observe_plain(1, 9.0)  # the first step at a shape is warm-up: dropped
     assert costs.plain(1) is None and not costs.seen(PLAIN, 1)
     for step in (0.010, 0.012, 0.011, 0.050):  # a window of 3: 0.012, 0.011, 0.050 -> median 0.012
-        costs.observe_plain(1, step, 0.006)
+        costs.observe_plain(1, step)
     assert costs.plain(1) == 0.012 and costs.seen(PLAIN, 1)
     for _ in range(3):
         costs.observe_spec(1, 5, 0.014, 0.008)  # fixed part 6 ms, verify forward at T = 5: 8 ms
-    # forward(1, T) through (0, 6 ms) and (4, 8 ms): 6 + 0.5 (T - 1) ms; a step at ℓ: 6 ms + forward(1, 1 + ℓ).
+    assert costs.spec_times(1, 2) == pytest.approx([0.014] * 3)  # one width: a flat line until another is seen
+    for _ in range(3):
+        costs.observe_spec(1, 1, 0.012, 0.006)  # fixed part 6 ms, verify forward at T = 1: 6 ms
+    # forward(1, T) through (T = 1, 6 ms) and (T = 5, 8 ms): 6 + 0.5 (T - 1) ms; a step at ℓ: 6 ms + forward(1, 1 + ℓ).
     assert costs.forward(1, 3) == pytest.approx(0.007)
     assert costs.spec_times(1, K) == pytest.approx([0.012, 0.0125, 0.013, 0.0135, 0.014])
     # A batch observed at one width borrows the per-row slope of the nearest batch with two (0.5 ms / 1 row).
@@ -92,14 +95,14 @@ def test_survival_calibration_matches_the_acceptance_that_happened():
 
 
 def feed(policy: SpeculationPolicy, batch: int, plain: float, spec: float, acceptance: float, steps: int) -> list[str]:
-    """Run ``steps`` decisions, observing each chosen step with these timings (plain: forward 80 %; spec: a
-    full-block step, verify forward 60 %) and, after speculative steps, mean survival acceptance^j."""
+    """Run ``steps`` decisions, observing each chosen step with these timings (spec: a full-block step whose
+    verify forward is 60 % of it) and, after speculative steps, mean survival acceptance^j."""
     kinds = []
     for _ in range(steps):
         kind = policy.decide([K] * batch)
         kinds.append(kind)
         if kind == PLAIN:
-            policy.costs.observe_plain(batch, plain, plain * 0.8)
+            policy.costs.observe_plain(batch, plain)
         else:
             policy.costs.observe_spec(batch, K + 1, spec, spec * 0.6)
             policy.calibration.mean = [acceptance ** (j + 1) for j in range(K)]
@@ -107,21 +110,23 @@ def feed(policy: SpeculationPolicy, batch: int, plain: float, spec: float, accep
 
 
 def test_policy_steps_aside_probes_and_comes_back():
-    policy = SpeculationPolicy(K)
+    policy = SpeculationPolicy(K, probe_budget=0.01)
     # New batch size: a speculative step and a plain one first (two of each: the first is warm-up).
     assert feed(policy, 8, 0.010, 0.030, 0.3, 4) == [SPEC, SPEC, PLAIN, PLAIN]
-    # Acceptance 0.3: forward line 8 ms + 2.5 ms·ℓ, fixed part 12 ms: a step at ℓ = 1 takes 22.5 ms for 8 x 1.3
-    # tokens (462/s) against plain's 800/s. A probe at ℓ = 1 costs 22.5 - 10.4 x 10 / 8 = 9.5 ms, 1 % of 10 ms
-    # steps is 0.1 ms: one probe every 95 steps.
+    # Acceptance 0.3 (ŝ = 0.3, 0.09, 0.027, 0.0081); one verify width seen, so 30 ms at every ℓ: the best, ℓ = 4,
+    # gives 8 x 1.4251 tokens (380/s) against plain's 800/s. A probe costs 30 - 11.40 x 10 / 8 = 15.75 ms; 1 % of
+    # 10 ms steps is 0.1 ms: one probe every 157 steps.
     kinds = feed(policy, 8, 0.010, 0.030, 0.3, 400)
     probes = [i for i, k in enumerate(kinds) if k == SPEC]
-    assert len(probes) == 4 and {b - a for a, b in zip(probes, probes[1:], strict=False)} == {95}
-    # The draft got better (0.95 per position): at the next probe speculation wins (36.2 tokens in 30 ms) and
-    # takes over; plain steps are probed every 10 / 0.3 - 8 x 30 / 36.2 / 0.3 = 11 steps.
+    assert len(probes) == 2 and probes[1] - probes[0] == 157
+    # The draft got better (0.95 per position): at the next probe speculation wins (36.19 tokens in 30 ms) and
+    # takes over; plain steps are probed every (10 - 8 x 30 / 36.19) / 0.3 = 11 steps.
     kinds = feed(policy, 8, 0.010, 0.030, 0.95, 400)
-    assert kinds.index(SPEC) < 96 and kinds[-200:].count(PLAIN) in (18, 19)
+    assert kinds.index(SPEC) < 158 and kinds[-200:].count(PLAIN) in (18, 19)
     # Nothing left to verify (caps 0): plain.
     assert policy.decide([0, 0]) == PLAIN
+    with pytest.raises(ValueError, match="probe_budget"):
+        SpeculationPolicy(K, probe_budget=0.0)
 
 
 # ---------------------------------------------------------------------------------------------- in the engine
