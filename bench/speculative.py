@@ -11,7 +11,8 @@ For each batch size (default 1 and 8) it builds, in ONE process, three engines o
 Each engine first decodes one warm-up batch, then the arms run ``--rounds`` times, alternating (round r runs
 them in the order rotated by r), on the same greedy requests (prefix caching off, so every round computes the
 same thing). It prints the median decode tokens/s per arm (generated tokens after the first / time from the
-first token to the last), the median of the per-round ratios to plain (each ratio pairs arms of one round),
+first token to the last), the median of the per-round ratios to plain (each ratio pairs arms of one round)
+and their range,
 the mean accepted length (accepted drafts + the bonus token per verified draft), the step mix (share of decode
 steps that were plain, drafted but verified nothing, or verified ℓ = 1..L drafts), and whether the greedy output
 equals plain's in every round. A ratio below 1 is printed as it is. The machines are noisy: read the ratios.
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     del probe
     print(f"model {args.model}, prompts of {args.prompt_tokens} tokens, {args.max_tokens} greedy tokens each, "
           f"{args.rounds} alternating rounds, medians; torch threads {torch.get_num_threads()}")
-    print(f"{'batch':>5}  {'mode':<20} {'decode tok/s':>12} {'ratio':>6} {'accepted len':>12}  same output  step mix")
+    print(f"{'batch':>5}  {'mode':<20} {'decode tok/s':>12} {'ratio':>6} {'ratio range':>11} {'accepted len':>12}  "
+          f"same output  step mix")
     for size in args.batch_sizes:
         batch = all_prompts[:size]
         engines = {mode: engine(args.model, size, engine_args, batch, args.max_tokens)
@@ -149,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             accepted = (f"{1 + counters['num_accepted_tokens'] / counters['num_drafts']:.2f}"
                         if counters.get("num_drafts") else "-")
             mix = step_mix(counters) if counters else "-"
+            spread = f"{min(ratios[mode]):.2f}-{max(ratios[mode]):.2f}"
             print(f"{size:>5}  {mode:<20} {statistics.median(rates[mode]):>12.1f} "
-                  f"{statistics.median(ratios[mode]):>6.2f} {accepted:>12}  {'yes' if same[mode] else 'NO':<11}  {mix}",
-                  flush=True)
+                  f"{statistics.median(ratios[mode]):>6.2f} {spread:>11} {accepted:>12}  "
+                  f"{'yes' if same[mode] else 'NO':<11}  {mix}", flush=True)
         del engines
     return 0
 

@@ -213,19 +213,26 @@ class StepCosts:
 
 
 class SurvivalCalibration:
-    """Per draft position j, the ratio ρ_j of drafts accepted to the survival the head predicted for them, over
-    recent verified drafts (each step's counts decay by ``decay``; starts at ρ = 1 with ``prior`` pseudo-drafts),
-    and the running mean of calibrated survival over every drafted row (verified or not, so the mean the policy
-    plans with is not biased by which drafts were verified)."""
+    """Per draft position j: the decayed mean m_j of the survival the head predicted over every drafted row
+    (verified or not) and the ratio ρ_j of drafts accepted to survival predicted over the verified ones, with a
+    prior of ``prior`` rows at ratio 1 (in units of m_j, so a head that predicts tiny survival is corrected after
+    a few rows). Counts decay by ``decay`` per speculative step: probes are rare when speculation loses, and a
+    few of them must be able to bring it back. ``mean``: the planned mean survival, min(1, ρ_j m_j) kept
+    non-increasing (None before any step)."""
 
-    def __init__(self, max_len: int, decay: float = 0.98, prior: float = 4.0):
-        self.decay = decay
-        self.accepted = [prior] * max_len
-        self.predicted = [prior] * max_len
+    def __init__(self, max_len: int, decay: float = 0.9, prior: float = 1.0):
+        self.decay, self.prior = decay, prior
+        self.accepted = [0.0] * max_len
+        self.predicted = [0.0] * max_len
+        self.drafted = [0.0] * max_len  # decayed sum of predicted survival over all drafted rows
+        self.rows = 0.0
         self.mean: list[float] | None = None
 
     def ratio(self, j: int) -> float:
-        return self.accepted[j] / self.predicted[j] if self.predicted[j] > 0 else 1.0
+        if self.rows == 0:
+            return 1.0
+        pseudo = self.prior * self.drafted[j] / self.rows
+        return (self.accepted[j] + pseudo) / (self.predicted[j] + pseudo) if self.predicted[j] + pseudo > 0 else 1.0
 
     def apply(self, survival: Seq[float]) -> list[float]:
         """Calibrated survival of one row [L]: min(1, ρ_j · a_j), kept non-increasing."""
@@ -237,19 +244,20 @@ class SurvivalCalibration:
 
     def observe(self, survival: Seq[Seq[float]], verified: Seq[int], accepted: Seq[int]) -> None:
         """One speculative step: raw survival [R][L] of every drafted row, drafts verified and accepted per row."""
-        L = len(self.accepted)
-        acc, pred = [0.0] * L, [0.0] * L
+        L, d = len(self.accepted), self.decay
+        acc, pred, drafted = [0.0] * L, [0.0] * L, [0.0] * L
         for row, ell, a in zip(survival, verified, accepted, strict=True):
-            for j in range(min(ell, L)):
-                pred[j] += row[j]
-                acc[j] += j < a
-        self.accepted = [self.decay * x + y for x, y in zip(self.accepted, acc, strict=True)]
-        self.predicted = [self.decay * x + y for x, y in zip(self.predicted, pred, strict=True)]
-        if survival:
-            rows = [self.apply(row) for row in survival]
-            step = [sum(r[j] for r in rows) / len(rows) for j in range(L)]
-            self.mean = step if self.mean is None else \
-                [self.decay * m + (1 - self.decay) * s for m, s in zip(self.mean, step, strict=True)]
+            for j in range(L):
+                drafted[j] += row[j]
+                if j < ell:
+                    pred[j] += row[j]
+                    acc[j] += j < a
+        self.accepted = [d * x + y for x, y in zip(self.accepted, acc, strict=True)]
+        self.predicted = [d * x + y for x, y in zip(self.predicted, pred, strict=True)]
+        self.drafted = [d * x + y for x, y in zip(self.drafted, drafted, strict=True)]
+        self.rows = d * self.rows + len(survival)
+        if self.rows > 0:
+            self.mean = self.apply([x / self.rows for x in self.drafted])
 
 
 class SpeculationPolicy:

@@ -83,15 +83,23 @@ def test_step_costs_are_running_medians_and_a_fitted_forward_line():
 
 def test_survival_calibration_matches_the_acceptance_that_happened():
     calib = SurvivalCalibration(2, decay=1.0, prior=1.0)
-    # 20 rows predicting 0.8 / 0.2, all verified at 2: first draft accepted in 10, both in 8.
+    assert calib.mean is None and calib.apply([0.8, 0.2]) == [0.8, 0.2]
+    # 20 rows predicting 0.8 / 0.2, all verified at 2: first draft accepted in 10, both in 8. The prior is one
+    # row at ratio 1 (predicting the mean, 0.8 / 0.2).
     rows = [[0.8, 0.2]] * 20
     accepted = [2] * 8 + [1] * 2 + [0] * 10
     calib.observe(rows, [2] * 20, accepted)
-    assert calib.ratio(0) == pytest.approx((1 + 10) / (1 + 16))  # a prior of one draft at ratio 1
-    assert calib.ratio(1) == pytest.approx((1 + 8) / (1 + 4))
-    assert calib.apply([0.8, 0.2]) == pytest.approx([0.8 * 11 / 17, 0.2 * 9 / 5])
-    assert calib.apply([0.5, 0.5]) == pytest.approx([0.5 * 11 / 17] * 2)  # kept non-increasing
+    assert calib.ratio(0) == pytest.approx((10 + 0.8) / (16 + 0.8))
+    assert calib.ratio(1) == pytest.approx((8 + 0.2) / (4 + 0.2))
+    assert calib.apply([0.8, 0.2]) == pytest.approx([0.8 * 10.8 / 16.8, 0.2 * 8.2 / 4.2])
+    assert calib.apply([0.5, 0.5]) == pytest.approx([0.5 * 10.8 / 16.8] * 2)  # kept non-increasing
     assert calib.mean == pytest.approx(calib.apply([0.8, 0.2]))
+    # A head predicting tiny survival for drafts that are all accepted is corrected within a few rows: after 3,
+    # ρ = 2.71 accepted + 0.01 prior over 0.0271 predicted + 0.01 = 73.3, so 0.01 plans as 0.733.
+    tiny = SurvivalCalibration(1, decay=0.9)
+    for _ in range(3):
+        tiny.observe([[0.01]], [1], [1])
+    assert tiny.mean[0] == pytest.approx(0.01 * 2.72 / 0.0371)
 
 
 def feed(policy: SpeculationPolicy, batch: int, plain: float, spec: float, acceptance: float, steps: int) -> list[str]:
