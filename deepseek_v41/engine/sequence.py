@@ -72,7 +72,7 @@ class Sequence:
     spec_verify_steps: int = 0
     # DSpark draft context of positions computed by plain decode steps, (position, the step's target-layer taps,
     # row), that reaches the draft ring at the sequence's next speculative step (speculative.py, _flush).
-    draft_backlog: list = field(default_factory=list)
+    draft_backlog: list = field(default_factory=list, repr=False, compare=False)
     # Structured outputs: the matcher of the request's constraint, at the state after every output token (None:
     # free text). The engine masks this sequence's logits with it and advances it by each emitted token.
     grammar: GrammarMatcher | None = None
@@ -178,6 +178,3 @@ class RequestOutput:
     num_replayed_tokens: int = 0  # cached prompt tokens recomputed to rebuild window state (bounded replay)
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
-    # DSpark draft context of positions computed by plain decode steps, (position, the step's target-layer taps,
-    # row), that reaches the draft ring at the sequence's next speculative step (speculative.py, _flush).
-    draft_backlog: list = field(default_factory=list)
