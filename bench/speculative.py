@@ -1,27 +1,31 @@
 """DSpark speculative decoding benchmark: decode tokens/s with DSpark against without (DSPARK.md, SPEC.md §4.4).
 
-For each batch size (default 1 and 8) it runs the same greedy requests, in ONE process, on three engines over the
-same weights:
+For each batch size (default 1 and 8) it builds, in ONE process, three engines over the same weights:
 
 - **plain**: no speculation (the baseline of the ratios);
-- **dspark (scheduler)**: ``speculative="dspark"`` with the cost table measured at engine start, so the
-  scheduler picks the verification length from the draft's confidences;
+- **dspark (scheduler)**: ``speculative="dspark"`` with the adaptive scheduler (the default): it measures the
+  engine's own plain and speculative steps and runs each step plain or speculative, with the verification
+  length, that gives the most expected tokens per second;
 - **dspark (full block)**: ``speculative_cost_table="fixed"``, every step verifies the whole block.
 
-and prints decode tokens/s (generated tokens after the first / time from the first token to the last), the
-ratio to plain, the mean accepted length (accepted drafts + the bonus token per verify step), the mean
-verification length, and whether the greedy output equals plain's. A ratio below 1 is printed as it is.
-One run: these machines are noisy, read the ratios, not the absolute rates.
+Each engine first decodes one warm-up batch, then the arms run ``--rounds`` times, alternating (round r runs
+them in the order rotated by r), on the same greedy requests (prefix caching off, so every round computes the
+same thing). It prints the median decode tokens/s per arm (generated tokens after the first / time from the
+first token to the last), the median of the per-round ratios to plain (each ratio pairs arms of one round)
+and their range,
+the mean accepted length (accepted drafts + the bonus token per verified draft), the step mix (share of decode
+steps that were plain, drafted but verified nothing, or verified ℓ = 1..L drafts), and whether the greedy output
+equals plain's in every round. A ratio below 1 is printed as it is. The machines are noisy: read the ratios.
 
-    python bench/speculative.py --model checkpoints/v41-tiny/ [--batch-sizes 1 8] [--max-tokens 64]
-        [--prompt-tokens 128] [--text path/to/heldout.txt]
+    python bench/speculative.py --model checkpoints/v41-tiny/ [--batch-sizes 1 8] [--max-tokens 128]
+        [--prompt-tokens 128] [--rounds 5] [--text path/to/heldout.txt]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
-import time
 from pathlib import Path
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "checkpoints" / "v41-tiny"
@@ -51,32 +55,51 @@ def decode_rate(outputs) -> float:
     return generated / max(end - start, 1e-9)
 
 
-def run(model: Path, batch: list[list[int]], max_tokens: int, engine_args: dict):
-    """One engine: a warm-up request, then the batch; returns (outputs, engine stats)."""
+def engine(model: Path, size: int, engine_args: dict, warmup: list[list[int]], max_tokens: int):
+    """One engine with room for ``size`` sequences, warmed up on a first batch (its counters include it)."""
     from deepseek_v41.engine import LLM, SamplingParams
 
     # fp32 as the README's table: in the checkpoint's bf16 (LLM's default) the batched verify forward rounds
     # differently from plain decoding, so greedy tokens may differ
-    llm = LLM(model, dtype="float32", max_num_seqs=max(8, len(batch)), **engine_args)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate({"prompt_token_ids": batch[0]}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    before = dict(llm.stats)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
-    stats = llm.stats
-    if "spec_decode_num_drafts" in stats:  # counters of the batch only (the warm-up ran first)
-        drafts = stats["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
-        accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-        verified = stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-        stats = {**stats, "mean_accepted_length": 1 + accepted / max(1, drafts),
-                 "mean_verify_length": verified / max(1, drafts)}
-    return outputs, stats
+    llm = LLM(model, dtype="float32", max_num_seqs=max(8, size), enable_prefix_caching=False, **engine_args)
+    llm.generate([{"prompt_token_ids": p} for p in warmup],
+                 SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return llm
+
+
+def run(llm, batch: list[list[int]], max_tokens: int):
+    """One round of ``batch`` on ``llm``: (decode tokens/s, token ids per request, spec counters of the round)."""
+    from deepseek_v41.engine import SamplingParams
+
+    before = llm.stats
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch],
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    after = llm.stats
+    counters = {}
+    if "spec_decode_num_drafts" in after:
+        for key in ("num_drafts", "num_accepted_tokens", "num_draft_tokens", "num_plain_steps"):
+            counters[key] = after[f"spec_decode_{key}"] - before[f"spec_decode_{key}"]
+        counters["verify_lengths"] = [a - b for a, b in zip(after["spec_decode_verify_lengths"],
+                                                            before["spec_decode_verify_lengths"], strict=True)]
+    return decode_rate(outputs), [o.outputs[0].token_ids for o in outputs], counters
+
+
+def step_mix(counters: dict) -> str:
+    """Shares of decode steps: plain (no draft), drafted but nothing verified (0d), then each ℓ >= 1."""
+    lengths = counters["verify_lengths"]
+    total = max(1, sum(lengths))
+    plain = counters["num_plain_steps"]
+    parts = [f"plain {plain / total:.0%}", f"0d {(lengths[0] - plain) / total:.0%}"]
+    parts += [f"{ell}:{n / total:.0%}" for ell, n in enumerate(lengths) if ell and n]
+    return " ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per arm (medians are printed)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--text", type=Path, default=None, help="held-out text to take prompts from")
     parser.add_argument("--seed", type=int, default=0)
@@ -97,24 +120,42 @@ def main(argv: list[str] | None = None) -> int:
                           args.prompt_tokens, args.text, args.seed)
     del probe
     print(f"model {args.model}, prompts of {args.prompt_tokens} tokens, {args.max_tokens} greedy tokens each, "
-          f"torch threads {torch.get_num_threads()}")
-    print(f"{'batch':>5}  {'mode':<20} {'decode tok/s':>12} {'ratio':>6} {'accepted len':>12} {'verify len':>10}"
-          f"  same output")
+          f"{args.rounds} alternating rounds, medians; torch threads {torch.get_num_threads()}")
+    print(f"{'batch':>5}  {'mode':<20} {'decode tok/s':>12} {'ratio':>6} {'ratio range':>11} {'accepted len':>12}  "
+          f"same output  step mix")
     for size in args.batch_sizes:
         batch = all_prompts[:size]
-        plain = None
-        for mode, engine_args in MODES.items():
-            started = time.perf_counter()
-            outputs, stats = run(args.model, batch, args.max_tokens, engine_args)
-            rate = decode_rate(outputs)
-            tokens = [o.outputs[0].token_ids for o in outputs]
-            if plain is None:
-                plain = (rate, tokens)
-            accepted = f"{stats['mean_accepted_length']:.2f}" if "mean_accepted_length" in stats else "-"
-            verify = f"{stats['mean_verify_length']:.2f}" if "mean_verify_length" in stats else "-"
-            print(f"{size:>5}  {mode:<20} {rate:>12.1f} {rate / plain[0]:>6.2f} {accepted:>12} {verify:>10}"
-                  f"  {'yes' if tokens == plain[1] else 'NO'}   ({time.perf_counter() - started:.1f} s)",
-                  flush=True)
+        engines = {mode: engine(args.model, size, engine_args, batch, args.max_tokens)
+                   for mode, engine_args in MODES.items()}
+        modes = list(MODES)
+        rates = {mode: [] for mode in modes}
+        ratios = {mode: [] for mode in modes}
+        same = dict.fromkeys(modes, True)
+        totals = {mode: {} for mode in modes}
+        for r in range(args.rounds):
+            order = modes[r % len(modes):] + modes[: r % len(modes)]
+            results = {mode: run(engines[mode], batch, args.max_tokens) for mode in order}
+            for mode in modes:
+                rate, tokens, counters = results[mode]
+                rates[mode].append(rate)
+                ratios[mode].append(rate / results["plain"][0])
+                same[mode] &= tokens == results["plain"][1]
+                for key, value in counters.items():
+                    if isinstance(value, list):
+                        old = totals[mode].get(key, [0] * len(value))
+                        totals[mode][key] = [a + b for a, b in zip(old, value, strict=True)]
+                    else:
+                        totals[mode][key] = totals[mode].get(key, 0) + value
+        for mode in modes:
+            counters = totals[mode]
+            accepted = (f"{1 + counters['num_accepted_tokens'] / counters['num_drafts']:.2f}"
+                        if counters.get("num_drafts") else "-")
+            mix = step_mix(counters) if counters else "-"
+            spread = f"{min(ratios[mode]):.2f}-{max(ratios[mode]):.2f}"
+            print(f"{size:>5}  {mode:<20} {statistics.median(rates[mode]):>12.1f} "
+                  f"{statistics.median(ratios[mode]):>6.2f} {spread:>11} {accepted:>12}  "
+                  f"{'yes' if same[mode] else 'NO':<11}  {mix}", flush=True)
+        del engines
     return 0
 
 

@@ -99,7 +99,7 @@ class LayerPlan:
         ``min(N, sliding_window)`` prompt tokens, its windows starting there; every later token runs all layers).
 
         The one home of that rule: the engine fixes it per sequence at arrival (so a preempted sequence recomputes
-        what it had), the prefix cache plans hits around it, the runner, the cost-table measurement, the FLOP
+        what it had), the prefix cache plans hits around it, the runner, the FLOP
         counts and the CED evaluation read it from here. Without the CED layout every layer runs over every token
         and the decoder starts at 0. Raises ValueError for a negative token count.
         """

@@ -27,9 +27,11 @@ class EngineArgs:
     Speculative decoding (SPEC.md §4.4, DSPARK.md): ``speculative="dspark"`` (default None: off) drafts with the
     checkpoint's DSpark draft and verifies at most ``speculative_max_len`` drafts per step (default and maximum:
     the checkpoint's ``dspark_block_size``; needs ``window_slack_rows >= speculative_max_len``).
-    ``speculative_cost_table``: relative cost of a target forward verifying ℓ drafts per sequence, as a list
-    indexed by ℓ or a dict ℓ -> cost over 0..speculative_max_len; None (default) measures it at engine start;
-    ``"fixed"`` verifies ``speculative_max_len`` drafts every step.
+    ``speculative_cost_table``: None (default): the adaptive scheduler measures the engine's plain and speculative
+    steps online and runs each decode step plain (no draft) or speculative, whichever gives more tokens per second
+    (engine/spec_schedule.py); a list indexed by ℓ or a dict ℓ -> cost over 0..speculative_max_len: the relative
+    cost of a step verifying ℓ drafts per sequence, every step speculates; ``"fixed"`` verifies
+    ``speculative_max_len`` drafts every step.
 
     Structured outputs: ``structured_outputs_config`` (vLLM's name), a dict of
     :class:`~deepseek_v41.structured.StructuredOutputsConfig` fields: ``backend`` ("auto", "xgrammar",

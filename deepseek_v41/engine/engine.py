@@ -73,7 +73,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, self.prefill_mode)
         self.sampler = Sampler()
         self.speculator = (build_speculator(model, self.cache, self.runner, self.sampler, spec_len,
-                                            args.speculative_cost_table, self.prefill_mode) if spec_len else None)
+                                            args.speculative_cost_table) if spec_len else None)
         self.device = self.cache.device
         self._seq_ids = itertools.count()
         self._seed = args.seed
@@ -223,6 +223,7 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         fast.still_valid(self.model)  # a global module hook registered since install: back to the reference
         plan = self.scheduler.schedule()
         if plan.prefills:
@@ -230,7 +231,10 @@ class LLMEngine:
         # Decodes only: the whole step (sampling too) under the few-token settings, so no torch op in it wakes
         # torch's thread pool, whose threads then spin for milliseconds beside the kernels' (model_runner.py).
         with few_token_kernels(self.runner.dtype, self.runner.device):
-            return self._run(plan)
+            outputs = self._run(plan)
+        if self.speculator is not None and plan.decodes:  # the speculation policy's measurement of this step
+            self.speculator.observe_step(time.perf_counter() - started)
+        return outputs
 
     def _run(self, plan) -> list[RequestOutput]:
         now = time.time()
@@ -248,10 +252,16 @@ class LLMEngine:
             if logits is not None:
                 sampled.append((seq, logits))
         verdicts = []
-        if plan.decodes and spec is not None:
+        if plan.decodes and spec is not None and spec.speculate(plan.decodes):
             verdicts = list(zip(plan.decodes, spec.step(plan.decodes), strict=True))
         elif plan.decodes:
-            logits = self.runner.decode(plan.decodes)
+            if spec is None:
+                logits = self.runner.decode(plan.decodes)
+            else:  # a plain step of a speculative engine: the draft's context rows wait in a backlog
+                taps = spec.decode_taps()
+                logits = self.runner.decode(plan.decodes, taps)
+                spec.record_plain(plan.decodes)
+                spec.defer_context(plan.decodes, taps)
             for row, seq in enumerate(plan.decodes):
                 seq.num_computed += 1
                 kv.on_computed(seq, prompt_done=True)
@@ -345,7 +355,9 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         """Engine counters: per-layer processed tokens, the largest decode batch, preemptions, KV bytes and the
         ``prefix_cache`` counters (:meth:`KVCacheManager.stats`); with speculation the ``spec_decode_*``
-        counters (:class:`~deepseek_v41.engine.speculative.SpecDecodeStats`) and the cost table in use."""
+        counters (:class:`~deepseek_v41.engine.speculative.SpecDecodeStats`), the user's cost table (None: adaptive
+        or fixed) and, with the adaptive policy, the measured step costs per batch size
+        (``spec_decode_step_costs``: ms of a plain step and of a speculative step per verification length)."""
         spec = self.speculator
         return {
             "layer_tokens": list(self.runner.layer_tokens),
@@ -357,7 +369,8 @@ class LLMEngine:
             "prefill_mode": self.prefill_mode.value,
             "entries_written": dict(self.runner.entries_written),
             **self.kv_cache_manager.stats(),
-            **({**spec.stats.as_dict(), "spec_decode_max_len": spec.max_len, "spec_decode_cost_table": spec.cost}
+            **({**spec.stats.as_dict(), "spec_decode_max_len": spec.max_len, "spec_decode_cost_table": spec.cost,
+                "spec_decode_step_costs": spec.policy.costs.summary(spec.max_len) if spec.policy is not None else None}
                if spec is not None else {}),
         }
 

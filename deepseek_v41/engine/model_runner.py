@@ -306,9 +306,9 @@ class ModelRunner:
 
     @torch.no_grad()
     @_few_tokens
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def decode(self, seqs: list[Sequence], taps: dict | None = None) -> torch.Tensor:
         """One token of every sequence in ``seqs`` (its last token, at position ``num_computed``), all layers.
-        Returns fp32 logits [B, V]."""
+        ``taps`` receives each layer's input streams [B, 1, hc, D]. Returns fp32 logits [B, V]."""
         ids = torch.tensor([seq.token_at(seq.num_computed, seq.num_computed + 1) for seq in seqs],
                            dtype=torch.long, device=self.device)
         positions = torch.tensor([[seq.num_computed] for seq in seqs], device=self.device)
@@ -317,13 +317,14 @@ class ModelRunner:
         streams, pre = self.model.embed_streams(ids)
         plan = self.plan
         if self.cache.residuals and plan.ced:  # keep the decoder inputs for SWA snapshots
-            streams, pre = self.model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows)
+            streams, pre = self.model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows, taps)
             for row, seq in enumerate(seqs):
                 self.cache.write_residuals(seq.slot, range(seq.num_computed, seq.num_computed + 1), streams[row],
                                            pre[row])
-            streams, pre = self.model.run_layers(plan.decoder_layers, streams, pre, ctx, None, rows)
+            streams, pre = self.model.run_layers(plan.decoder_layers, streams, pre, ctx, None, rows, taps)
         else:
-            streams, pre = self.model.run_layers(range(len(self.model.layers)), streams, pre, ctx, None, rows)
+            streams, pre = self.model.run_layers(range(len(self.model.layers)), streams, pre, ctx, None, rows,
+                                                 taps)
         self._count(range(len(self.model.layers)), len(seqs))
         for seq in seqs:
             seq.decoder_done = seq.num_computed + 1

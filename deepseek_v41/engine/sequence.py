@@ -67,9 +67,12 @@ class Sequence:
     decoder_done: int = 0
     prompt_snapshot_taken: bool = False
     rebuild_engram_history: bool = False
-    # Speculative decoding (DSPARK.md §6): drafts accepted (bonus tokens not counted) and verify steps.
+    # Speculative decoding (DSPARK.md §6): drafts accepted (bonus tokens not counted) and steps that verified drafts.
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
+    # DSpark draft context of positions computed by plain decode steps, (position, the step's target-layer taps,
+    # row), that reaches the draft ring at the sequence's next speculative step (speculative.py, _flush).
+    draft_backlog: list = field(default_factory=list, repr=False, compare=False)
     # Structured outputs: the matcher of the request's constraint, at the state after every output token (None:
     # free text). The engine masks this sequence's logits with it and advances it by each emitted token.
     grammar: GrammarMatcher | None = None
@@ -164,7 +167,8 @@ class RequestOutput:
     ``num_cached_tokens``: prompt tokens served from the prefix cache (L' of SPEC.md §4.3 = DeepSeek's
     ``prompt_cache_hit_tokens``); replayed tokens are reported apart, never subtracted.
     ``spec_accepted_tokens``: DSpark drafts the target accepted over all samples (bonus tokens not counted, as
-    vLLM's ``num_accepted_tokens``); ``spec_verify_steps``: speculative steps over all samples (0 without
+    vLLM's ``num_accepted_tokens``); ``spec_verify_steps``: steps that verified drafts, over all samples (as
+    vLLM's ``num_drafts``: plain steps, and speculative steps that verified none, are not counted; 0 without
     speculation).
     """
 

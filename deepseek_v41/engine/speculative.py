@@ -5,8 +5,12 @@ One speculative step for the decoding sequences (each has committed positions < 
 
 1. **Propose** (DSPARK.md §3): the draft ``model.mtp`` reads each slot's ring of committed context rows and
    drafts K = ``dspark_block_size`` tokens with their draft distributions q and survival probabilities a_j.
+0. **Plain or speculative** (spec_schedule.py): before drafting, the adaptive policy compares the measured
+   plain decode step with the measured speculative step and the recent acceptance; when plain decoding is
+   faster the step runs without the draft (:meth:`DSparkSpeculator.speculate`), and the draft's context rows of
+   the positions it computed wait in the sequence's backlog until the next speculative step.
 2. **Schedule** (§5): :func:`schedule_verify_lengths` picks the verification length ℓ from the survival
-   probabilities and the cost table (relative cost of a target forward verifying ℓ drafts per sequence).
+   probabilities and the cost of a step at each ℓ (measured whole-step seconds, or the user's cost table).
 3. **Verify** (§6): the target runs ``[t*, d_1..d_ℓ]`` of every sequence in one batched forward
    (:meth:`~deepseek_v41.engine.model_runner.ModelRunner.verify`); :func:`verify_sequence` accepts the longest
    prefix matching the target's greedy tokens, or by lossless speculative sampling with the sampler's own
@@ -34,8 +38,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
-from deepseek_v41.engine.model_runner import ModelRunner
 from deepseek_v41.engine.sampler import (
     LogprobsTensors,
     Sampler,
@@ -46,6 +48,7 @@ from deepseek_v41.engine.sampler import (
 )
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.sequence import Sequence
+from deepseek_v41.engine.spec_schedule import PLAIN, SPEC, SpeculationPolicy
 from deepseek_v41.model.dspark import DSparkState
 from deepseek_v41.structured import mask_draft_positions
 
@@ -171,15 +174,19 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 class SpecDecodeStats:
     """Counters of speculative decoding (vLLM's ``SpecDecodingStats`` names, plus the chosen lengths).
 
-    ``num_drafts``: verify steps of a sequence (one drafted block each); ``num_draft_tokens``: drafts verified;
-    ``num_accepted_tokens``: drafts accepted; ``accepted_per_pos[j]`` / ``verified_per_pos[j]``: accepted /
-    verified drafts at draft position j; ``verify_lengths[ℓ]``: steps that verified ℓ drafts.
+    As vLLM's, a draft counts only when the target verified some of it: ``num_drafts``: steps of a sequence that
+    verified >= 1 draft; ``num_draft_tokens``: drafts verified; ``num_accepted_tokens``: drafts accepted;
+    ``accepted_per_pos[j]`` / ``verified_per_pos[j]``: accepted / verified drafts at draft position j.
+    ``verify_lengths[ℓ]``: decode steps of a sequence that verified ℓ drafts (the step mix; ℓ = 0 counts the
+    plain steps, which ran no draft, and the speculative steps that verified none of theirs);
+    ``num_plain_steps``: decode steps of a sequence that ran without the draft (the scheduler's ℓ = 0).
     """
 
     max_len: int
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_plain_steps: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     verified_per_pos: list[int] = field(default_factory=list)
     verify_lengths: list[int] = field(default_factory=list)
@@ -190,28 +197,39 @@ class SpecDecodeStats:
         self.verify_lengths = [0] * (self.max_len + 1)
 
     def record(self, verified: int, accepted: int) -> None:
+        """One speculative step of one sequence that verified ``verified`` drafts and accepted ``accepted``."""
+        self.verify_lengths[verified] += 1
+        if verified == 0:
+            return
         self.num_drafts += 1
         self.num_draft_tokens += verified
         self.num_accepted_tokens += accepted
-        self.verify_lengths[verified] += 1
         for j in range(verified):
             self.verified_per_pos[j] += 1
             self.accepted_per_pos[j] += j < accepted
 
+    def record_plain(self, sequences: int) -> None:
+        """A plain decode step (no draft) of ``sequences`` sequences."""
+        self.num_plain_steps += sequences
+        self.verify_lengths[0] += sequences
+
     def as_dict(self) -> dict[str, Any]:
-        """``spec_decode_*`` entries of ``LLMEngine.stats``; the mean accepted length counts the bonus token."""
+        """``spec_decode_*`` entries of ``LLMEngine.stats``; the mean accepted length counts the bonus token and
+        is over the verified drafts (vLLM's); the mean verify length is over all decode steps, plain ones too."""
         n = max(1, self.num_drafts)
+        steps = sum(self.verify_lengths)
         return {
             "spec_decode_num_drafts": self.num_drafts,
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_plain_steps": self.num_plain_steps,
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
             "spec_decode_num_verified_tokens_per_pos": list(self.verified_per_pos),
             "spec_decode_acceptance_per_pos": [a / v if v else 0.0 for a, v in
                                                zip(self.accepted_per_pos, self.verified_per_pos, strict=True)],
             "spec_decode_mean_accepted_length": 1.0 + self.num_accepted_tokens / n if self.num_drafts else 0.0,
             "spec_decode_verify_lengths": list(self.verify_lengths),
-            "spec_decode_mean_verify_length": self.num_draft_tokens / n,
+            "spec_decode_mean_verify_length": self.num_draft_tokens / steps if steps else 0.0,
         }
 
 
@@ -234,27 +252,40 @@ class DSparkSpeculator:
 
     ``model``: the target (its ``mtp`` is the draft); ``cache``: a cache built with ``draft_layers`` (the draft
     rings live per slot there); ``runner``, ``sampler``: the engine's. ``max_len``: the most drafts a step
-    verifies (<= ``dspark_block_size``); ``cost``: ``[c_0..c_max_len]`` or None (always verify ``max_len``).
+    verifies (<= ``dspark_block_size``); ``cost``: a user's ``[c_0..c_max_len]`` (every step speculates and
+    Algorithm 1 reads this table), or None. ``policy``: with ``cost`` None, the
+    :class:`~deepseek_v41.engine.spec_schedule.SpeculationPolicy` that measures the engine's steps and chooses
+    plain or speculative steps (the default); None with ``cost`` None: every step verifies ``max_len`` drafts.
     """
 
-    def __init__(self, model, cache, runner, sampler: Sampler, max_len: int, cost: list[float] | None):
+    def __init__(self, model, cache, runner, sampler: Sampler, max_len: int, cost: list[float] | None,
+                 policy: SpeculationPolicy | None = None):
         self.model, self.cache, self.runner, self.sampler = model, cache, runner, sampler
         self.draft = model.mtp
         self.max_len = max_len
         self.cost = cost
+        self.policy = policy
         self.window = self.draft.window
         self.stats = SpecDecodeStats(max_len)
+        # the last decode step: kind, B, T, its target forward and backlog flush in seconds
+        self._last: tuple[str, int, int, float, float] | None = None
 
     # ------------------------------------------------------------------ draft context (DSPARK.md §3.1)
     def prefill_taps(self) -> TargetTaps:
         """A taps dict for a prefill chunk: the target layers' inputs of the chunk's last W positions."""
         return TargetTaps(self.draft.target_layer_ids, self.window)
 
+    def decode_taps(self) -> TargetTaps:
+        """A taps dict for a plain decode step (:meth:`defer_context` takes it afterwards)."""
+        return TargetTaps(self.draft.target_layer_ids)
+
     @torch.no_grad()
     def add_context(self, seq: Sequence, taps: Mapping[int, torch.Tensor], end: int) -> None:
         """Commit the draft context rows of prefilled positions (every one of them is committed): ``taps`` from
         :meth:`prefill_taps` filled by a prefill chunk ending at ``end``. Layers that did not run (a CED chunk
-        before the decoder start) leave nothing to add."""
+        before the decoder start) leave nothing to add. A prefill recomputes every position a plain step left
+        in the sequence's backlog (it only runs again after a preemption), so the backlog is dropped."""
+        seq.draft_backlog.clear()
         if set(taps) != set(self.draft.target_layer_ids):
             return
         n = min(t.shape[1] for t in taps.values())
@@ -262,6 +293,46 @@ class DSparkSpeculator:
             return
         positions = torch.arange(end - n, end, device=self.cache.device)[None]
         self._commit_rows([seq], {j: t[:, -n:] for j, t in taps.items()}, positions, None)
+
+    def defer_context(self, seqs: list[Sequence], taps: Mapping[int, torch.Tensor]) -> None:
+        """After a plain decode step (``taps`` from :meth:`decode_taps`, [B, 1, hc, D] per target layer): put the
+        position each sequence computed in its backlog (at most W entries), with a reference to the step's taps
+        and its row there. No tensor work: the rows reach the draft ring at the sequence's next speculative step,
+        all in one batch (:meth:`_flush`). Memory: the taps of the last W plain steps stay referenced (W x 3 x B
+        x hc x D values; for V4.1 in bf16 about 15 MB per sequence)."""
+        step = tuple(taps[j] for j in self.draft.target_layer_ids)
+        for b, seq in enumerate(seqs):
+            backlog = seq.draft_backlog
+            backlog.append((seq.num_computed, step, b))
+            if len(backlog) > self.window:
+                del backlog[0]
+
+    @torch.no_grad()
+    def _flush(self, seqs: list[Sequence]) -> None:
+        """Write the backlog rows of ``seqs`` into their draft rings: gathered per plain step (one index per step
+        and target layer), padded to the longest backlog, staged and committed in one draft projection."""
+        waiting = [s for s in seqs if s.draft_backlog]
+        if not waiting:
+            return
+        device = self.cache.device
+        L = max(len(s.draft_backlog) for s in waiting)
+        first = waiting[0].draft_backlog[0][1][0]
+        rows = [torch.zeros(len(waiting), L, *first.shape[2:], dtype=first.dtype, device=device)
+                for _ in self.draft.target_layer_ids]  # per target layer [B', L, hc, D]
+        positions = torch.full((len(waiting), L), -1, dtype=torch.long, device=device)
+        steps: dict[int, tuple[tuple[torch.Tensor, ...], list[int], list[int], list[int]]] = {}
+        for w, seq in enumerate(waiting):
+            for t, (_, step, b) in enumerate(seq.draft_backlog):
+                group = steps.setdefault(id(step), (step, [], [], []))
+                group[1].append(w)
+                group[2].append(t)
+                group[3].append(b)
+            positions[w, : len(seq.draft_backlog)] = torch.tensor([p for p, _, _ in seq.draft_backlog])
+            seq.draft_backlog.clear()
+        for step, ws, ts, bs in steps.values():
+            for layer, tap in zip(rows, step, strict=True):
+                layer[ws, ts] = tap[bs, 0]
+        self._commit_rows(waiting, dict(zip(self.draft.target_layer_ids, rows, strict=True)), positions, None)
 
     def _state(self, slots: torch.Tensor) -> DSparkState:
         return DSparkState(self.cache.draft_keys[:, slots], self.cache.draft_pos[slots])
@@ -275,6 +346,35 @@ class DSparkSpeculator:
         state.commit(keep)
         self.cache.draft_keys[:, slots] = state.keys
         self.cache.draft_pos[slots] = state.positions
+
+    # ------------------------------------------------------------------ plain or speculative (spec_schedule.py)
+    def speculate(self, seqs: list[Sequence]) -> bool:
+        """Whether the next decode step of ``seqs`` drafts (True) or runs as a plain decode step (False).
+
+        A user cost table or ``"fixed"``: always. Adaptive: the policy's choice from past steps; a batch with
+        a seeded sampling request always speculates (its verification length must depend on itself alone,
+        :meth:`verify_lengths`, and a plain step would draw its tokens differently)."""
+        if self.policy is None:
+            return True
+        if any(not s.params.is_greedy and s.params.seed is not None for s in seqs):
+            return True
+        return self.policy.decide(self.caps(seqs)) == SPEC
+
+    def record_plain(self, seqs: list[Sequence]) -> None:
+        """A plain decode step of ``seqs`` ran."""
+        self.stats.record_plain(len(seqs))
+        self._last = (PLAIN, len(seqs), 1, 0.0, 0.0)
+
+    def observe_step(self, seconds: float) -> None:
+        """The engine's wall time of the decode-only step that just ended (plain or speculative)."""
+        last, self._last = self._last, None
+        if self.policy is None or last is None:
+            return
+        kind, batch, width, forward, flush = last
+        if kind == PLAIN:
+            self.policy.costs.observe_plain(batch, seconds)
+        else:
+            self.policy.costs.observe_spec(batch, width, seconds - flush, forward)
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
@@ -317,20 +417,26 @@ class DSparkSpeculator:
             caps.append(max(0, min(self.max_len, left)))
         return caps
 
-    def verify_lengths(self, seqs: list[Sequence], survival: torch.Tensor) -> list[int]:
+    def verify_lengths(self, seqs: list[Sequence], survival: Seq[Seq[float]]) -> list[int]:
         """Drafts each sequence verifies this step: a seeded sampling request its cap (:meth:`caps`), the others
-        what :func:`schedule_verify_lengths` picks for them together.
+        what :func:`schedule_verify_lengths` picks for them together from their survival [B][K] and the cost
+        of a step at each length: the user's table, or with the adaptive policy the measured seconds of the
+        whole speculative step at this batch size and the calibrated survival (the whole block before any
+        step was measured).
 
         Which drafts are verified decides how many of a request's random draws a step takes and which tokens
-        come from which draw; the scheduler's choice depends on the batch and on the cost table (measured at
-        engine start, so it differs between engines). A seeded request verifies a length that depends on
-        itself alone, so its tokens repeat in any engine, batch or preemption (greedy requests emit the target's
-        tokens whatever the length)."""
+        come from which draw; the scheduler's choice depends on the batch and on measured costs (so it differs
+        between engines and runs). A seeded request verifies a length that depends on itself alone, so its
+        tokens repeat in any engine, batch or preemption (greedy requests emit the target's tokens whatever the
+        length)."""
         caps = self.caps(seqs)
         fixed = [not s.params.is_greedy and s.params.seed is not None for s in seqs]
         free = [b for b, f in enumerate(fixed) if not f]
-        rows = survival.tolist()
-        chosen = schedule_verify_lengths([rows[b] for b in free], [caps[b] for b in free], self.cost)
+        cost, rows = self.cost, [list(r) for r in survival]
+        if self.policy is not None:
+            cost = self.policy.costs.spec_times(len(seqs), self.max_len)
+            rows = [self.policy.calibration.apply(r) for r in rows]
+        chosen = schedule_verify_lengths([rows[b] for b in free], [caps[b] for b in free], cost)
         lengths = list(caps)
         for b, ell in zip(free, chosen, strict=True):
             lengths[b] = ell
@@ -338,17 +444,23 @@ class DSparkSpeculator:
 
     @torch.no_grad()
     def step(self, seqs: list[Sequence]) -> list[Verdict]:
-        """One speculative decode step of ``seqs`` (propose, schedule, verify, commit). Advances each
-        ``num_computed`` by the anchor + accepted drafts (the engine clamps it when a stop cuts the tokens) and
-        returns each sequence's :class:`Verdict`; the tokens are not appended here."""
+        """One speculative decode step of ``seqs`` (context backlog, propose, schedule, verify, commit). Advances
+        each ``num_computed`` by the anchor + accepted drafts (the engine clamps it when a stop cuts the tokens)
+        and returns each sequence's :class:`Verdict`; the tokens are not appended here."""
+        started = time.perf_counter()
+        self._flush(seqs)
+        flush = time.perf_counter() - started  # the plain steps' deferred work: not a cost of this step
         tokens, probs, survival = self.propose(seqs)
-        lengths = self.verify_lengths(seqs, survival)
+        raw = survival.tolist()
+        lengths = self.verify_lengths(seqs, raw)
         T = 1 + max(lengths)
         device = self.cache.device
         anchors = torch.tensor([[s.token_at(s.num_computed, s.num_computed + 1)[0]] for s in seqs], device=device)
         ids = torch.cat((anchors, tokens[:, : T - 1]), 1)
         taps = TargetTaps(self.draft.target_layer_ids)
+        started = time.perf_counter()
         logits, state = self.runner.verify(seqs, ids, taps)
+        forward = time.perf_counter() - started
         drafts = tokens.tolist()
         walked = [0] * len(seqs)
         for b, seq in enumerate(seqs):
@@ -370,60 +482,12 @@ class DSparkSpeculator:
         for seq, ell, a in zip(seqs, lengths, accepted, strict=True):
             seq.num_computed += 1 + a
             seq.spec_accepted_tokens += a
-            seq.spec_verify_steps += 1
+            seq.spec_verify_steps += ell > 0
             self.stats.record(ell, a)
+        if self.policy is not None:
+            self.policy.calibration.observe(raw, lengths, accepted)
+            self._last = (SPEC, len(seqs), T, forward, flush)
         return verdicts
-
-    # ------------------------------------------------------------------ cost table (DSPARK.md §5.3)
-    @torch.no_grad()
-    def measure_cost(self, prefill_mode, repeats: int = 3) -> list[float] | None:
-        """Time one step at batch 1 over a context of ``sliding_window`` tokens: the draft (independent of ℓ)
-        plus the target verify forward at each ℓ = 0..max_len; ``c_ℓ = t_ℓ / t_0`` made non-decreasing (timing
-        noise). Uses a scratch slot and pages, returned afterwards, and a scratch runner (the engine's counters
-        stay untouched). None when the pool cannot hold the scratch sequence (then the whole block is verified).
-        """
-
-        cache = self.cache
-        n = self.window
-        if not cache.free_slots or not cache.blocks.can_grow([], n + 1 + self.max_len):
-            return None
-        runner = ModelRunner(self.model, cache, prefill_mode, install_fast=False)
-        params = SamplingParams(temperature=0, max_tokens=self.max_len + 2, ignore_eos=True)
-        prompt = [(7 * i + 3) % self.model.config.vocab_size for i in range(n)]
-        seq = Sequence(-1, "cost-table", 0, prompt, params, SamplingState(params, prompt, device=cache.device),
-                       IncrementalDetokenizer(None, prompt, params), decoder_start=self.model.plan.decoder_start(n))
-        seq.slot = cache.acquire_slot()
-        try:
-            cache.blocks.grow(seq.block_table, n + 1 + self.max_len)
-            runner.prefill(seq, 0, n)
-            seq.num_computed = n
-            seq.detokenizer.output_token_ids.append(prompt[0])
-            sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
-
-            def timed(fn) -> float:
-                fn()  # warm-up
-                best = float("inf")
-                for _ in range(repeats):
-                    sync()
-                    start = time.perf_counter()
-                    fn()
-                    sync()
-                    best = min(best, time.perf_counter() - start)
-                return best
-
-            speculator = DSparkSpeculator(self.model, cache, runner, self.sampler, self.max_len, None)
-            draft = timed(lambda: speculator.propose([seq]))
-            ids = torch.tensor([prompt[:1] * (1 + self.max_len)], device=cache.device)
-            times = [draft + timed(lambda ell=ell: runner.verify([seq], ids[:, : ell + 1]))
-                     for ell in range(self.max_len + 1)]
-        finally:
-            cache.blocks.release(seq.block_table)
-            cache.release_slot(seq.slot)
-        costs, running = [], 0.0
-        for t in times:
-            running = max(running, t / times[0])
-            costs.append(running)
-        return costs
 
 
 # ---------------------------------------------------------------------- engine construction
@@ -457,16 +521,15 @@ def speculative_max_len(model, method: str | None, max_len: int | None, cost_tab
     return length
 
 
-def build_speculator(model, cache, runner, sampler: Sampler, max_len: int, cost_table, prefill_mode
-                     ) -> DSparkSpeculator:
-    """The engine's DSpark speculator verifying at most ``max_len`` drafts per step. ``cost_table``: a list or
-    dict (:func:`parse_cost_table`), ``"fixed"`` (no table: always ``max_len``) or None (measured now with
-    :meth:`DSparkSpeculator.measure_cost` in ``prefill_mode``). Raises ValueError for any other string and for
-    what :func:`parse_cost_table` refuses."""
+def build_speculator(model, cache, runner, sampler: Sampler, max_len: int, cost_table) -> DSparkSpeculator:
+    """The engine's DSpark speculator verifying at most ``max_len`` drafts per step. ``cost_table``: None (the
+    default: the adaptive :class:`~deepseek_v41.engine.spec_schedule.SpeculationPolicy`, which measures the
+    engine's own steps and runs plain decode steps whenever they are faster), a list or dict
+    (:func:`parse_cost_table`: every step speculates, lengths from this table) or ``"fixed"`` (every step
+    verifies ``max_len`` drafts). Raises ValueError for any other string and for what :func:`parse_cost_table`
+    refuses."""
     if isinstance(cost_table, str) and cost_table != FIXED:
         raise ValueError(f"speculative_cost_table must be a list, a dict, {FIXED!r} or None, got {cost_table!r}")
     cost = parse_cost_table(cost_table, max_len) if cost_table is not None and cost_table != FIXED else None
-    speculator = DSparkSpeculator(model, cache, runner, sampler, max_len, cost)
-    if cost_table is None:
-        speculator.cost = speculator.measure_cost(prefill_mode)
-    return speculator
+    policy = SpeculationPolicy(max_len) if cost_table is None else None
+    return DSparkSpeculator(model, cache, runner, sampler, max_len, cost, policy)

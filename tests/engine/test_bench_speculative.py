@@ -14,7 +14,7 @@ def test_bench_prints_every_mode(tmp_path, capsys):
     Transformer(tiny_config()).save_pretrained(tmp_path / "m")
     bench = load_bench("speculative", "bench_speculative")
     assert bench.main(["--model", str(tmp_path / "m"), "--batch-sizes", "1", "3", "--max-tokens", "6",
-                       "--prompt-tokens", "20"]) == 0
+                       "--prompt-tokens", "20", "--rounds", "2"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 2 * len(bench.MODES)
     assert all(" yes " in row for row in rows), rows

@@ -191,11 +191,13 @@ def test_settings_are_checked(model32):
     with pytest.raises(ValueError, match="has none"):
         LLM(tiny_model(torch.float32, num_nextn_predict_layers=0, compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1]),
             speculative="dspark")
-    measured = LLM(model32, max_model_len=256, speculative="dspark", speculative_max_len=3).stats
-    cost = measured["spec_decode_cost_table"]
-    assert len(cost) == 4 and cost[0] == 1.0 and cost == sorted(cost)
+    adaptive = LLM(model32, max_model_len=256, speculative="dspark", speculative_max_len=3)
+    assert adaptive.stats["spec_decode_cost_table"] is None and adaptive.stats["spec_decode_step_costs"] == {}
+    adaptive.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    costs = adaptive.stats["spec_decode_step_costs"][1]  # measured at batch 1: a plain step, a step at ℓ = 0..3
+    assert costs["plain_ms"] > 0 and len(costs["spec_ms"]) == 4 and costs["spec_ms"] == sorted(costs["spec_ms"])
     fixed = LLM(model32, max_model_len=256, speculative="dspark", speculative_cost_table="fixed")
-    assert fixed.stats["spec_decode_cost_table"] is None
+    assert fixed.stats["spec_decode_cost_table"] is None and fixed.stats["spec_decode_step_costs"] is None
 
 
 def test_lookahead_never_outruns_max_tokens(model64):
@@ -227,8 +229,9 @@ def seeded_tokens(llm, prompt, params, others=(), preempt_after=None) -> list[in
 
 
 def test_seeded_sampling_with_speculation_repeats_in_any_engine_batch_or_preemption(model64):
-    """Item 15 of issue 22: a seeded request gives the same tokens in fresh engines whose cost tables differ (one
-    measured, one verifying every draft, one verifying few), next to other requests (greedy and unseeded
+    """Item 15 of issue 22: a seeded request gives the same tokens in fresh engines whose cost tables differ (the
+    adaptive scheduler, which runs plain steps for the others, one verifying every draft, one verifying few), next
+    to other requests (greedy and unseeded
     sampling ones, which change the verification lengths the batch is scheduled at) and when it is preempted
     half-way (before the fix: a different sequence in every one of these)."""
     prompt = prompt_of(20, seed=7)
@@ -241,7 +244,8 @@ def test_seeded_sampling_with_speculation_repeats_in_any_engine_batch_or_preempt
 
     runs = {
         "fixed": seeded_tokens(engine("fixed"), prompt, params),
-        "measured": seeded_tokens(engine(None), prompt, params),
+        "adaptive": seeded_tokens(engine(None), prompt, params),
+        "adaptive, batch": seeded_tokens(engine(None), prompt, params, others),
         "few drafts": seeded_tokens(engine([1.0, 1.9, 2.9, 3.9, 4.9]), prompt, params),
         "batch": seeded_tokens(engine(COST), prompt, params, others),
         "preempted": seeded_tokens(engine(COST), prompt, params, others, preempt_after=11),

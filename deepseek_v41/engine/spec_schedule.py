@@ -1,0 +1,328 @@
+"""When DSpark speculation pays: measured step costs, calibrated survival and the per-step choice between a plain
+decode step and a speculative one (DSPARK.md §5, §5.3; issue 26 "DSpark must pay or step aside").
+
+A speculative step costs more than its target forward: the draft forward and its Markov loop, the verify
+bookkeeping, sampling at every verified position, the commit of accepted rows. :class:`StepCosts` measures what
+the engine really spends, online, from a few ``perf_counter`` calls per decode step (no timer inside the model):
+
+- ``plain(B)``: the whole plain decode step at batch B (schedule, forward, sampling, outputs);
+- ``fixed(B)``: the part of a speculative step at batch B that does not depend on the verification length ℓ
+  (the whole step minus its target forward: draft forward, verification, commit, outputs);
+- ``forward(B, T)``: the verify forward over T = 1 + ℓ tokens of B sequences (a plain step's decode forward is
+  not one of them: the verify path costs more even at T = 1, and mixing them would read that as a slope in T).
+
+Each key keeps the median of its last observations (robust to a busy neighbour); the forward is a line in T
+fitted per batch size to those medians, so widths rarely chosen are estimated from the others (:class:`StepCosts`).
+The whole speculative step at ℓ is then ``fixed(B) + forward(B, 1 + ℓ)``.
+
+The confidence head's survival probabilities are not calibrated (the bundled draft predicts 0.77 at the first
+position where 0.62 is accepted), so :class:`SurvivalCalibration` rescales survival at each position so that,
+over the recent verified drafts, it matches the acceptance that happened (mean matching, DSPARK.md §4 in spirit;
+no offline STS file is needed).
+
+:class:`SpeculationPolicy` decides each decode step, before any draft runs: with mean calibrated survival ŝ_j and
+the measured costs, :func:`choose_verify_length` picks the ℓ in 0..L with the most expected committed tokens per
+second, where ℓ = 0 is the plain decode step (no draft forward) — DSpark steps aside whenever plain decoding is
+faster. The decision reads only past steps, never this step's drafts, so speculative sampling stays lossless and
+greedy output is the target's whatever the choice (DSPARK.md §5.1). The losing kind is still probed now and then
+(every ``interval`` steps, chosen so that probing costs about 0.5 % of the time) so that speculation comes back
+when acceptance rises or the machine's load changes, and its estimates stay fresh; every batch size gets a first
+plain and a first speculative step to measure.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Sequence as Seq
+
+PLAIN, SPEC = "plain", "spec"
+
+
+def expected_tokens(survival: Seq[float], caps: Seq[int], ell: int) -> float:
+    """Expected committed tokens of a step verifying ``ell`` drafts: Σ_r (1 + Σ_{j <= min(ell, cap_r)} ŝ_j) for
+    mean survival ``survival`` [L] (ŝ_j = P(the first j drafts are accepted)) and per-sequence caps [R]."""
+    return sum(1.0 + sum(survival[: min(ell, cap)]) for cap in caps)
+
+
+def choose_verify_length(survival: Seq[float], caps: Seq[int], plain_time: float, spec_times: Seq[float]) -> int:
+    """The verification length of the next step that maximises expected committed tokens per second (DSPARK.md
+    §5: Θ = τ · SPS), with 0 meaning a plain decode step.
+
+    survival [L]: mean calibrated survival ŝ_1..ŝ_L (non-increasing); caps [R]: the most drafts each sequence may
+    verify; plain_time: seconds of a plain decode step of the R sequences; spec_times [L+1]: seconds of a
+    speculative step verifying ℓ = 0..L drafts (draft forward included). Θ(0) = R / plain_time; Θ(ℓ >= 1) =
+    expected_tokens(ℓ) / spec_times[ℓ] (a speculative step verifying nothing is never better than a plain one:
+    it emits the same token later). A global argmax is safe here: the inputs are past measurements, not this
+    step's drafts. Ties keep the smaller length. Raises ValueError for non-positive times.
+    """
+    if plain_time <= 0 or any(t <= 0 for t in spec_times):
+        raise ValueError(f"step times must be positive seconds, got plain {plain_time} and {list(spec_times)}")
+    best, chosen = len(caps) / plain_time, 0
+    for ell in range(1, min(len(spec_times) - 1, max(caps, default=0)) + 1):
+        theta = expected_tokens(survival, caps, ell) / spec_times[ell]
+        if theta > best:
+            best, chosen = theta, ell
+    return chosen
+
+
+class _Window:
+    """The last ``size`` observations of one quantity after its first (a first step at a new shape pays one-off
+    allocations and is dropped); :meth:`median` is its running estimate."""
+
+    def __init__(self, size: int):
+        self.values: deque[float] = deque(maxlen=size)
+        self.warm = False
+
+    def add(self, value: float) -> None:
+        if self.warm:
+            self.values.append(value)
+        self.warm = True
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def median(self) -> float:
+        ordered = sorted(self.values)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through ``points`` (sorted by x, distinct x), extended by the end segments' slopes
+    (clamped at 0: a bigger batch never costs less) and floored at a tenth of the nearest point."""
+    xs = [p[0] for p in points]
+    if len(points) == 1:
+        return points[0][1]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    slope = max(0.0, (y1 - y0) / (x1 - x0))
+    y = y0 + slope * (x - x0)
+    return max(y, 0.1 * min(y0, y1))
+
+
+def fit_line(points: Seq[tuple[float, float, float]]) -> tuple[float, float]:
+    """Weighted least-squares line y = a + b·x through (x, y, weight) points with b >= 0 (a cost never falls
+    with more tokens); a single x gives b = 0. Returns (a, b)."""
+    w = sum(p[2] for p in points)
+    mx = sum(p[0] * p[2] for p in points) / w
+    my = sum(p[1] * p[2] for p in points) / w
+    sxx = sum(p[2] * (p[0] - mx) ** 2 for p in points)
+    b = max(0.0, sum(p[2] * (p[0] - mx) * (p[1] - my) for p in points) / sxx) if sxx > 0 else 0.0
+    return my - b * mx, b
+
+
+class StepCosts:
+    """Running estimates of the decode step costs (module docstring), in seconds; ``window`` observations per key.
+
+    ``plain(B)`` and ``fixed(B)``: the median of the batch size's observations, interpolated between observed
+    batch sizes. ``forward(B, T)``: a line a_B + b_B·(T - 1) fitted to the medians of the batch's observed
+    widths (weighted by their counts, so one slow step moves it little); with a single width, the per-row slope
+    b_B / B of the nearest batch size that has two, or 0 (a flat line: longer verifies look cheap until one is
+    measured); for an unobserved batch, a_B interpolated over batch sizes.
+    Each returns None when nothing of its kind was observed."""
+
+    def __init__(self, window: int = 15):
+        self.size = window
+        self._plain: dict[int, _Window] = {}
+        self._fixed: dict[int, _Window] = {}
+        self._forward: dict[tuple[int, int], _Window] = {}
+
+    def _add(self, table: dict, key, seconds: float) -> None:
+        if seconds > 0:
+            table.setdefault(key, _Window(self.size)).add(seconds)
+
+    def observe_plain(self, batch: int, step: float) -> None:
+        """A plain decode step of ``batch`` sequences took ``step`` seconds (the whole step)."""
+        self._add(self._plain, batch, step)
+
+    def observe_spec(self, batch: int, width: int, step: float, forward: float) -> None:
+        """A speculative step of ``batch`` sequences whose verify forward ran ``width`` = 1 + max ℓ tokens each:
+        the whole step and the verify forward, seconds."""
+        self._add(self._fixed, batch, step - forward)
+        self._add(self._forward, (batch, width), forward)
+
+    def seen(self, kind: str, batch: int) -> bool:
+        """Whether a ``kind`` (PLAIN or SPEC) step of exactly ``batch`` sequences was measured (past warm-up)."""
+        return len((self._plain if kind == PLAIN else self._fixed).get(batch, ())) > 0
+
+    @staticmethod
+    def _by_batch(table: dict[int, _Window], batch: int) -> float | None:
+        points = sorted((b, w.median()) for b, w in table.items() if len(w))
+        if not points:
+            return None
+        exact = [y for b, y in points if b == batch]
+        return exact[0] if exact else _interpolate(points, batch)
+
+    def plain(self, batch: int) -> float | None:
+        return self._by_batch(self._plain, batch)
+
+    def fixed(self, batch: int) -> float | None:
+        return self._by_batch(self._fixed, batch)
+
+    def _lines(self) -> dict[int, tuple[float, float]]:
+        """Per observed batch size: (a_B, b_B) of its forward line a_B + b_B·(T - 1)."""
+        points: dict[int, list[tuple[float, float, float]]] = {}
+        for (b, t), w in self._forward.items():
+            if len(w):
+                points.setdefault(b, []).append((t - 1, w.median(), len(w)))
+        fitted = {b: fit_line(p) for b, p in points.items()}
+        sloped = [(b, fitted[b][1] / b) for b, p in points.items() if len(p) > 1]
+        lines = {}
+        for b, p in points.items():
+            if len(p) > 1 or not sloped:
+                lines[b] = fitted[b]
+            else:  # one width: the per-row slope of the nearest batch size with two, through its point
+                slope = min(sloped, key=lambda q: (abs(q[0] - b), q[0]))[1] * b
+                lines[b] = (p[0][1] - slope * p[0][0], slope)
+        return lines
+
+    @staticmethod
+    def _line(batch: int, lines: dict[int, tuple[float, float]]) -> tuple[float, float] | None:
+        """The forward line of ``batch``: its own, else the intercept interpolated over batch sizes and the
+        nearest batch size's per-row slope."""
+        if not lines:
+            return None
+        if batch in lines:
+            return lines[batch]
+        nearest = min(lines, key=lambda b: (abs(b - batch), b))
+        intercept = _interpolate(sorted((b, line[0]) for b, line in lines.items()), batch)
+        return intercept, lines[nearest][1] / nearest * batch
+
+    def forward(self, batch: int, width: int) -> float | None:
+        """Seconds of the target forward over ``width`` tokens of each of ``batch`` sequences (class docstring)."""
+        line = self._line(batch, self._lines())
+        return None if line is None else line[0] + line[1] * (width - 1)
+
+    def spec_times(self, batch: int, max_len: int) -> list[float] | None:
+        """Seconds of a speculative step of ``batch`` sequences verifying ℓ = 0..max_len drafts, or None before
+        any speculative step was measured."""
+        fixed, line = self.fixed(batch), self._line(batch, self._lines())
+        if fixed is None or line is None:
+            return None
+        return [fixed + line[0] + line[1] * ell for ell in range(max_len + 1)]
+
+    def summary(self, max_len: int) -> dict[int, dict[str, object]]:
+        """Per measured batch size: the plain step and the speculative step at each ℓ, in ms (for stats)."""
+        out = {}
+        for b in sorted(set(self._plain) | set(self._fixed)):
+            plain, spec = self.plain(b), self.spec_times(b, max_len)
+            out[b] = {"plain_ms": None if plain is None else round(plain * 1e3, 3),
+                      "spec_ms": None if spec is None else [round(t * 1e3, 3) for t in spec]}
+        return out
+
+
+class SurvivalCalibration:
+    """Per draft position j: the decayed mean m_j of the survival the head predicted over every drafted row
+    (verified or not) and the ratio ρ_j of drafts accepted to survival predicted over the verified ones, with a
+    prior of ``prior`` rows at ratio 1 (in units of m_j, so a head that predicts tiny survival is corrected after
+    a few rows). Counts decay by ``decay`` per speculative step: probes are rare when speculation loses, and a
+    few of them must be able to bring it back. ``mean``: the planned mean survival, min(1, ρ_j m_j) kept
+    non-increasing (None before any step)."""
+
+    def __init__(self, max_len: int, decay: float = 0.9, prior: float = 1.0):
+        self.decay, self.prior = decay, prior
+        self.accepted = [0.0] * max_len
+        self.predicted = [0.0] * max_len
+        self.drafted = [0.0] * max_len  # decayed sum of predicted survival over all drafted rows
+        self.rows = 0.0
+        self.mean: list[float] | None = None
+
+    def ratio(self, j: int) -> float:
+        if self.rows == 0:
+            return 1.0
+        pseudo = self.prior * self.drafted[j] / self.rows
+        return (self.accepted[j] + pseudo) / (self.predicted[j] + pseudo) if self.predicted[j] + pseudo > 0 else 1.0
+
+    def apply(self, survival: Seq[float]) -> list[float]:
+        """Calibrated survival of one row [L]: min(1, ρ_j · a_j), kept non-increasing."""
+        out, last = [], 1.0
+        for j, a in enumerate(survival[: len(self.accepted)]):
+            last = min(last, 1.0, self.ratio(j) * a)
+            out.append(last)
+        return out
+
+    def observe(self, survival: Seq[Seq[float]], verified: Seq[int], accepted: Seq[int]) -> None:
+        """One speculative step: raw survival [R][L] of every drafted row, drafts verified and accepted per row."""
+        L, d = len(self.accepted), self.decay
+        acc, pred, drafted = [0.0] * L, [0.0] * L, [0.0] * L
+        for row, ell, a in zip(survival, verified, accepted, strict=True):
+            for j in range(L):
+                drafted[j] += row[j]
+                if j < ell:
+                    pred[j] += row[j]
+                    acc[j] += j < a
+        self.accepted = [d * x + y for x, y in zip(self.accepted, acc, strict=True)]
+        self.predicted = [d * x + y for x, y in zip(self.predicted, pred, strict=True)]
+        self.drafted = [d * x + y for x, y in zip(self.drafted, drafted, strict=True)]
+        self.rows = d * self.rows + len(survival)
+        if self.rows > 0:
+            self.mean = self.apply([x / self.rows for x in self.drafted])
+
+
+class SpeculationPolicy:
+    """Chooses, before each decode step, a plain step or a speculative one (module docstring).
+
+    ``max_len``: the most drafts a step verifies. The kind the estimates favour runs, except that the other kind
+    is probed once every ``interval`` steps, where the interval is set so that probing costs about
+    ``probe_budget`` of the time (the estimated loss of one step of the losing kind over ``probe_budget`` times
+    the winner's step time, clamped to [``min_interval``, ``max_interval``]): a probe that costs little runs
+    often, one that costs a lot rarely. ``refresh``: steps a comparison of the estimates is reused for at one
+    batch size (it costs tens of µs of Python and the estimates move slowly). ``decisions[kind]`` counts the
+    choices, probes included."""
+
+    def __init__(self, max_len: int, probe_budget: float = 0.005, min_interval: int = 8, max_interval: int = 512,
+                 window: int = 15, refresh: int = 4):
+        if not (0 < probe_budget < 1 and 1 <= min_interval <= max_interval):
+            raise ValueError(f"need 0 < probe_budget < 1 and 1 <= min_interval <= max_interval, got {probe_budget}, "
+                             f"{min_interval}, {max_interval}")
+        self.max_len = max_len
+        self.costs = StepCosts(window)
+        self.calibration = SurvivalCalibration(max_len)
+        self.budget, self.min_interval, self.max_interval = probe_budget, min_interval, max_interval
+        self.refresh = refresh
+        self.since = {PLAIN: 0, SPEC: 0}  # decode steps since each kind last ran
+        self.decisions = {PLAIN: 0, SPEC: 0}
+        self._cached: tuple[int, int, tuple[str, int] | None] = (0, 0, None)  # batch, steps left, comparison
+
+    def compare(self, caps: Seq[int]) -> tuple[str, int] | None:
+        """(the kind the estimates favour, steps between probes of the other kind) for a batch with these caps,
+        or None while a kind has no measurement at this batch size or no acceptance was seen."""
+        B = len(caps)
+        plain, spec = self.costs.plain(B), self.costs.spec_times(B, self.max_len)
+        survival = self.calibration.mean
+        if plain is None or spec is None or survival is None:
+            return None
+        ell = choose_verify_length(survival, caps, plain, spec)
+        if ell == 0:  # the loser: the best speculative step
+            ell = max(range(1, self.max_len + 1), key=lambda n: expected_tokens(survival, caps, n) / spec[n])
+            winner, t_win, tok_win, t_lose, tok_lose = PLAIN, plain, B, spec[ell], expected_tokens(survival, caps, ell)
+        else:
+            winner, t_win, tok_win, t_lose, tok_lose = SPEC, spec[ell], expected_tokens(survival, caps, ell), plain, B
+        loss = max(0.0, t_lose - tok_lose * t_win / tok_win)  # seconds a probe costs against the winner
+        interval = min(max(self.min_interval, round(loss / (self.budget * t_win))), self.max_interval)
+        return winner, interval
+
+    def decide(self, caps: Seq[int]) -> str:
+        """PLAIN or SPEC for the next decode step of ``len(caps)`` sequences with these caps: a batch size not yet
+        measured in a kind runs that kind first; otherwise the kind :meth:`compare` favours, with the other kind
+        probed every ``interval`` steps. Caps of 0 only (no draft could be verified): PLAIN."""
+        B = len(caps)
+        if max(caps, default=0) == 0:
+            kind = PLAIN
+        else:
+            unseen = [k for k in (SPEC, PLAIN) if not self.costs.seen(k, B)]
+            if unseen:
+                kind = unseen[0]
+            else:
+                batch, left, comparison = self._cached
+                if batch != B or left <= 0 or comparison is None:
+                    comparison, left = self.compare(caps), self.refresh
+                self._cached = (B, left - 1, comparison)
+                winner, interval = comparison or (SPEC, self.min_interval)
+                loser = PLAIN if winner == SPEC else SPEC
+                kind = loser if self.since[loser] + 1 >= interval else winner
+        for k in self.since:
+            self.since[k] = 0 if k == kind else self.since[k] + 1
+        self.decisions[kind] += 1
+        return kind
