@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -257,7 +258,7 @@ def train_sft_command(model_dir: Path, data: Path, out: Path, args: SFTArgs, res
     if "heldout_before" in summary:
         log(f"held-out masked loss before: {summary['heldout_before']['nats_per_token']:.4f}")
     started = time.time()
-    state = trainer.train(log=log)
+    state = trainer.train(progress=sys.stderr.isatty(), log=log)  # a log file gets the per-step lines only
     if heldout:
         summary["heldout_after"] = trainer.evaluate()
         log(f"held-out masked loss after: {summary['heldout_after']['nats_per_token']:.4f}")
