@@ -486,8 +486,9 @@ def fit(record: dict[str, Any], tok: Tokenizer, max_tokens: int) -> tuple[dict[s
     tools the reference needs (tool / tool_result: the called one; no_tool: the first); None if still too long."""
     for attempt in range(2):
         prompt, target = render(record)
+        # The prompt ends with a special token (<think> / </think>), so the whole tokenizes as its two halves.
         n_prompt = len(tok.encode(prompt, add_special_tokens=False).ids)
-        n_all = len(tok.encode(prompt + target, add_special_tokens=False).ids)
+        n_all = n_prompt + len(tok.encode(target, add_special_tokens=False).ids)
         if n_all <= max_tokens:
             return record, n_all, n_prompt
         if attempt or not record["tools"] or len(record["tools"]) == 1:
@@ -500,17 +501,26 @@ def fit(record: dict[str, Any], tok: Tokenizer, max_tokens: int) -> tuple[dict[s
 
 
 def build_chat_data(out: Path, tokenizer: Path, seed: int = 0, heldout_fraction: float = 0.05,
-                    max_tokens: int = 512, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+                    max_tokens: int = 512, log: Callable[[str], None] = lambda line: None,
+                    files: list[tuple[str, Path]] | None = None) -> dict[str, Any]:
     """Write ``train.jsonl``, ``heldout.jsonl`` and ``manifest.json`` into ``out`` (see the module docstring).
 
     tokenizer: a folder with tokenizer.json (e.g. checkpoints/v41-tiny) to measure records; longer than
-    ``max_tokens`` are dropped. Returns the manifest. Raises ValueError for a fraction outside (0, 1).
+    ``max_tokens`` are dropped. files: (relative path, path) pairs to read instead of the whole standard library
+    (a subset of it, for tests). Returns the manifest. Raises ValueError for a fraction outside (0, 1) and when
+    no documented function is found.
     """
     if not 0 < heldout_fraction < 1:
         raise ValueError(f"--heldout-fraction must be in (0, 1), got {heldout_fraction}")
     tok = Tokenizer.from_file(str(Path(tokenizer) / "tokenizer.json"))
-    source = stdlib_source()
-    functions = read_functions(source.files)
+    if files is None:
+        source = stdlib_source()
+        files, origin = source.files, {"name": source.name, "origin": source.origin, "license": source.license}
+    else:
+        origin = {"name": "files", "origin": f"{len(files)} files given", "license": "as the files"}
+    functions = read_functions(files)
+    if not functions:
+        raise ValueError("no documented public function found in the files read")
     log(f"{len(functions)} documented functions and methods in {len({f.module for f in functions})} modules")
     held = split_packages(functions, heldout_fraction, seed)
     out = Path(out)
@@ -540,7 +550,7 @@ def build_chat_data(out: Path, tokenizer: Path, seed: int = 0, heldout_fraction:
         log(f"{split}: {len(lines)} records -> {out / (split + '.jsonl')}")
     manifest = {"seed": seed, "heldout_fraction": heldout_fraction, "max_tokens": max_tokens,
                 "tokenizer_sha256": hashlib.sha256((Path(tokenizer) / "tokenizer.json").read_bytes()).hexdigest(),
-                "source": {"name": source.name, "origin": source.origin, "license": source.license},
+                "source": origin,
                 "heldout_packages": sorted(held), "counts": stats, "sha256": digests}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
