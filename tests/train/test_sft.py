@@ -140,3 +140,13 @@ def test_masked_nats_counts_only_target_tokens():
     result = masked_nats(Transformer(tiny_config()), examples, 2, 400)
     assert result["tokens"] == sum(len(e.ids) - e.start for e in examples) and result["nats_per_token"] > 0
     assert json.dumps(result)
+
+
+def test_cli_says_what_is_missing(tmp_path):
+    from typer.testing import CliRunner
+
+    from deepseek_v41.cli.main import app
+
+    result = CliRunner().invoke(app, ["train-sft", "--model", str(MODEL), "--data", str(tmp_path / "none"),
+                                      "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "train.jsonl" in result.output
