@@ -14,11 +14,13 @@ from deepseek_v41.cli.generate import generate
 from deepseek_v41.cli.serve import serve
 from deepseek_v41.config import ConfigError, load_config
 from deepseek_v41.progress import Progress
+from deepseek_v41.train.chat_data import build_chat_data
 from deepseek_v41.train.data import prepare, read_documents
 from deepseek_v41.train.dspark_train import DSparkTrainArgs, train_dspark_command
 from deepseek_v41.train.evaluate import evaluate_files
 from deepseek_v41.train.fetch import DataError
 from deepseek_v41.train.model_card import write_model_card
+from deepseek_v41.train.sft import SFTArgs, train_sft_command
 from deepseek_v41.train.tokenizer import save_tokenizer, tokenizer_config_values, train_tokenizer
 from deepseek_v41.train.trainer import TrainArgs, train_command
 
@@ -137,6 +139,28 @@ def data_greedy(
     typer.echo(f"wrote {out / 'tokens.npy'} {summary['shape']} in {summary['seconds']:.0f} s")
 
 
+@data_app.command("chat")
+def data_chat(
+    out: Path = typer.Option(..., help="Output folder: train.jsonl, heldout.jsonl, manifest.json."),
+    seed: int = typer.Option(0, help="Seed of every choice (templates, argument values, thinking, split)."),
+    heldout_fraction: float = typer.Option(0.05, help="Share of functions (and of tool-capable ones) held out, "
+                                           "by whole top-level package."),
+    tokenizer: Path = typer.Option(Path("checkpoints/v41-tiny"), help="Folder with the tokenizer.json that "
+                                   "measures records."),
+    max_tokens: int = typer.Option(512, help="Records longer than this many tokens are dropped."),
+) -> None:
+    """Build chat fine-tuning data (qa, tool, tool_result, no_tool) from the standard library's docstrings."""
+    try:
+        manifest = build_chat_data(out, tokenizer, seed, heldout_fraction, max_tokens,
+                                   log=lambda line: typer.echo(line, err=True))
+    except (FileNotFoundError, ValueError, DataError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    for split, kinds in manifest["counts"].items():
+        line = ", ".join(f"{kind} {c['records']} ({c['tokens']:,} tokens)" for kind, c in kinds.items())
+        typer.echo(f"{split}: {line}")
+
+
 @tokenizer_app.command("train")
 def tokenizer_train(
     data: Path = typer.Option(..., help="Corpus folder (its train.txt is read) or a corpus file."),
@@ -203,6 +227,34 @@ def model_card(
                    f"--help)", err=True)
         raise typer.Exit(2) from exc
     typer.echo(f"wrote {path}")
+
+
+@app.command("train-sft")
+def train_sft(
+    model: Path = typer.Option(..., help="Model folder to start from (config.json, safetensors, tokenizer.json)."),
+    data: Path = typer.Option(..., help="Chat data folder from `dsv41 data chat` (train.jsonl, heldout.jsonl)."),
+    out: Path = typer.Option(..., help="Run folder: checkpoint/, sft_summary.json, model/."),
+    export: Path | None = typer.Option(None, help="Where the fine-tuned model is written (default: OUT/model)."),
+    steps: int = typer.Option(300),
+    batch_tokens: int = typer.Option(4096, help="Rows x padded length per step, at most."),
+    lr: float = typer.Option(1.5e-3),
+    warmup_steps: int = typer.Option(20),
+    eval_every: int = typer.Option(100, help="Held-out masked loss every this many steps (0: only before/after)."),
+    checkpoint_minutes: float = typer.Option(10.0),
+    seed: int = typer.Option(0),
+    resume: bool = typer.Option(False, help="Continue from OUT/checkpoint."),
+    threads: int | None = typer.Option(None, help="torch threads (1 avoids OpenMP spin-waits on a busy machine)."),
+) -> None:
+    """Fine-tune on chat records with the loss on the last assistant message only; export in bf16."""
+    args = SFTArgs(steps=steps, batch_tokens=batch_tokens, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every,
+                   checkpoint_minutes=checkpoint_minutes, seed=seed)
+    try:
+        path = train_sft_command(model, data, out, args, resume, threads, export,
+                                 log=lambda line: typer.echo(line, err=True))
+    except (FileNotFoundError, ValueError, ConfigError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"model written to {path}")
 
 
 @app.command("train-dspark")

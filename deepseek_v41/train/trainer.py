@@ -97,10 +97,17 @@ def sample_batch(stream: np.ndarray, rng: np.random.Generator, batch: int, conte
 
 
 def training_loss(model: Transformer, ids: torch.Tensor, dense_indexer: bool, kl_weight: float,
-                  bf16: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+                  bf16: bool = False, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one batch ``ids`` [B, T + 1]: cross-entropy of tokens 1..T plus the indexers' KL (see module
-    docstring). Returns the loss tensor and its parts as floats."""
+    docstring). ``loss_mask`` (bool [B, T], for the targets ``ids[:, 1:]``): the cross-entropy is the mean over
+    the True positions only (supervised fine-tuning, :mod:`deepseek_v41.train.sft`); it must hold at least one.
+    Returns the loss tensor and its parts as floats."""
     inputs, targets = ids[:, :-1], ids[:, 1:]
+    if loss_mask is not None:
+        if loss_mask.shape != targets.shape or not bool(loss_mask.any()):
+            raise ValueError(f"loss_mask must be a bool [B, T] = {list(targets.shape)} with a True position, got "
+                             f"{list(loss_mask.shape)}")
+        targets = targets.masked_fill(~loss_mask, -100)  # cross_entropy's ignore_index
     B, T = inputs.shape
     ctx = DenseContext(B, T, inputs.device, fake_quant=True)
     ctx.indexer_losses = IndexerLosses()
@@ -142,6 +149,16 @@ def heldout_nats(model: Transformer, stream: np.ndarray, context: int, tokens: i
     return {"nats_per_token": mean, "perplexity": math.exp(mean)}
 
 
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (betas 0.9, 0.95) over the parameters that require gradients; weight decay on matrices except the
+    mHC ``*_fn`` ones."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2 and not n.endswith("_fn")]
+    other = [p for n, p in model.named_parameters() if p.requires_grad and not (
+        p.dim() >= 2 and not n.endswith("_fn"))]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+
+
 class Trainer:
     """Owns the model, optimizer, data and checkpoints of one run in ``out``.
 
@@ -162,12 +179,7 @@ class Trainer:
         if token_map is not None and self.model.hasher is not None:
             self.model.hasher.set_token_map(token_map)  # Engram's compressed ids come from the tokenizer
         self.model.train()
-        decay = [p for n, p in self.model.named_parameters() if p.requires_grad and p.dim() >= 2
-                 and not n.endswith(("_fn",))]
-        other = [p for n, p in self.model.named_parameters() if p.requires_grad and not (
-            p.dim() >= 2 and not n.endswith(("_fn",)))]
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                            {"params": other, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+        self.optimizer = make_optimizer(self.model, args.lr, args.weight_decay)
         self.state = TrainState(data_rng=np.random.default_rng(args.seed).bit_generator.state)
         if resume and (self.out / CHECKPOINT_DIR / "state.json").is_file():
             self.load_checkpoint()
