@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 MODEL  ?= checkpoints/v41-tiny
+CHAT_MODEL ?= checkpoints/v41-tiny-chat
 # pytest-xdist workers: 2 = the cores of the CI machines.
 TEST_WORKERS ?= 2
 # One OpenMP thread: the models here are small, and on a 2-core machine spinning OpenMP workers make a busy
@@ -23,10 +24,13 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e '.[dev]'
 	touch $@ $(VENV)/.installed-run
 
-# The main job: the bundled checkpoint continues a held-out prompt, then a second turn reuses its prefix.
+# The main job: the bundled checkpoint continues a held-out prompt, then a second turn reuses its prefix; then the
+# chat-tuned checkpoint answers a question and, given tools, calls one (tool_choice auto).
 run: $(VENV)/.installed-run
 	$(BIN)/dsv41 generate --model $(MODEL) --prompt-file $(MODEL)/prompt.txt --max-tokens 64 \
 		--follow-up "$$(cat $(MODEL)/follow_up.txt)"
+	$(BIN)/dsv41 generate --model $(CHAT_MODEL) --chat --prompt-file $(CHAT_MODEL)/prompt.txt --max-tokens 128 \
+		--tools $(CHAT_MODEL)/tools.json --follow-up "$$(cat $(CHAT_MODEL)/follow_up.txt)"
 
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .

@@ -30,6 +30,7 @@ model that cannot be loaded exit with status 2 and an ``error: ...`` line on std
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import resource
@@ -42,12 +43,14 @@ from typing import Any
 import torch
 import typer
 
-from deepseek_v41.chat import encode_messages
+from deepseek_v41.chat import assistant_message, encode_messages
 from deepseek_v41.cli.serve import DTYPES, check_device, choose_model, fail, resolve_dtype
 from deepseek_v41.config import ConfigError
 from deepseek_v41.engine import LLM, SamplingParams
+from deepseek_v41.engine.sampling_params import StructuredOutputsParams
 from deepseek_v41.model.checkpoint import CheckpointError
 from deepseek_v41.server.generation_config import GenerationConfigError, load_sampling_defaults
+from deepseek_v41.structured.tool_choice import TOOL_CHOICES, resolve_tool_choice, tool_choice_tag
 
 # Sampling without an option and without a generation config: greedy, 128 tokens per turn.
 FALLBACK_SAMPLING = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
@@ -92,6 +95,10 @@ def generate(
                                                                      "the checkpoint's dspark_block_size)."),
     follow_up: str | None = typer.Option(None, help="A second turn: prompt + first completion + this text, run "
                                                    "after the first (it reuses the first turn's prefix cache)."),
+    tools: Path | None = typer.Option(None, help="With --chat: a JSON file holding an OpenAI `tools` list (function "
+                                      "tools) rendered into the prompt; calls the model makes are printed."),
+    tool_choice: str | None = typer.Option(None, help="With --tools: auto (default), none, required, or a tool's "
+                                           "function name (that call is forced); as /v1/chat/completions."),
 ) -> None:
     """Generate a continuation, streaming it to stdout, then print the stats on stderr (prompt and cached tokens,
     TTFT, tokens/s, peak memory, KV cache bytes)."""
@@ -104,6 +111,7 @@ def generate(
     if not model.is_dir():
         fail(f"model directory {model} not found")
     chat = _chat_mode(model, chat, thinking=thinking, system_prompt=system_prompt)
+    tool_list, mode, tag = _tool_setup(tools, tool_choice, chat, thinking)
     text = _read_stdin() if prompt == "-" else prompt if prompt is not None else _read_prompt(prompt_file)
     try:
         defaults, _ = load_sampling_defaults(generation_config, model)
@@ -118,6 +126,8 @@ def generate(
     write = None if as_json else write_text
     try:
         params = SamplingParams(**sampling, seed=seed)
+        if tag is not None:
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(structural_tag=tag))
         llm = LLM(model, dtype=torch_dtype, device=str(torch_device), prefill_mode=prefill_mode,
                   speculative=speculative, speculative_max_len=speculative_max_len)
         if llm.tokenizer is None:
@@ -133,22 +143,61 @@ def generate(
                 typer.echo(f"--- turn {turn + 1} (prompt = {how}) ---", err=True)
             if chat:
                 messages.append({"role": "user", "content": new_text})
-                prompt_text = encode_messages(messages, thinking=thinking)
+                prompt_text = encode_messages(messages, tools=tool_list if mode != "none" else None,
+                                              thinking=thinking)
             else:
                 context += new_text
                 prompt_text = context
             start = time.perf_counter()
             out = stream(llm, prompt_text, params, add_special_tokens=not chat, write=write)
             result = turn_result(out, llm, time.perf_counter() - start, torch_device)
+            reply = {"role": "assistant", "content": result["text"]}
+            if tool_list is not None:
+                full = llm.tokenizer.decode(result["token_ids"], skip_special_tokens=False)
+                reply = assistant_message(full, thinking, tools_active=mode != "none")
+                result["tool_calls"] = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                                        for c in reply.get("tool_calls") or []]
+                if not as_json:
+                    for call in result["tool_calls"]:
+                        typer.echo(f"[tool call] {call['name']}({call['arguments']})")
             results.append(result)
             if not as_json:
                 _print_stats(result)
-            messages.append({"role": "assistant", "content": result["text"]})
+            messages.append(reply)
             context += result["text"]
     except (FileNotFoundError, ValueError, ConfigError, CheckpointError) as exc:
         fail(str(exc))
     if as_json:
         typer.echo(json.dumps(json_result(results), indent=2))
+
+
+def _tool_setup(tools: Path | None, tool_choice: str | None, chat: bool, thinking: bool
+                ) -> tuple[list | None, str, str | None]:
+    """``--tools`` / ``--tool-choice`` -> (the tools list or None, the tool_choice mode, the structural tag that
+    enforces it or None), by the server's one mapping (:mod:`deepseek_v41.structured.tool_choice`). A bare function
+    name is the named choice. Exits 2 for tools without the chat format, a file that is not a JSON list, a choice
+    without tools, or a choice / tool the mapping refuses."""
+    if tools is None:
+        if tool_choice is not None:
+            fail("--tool-choice needs --tools (a JSON file with the tools list)")
+        return None, "none", None
+    if not chat:
+        fail("--tools needs --chat (tools are part of the chat format)")
+    try:
+        tool_list = json.loads(tools.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        fail(f"--tools {tools}: cannot read a JSON tools list ({exc})")
+    if not isinstance(tool_list, list) or not tool_list:
+        fail(f"--tools {tools} must hold a non-empty JSON list of OpenAI function tools")
+    choice = tool_choice
+    if tool_choice is not None and tool_choice not in TOOL_CHOICES:
+        choice = {"type": "function", "function": {"name": tool_choice}}
+    try:
+        mode, name = resolve_tool_choice(tool_list, choice)
+        tag = tool_choice_tag(tool_list, mode, name, thinking=thinking)
+    except ValueError as exc:
+        fail(f"--tools / --tool-choice: {exc}")
+    return tool_list, mode, tag
 
 
 def chat_template_source(model: Path) -> str | None:

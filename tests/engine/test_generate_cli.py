@@ -313,3 +313,38 @@ def test_mlx_lm_names_and_positional_model(model_dir, tmp_path):
     assert missing.exit_code == 2 and "give the model directory: dsv41 generate MODEL" in missing.stderr
     negative = CliRunner().invoke(app, ["generate", str(model_dir), "--prompt", "x", "--temp", "-1"])
     assert negative.exit_code == 2 and "'--temperature' / '--temp'" in negative.stderr, negative.stderr
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def test_tools_named_choice_prints_a_schema_valid_call(tmp_path):
+    """The bundled chat checkpoint under a named tool_choice: the call is that function with schema-valid JSON."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    chat_model = Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny-chat"
+    result = generate(chat_model, "--chat", "--prompt", "Weather in Paris?", "--tools", str(tools),
+                      "--tool-choice", "get_weather", "--max-tokens", "160", "--json")
+    assert result.exit_code == 0, (result.output, result.exception)
+    data = json.loads(result.stdout)
+    assert data["finish_reason"] == "stop"
+    assert [c["name"] for c in data["tool_calls"]] == ["get_weather"]
+    assert isinstance(json.loads(data["tool_calls"][0]["arguments"])["city"], str)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tool-choice", "auto"], "--tool-choice needs --tools"),
+    (["--no-chat", "--tools", "TOOLS"], "--tools needs --chat"),
+    (["--chat", "--tools", "TOOLS", "--tool-choice", "nope"], "nope"),
+    (["--chat", "--tools", "BAD"], "cannot read a JSON tools list"),
+])
+def test_tools_refuse_bad_input_cleanly(model_dir, tmp_path, flags, message):
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    (tmp_path / "bad.json").write_text("[{")
+    flags = [str(tmp_path / "tools.json") if f == "TOOLS" else str(tmp_path / "bad.json") if f == "BAD" else f
+             for f in flags]
+    result = generate(model_dir, "--prompt", "hi", *flags)
+    assert result.exit_code == 2
+    assert message in result.output
