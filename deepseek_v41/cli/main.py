@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 import typer
 
 from deepseek_v41 import __version__
@@ -19,6 +20,7 @@ from deepseek_v41.train.data import prepare, read_documents
 from deepseek_v41.train.dspark_train import DSparkTrainArgs, train_dspark_command
 from deepseek_v41.train.evaluate import evaluate_files
 from deepseek_v41.train.fetch import DataError
+from deepseek_v41.train.greedy_data import greedy_data_command
 from deepseek_v41.train.model_card import write_model_card
 from deepseek_v41.train.sft import SFTArgs, train_sft_command
 from deepseek_v41.train.tokenizer import save_tokenizer, tokenizer_config_values, train_tokenizer
@@ -124,11 +126,7 @@ def data_greedy(
     threads: int | None = typer.Option(None, help="torch threads (1 avoids OpenMP spin-waits on a busy machine)."),
 ) -> None:
     """The target's own greedy continuations of corpus windows: the DSpark draft's distillation data."""
-    from deepseek_v41.train.greedy_data import greedy_data_command
-
     if threads:
-        import torch
-
         torch.set_num_threads(threads)
     try:
         summary = greedy_data_command(model, data, out, split, num_prompts, prompt_tokens, max_tokens, batch_size,

@@ -36,6 +36,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from deepseek_v41.chat import encode_messages
 from deepseek_v41.engine import LLM, SamplingParams
 from deepseek_v41.progress import ProgressCallback
 from deepseek_v41.structured.schema_check import schema_errors
@@ -218,8 +221,6 @@ def _generate(llm: LLM, jobs: list[tuple[dict[str, Any], str]], params: Sampling
 
 def _fits(llm: LLM, record: dict[str, Any], max_tokens: int) -> bool:
     """Whether the record's prompt plus ``max_tokens`` fits the engine's ``max_model_len``."""
-    from deepseek_v41.chat import encode_messages
-
     prompt = encode_messages(record["messages"][:-1], tools=record["tools"], thinking=record["thinking"])
     tokens = len(llm.get_tokenizer().encode(prompt, add_special_tokens=False).ids)
     return tokens + max_tokens <= llm.engine.max_model_len
@@ -325,8 +326,6 @@ def eval_chat_command(model: Path, data: Path, limit: int | None = None, out: Pa
     """Load ``model``, evaluate the first ``limit`` records of ``data`` and write the report to ``out`` (JSON; NaN
     as null) when given (before the check). ``threads``: torch threads (1 on a busy machine). Raises
     ChatEvalError for a bad file, ConstrainedCallError as :func:`check_constrained`."""
-    import torch
-
     if threads:
         torch.set_num_threads(threads)
     records = read_records(data, limit)

@@ -47,6 +47,7 @@ from deepseek_v41.model.checkpoint import load_model, weight_files
 from deepseek_v41.model.context import DenseContext
 from deepseek_v41.model.dspark import dspark_loss, sample_anchors
 from deepseek_v41.model.transformer import Transformer
+from deepseek_v41.train.greedy_data import load_greedy
 from deepseek_v41.train.trainer import balance_experts, load_streams, lr_at, sample_batch
 
 
@@ -369,8 +370,6 @@ def train_dspark_command(model_dir: Path, data: Path | None, out: Path | None, a
         raise FileNotFoundError(f"no tokenizer.json in {model_dir}: the token streams need the model's tokenizer")
     greedy = None
     if args.targets == "greedy":
-        from deepseek_v41.train.greedy_data import load_greedy
-
         if greedy_data is None or greedy_heldout is None:
             raise ValueError("targets 'greedy' needs greedy_data and greedy_heldout folders (dsv41 data greedy)")
         train_rows, prompt = load_greedy(greedy_data)

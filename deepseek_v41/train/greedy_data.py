@@ -25,6 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from deepseek_v41.engine import LLM, SamplingParams
+from deepseek_v41.train.trainer import load_streams
+
 
 def prompt_windows(stream: np.ndarray, count: int, length: int, seed: int) -> np.ndarray:
     """``count`` windows of ``length`` consecutive tokens of ``stream`` at offsets drawn by
@@ -41,8 +44,6 @@ def generate_greedy(model_dir: Path, prompts: np.ndarray, max_tokens: int, batch
                     log: Callable[[str], None] = print) -> np.ndarray:
     """Greedy continuations of ``prompts`` [N, P] by the engine over ``model_dir`` (fp32, ``batch_size`` requests
     at a time, EOS ignored): int32 [N, P + max_tokens]."""
-    from deepseek_v41.engine import LLM, SamplingParams
-
     llm = LLM(model_dir, dtype="float32", max_num_seqs=batch_size, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rows, started = [], time.time()
@@ -66,8 +67,6 @@ def greedy_data_command(model_dir: Path, data: Path, out: Path, split: str = "tr
     ``model_dir``, written to ``out``. Returns the ``greedy.json`` summary.
 
     Raises FileNotFoundError (no model, tokenizer or corpus) and ValueError (unknown split, bad sizes)."""
-    from deepseek_v41.train.trainer import load_streams
-
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     if max_tokens < 2 or batch_size < 1:
