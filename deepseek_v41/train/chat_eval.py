@@ -10,8 +10,10 @@ record's tools and its thinking mode. The answer is parsed by the project's pars
   reference, as ROUGE-L F1 (:func:`rouge_l_f1`) and token F1 (:func:`token_f1`) over lowercase word tokens
   (:func:`words`), under ``tool_choice`` "auto" (plain chat when the record has no tools). For ``no_tool`` also
   the share answered in text, with no tool call.
-- ``tool`` (reference ``{"name", "arguments"}``): twice, unconstrained (``tool_choice`` "auto") and constrained
-  ("required": the DSML grammar of :mod:`deepseek_v41.structured.dsml_grammar`). Per answer (:func:`score_call`):
+- ``tool`` (reference ``{"name", "arguments"}``): three times: with no grammar at all (``FREE``: the tools rendered
+  as "auto" renders them, the model alone), under ``tool_choice`` "auto" (free text, but a tool block the model
+  opens is held to the grammar of the given tools from its opening on) and constrained ("required": the DSML
+  grammar of :mod:`deepseek_v41.structured.dsml_grammar` from the first token). Per answer (:func:`score_call`):
   *valid* = the model ended the answer (finish reason "stop") with at least one tool call, every call names a
   given tool and its ``arguments`` are a JSON object valid under that tool's ``parameters`` schema
   (:func:`deepseek_v41.structured.schema_check.schema_errors`, which knows no grammar); *right function* = the
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 
-from deepseek_v41.chat import encode_messages
+from deepseek_v41.chat import assistant_message, encode_messages
 from deepseek_v41.engine import LLM, SamplingParams
 from deepseek_v41.progress import ProgressCallback
 from deepseek_v41.structured.schema_check import schema_errors
@@ -59,6 +61,9 @@ class ConstrainedCallError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- metrics
+FREE = "free"  # tool records answered with the tools rendered and no grammar at all
+
+
 def words(text: str) -> list[str]:
     """Lowercase word tokens of ``text``: maximal runs of Unicode letters, digits and ``_`` (``\\w+``)."""
     return _WORD.findall(text.lower())
@@ -213,10 +218,26 @@ def _generate(llm: LLM, jobs: list[tuple[dict[str, Any], str]], params: Sampling
         for start in range(0, len(records), batch_size):
             batch = records[start:start + batch_size]
             tools = batch[0]["tools"]
+            if choice == FREE:
+                yield from _generate_free(llm, batch, params, thinking)
+                continue
             outputs = llm.chat([r["messages"][:-1] for r in batch], params, tools=tools,
                                tool_choice=choice if tools else None, thinking=thinking, use_tqdm=False)
             for record, output in zip(batch, outputs, strict=True):
                 yield record, choice, output.outputs[0]
+
+
+def _generate_free(llm: LLM, batch: list[dict[str, Any]], params: SamplingParams,
+                   thinking: bool) -> Iterable[tuple[dict[str, Any], str, Any]]:
+    """The ``FREE`` mode: the tools rendered into the prompt as "auto" renders them, but no grammar at all (not even
+    once a tool block opens), so the rates measure the model alone; the message is parsed as the server parses."""
+    prompts = [encode_messages(r["messages"][:-1], tools=r["tools"], thinking=thinking) for r in batch]
+    outputs = llm.generate(prompts, params, use_tqdm=False, add_special_tokens=False)
+    for record, output in zip(batch, outputs, strict=True):
+        completion = output.outputs[0]
+        text = llm.get_tokenizer().decode(completion.token_ids, skip_special_tokens=False)
+        completion.message = assistant_message(text, thinking, tools_active=True)
+        yield record, FREE, completion
 
 
 def _fits(llm: LLM, record: dict[str, Any], max_tokens: int) -> bool:
@@ -237,7 +258,8 @@ def evaluate_chat(llm: LLM, records: list[dict[str, Any]], max_tokens: int = MAX
     ended and is not valid (:func:`check_constrained`)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     kept = [r for r in records if _fits(llm, r, max_tokens)]
-    jobs = [(r, "auto") for r in kept] + [(r, "required") for r in kept if r["kind"] == "tool"]
+    jobs = [(r, "auto") for r in kept] + [(r, mode) for mode in (FREE, "required") for r in kept
+                                           if r["kind"] == "tool"]
     results: dict[str, dict[str, Any]] = {r["id"]: {"id": r["id"], "kind": r["kind"], "thinking": r["thinking"]}
                                           for r in kept}
     start = time.perf_counter()
@@ -290,7 +312,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         answers[kind] = {"n": len(entries), "rouge_l_f1": _mean(entries, "rouge_l_f1"),
                          "token_f1": _mean(entries, "token_f1")}
     calls = {}
-    for mode in ("auto", "required"):
+    for mode in (FREE, "auto", "required"):
         entries = [r[mode] for r in results if r["kind"] == "tool" and mode in r]
         calls[mode] = {"n": len(entries), **{k: _rate(entries, k) for k in
                                              ("called", "valid", "right_function", "exact_arguments", "cut")}}
@@ -369,8 +391,11 @@ def card_tables(reports: dict[str, dict[str, Any]]) -> str:
               "| checkpoint | tool_choice | records | valid | right function | exact arguments | cut at max_tokens |",
               "|---|---|---|---|---|---|---|"]
     for name, report in reports.items():
-        for mode, label in (("auto", "auto (unconstrained)"), ("required", "required (constrained)")):
-            c = report["tool_calls"][mode]
+        for mode, label in ((FREE, "auto, no grammar (the model alone)"),
+                            ("auto", "auto (grammar once a call opens)"), ("required", "required (constrained)")):
+            c = report["tool_calls"].get(mode)
+            if c is None:  # a report written before the FREE mode existed
+                continue
             lines.append(f"| {name} | {label} | {c['n']} | {_cell(c['valid'], 2)} | {_cell(c['right_function'], 2)} "
                          f"| {_cell(c['exact_arguments'], 2)} | {_cell(c['cut'], 2)} |")
     lines += ["", "### Tools given, no call needed (held-out `no_tool` records, tool_choice auto)", "",

@@ -11,7 +11,10 @@ import pytest
 from optional_deps import require
 from typer.testing import CliRunner
 
+from deepseek_v41.chat import encode_messages
 from deepseek_v41.cli import app
+from deepseek_v41.engine import SamplingParams
+from deepseek_v41.train import chat_eval
 from deepseek_v41.train.chat_eval import (
     ChatEvalError,
     ConstrainedCallError,
@@ -133,7 +136,7 @@ def test_the_evaluation_runs_end_to_end(report):
     qa = by_id["qa/textwrap.dedent"]["auto"]
     assert qa["rouge_l_f1"] == rouge_l_f1(qa["content"], "Remove any common leading whitespace from every line in "
                                                          "text.")
-    assert set(by_id["tool/logging.disable/0"]) >= {"auto", "required"}  # measured both ways
+    assert set(by_id["tool/logging.disable/0"]) >= {"auto", "free", "required"}  # measured three ways
     assert "required" not in by_id["no_tool/textwrap.dedent"]
     assert report["no_tool"]["n"] == 1
 
@@ -194,3 +197,23 @@ def test_nan_means_no_records_of_that_kind(report):
     assert not math.isnan(report["no_tool"]["answered_in_text"])
     empty = summarize([])
     assert math.isnan(empty["tool_calls"]["auto"]["valid"]) and empty["counts"]["tool"] == 0
+
+
+def test_the_free_mode_renders_the_tools_and_applies_no_grammar(llm, monkeypatch):
+    """FREE: the model alone. The prompt holds the tools as "auto" renders them; no structured output is set."""
+    record = next(r for r in read_records(HELDOUT) if r["kind"] == "tool")
+    seen = []
+    original = llm.generate
+
+    def spy(prompts, params, **kwargs):
+        seen.append((prompts, params))
+        return original(prompts, params, **kwargs)
+
+    monkeypatch.setattr(llm, "generate", spy)
+    out = list(chat_eval._generate(llm, [(record, chat_eval.FREE)], SamplingParams(temperature=0.0, max_tokens=8), 4))
+    assert [choice for _, choice, _ in out] == [chat_eval.FREE]
+    (prompts, params), = seen
+    assert params.structured_outputs is None
+    assert record["tools"][0]["function"]["name"] in prompts[0]
+    assert prompts[0] == encode_messages(record["messages"][:-1], tools=record["tools"], thinking=record["thinking"])
+    assert isinstance(out[0][2].message, dict)
