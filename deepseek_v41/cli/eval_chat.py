@@ -72,8 +72,13 @@ def eval_chat_table(
         name, _, path = spec.rpartition("=")
         try:
             report = json.loads(Path(path).read_text(encoding="utf-8"))
-            loaded[name or Path(report["model"]).name] = report
-        except (OSError, ValueError, KeyError) as exc:
+            if not isinstance(report, dict) or not {"answers", "tool_calls", "no_tool"} <= set(report):
+                raise ValueError("it lacks the answers / tool_calls / no_tool of a report")
+            label = name or Path(report["model"]).name
+            if label in loaded:
+                raise ValueError(f"the name {label!r} is given twice; name each report (NAME=REPORT.json)")
+            loaded[label] = report
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             typer.echo(f"error: {spec}: not an eval-chat report ({exc})", err=True)
             raise typer.Exit(2) from exc
     typer.echo(card_tables(loaded))

@@ -272,10 +272,14 @@ class Trainer:
 
 def load_streams(data: Path, tokenizer_dir: Path, cache: Path) -> tuple[np.ndarray, np.ndarray]:
     """Token streams of ``data/train.txt`` and ``data/heldout.txt`` (every document ``BOS .. EOS``), cached as
-    uint16/int32 ``.npy`` files in ``cache`` keyed by the tokenizer's hash."""
+    uint16/int32 ``.npy`` files in ``cache`` keyed by the tokenizer's hash. Raises FileNotFoundError, before
+    creating ``cache``, when either text file is missing."""
     tok_file = Path(tokenizer_dir) / "tokenizer.json"
     digest = hashlib.sha256(tok_file.read_bytes()).hexdigest()[:12]
     tokenizer = Tokenizer.from_file(str(tok_file))
+    for split in ("train", "heldout"):
+        if not (data / f"{split}.txt").is_file():
+            raise FileNotFoundError(f"{data / f'{split}.txt'} not found: DATA must be a `dsv41 data prepare` folder")
     cache.mkdir(parents=True, exist_ok=True)
     out = []
     for split in ("train", "heldout"):

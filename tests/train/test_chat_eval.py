@@ -217,3 +217,18 @@ def test_the_free_mode_renders_the_tools_and_applies_no_grammar(llm, monkeypatch
     assert record["tools"][0]["function"]["name"] in prompts[0]
     assert prompts[0] == encode_messages(record["messages"][:-1], tools=record["tools"], thinking=record["thinking"])
     assert isinstance(out[0][2].message, dict)
+
+
+@pytest.mark.parametrize("content", ['{"model": "x"}', "[1]"])
+def test_eval_chat_table_refuses_what_is_not_a_report(tmp_path, content):
+    path = tmp_path / "r.json"
+    path.write_text(content)
+    result = CliRunner().invoke(app, ["eval-chat-table", f"x={path}"])
+    assert result.exit_code == 2 and "not an eval-chat report" in result.output
+
+
+def test_eval_chat_table_refuses_a_name_given_twice(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(summarize([])))
+    result = CliRunner().invoke(app, ["eval-chat-table", f"x={path}", f"x={path}"])
+    assert result.exit_code == 2 and "given twice" in result.output

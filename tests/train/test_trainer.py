@@ -94,3 +94,12 @@ def test_heldout_eval_spreads_its_windows_over_the_stream():
     assert got["nats_per_token"] == pytest.approx(float(want), rel=1e-9)
     head = stream_nats(model, stream[:49], 16).mean()
     assert abs(got["nats_per_token"] - float(head)) > 1e-6  # not the first 48 tokens
+
+
+def test_load_streams_checks_the_corpus_before_creating_the_cache(tmp_path):
+    from deepseek_v41.train.trainer import load_streams
+
+    cache = tmp_path / "missing" / "tokens"
+    with pytest.raises(FileNotFoundError, match="dsv41 data prepare"):
+        load_streams(tmp_path / "missing", Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny", cache)
+    assert not cache.exists()
