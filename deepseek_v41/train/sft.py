@@ -36,9 +36,9 @@ from deepseek_v41.train.trainer import (
     CHECKPOINT_DIR,
     Trainer,
     TrainState,
-    balance_experts,
     lr_at,
     make_optimizer,
+    optimizer_step,
     training_loss,
 )
 
@@ -203,14 +203,8 @@ class SFTTrainer(Trainer):
             ids, mask = collate([self.train_examples[i] for i in batch_at(
                 state.step, self.lengths, args.batch_tokens, args.seed)], self.pad_id)
             lr = lr_at(state.step, args)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
             loss, parts = training_loss(self.model, ids, False, args.indexer_loss_weight, loss_mask=mask)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.grad_clip)
-            self.optimizer.step()
-            balance_experts(self.model, args.bias_update_rate)
+            optimizer_step(self.model, self.optimizer, loss, lr, args.grad_clip, args.bias_update_rate)
             state.step += 1
             state.tokens += int(mask.sum())
             elapsed = time.time() - started

@@ -124,6 +124,20 @@ def training_loss(model: Transformer, ids: torch.Tensor, dense_indexer: bool, kl
 
 
 @torch.no_grad()
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, lr: float,
+                   grad_clip: float, bias_update_rate: float) -> None:
+    """One update of ``model`` from ``loss`` (a scalar): every parameter group at learning rate ``lr``, gradients
+    clipped to norm ``grad_clip``, then the routers' aux-loss-free bias update (:func:`balance_experts`). Shared by
+    ``dsv41 train`` and ``dsv41 train-sft``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    balance_experts(model, bias_update_rate)
+
+
 def balance_experts(model: torch.nn.Module, rate: float) -> None:
     """Aux-loss-free balancing: move each router's correction bias toward its under-loaded experts."""
     for gate in (m for m in model.modules() if isinstance(m, Gate)):
@@ -236,15 +250,9 @@ class Trainer:
             started = time.time()
             ids = sample_batch(self.train_stream, rng, args.batch_size, args.context)
             lr = lr_at(state.step, args)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
             loss, parts = training_loss(self.model, ids, state.step < args.dense_indexer_steps,
                                         args.indexer_loss_weight, args.bf16)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.grad_clip)
-            self.optimizer.step()
-            balance_experts(self.model, args.bias_update_rate)
+            optimizer_step(self.model, self.optimizer, loss, lr, args.grad_clip, args.bias_update_rate)
             state.step += 1
             state.tokens += ids.numel() - ids.shape[0]
             elapsed = time.time() - started
