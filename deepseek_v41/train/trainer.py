@@ -123,7 +123,6 @@ def training_loss(model: Transformer, ids: torch.Tensor, dense_indexer: bool, kl
     return loss, {"loss": loss.item(), "lm": lm.item(), "kl": kl.item()}
 
 
-@torch.no_grad()
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, lr: float,
                    grad_clip: float, bias_update_rate: float) -> None:
     """One update of ``model`` from ``loss`` (a scalar): every parameter group at learning rate ``lr``, gradients
@@ -138,6 +137,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, los
     balance_experts(model, bias_update_rate)
 
 
+@torch.no_grad()
 def balance_experts(model: torch.nn.Module, rate: float) -> None:
     """Aux-loss-free balancing: move each router's correction bias toward its under-loaded experts."""
     for gate in (m for m in model.modules() if isinstance(m, Gate)):
