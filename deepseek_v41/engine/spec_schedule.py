@@ -102,13 +102,17 @@ def _interpolate(points: list[tuple[float, float]], x: float) -> float:
 
 
 def fit_line(points: Seq[tuple[float, float, float]]) -> tuple[float, float]:
-    """Weighted least-squares line y = a + b·x through (x, y, weight) points with b >= 0 (a cost never falls
-    with more tokens); a single x gives b = 0. Returns (a, b)."""
+    """Weighted least-squares line y = a + b·x through (x, y, weight) points (x >= 0) with b >= 0 (a cost never
+    falls with more tokens) and a >= 0 (no width costs nothing or less: a steep fit through a few noisy medians
+    is refitted through the origin); a single x gives b = 0. Returns (a, b)."""
     w = sum(p[2] for p in points)
     mx = sum(p[0] * p[2] for p in points) / w
     my = sum(p[1] * p[2] for p in points) / w
     sxx = sum(p[2] * (p[0] - mx) ** 2 for p in points)
     b = max(0.0, sum(p[2] * (p[0] - mx) * (p[1] - my) for p in points) / sxx) if sxx > 0 else 0.0
+    if my - b * mx < 0:
+        b = sum(p[2] * p[0] * p[1] for p in points) / sum(p[2] * p[0] ** 2 for p in points)
+        return 0.0, b
     return my - b * mx, b
 
 
@@ -172,9 +176,13 @@ class StepCosts:
         for b, p in points.items():
             if len(p) > 1 or not sloped:
                 lines[b] = fitted[b]
-            else:  # one width: the per-row slope of the nearest batch size with two, through its point
+            else:  # one width: the per-row slope of the nearest batch size with two, through its point (no
+                # steeper than the line through the origin, so that narrower widths never cost less than nothing)
+                x, y = p[0][0], p[0][1]
                 slope = min(sloped, key=lambda q: (abs(q[0] - b), q[0]))[1] * b
-                lines[b] = (p[0][1] - slope * p[0][0], slope)
+                if x > 0:
+                    slope = min(slope, y / x)
+                lines[b] = (y - slope * x, slope)
         return lines
 
     @staticmethod

@@ -81,6 +81,31 @@ def test_step_costs_are_running_medians_and_a_fitted_forward_line():
     assert costs.plain(8) == 0.012  # one batch size observed: its value
 
 
+def test_step_costs_never_go_negative():
+    """A steep per-row slope borrowed by a batch seen at one width, and a noisy fit whose intercept falls below 0,
+    once made spec_times negative and the policy raised ValueError in the middle of serving (found in a bench)."""
+    costs = StepCosts(window=3)
+    for _ in range(3):  # batch 2: 1 ms at T = 1, 21 ms at T = 6 -> 4 ms per token, 2 ms per row and token
+        costs.observe_spec(2, 1, 0.003, 0.001)
+        costs.observe_spec(2, 6, 0.023, 0.021)
+        costs.observe_spec(8, 6, 0.030, 0.028)  # batch 8, one width: the borrowed 16 ms per token would put
+        costs.observe_plain(8, 0.009)  # forward(8, 1) at 28 - 5 x 16 = -52 ms
+    assert costs.forward(8, 6) == pytest.approx(0.028)  # through its own point, no steeper than through 0
+    times = costs.spec_times(8, K + 1)
+    assert all(t > 0 for t in times) and times == sorted(times)
+    policy = SpeculationPolicy(K + 1)
+    policy.costs = costs
+    policy.calibration.observe([[0.8] * (K + 1)] * 8, [K + 1] * 8, [3] * 8)
+    assert policy.decide([K + 1] * 8) in (PLAIN, SPEC)  # raised ValueError before
+    # A weighted fit whose intercept would be negative goes through the origin instead.
+    for _ in range(3):
+        costs.observe_spec(4, 1, 0.002, 0.0001)
+        costs.observe_spec(4, 3, 0.0015, 0.0005)
+        costs.observe_spec(4, 6, 0.013, 0.012)  # least squares: 4.2 - 2.49 x 2.33 = -1.6 ms at T = 1
+    b = (2 * 0.0005 + 5 * 0.012) / (2 ** 2 + 5 ** 2)  # Σxy / Σx² over x = T - 1 = 0, 2, 5
+    assert costs.forward(4, 1) == 0.0 and costs.forward(4, 6) == pytest.approx(5 * b)
+
+
 def test_survival_calibration_matches_the_acceptance_that_happened():
     calib = SurvivalCalibration(2, decay=1.0, prior=1.0)
     assert calib.mean is None and calib.apply([0.8, 0.2]) == [0.8, 0.2]
