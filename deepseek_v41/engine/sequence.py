@@ -13,6 +13,7 @@ from deepseek_v41.engine.sampler import Logprob, SamplingState
 from deepseek_v41.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from deepseek_v41.engine.spec_schedule import SequenceAcceptance
     from deepseek_v41.structured import GrammarMatcher
 
 
@@ -70,6 +71,9 @@ class Sequence:
     # Speculative decoding (DSPARK.md §6): drafts accepted (bonus tokens not counted) and steps that verified drafts.
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
+    # Its own acceptance history, for the adaptive speculation policy (spec_schedule.py); None before its first
+    # speculative step.
+    spec_acceptance: SequenceAcceptance | None = field(default=None, repr=False, compare=False)
     # DSpark draft context of positions computed by plain decode steps, (position, the step's target-layer taps,
     # row), that reaches the draft ring at the sequence's next speculative step (speculative.py, _flush).
     draft_backlog: list = field(default_factory=list, repr=False, compare=False)
@@ -182,3 +186,6 @@ class RequestOutput:
     num_replayed_tokens: int = 0  # cached prompt tokens recomputed to rebuild window state (bounded replay)
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
+    # Its own acceptance history, for the adaptive speculation policy (spec_schedule.py); None before its first
+    # speculative step.
+    spec_acceptance: SequenceAcceptance | None = field(default=None, repr=False, compare=False)

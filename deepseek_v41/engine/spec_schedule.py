@@ -39,18 +39,20 @@ from collections.abc import Sequence as Seq
 PLAIN, SPEC = "plain", "spec"
 
 
-def expected_tokens(survival: Seq[float], caps: Seq[int], ell: int) -> float:
-    """Expected committed tokens of a step verifying ``ell`` drafts: Σ_r (1 + Σ_{j <= min(ell, cap_r)} ŝ_j) for
-    mean survival ``survival`` [L] (ŝ_j = P(the first j drafts are accepted)) and per-sequence caps [R]."""
-    return sum(1.0 + sum(survival[: min(ell, cap)]) for cap in caps)
+def expected_tokens(survival: Seq[Seq[float]], caps: Seq[int], ell: int) -> float:
+    """Expected committed tokens of a step verifying ``ell`` drafts: Σ_r (1 + Σ_{j <= min(ell, cap_r)} ŝ_rj) for
+    per-sequence survival ``survival`` [R][L] (ŝ_rj = P(the first j drafts of sequence r are accepted)) and
+    per-sequence caps [R]."""
+    return sum(1.0 + sum(row[: min(ell, cap)]) for row, cap in zip(survival, caps, strict=True))
 
 
-def choose_verify_length(survival: Seq[float], caps: Seq[int], plain_time: float, spec_times: Seq[float]) -> int:
+def choose_verify_length(survival: Seq[Seq[float]], caps: Seq[int], plain_time: float,
+                         spec_times: Seq[float]) -> int:
     """The verification length of the next step that maximises expected committed tokens per second (DSPARK.md
     §5: Θ = τ · SPS), with 0 meaning a plain decode step.
 
-    survival [L]: mean calibrated survival ŝ_1..ŝ_L (non-increasing); caps [R]: the most drafts each sequence may
-    verify; plain_time: seconds of a plain decode step of the R sequences; spec_times [L+1]: seconds of a
+    survival [R][L]: each sequence's expected survival ŝ_r1..ŝ_rL (non-increasing); caps [R]: the most drafts each
+    sequence may verify; plain_time: seconds of a plain decode step of the R sequences; spec_times [L+1]: seconds of a
     speculative step verifying ℓ = 0..L drafts (draft forward included). Θ(0) = R / plain_time; Θ(ℓ >= 1) =
     expected_tokens(ℓ) / spec_times[ℓ] (a speculative step verifying nothing is never better than a plain one:
     it emits the same token later). A global argmax is safe here: the inputs are past measurements, not this
@@ -67,23 +69,30 @@ def choose_verify_length(survival: Seq[float], caps: Seq[int], plain_time: float
 
 
 class _Window:
-    """The last ``size`` observations of one quantity after its first (a first step at a new shape pays one-off
-    allocations and is dropped); :meth:`median` is its running estimate."""
+    """The observations of one quantity after its first (a first step at a new shape pays one-off allocations and
+    is dropped): the last ``size`` of them, and every one made in the last ``span`` decode steps (``now``, a step
+    count) up to ``max(size, span)``. :meth:`median` is its running estimate. The span makes the kind that runs
+    most steps keep as many observations as it made over that span, so that a burst of a busy neighbour over a few
+    steps does not move its median: before it, 15 plain steps slowed by a burst lifted the plain estimate, the
+    policy switched to speculation and kept the stale estimate for tens of steps (plain ran only as a probe)."""
 
-    def __init__(self, size: int):
-        self.values: deque[float] = deque(maxlen=size)
+    def __init__(self, size: int, span: int):
+        self.size, self.span = size, span
+        self.values: deque[tuple[int, float]] = deque(maxlen=max(size, span))
         self.warm = False
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, now: int) -> None:
         if self.warm:
-            self.values.append(value)
+            self.values.append((now, value))
+            while len(self.values) > self.size and self.values[0][0] <= now - self.span:
+                self.values.popleft()
         self.warm = True
 
     def __len__(self) -> int:
         return len(self.values)
 
     def median(self) -> float:
-        ordered = sorted(self.values)
+        ordered = sorted(v for _, v in self.values)
         mid = len(ordered) // 2
         return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
@@ -117,7 +126,8 @@ def fit_line(points: Seq[tuple[float, float, float]]) -> tuple[float, float]:
 
 
 class StepCosts:
-    """Running estimates of the decode step costs (module docstring), in seconds; ``window`` observations per key.
+    """Running estimates of the decode step costs (module docstring), in seconds: per key the last ``window``
+    observations and all of those of the last ``span`` decode steps (:class:`_Window`).
 
     ``plain(B)`` and ``fixed(B)``: the median of the batch size's observations, interpolated between observed
     batch sizes. ``forward(B, T)``: a line a_B + b_B·(T - 1) fitted to the medians of the batch's observed
@@ -126,23 +136,26 @@ class StepCosts:
     measured); for an unobserved batch, a_B interpolated over batch sizes.
     Each returns None when nothing of its kind was observed."""
 
-    def __init__(self, window: int = 15):
-        self.size = window
+    def __init__(self, window: int = 15, span: int = 64):
+        self.size, self.span = window, span
+        self.steps = 0  # decode steps observed
         self._plain: dict[int, _Window] = {}
         self._fixed: dict[int, _Window] = {}
         self._forward: dict[tuple[int, int], _Window] = {}
 
     def _add(self, table: dict, key, seconds: float) -> None:
         if seconds > 0:
-            table.setdefault(key, _Window(self.size)).add(seconds)
+            table.setdefault(key, _Window(self.size, self.span)).add(seconds, self.steps)
 
     def observe_plain(self, batch: int, step: float) -> None:
         """A plain decode step of ``batch`` sequences took ``step`` seconds (the whole step)."""
+        self.steps += 1
         self._add(self._plain, batch, step)
 
     def observe_spec(self, batch: int, width: int, step: float, forward: float) -> None:
         """A speculative step of ``batch`` sequences whose verify forward ran ``width`` = 1 + max ℓ tokens each:
         the whole step and the verify forward, seconds."""
+        self.steps += 1
         self._add(self._fixed, batch, step - forward)
         self._add(self._forward, (batch, width), forward)
 
@@ -268,6 +281,41 @@ class SurvivalCalibration:
             self.mean = self.apply([x / self.rows for x in self.drafted])
 
 
+class SequenceAcceptance:
+    """One sequence's own acceptance history, for the policy's expected tokens (:meth:`SpeculationPolicy.decide`):
+    per draft position j, decayed counts of its drafts verified at j and of those accepted through j (every
+    speculative step that verified a draft of it multiplies both by ``decay`` first).
+
+    Acceptance differs between sequences (text the draft knows well, or not), and a batch's mean misleads most
+    where it matters: the sequences still running at the end of a batch are the ones whose drafts were rejected
+    more (the others finished sooner); planned with the mean, their last steps speculated at 2.5 committed tokens
+    per sequence where the mean promised 3.9, at 1.5x the cost per token of plain steps (batch 4, bench run)."""
+
+    def __init__(self, max_len: int, decay: float = 0.8):
+        self.decay = decay
+        self.verified = [0.0] * max_len
+        self.accepted = [0.0] * max_len
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """A speculative step verified ``verified`` drafts of this sequence and accepted the first ``accepted``."""
+        if verified <= 0:
+            return
+        d = self.decay
+        for j in range(len(self.verified)):
+            self.verified[j] = d * self.verified[j] + (j < verified)
+            self.accepted[j] = d * self.accepted[j] + (j < min(accepted, verified))
+
+    def survival(self, prior: Seq[float], strength: float = 2.0) -> list[float]:
+        """Expected survival [L] of this sequence's next drafts: per position its accepted / verified counts with
+        ``strength`` rows of the batch's mean ``prior`` [L] added (a sequence never verified plans with the
+        prior), kept non-increasing."""
+        out, last = [], 1.0
+        for j, mean in enumerate(prior):
+            last = min(last, (self.accepted[j] + strength * mean) / (self.verified[j] + strength))
+            out.append(last)
+        return out
+
+
 class SpeculationPolicy:
     """Chooses, before each decode step, a plain step or a speculative one (module docstring).
 
@@ -293,14 +341,17 @@ class SpeculationPolicy:
         self.decisions = {PLAIN: 0, SPEC: 0}
         self._cached: tuple[int, int, tuple[str, int] | None] = (0, 0, None)  # batch, steps left, comparison
 
-    def compare(self, caps: Seq[int]) -> tuple[str, int] | None:
-        """(the kind the estimates favour, steps between probes of the other kind) for a batch with these caps,
-        or None while a kind has no measurement at this batch size or no acceptance was seen."""
+    def compare(self, caps: Seq[int], histories: Seq[SequenceAcceptance | None] | None = None
+                ) -> tuple[str, int] | None:
+        """(the kind the estimates favour, steps between probes of the other kind) for a batch with these caps
+        and the sequences' own acceptance (``histories``, None each or all: the calibrated mean), or None while a
+        kind has no measurement at this batch size or no acceptance was seen."""
         B = len(caps)
         plain, spec = self.costs.plain(B), self.costs.spec_times(B, self.max_len)
-        survival = self.calibration.mean
-        if plain is None or spec is None or survival is None:
+        mean = self.calibration.mean
+        if plain is None or spec is None or mean is None:
             return None
+        survival = [mean if h is None else h.survival(mean) for h in (histories or [None] * B)]
         ell = choose_verify_length(survival, caps, plain, spec)
         if ell == 0:  # the loser: the best speculative step
             ell = max(range(1, self.max_len + 1), key=lambda n: expected_tokens(survival, caps, n) / spec[n])
@@ -311,10 +362,11 @@ class SpeculationPolicy:
         interval = min(max(self.min_interval, round(loss / (self.budget * t_win))), self.max_interval)
         return winner, interval
 
-    def decide(self, caps: Seq[int]) -> str:
-        """PLAIN or SPEC for the next decode step of ``len(caps)`` sequences with these caps: a batch size not yet
-        measured in a kind runs that kind first; otherwise the kind :meth:`compare` favours, with the other kind
-        probed every ``interval`` steps. Caps of 0 only (no draft could be verified): PLAIN."""
+    def decide(self, caps: Seq[int], histories: Seq[SequenceAcceptance | None] | None = None) -> str:
+        """PLAIN or SPEC for the next decode step of ``len(caps)`` sequences with these caps and acceptance
+        histories (:meth:`compare`): a batch size not yet measured in a kind runs that kind first; otherwise the
+        kind :meth:`compare` favours, with the other kind probed every ``interval`` steps. Caps of 0 only (no
+        draft could be verified): PLAIN."""
         B = len(caps)
         if max(caps, default=0) == 0:
             kind = PLAIN
@@ -325,7 +377,7 @@ class SpeculationPolicy:
             else:
                 batch, left, comparison = self._cached
                 if batch != B or left <= 0 or comparison is None:
-                    comparison, left = self.compare(caps), self.refresh
+                    comparison, left = self.compare(caps, histories), self.refresh
                 self._cached = (B, left - 1, comparison)
                 winner, interval = comparison or (SPEC, self.min_interval)
                 loser = PLAIN if winner == SPEC else SPEC

@@ -48,7 +48,7 @@ from deepseek_v41.engine.sampler import (
 )
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.sequence import Sequence
-from deepseek_v41.engine.spec_schedule import PLAIN, SPEC, SpeculationPolicy
+from deepseek_v41.engine.spec_schedule import PLAIN, SPEC, SequenceAcceptance, SpeculationPolicy
 from deepseek_v41.model.dspark import DSparkState
 from deepseek_v41.structured import mask_draft_positions
 
@@ -362,7 +362,7 @@ class DSparkSpeculator:
             return True
         if any(not s.params.is_greedy and s.params.seed is not None for s in seqs):
             return True
-        return self.policy.decide(self.caps(seqs)) == SPEC
+        return self.policy.decide(self.caps(seqs), [s.spec_acceptance for s in seqs]) == SPEC
 
     def record_plain(self, seqs: list[Sequence]) -> None:
         """A plain decode step of ``seqs`` ran."""
@@ -490,6 +490,10 @@ class DSparkSpeculator:
             self.stats.record(ell, a)
         if self.policy is not None:
             self.policy.calibration.observe(raw, lengths, accepted)
+            for seq, ell, a in zip(seqs, lengths, accepted, strict=True):
+                if seq.spec_acceptance is None:
+                    seq.spec_acceptance = SequenceAcceptance(self.max_len)
+                seq.spec_acceptance.observe(ell, a)
             self._last = (SPEC, len(seqs), T, forward, flush)
         return verdicts
 

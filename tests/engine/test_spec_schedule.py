@@ -14,6 +14,7 @@ from deepseek_v41.engine import LLM, SamplingParams
 from deepseek_v41.engine.spec_schedule import (
     PLAIN,
     SPEC,
+    SequenceAcceptance,
     SpeculationPolicy,
     StepCosts,
     SurvivalCalibration,
@@ -41,22 +42,30 @@ def tokens_of(llm, prompts, params):
 def test_choice_of_the_verification_length_from_timings_and_survival():
     survival = [0.6, 0.2, 0.1, 0.05]
     # Plain 5 ms for 1 token (200 tok/s); speculative 11 ms for 1.6 tokens at ℓ = 1 (145 tok/s), less after: plain.
-    assert choose_verify_length(survival, [4], 0.005, [0.010, 0.011, 0.012, 0.013, 0.014]) == 0
+    assert choose_verify_length([survival], [4], 0.005, [0.010, 0.011, 0.012, 0.013, 0.014]) == 0
     # A cheap draft and verify: Θ(ℓ) = (1 + Σ ŝ) / t = 1.6/6.2, 1.8/6.4, 1.9/6.6, 1.95/6.8 tokens/ms = 0.258,
     # 0.281, 0.288, 0.287, all above plain's 0.2 -> ℓ = 3.
-    assert choose_verify_length(survival, [4], 0.005, [0.006, 0.0062, 0.0064, 0.0066, 0.0068]) == 3
+    assert choose_verify_length([survival], [4], 0.005, [0.006, 0.0062, 0.0064, 0.0066, 0.0068]) == 3
     # Caps: a sequence that may verify no draft adds 1 token whatever ℓ: 2 sequences, τ(1) = 1.6 + 1 = 2.6 tokens in
     # 8 ms (325/s) against 2 in 7 ms (286/s) -> ℓ = 1; τ(2) = 2.8 in 9 ms (311/s) is worse.
-    assert expected_tokens(survival, [4, 0], 1) == pytest.approx(2.6)
-    assert choose_verify_length(survival, [4, 0], 0.007, [0.0075, 0.008, 0.009, 0.010, 0.011]) == 1
+    assert expected_tokens([survival] * 2, [4, 0], 1) == pytest.approx(2.6)
+    assert choose_verify_length([survival] * 2, [4, 0], 0.007, [0.0075, 0.008, 0.009, 0.010, 0.011]) == 1
+    # Per-sequence survival, one flat 7.8 ms step at every ℓ against a plain step of 7 ms (2 tokens: 286/s): two
+    # sequences at [0.6, 0.2, ...] give 2 x 1.95 tokens at ℓ = 4 (500/s) -> 4; one of them at [0.1, 0, ...] adds
+    # 1.1, not 1.95: 3.05 tokens (391/s) -> 4 still; both at 0.1: 2.2 tokens (282/s) -> plain.
+    low = [0.1, 0.0, 0.0, 0.0]
+    assert expected_tokens([survival, low], [4, 4], 2) == pytest.approx(1 + 0.8 + 1 + 0.1)
+    assert choose_verify_length([survival, survival], [4, 4], 0.007, [0.0078] * 5) == 4
+    assert choose_verify_length([survival, low], [4, 4], 0.007, [0.0078] * 5) == 4
+    assert choose_verify_length([low, low], [4, 4], 0.007, [0.0078] * 5) == 0
     # A tie keeps the smaller length: 1.6 tokens in 8 ms = 1 token in 5 ms.
-    assert choose_verify_length([0.6], [1], 0.005, [0.007, 0.008]) == 0
+    assert choose_verify_length([[0.6]], [1], 0.005, [0.007, 0.008]) == 0
     with pytest.raises(ValueError, match="positive"):
-        choose_verify_length(survival, [4], 0.0, [0.006] * 5)
+        choose_verify_length([survival], [4], 0.0, [0.006] * 5)
 
 
 def test_step_costs_are_running_medians_and_a_fitted_forward_line():
-    costs = StepCosts(window=3)
+    costs = StepCosts(window=3, span=0)  # the last 3 observations per key, however recent
     assert costs.plain(1) is None and costs.spec_times(1, K) is None
     costs.observe_plain(1, 9.0)  # the first step at a shape is warm-up: dropped
     assert costs.plain(1) is None and not costs.seen(PLAIN, 1)
@@ -104,6 +113,40 @@ def test_step_costs_never_go_negative():
         costs.observe_spec(4, 6, 0.013, 0.012)  # least squares: 4.2 - 2.49 x 2.33 = -1.6 ms at T = 1
     b = (2 * 0.0005 + 5 * 0.012) / (2 ** 2 + 5 ** 2)  # Σxy / Σx² over x = T - 1 = 0, 2, 5
     assert costs.forward(4, 1) == 0.0 and costs.forward(4, 6) == pytest.approx(5 * b)
+
+
+def test_step_cost_windows_span_decode_steps():
+    """A key keeps its last ``window`` observations and every one of the last ``span`` decode steps: the kind that
+    runs most steps keeps a long window, and a short burst of slow steps does not move its median."""
+    costs = StepCosts(window=3, span=20)
+    costs.observe_plain(8, 1.0)  # warm-up, dropped
+    for _ in range(12):
+        costs.observe_plain(8, 0.008)
+    for _ in range(8):  # a busy neighbour for 8 steps: with only the last 3 kept, the estimate would be 12 ms
+        costs.observe_plain(8, 0.012)
+    assert costs.plain(8) == 0.008  # 12 x 8 ms and 8 x 12 ms in the 20-step span
+    for _ in range(3):
+        costs.observe_spec(8, 6, 0.040, 0.030)  # a rare kind keeps its last 3 however old
+    for _ in range(40):
+        costs.observe_plain(8, 0.009)
+    assert costs.fixed(8) == pytest.approx(0.010) and costs.plain(8) == 0.009
+    assert len(costs._plain[8]) == 20 and len(costs._fixed[8]) == 2  # the first spec step was warm-up
+
+
+def test_sequence_acceptance_blends_its_history_with_the_mean():
+    mean = [0.8, 0.6, 0.4]
+    acc = SequenceAcceptance(3, decay=0.5)
+    assert acc.survival(mean) == mean  # never verified: the batch's mean
+    acc.observe(0, 0)  # nothing verified: nothing learnt
+    assert acc.survival(mean) == mean
+    acc.observe(3, 0)  # all three verified, the first rejected
+    acc.observe(2, 1)  # two verified, the first accepted; counts were halved first
+    # verified 1.5, 1.5, 0.5; accepted through j: 1, 0, 0 -> (1 + 1.6) / 3.5, (0 + 1.2) / 3.5, (0 + 0.8) / 2.5
+    assert acc.verified == [1.5, 1.5, 0.5] and acc.accepted == [1.0, 0.0, 0.0]
+    assert acc.survival(mean) == pytest.approx([2.6 / 3.5, 1.2 / 3.5, 0.32])
+    assert SequenceAcceptance(3).survival([0.5, 0.6, 0.1]) == [0.5, 0.5, 0.1]  # kept non-increasing
+    acc.observe(3, 5)  # accepted never exceeds verified
+    assert acc.accepted == [1.5, 1.0, 1.0]
 
 
 def test_survival_calibration_matches_the_acceptance_that_happened():
@@ -167,7 +210,7 @@ def forced(monkeypatch, pattern):
     """Make every adaptive policy choose by ``pattern(step index)`` -> PLAIN / SPEC (the measurements still run)."""
     counter = {"n": 0}
 
-    def decide(self, caps):
+    def decide(self, caps, histories=None):
         counter["n"] += 1
         return pattern(counter["n"] - 1)
 
