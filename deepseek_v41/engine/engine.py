@@ -258,7 +258,7 @@ class LLMEngine:
             if spec is None:
                 logits = self.runner.decode(plan.decodes)
             else:  # a plain step of a speculative engine: the draft's context rows wait in a backlog
-                taps = spec.decode_taps()
+                taps = spec.decode_taps(plan.decodes)
                 logits = self.runner.decode(plan.decodes, taps)
                 spec.record_plain(plan.decodes)
                 spec.defer_context(plan.decodes, taps)

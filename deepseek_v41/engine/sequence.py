@@ -77,6 +77,9 @@ class Sequence:
     # DSpark draft context of positions computed by plain decode steps, (position, the step's target-layer taps,
     # row), that reaches the draft ring at the sequence's next speculative step (speculative.py, _flush).
     draft_backlog: list = field(default_factory=list, repr=False, compare=False)
+    # The first position from which every committed position's draft context row exists (a plain step that took
+    # no taps moves it past its position; a prefill resets it): a draft window reaching below it has holes.
+    draft_context_from: int = 0
     # Structured outputs: the matcher of the request's constraint, at the state after every output token (None:
     # free text). The engine masks this sequence's logits with it and advances it by each emitted token.
     grammar: GrammarMatcher | None = None

@@ -46,6 +46,19 @@ def expected_tokens(survival: Seq[Seq[float]], caps: Seq[int], ell: int) -> floa
     return sum(1.0 + sum(row[: min(ell, cap)]) for row, cap in zip(survival, caps, strict=True))
 
 
+def expected_tokens_by_length(survival: Seq[Seq[float]], caps: Seq[int], max_len: int) -> list[float]:
+    """:func:`expected_tokens` at every ℓ = 0..max_len [max_len + 1], from one cumulative sum per sequence
+    (the policy asks for all of them at each comparison)."""
+    totals = [float(len(caps))] * (max_len + 1)
+    for row, cap in zip(survival, caps, strict=True):
+        running, last = 0.0, min(cap, max_len, len(row))
+        for ell in range(1, max_len + 1):
+            if ell <= last:
+                running += row[ell - 1]
+            totals[ell] += running
+    return totals
+
+
 def choose_verify_length(survival: Seq[Seq[float]], caps: Seq[int], plain_time: float,
                          spec_times: Seq[float]) -> int:
     """The verification length of the next step that maximises expected committed tokens per second (DSPARK.md
@@ -61,8 +74,10 @@ def choose_verify_length(survival: Seq[Seq[float]], caps: Seq[int], plain_time: 
     if plain_time <= 0 or any(t <= 0 for t in spec_times):
         raise ValueError(f"step times must be positive seconds, got plain {plain_time} and {list(spec_times)}")
     best, chosen = len(caps) / plain_time, 0
-    for ell in range(1, min(len(spec_times) - 1, max(caps, default=0)) + 1):
-        theta = expected_tokens(survival, caps, ell) / spec_times[ell]
+    top = min(len(spec_times) - 1, max(caps, default=0))
+    tokens = expected_tokens_by_length(survival, caps, top)
+    for ell in range(1, top + 1):
+        theta = tokens[ell] / spec_times[ell]
         if theta > best:
             best, chosen = theta, ell
     return chosen
@@ -142,10 +157,14 @@ class StepCosts:
         self._plain: dict[int, _Window] = {}
         self._fixed: dict[int, _Window] = {}
         self._forward: dict[tuple[int, int], _Window] = {}
+        self._fitted: dict[int, tuple[float, float]] | None = None  # _lines(), until the next speculative step
 
     def _add(self, table: dict, key, seconds: float) -> None:
         if seconds > 0:
-            table.setdefault(key, _Window(self.size, self.span)).add(seconds, self.steps)
+            window = table.get(key)
+            if window is None:
+                window = table[key] = _Window(self.size, self.span)
+            window.add(seconds, self.steps)
 
     def observe_plain(self, batch: int, step: float) -> None:
         """A plain decode step of ``batch`` sequences took ``step`` seconds (the whole step)."""
@@ -156,6 +175,7 @@ class StepCosts:
         """A speculative step of ``batch`` sequences whose verify forward ran ``width`` = 1 + max ℓ tokens each:
         the whole step and the verify forward, seconds."""
         self.steps += 1
+        self._fitted = None
         self._add(self._fixed, batch, step - forward)
         self._add(self._forward, (batch, width), forward)
 
@@ -165,11 +185,11 @@ class StepCosts:
 
     @staticmethod
     def _by_batch(table: dict[int, _Window], batch: int) -> float | None:
+        exact = table.get(batch)
+        if exact is not None and len(exact):
+            return exact.median()
         points = sorted((b, w.median()) for b, w in table.items() if len(w))
-        if not points:
-            return None
-        exact = [y for b, y in points if b == batch]
-        return exact[0] if exact else _interpolate(points, batch)
+        return _interpolate(points, batch) if points else None
 
     def plain(self, batch: int) -> float | None:
         return self._by_batch(self._plain, batch)
@@ -178,7 +198,10 @@ class StepCosts:
         return self._by_batch(self._fixed, batch)
 
     def _lines(self) -> dict[int, tuple[float, float]]:
-        """Per observed batch size: (a_B, b_B) of its forward line a_B + b_B·(T - 1)."""
+        """Per observed batch size: (a_B, b_B) of its forward line a_B + b_B·(T - 1) (fitted again after each
+        speculative step's observation, not at every decision)."""
+        if self._fitted is not None:
+            return self._fitted
         points: dict[int, list[tuple[float, float, float]]] = {}
         for (b, t), w in self._forward.items():
             if len(w):
@@ -196,6 +219,7 @@ class StepCosts:
                 if x > 0:
                     slope = min(slope, y / x)
                 lines[b] = (y - slope * x, slope)
+        self._fitted = lines
         return lines
 
     @staticmethod
@@ -328,7 +352,7 @@ class SpeculationPolicy:
     choices, probes included."""
 
     def __init__(self, max_len: int, probe_budget: float = 0.005, min_interval: int = 8, max_interval: int = 512,
-                 window: int = 15, refresh: int = 4):
+                 window: int = 15, refresh: int = 8):
         if not (0 < probe_budget < 1 and 1 <= min_interval <= max_interval):
             raise ValueError(f"need 0 < probe_budget < 1 and 1 <= min_interval <= max_interval, got {probe_budget}, "
                              f"{min_interval}, {max_interval}")
@@ -353,14 +377,25 @@ class SpeculationPolicy:
             return None
         survival = [mean if h is None else h.survival(mean) for h in (histories or [None] * B)]
         ell = choose_verify_length(survival, caps, plain, spec)
+        tokens = expected_tokens_by_length(survival, caps, self.max_len)
         if ell == 0:  # the loser: the best speculative step
-            ell = max(range(1, self.max_len + 1), key=lambda n: expected_tokens(survival, caps, n) / spec[n])
-            winner, t_win, tok_win, t_lose, tok_lose = PLAIN, plain, B, spec[ell], expected_tokens(survival, caps, ell)
+            ell = max(range(1, self.max_len + 1), key=lambda n: tokens[n] / spec[n])
+            winner, t_win, tok_win, t_lose, tok_lose = PLAIN, plain, B, spec[ell], tokens[ell]
         else:
-            winner, t_win, tok_win, t_lose, tok_lose = SPEC, spec[ell], expected_tokens(survival, caps, ell), plain, B
+            winner, t_win, tok_win, t_lose, tok_lose = SPEC, spec[ell], tokens[ell], plain, B
         loss = max(0.0, t_lose - tok_lose * t_win / tok_win)  # seconds a probe costs against the winner
         interval = min(max(self.min_interval, round(loss / (self.budget * t_win))), self.max_interval)
         return winner, interval
+
+    def plain_steps_ahead(self) -> int:
+        """Plain decode steps planned before the next speculative one, after :meth:`decide` chose this step: while
+        plain decoding wins, the steps left to the next probe of speculation; else 0 (the next may speculate). A
+        plan, not a promise: a new comparison (every ``refresh`` steps, or a new batch size) may bring
+        speculation sooner."""
+        comparison = self._cached[2]
+        if comparison is None or comparison[0] != PLAIN:
+            return 0
+        return max(0, comparison[1] - self.since[SPEC] - 1)
 
     def decide(self, caps: Seq[int], histories: Seq[SequenceAcceptance | None] | None = None) -> str:
         """PLAIN or SPEC for the next decode step of ``len(caps)`` sequences with these caps and acceptance

@@ -275,12 +275,23 @@ class DSparkSpeculator:
         """A taps dict for a prefill chunk: the target layers' inputs of the chunk's last W positions."""
         return TargetTaps(self.draft.target_layer_ids, self.window)
 
-    def decode_taps(self) -> TargetTaps:
-        """A taps dict for a plain decode step (:meth:`defer_context` takes it afterwards). It copies the one row
-        each target layer computed, so the backlog pins a fresh [B, 1, hc, D] per layer and step rather than the
-        layer's input tensors themselves: pinning those for up to W steps made a plain step of a speculative engine
-        0.885x a plain engine's at batch 8, and with the copy it is 1.04x (paired runs, bench/README.md; why the
-        originals cost so much was not traced)."""
+    def decode_taps(self, seqs: list[Sequence]) -> TargetTaps | None:
+        """A taps dict for a plain decode step of ``seqs`` (:meth:`defer_context` takes it afterwards), or None when
+        this step's rows cannot reach the draft: the policy plans W or more plain steps before its next
+        speculative one, and by then the draft's window (the last W positions) has moved past them. The
+        sequences' ``draft_context_from`` then moves past this step's position: a speculative step that comes
+        sooner than planned drafts over a window with holes (fewer context rows; verification keeps the output
+        exact), and its acceptance is left out of the policy's estimates (:meth:`step`).
+
+        The taps copy the one row each target layer computed, so the backlog pins a fresh [B, 1, hc, D] per layer
+        and step rather than the layer's input tensors themselves: pinning those for up to W steps made a plain
+        step of a speculative engine 0.885x a plain engine's at batch 8, and with the copy it is 1.04x (paired
+        runs, bench/README.md; why the originals cost so much was not traced). Taking none when they are not
+        needed saves about 1 % more at batch 8, where plain decoding wins (bench/README.md)."""
+        if self.policy is not None and self.policy.plain_steps_ahead() + 1 >= self.window:
+            for seq in seqs:
+                seq.draft_context_from = seq.num_computed + 1
+            return None
         return TargetTaps(self.draft.target_layer_ids, 1)
 
     @torch.no_grad()
@@ -290,6 +301,7 @@ class DSparkSpeculator:
         before the decoder start) leave nothing to add. A prefill recomputes every position a plain step left
         in the sequence's backlog (it only runs again after a preemption), so the backlog is dropped."""
         seq.draft_backlog.clear()
+        seq.draft_context_from = 0
         if set(taps) != set(self.draft.target_layer_ids):
             return
         n = min(t.shape[1] for t in taps.values())
@@ -298,12 +310,15 @@ class DSparkSpeculator:
         positions = torch.arange(end - n, end, device=self.cache.device)[None]
         self._commit_rows([seq], {j: t[:, -n:] for j, t in taps.items()}, positions, None)
 
-    def defer_context(self, seqs: list[Sequence], taps: Mapping[int, torch.Tensor]) -> None:
-        """After a plain decode step (``taps`` from :meth:`decode_taps`, [B, 1, hc, D] per target layer): put the
+    def defer_context(self, seqs: list[Sequence], taps: Mapping[int, torch.Tensor] | None) -> None:
+        """After a plain decode step (``taps`` from :meth:`decode_taps`, [B, 1, hc, D] per target layer, or None:
+        nothing to keep): put the
         position each sequence computed in its backlog (at most W entries), with a reference to the step's taps
         and its row there. No tensor work: the rows reach the draft ring at the sequence's next speculative step,
         all in one batch (:meth:`_flush`). Memory: the taps of the last W plain steps stay referenced (W x 3 x B
         x hc x D values; for V4.1 in bf16 about 15 MB per sequence)."""
+        if taps is None:
+            return
         step = tuple(taps[j] for j in self.draft.target_layer_ids)
         for b, seq in enumerate(seqs):
             backlog = seq.draft_backlog
@@ -452,6 +467,8 @@ class DSparkSpeculator:
         each ``num_computed`` by the anchor + accepted drafts (the engine clamps it when a stop cuts the tokens)
         and returns each sequence's :class:`Verdict`; the tokens are not appended here."""
         started = time.perf_counter()
+        # sequences whose draft window (the last W committed positions) has no hole
+        whole = [b for b, s in enumerate(seqs) if s.draft_context_from <= max(0, s.num_computed - self.window)]
         self._flush(seqs)
         flush = time.perf_counter() - started  # the plain steps' deferred work: not a cost of this step
         tokens, probs, survival = self.propose(seqs)
@@ -488,9 +505,11 @@ class DSparkSpeculator:
             seq.spec_accepted_tokens += a
             seq.spec_verify_steps += ell > 0
             self.stats.record(ell, a)
-        if self.policy is not None:
-            self.policy.calibration.observe(raw, lengths, accepted)
-            for seq, ell, a in zip(seqs, lengths, accepted, strict=True):
+        if self.policy is not None:  # what the draft does with a whole window (holes: decode_taps)
+            self.policy.calibration.observe([raw[b] for b in whole], [lengths[b] for b in whole],
+                                            [accepted[b] for b in whole])
+            for b in whole:
+                seq, ell, a = seqs[b], lengths[b], accepted[b]
                 if seq.spec_acceptance is None:
                     seq.spec_acceptance = SequenceAcceptance(self.max_len)
                 seq.spec_acceptance.observe(ell, a)

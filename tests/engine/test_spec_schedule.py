@@ -20,6 +20,7 @@ from deepseek_v41.engine.spec_schedule import (
     SurvivalCalibration,
     choose_verify_length,
     expected_tokens,
+    expected_tokens_by_length,
 )
 from deepseek_v41.engine.speculative import DSparkSpeculator
 
@@ -55,6 +56,9 @@ def test_choice_of_the_verification_length_from_timings_and_survival():
     # 1.1, not 1.95: 3.05 tokens (391/s) -> 4 still; both at 0.1: 2.2 tokens (282/s) -> plain.
     low = [0.1, 0.0, 0.0, 0.0]
     assert expected_tokens([survival, low], [4, 4], 2) == pytest.approx(1 + 0.8 + 1 + 0.1)
+    by_length = expected_tokens_by_length([survival, low], [4, 1], 4)  # one cumulative pass, caps applied
+    assert by_length == pytest.approx([expected_tokens([survival, low], [4, 1], n) for n in range(5)])
+    assert by_length == pytest.approx([2, 2.7, 2.9, 3.0, 3.05])
     assert choose_verify_length([survival, survival], [4, 4], 0.007, [0.0078] * 5) == 4
     assert choose_verify_length([survival, low], [4, 4], 0.007, [0.0078] * 5) == 4
     assert choose_verify_length([low, low], [4, 4], 0.007, [0.0078] * 5) == 0
@@ -201,6 +205,19 @@ def test_policy_steps_aside_probes_and_comes_back():
     assert kinds.index(SPEC) < 158 and kinds[-200:].count(PLAIN) in (18, 19)
     # Nothing left to verify (caps 0): plain.
     assert policy.decide([0, 0]) == PLAIN
+
+
+def test_plain_steps_ahead_counts_down_to_the_next_probe():
+    policy = SpeculationPolicy(K, probe_budget=0.01)
+    feed(policy, 8, 0.010, 0.030, 0.3, 4)  # warm-up: spec, spec, plain, plain
+    assert policy.plain_steps_ahead() == 0  # no comparison yet
+    kinds = feed(policy, 8, 0.010, 0.030, 0.3, 1)  # plain wins, a probe every 157 steps (the test above)
+    ahead = policy.plain_steps_ahead()
+    assert kinds == [PLAIN] and 0 < ahead < 157
+    kinds = feed(policy, 8, 0.010, 0.030, 0.3, ahead + 1)
+    assert kinds == [PLAIN] * ahead + [SPEC]  # exactly as planned
+    feed(policy, 8, 0.010, 0.030, 0.95, 200)  # speculation wins: the next step may speculate
+    assert policy.decide([K] * 8) == SPEC and policy.plain_steps_ahead() == 0
     with pytest.raises(ValueError, match="probe_budget"):
         SpeculationPolicy(K, probe_budget=0.0)
 
@@ -270,6 +287,32 @@ def test_draft_context_after_plain_steps_is_exact(monkeypatch):
     torch.testing.assert_close(keys[:, order], ref_keys[:, ref_order])
     assert out[0].tolist() == ref_out[0].tolist()
     torch.testing.assert_close(out[2], ref_out[2])
+
+
+def test_plain_steps_far_from_a_probe_take_no_taps(model64, monkeypatch):
+    """A plain step whose rows cannot reach the draft (W or more plain steps planned before the next speculative
+    one) takes no taps; a speculative step that comes sooner drafts over a window with holes: the output is
+    still plain decoding's, and its acceptance is kept out of the policy's estimates until the window is whole."""
+    prompt = prompt_of(20, seed=77)
+    want = tokens_of(LLM(model64, max_model_len=256), [prompt], greedy(40))
+    forced(monkeypatch, lambda n: PLAIN if n < 10 else SPEC)  # 10 plain steps, then speculation
+    monkeypatch.setattr(SpeculationPolicy, "plain_steps_ahead", lambda self: 1000)  # "the next probe is far"
+    llm = LLM(model64, speculative="dspark", max_model_len=256)
+    taps = []
+    original = DSparkSpeculator.decode_taps
+    monkeypatch.setattr(DSparkSpeculator, "decode_taps",
+                        lambda self, seqs: taps.append(original(self, seqs)) or taps[-1])
+    observed = []
+    observe = SurvivalCalibration.observe
+    monkeypatch.setattr(SurvivalCalibration, "observe",
+                        lambda self, survival, verified, accepted: observed.append(len(survival))
+                        or observe(self, survival, verified, accepted))
+    assert tokens_of(llm, [prompt], greedy(40)) == want
+    W = llm.engine.speculator.window
+    assert taps == [None] * 10  # no plain step kept its rows
+    # positions 20..29 came from plain steps without taps: the window of a step at num_computed c has holes
+    # while c - W < 30, so the first speculative steps are not observed, the later ones are
+    assert observed[0] == 0 and observed[-1] == 1 and W < 40
 
 
 def test_stats_count_plain_steps_and_only_verified_drafts(model64, monkeypatch):
