@@ -8,11 +8,14 @@ For each batch size (default 1 and 8) it builds, in ONE process, three engines o
   length, that gives the most expected tokens per second;
 - **dspark (full block)**: ``speculative_cost_table="fixed"``, every step verifies the whole block.
 
-Each engine first decodes one warm-up batch, then the arms run ``--rounds`` times, alternating (round r runs
-them in the order rotated by r), on the same greedy requests (prefix caching off, so every round computes the
-same thing). It prints the median decode tokens/s per arm (generated tokens after the first / time from the
-first token to the last), the median of the per-round ratios to plain (each ratio pairs arms of one round)
-and their range,
+Each engine first decodes one warm-up batch, then the arms run ``--rounds`` rounds of the same greedy requests
+(prefix caching off, so every round computes the same thing) **in lockstep**: every arm gets the batch, and the
+arms take engine steps in turn (the order reversed after each turn) until all are done. An arm's decode time is
+the sum of its own steps' wall times from the step that emitted its first token on, so a busy neighbour's
+burst slows every arm alike instead of whichever round it fell on (run one after the other, rounds of the same
+arm differed by +-15 % on a shared 2-core machine; in lockstep the per-round ratios stay within a few %). It
+prints the median decode tokens/s per arm (generated tokens after each request's first / that decode time), the
+median of the per-round ratios to plain and their range,
 the mean accepted length (accepted drafts + the bonus token per verified draft), the step mix (share of decode
 steps that were plain, drafted but verified nothing, or verified ℓ = 1..L drafts), and whether the greedy output
 equals plain's in every round. A ratio below 1 is printed as it is. The machines are noisy: read the ratios.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "checkpoints" / "v41-tiny"
@@ -47,14 +51,6 @@ def prompts(tokenizer, vocab_size: int, count: int, length: int, text: Path | No
     return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
-def decode_rate(outputs) -> float:
-    """Generated tokens after each request's first, per second from the first first-token to the last finish."""
-    generated = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
-    start = min(o.metrics.first_token_time for o in outputs)
-    end = max(o.metrics.finished_time for o in outputs)
-    return generated / max(end - start, 1e-9)
-
-
 def engine(model: Path, size: int, engine_args: dict, warmup: list[list[int]], max_tokens: int):
     """One engine with room for ``size`` sequences, warmed up on a first batch (its counters include it)."""
     from deepseek_v41.engine import LLM, SamplingParams
@@ -67,21 +63,56 @@ def engine(model: Path, size: int, engine_args: dict, warmup: list[list[int]], m
     return llm
 
 
-def run(llm, batch: list[list[int]], max_tokens: int):
-    """One round of ``batch`` on ``llm``: (decode tokens/s, token ids per request, spec counters of the round)."""
-    from deepseek_v41.engine import SamplingParams
-
-    before = llm.stats
-    outputs = llm.generate([{"prompt_token_ids": p} for p in batch],
-                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    after = llm.stats
+def counters_between(before: dict, after: dict) -> dict:
+    """The spec_decode counters an engine added between two ``LLM.stats`` snapshots (empty without DSpark)."""
     counters = {}
     if "spec_decode_num_drafts" in after:
         for key in ("num_drafts", "num_accepted_tokens", "num_draft_tokens", "num_plain_steps"):
             counters[key] = after[f"spec_decode_{key}"] - before[f"spec_decode_{key}"]
         counters["verify_lengths"] = [a - b for a, b in zip(after["spec_decode_verify_lengths"],
                                                             before["spec_decode_verify_lengths"], strict=True)]
-    return decode_rate(outputs), [o.outputs[0].token_ids for o in outputs], counters
+    return counters
+
+
+def run_lockstep(llms: dict, batch: list[list[int]], max_tokens: int) -> dict:
+    """One round of ``batch`` on every engine of ``llms`` (name -> LLM) in lockstep (module docstring): per name
+    (decode tokens/s, token ids per request, spec counters of the round)."""
+    from deepseek_v41.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    before = {name: llm.stats for name, llm in llms.items()}
+    ids = {}
+    for name, llm in llms.items():
+        ids[name] = [f"bench-{next(llm._ids)}" for _ in batch]
+        for rid, prompt in zip(ids[name], batch, strict=True):
+            llm.engine.add_request(rid, prompt, params)
+    seconds = dict.fromkeys(llms, 0.0)
+    decoding = dict.fromkeys(llms, False)
+    done: dict[str, dict] = {name: {} for name in llms}
+    order = list(llms)
+    while any(len(done[name]) < len(batch) for name in llms):
+        for name in order:
+            engine = llms[name].engine
+            if len(done[name]) == len(batch):
+                continue
+            started = time.perf_counter()
+            outputs = engine.step()
+            elapsed = time.perf_counter() - started
+            if decoding[name]:
+                seconds[name] += elapsed
+            for out in outputs:
+                decoding[name] |= bool(out.outputs[0].token_ids)
+                if out.finished:
+                    done[name][out.request_id] = out
+                    engine.release(out.request_id)
+        order.reverse()
+    results = {}
+    for name, llm in llms.items():
+        outs = [done[name][rid] for rid in ids[name]]
+        generated = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+        results[name] = (generated / max(seconds[name], 1e-9), [o.outputs[0].token_ids for o in outs],
+                         counters_between(before[name], llm.stats))
+    return results
 
 
 def step_mix(counters: dict) -> str:
@@ -99,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per arm (medians are printed)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds, every arm in lockstep (medians are printed)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--text", type=Path, default=None, help="held-out text to take prompts from")
     parser.add_argument("--seed", type=int, default=0)
@@ -120,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                           args.prompt_tokens, args.text, args.seed)
     del probe
     print(f"model {args.model}, prompts of {args.prompt_tokens} tokens, {args.max_tokens} greedy tokens each, "
-          f"{args.rounds} alternating rounds, medians; torch threads {torch.get_num_threads()}")
+          f"{args.rounds} rounds in lockstep, medians; torch threads {torch.get_num_threads()}")
     print(f"{'batch':>5}  {'mode':<20} {'decode tok/s':>12} {'ratio':>6} {'ratio range':>11} {'accepted len':>12}  "
           f"same output  step mix")
     for size in args.batch_sizes:
@@ -132,9 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios = {mode: [] for mode in modes}
         same = dict.fromkeys(modes, True)
         totals = {mode: {} for mode in modes}
-        for r in range(args.rounds):
-            order = modes[r % len(modes):] + modes[: r % len(modes)]
-            results = {mode: run(engines[mode], batch, args.max_tokens) for mode in order}
+        for _ in range(args.rounds):
+            results = run_lockstep(engines, batch, args.max_tokens)
             for mode in modes:
                 rate, tokens, counters = results[mode]
                 rates[mode].append(rate)

@@ -324,12 +324,15 @@ class _EngineCollector:
         yield preemptions
         for key, doc in (("num_drafts", "Speculative draft blocks verified (one per sequence and step)."),
                          ("num_draft_tokens", "Draft tokens verified by the target."),
-                         ("num_accepted_tokens", "Draft tokens accepted (bonus tokens not counted).")):
+                         ("num_accepted_tokens", "Draft tokens accepted (bonus tokens not counted)."),
+                         ("num_plain_steps", "Sequence-steps the adaptive DSpark scheduler ran as plain decode "
+                                             "steps (no draft forward).")):
             family = CounterMetricFamily(f"dsv41:spec_decode_{key}", doc, labels=["model_name"])
             family.add_metric([name], stats.get(f"spec_decode_{key}", 0))
             yield family
-        lengths = CounterMetricFamily("dsv41:spec_decode_verify_length", "Speculative steps by the verification "
-                                      "length the DSpark scheduler chose (drafts verified).",
+        lengths = CounterMetricFamily("dsv41:spec_decode_verify_length", "Sequence-steps by the number of drafts "
+                                      "verified: length 0 counts plain decode steps and speculative steps that "
+                                      "verified nothing.",
                                       labels=["model_name", "length"])
         for length, count in enumerate(stats.get("spec_decode_verify_lengths", [])):
             lengths.add_metric([name, str(length)], count)

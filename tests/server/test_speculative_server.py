@@ -39,6 +39,8 @@ def test_speculative_metrics(spec_server):
     assert drafts == stats["spec_decode_num_drafts"] > 0
     assert values[("dsv41:spec_decode_num_draft_tokens_total", ())] == stats["spec_decode_num_draft_tokens"]
     assert values[("dsv41:spec_decode_num_accepted_tokens_total", ())] == stats["spec_decode_num_accepted_tokens"]
+    # every step speculates here (cost table "fixed"): the exported count of plain steps is the engine's 0
+    assert values[("dsv41:spec_decode_num_plain_steps_total", ())] == stats["spec_decode_num_plain_steps"] == 0
     block = spec_server.llm.engine.config.dspark_block_size
     # cost table "fixed": every step verifies the whole block (fewer only where max_tokens leaves less room)
     assert values[("dsv41:spec_decode_verify_length_total", (("length", str(block)),))] > 0
