@@ -135,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text", type=Path, default=None, help="held-out text to take prompts from")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    bad = [f"--{name.replace('_', '-')} {value}" for name, value in (("rounds", args.rounds),
+           ("max_tokens", args.max_tokens), ("prompt_tokens", args.prompt_tokens)) if value < 1]
+    bad += [f"--batch-sizes {size}" for size in args.batch_sizes if size < 1]
+    if bad:
+        print(f"error: {', '.join(bad)}: must be >= 1", file=sys.stderr)
+        return 2
     if not (args.model / "config.json").is_file():
         print(f"error: no model at {args.model} (config.json missing)", file=sys.stderr)
         return 2

@@ -324,11 +324,12 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _running(results: list[dict[str, Any]]) -> str:
     """One line of the metrics so far."""
-    report = summarize([r for r in results if "auto" in r or "required" in r])
-    a, auto, req = report["answers"]["all"], report["tool_calls"]["auto"], report["tool_calls"]["required"]
-    return (f"answers n={a['n']} ROUGE-L {a['rouge_l_f1']:.3f} token F1 {a['token_f1']:.3f}; tool calls auto "
-            f"n={auto['n']} valid {auto['valid']:.2f} right {auto['right_function']:.2f}, required n={req['n']} "
-            f"valid {req['valid']:.2f} right {req['right_function']:.2f} cut {req['cut']:.2f}")
+    report = summarize([r for r in results if any(mode in r for mode in ("auto", FREE, "required"))])
+    a, calls = report["answers"]["all"], report["tool_calls"]
+    parts = [f"{mode} n={calls[mode]['n']} valid {calls[mode]['valid']:.2f} right "
+             f"{calls[mode]['right_function']:.2f}" for mode in (FREE, "auto", "required")]
+    return (f"answers n={a['n']} ROUGE-L {a['rouge_l_f1']:.3f} token F1 {a['token_f1']:.3f}; tool calls "
+            f"{', '.join(parts)} cut {calls['required']['cut']:.2f}")
 
 
 def check_constrained(report: dict[str, Any]) -> None:

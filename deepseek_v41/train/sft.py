@@ -242,7 +242,11 @@ def train_sft_command(model_dir: Path, data: Path, out: Path, args: SFTArgs, res
     model = load_model(model_dir, dtype=torch.float32)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
     out.mkdir(parents=True, exist_ok=True)
+    if resume and not (out / CHECKPOINT_DIR / "state.json").is_file():
+        log(f"--resume: no checkpoint in {out / CHECKPOINT_DIR}, starting at step 0")
     trainer = SFTTrainer(model, train, heldout, out, args, pad_id, resume=resume)
+    if resume and trainer.state.step:
+        log(f"resuming at step {trainer.state.step} of {args.steps}")
     summary_file = out / "sft_summary.json"
     summary = json.loads(summary_file.read_text()) if resume and summary_file.is_file() else {}
     if "heldout_before" not in summary and heldout:
@@ -270,5 +274,4 @@ def train_sft_command(model_dir: Path, data: Path, out: Path, args: SFTArgs, res
     target = Path(export) if export else out / "model"
     trainer.model.save_pretrained(target, dtype=torch.bfloat16)
     (target / "sft_train.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log(f"model written to {target}")
     return target

@@ -26,3 +26,9 @@ def test_bench_refuses_a_model_without_draft(tmp_path, capsys):
     Transformer(cfg).save_pretrained(tmp_path / "m")
     assert load_bench("speculative", "bench_speculative").main(["--model", str(tmp_path / "m")]) == 2
     assert "no DSpark draft" in capsys.readouterr().err
+
+
+def test_bench_refuses_counts_below_one(tmp_path, capsys):
+    bench = load_bench("speculative", "bench_speculative")
+    assert bench.main(["--model", str(tmp_path / "none"), "--rounds", "0", "--batch-sizes", "1", "0"]) == 2
+    assert "--rounds 0, --batch-sizes 0: must be >= 1" in capsys.readouterr().err

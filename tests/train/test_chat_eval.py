@@ -232,3 +232,14 @@ def test_eval_chat_table_refuses_a_name_given_twice(tmp_path):
     path.write_text(json.dumps(summarize([])))
     result = CliRunner().invoke(app, ["eval-chat-table", f"x={path}", f"x={path}"])
     assert result.exit_code == 2 and "given twice" in result.output
+
+
+def test_the_running_line_reports_every_mode():
+    call = {"called": True, "valid": True, "right_function": False, "exact_arguments": False, "cut": False}
+    results = [{"id": "t", "kind": "tool", "thinking": False, chat_eval.FREE: dict(call, valid=False),
+                "auto": dict(call), "required": dict(call, right_function=True)},
+               {"id": "q", "kind": "qa", "thinking": False,
+                "auto": {"rouge_l_f1": 0.5, "token_f1": 0.25, "tool_calls": [], "answered_in_text": True}}]
+    line = chat_eval._running(results)
+    assert line == ("answers n=1 ROUGE-L 0.500 token F1 0.250; tool calls free n=1 valid 0.00 right 0.00, "
+                    "auto n=1 valid 1.00 right 0.00, required n=1 valid 1.00 right 1.00 cut 0.00")
