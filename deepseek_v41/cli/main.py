@@ -214,12 +214,16 @@ def model_card(
     prompt_file: Path = typer.Option(..., help="Held-out prompt for the sample continuation."),
     extra: Path | None = typer.Option(None, help="JSON of more measured facts to include (e.g. ced_vs_exact)."),
     eval_tokens: int | None = typer.Option(None, help="Evaluate on about this many held-out tokens (default: all)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing MODEL_CARD.md (refused without)."),
 ) -> None:
     """Measure a trained checkpoint on held-out text and write its model card."""
     try:
         facts = json.loads(extra.read_text(encoding="utf-8")) if extra else None
         prompt = prompt_file.read_text(encoding="utf-8")
-        path = write_model_card(model, run, data, prompt, facts, eval_tokens=eval_tokens)
+        path = write_model_card(model, run, data, prompt, facts, eval_tokens=eval_tokens, overwrite=overwrite)
+    except FileExistsError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, KeyError) as exc:
         typer.echo(f"error: {exc!s} (model-card needs --model, --run, --data and --prompt-file as described in "
                    f"--help)", err=True)

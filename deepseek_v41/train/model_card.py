@@ -150,8 +150,15 @@ def render(facts: dict[str, Any]) -> str:
 
 
 def write_model_card(model_dir: Path, run_dir: Path, corpus: Path, prompt: str, extra: dict | None = None,
-                     context: int = 512, eval_tokens: int | None = None) -> Path:
-    """Measure and write ``model_dir/MODEL_CARD.md``; also ``model_dir/metrics.json`` with the raw numbers."""
+                     context: int = 512, eval_tokens: int | None = None, overwrite: bool = False) -> Path:
+    """Measure and write ``model_dir/MODEL_CARD.md``; also ``model_dir/metrics.json`` with the raw numbers.
+
+    Raises FileExistsError, before measuring anything, when the card exists and ``overwrite`` is False: a card
+    is often edited by hand after it is generated (the bundled ones carry sections this function does not
+    write), and regenerating it would lose that."""
+    card = Path(model_dir) / "MODEL_CARD.md"
+    if card.exists() and not overwrite:
+        raise FileExistsError(f"{card} exists (it may hold hand-written sections): pass --overwrite to replace it")
     facts = measure(model_dir, corpus, context, eval_tokens=eval_tokens)
     state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
     facts["run"] = {**state["args"], "steps": state["state"]["step"], "tokens": state["state"]["tokens"],

@@ -35,3 +35,17 @@ def test_card_says_what_the_corpus_is_and_that_the_model_is_not_chat_tuned():
     assert "installs nothing" in card and "`apt-get download`" in card and "| kernel-docs |" in card
     facts["manifest"] = {"sources": {"user-files": facts["manifest"]["sources"]["python-docs"]}}
     assert "Text files supplied by the user (`dsv41 data prepare --from DIR`" in render(facts)
+
+
+def test_an_existing_card_is_kept_without_overwrite(tmp_path):
+    card = tmp_path / "MODEL_CARD.md"
+    card.write_text("hand-written\n")
+    result = CliRunner().invoke(app, ["model-card", "--model", str(tmp_path), "--run", str(tmp_path / "run"),
+                                      "--data", str(tmp_path / "data"), "--prompt-file", str(BUNDLED / "prompt.txt")])
+    assert result.exit_code == 2 and "--overwrite" in result.output and "Traceback" not in result.output
+    assert card.read_text() == "hand-written\n"
+    # with --overwrite it goes on, and fails on the missing run as before, leaving the card
+    result = CliRunner().invoke(app, ["model-card", "--model", str(tmp_path), "--run", str(tmp_path / "run"),
+                                      "--data", str(tmp_path / "data"), "--prompt-file", str(BUNDLED / "prompt.txt"),
+                                      "--overwrite"])
+    assert result.exit_code == 2 and "--overwrite" not in result.output and card.read_text() == "hand-written\n"
