@@ -347,15 +347,22 @@ class SpeculationPolicy:
     is probed once every ``interval`` steps, where the interval is set so that probing costs about
     ``probe_budget`` of the time (the estimated loss of one step of the losing kind over ``probe_budget`` times
     the winner's step time, clamped to [``min_interval``, ``max_interval``]): a probe that costs little runs
-    often, one that costs a lot rarely. ``refresh``: steps a comparison of the estimates is reused for at one
-    batch size (it costs tens of µs of Python and the estimates move slowly). ``decisions[kind]`` counts the
-    choices, probes included."""
+    often, one that costs a lot rarely. ``min_gain``: speculation wins only when its expected tokens per second
+    beat plain decoding's by this fraction. Near break-even a speculative step's costs the estimates leave out
+    (the backlog flush, a batch whose sequences drift apart and finish one by one, running the tail at a small
+    batch) decide, and they all weigh against it: at batch 8 on 2 cores, estimates within a few % flipped the
+    policy into runs of speculative steps that cost 5 % more per token. ``refresh``: steps a comparison of the
+    estimates is reused for at one batch size (it costs tens of µs of Python and the estimates move slowly).
+    ``context_window``: the draft's window W (:meth:`keep_context`; 0: every plain step keeps its rows).
+    ``decisions[kind]`` counts the choices, probes included. Raises ValueError for a budget or gain outside
+    (0, 1) / [0, 1) or intervals not 1 <= min_interval <= max_interval."""
 
     def __init__(self, max_len: int, probe_budget: float = 0.005, min_interval: int = 8, max_interval: int = 512,
-                 window: int = 15, refresh: int = 8):
-        if not (0 < probe_budget < 1 and 1 <= min_interval <= max_interval):
-            raise ValueError(f"need 0 < probe_budget < 1 and 1 <= min_interval <= max_interval, got {probe_budget}, "
-                             f"{min_interval}, {max_interval}")
+                 window: int = 15, refresh: int = 8, context_window: int = 0, min_gain: float = 0.05):
+        if not (0 < probe_budget < 1 and 0 <= min_gain < 1 and 1 <= min_interval <= max_interval):
+            raise ValueError(f"need 0 < probe_budget < 1, 0 <= min_gain < 1 and 1 <= min_interval <= max_interval, "
+                             f"got {probe_budget}, {min_gain}, {min_interval}, {max_interval}")
+        self.min_gain = min_gain
         self.max_len = max_len
         self.costs = StepCosts(window)
         self.calibration = SurvivalCalibration(max_len)
@@ -364,6 +371,8 @@ class SpeculationPolicy:
         self.since = {PLAIN: 0, SPEC: 0}  # decode steps since each kind last ran
         self.decisions = {PLAIN: 0, SPEC: 0}
         self._cached: tuple[int, int, tuple[str, int] | None] = (0, 0, None)  # batch, steps left, comparison
+        self.context_window = context_window
+        self.kept = context_window  # consecutive recent decode steps whose draft context rows were kept (<= W)
 
     def compare(self, caps: Seq[int], histories: Seq[SequenceAcceptance | None] | None = None
                 ) -> tuple[str, int] | None:
@@ -376,7 +385,7 @@ class SpeculationPolicy:
         if plain is None or spec is None or mean is None:
             return None
         survival = [mean if h is None else h.survival(mean) for h in (histories or [None] * B)]
-        ell = choose_verify_length(survival, caps, plain, spec)
+        ell = choose_verify_length(survival, caps, plain / (1 + self.min_gain), spec)
         tokens = expected_tokens_by_length(survival, caps, self.max_len)
         if ell == 0:  # the loser: the best speculative step
             ell = max(range(1, self.max_len + 1), key=lambda n: tokens[n] / spec[n])
@@ -417,7 +426,21 @@ class SpeculationPolicy:
                 winner, interval = comparison or (SPEC, self.min_interval)
                 loser = PLAIN if winner == SPEC else SPEC
                 kind = loser if self.since[loser] + 1 >= interval else winner
+                if kind == SPEC != winner and self.kept < self.context_window:
+                    kind = PLAIN  # a probe waits until the draft's window is whole again (keep_context)
         for k in self.since:
             self.since[k] = 0 if k == kind else self.since[k] + 1
+        if kind == SPEC:
+            self.kept = self.context_window  # a speculative step commits its rows to the draft
         self.decisions[kind] += 1
         return kind
+
+    def keep_context(self) -> bool:
+        """For the plain step :meth:`decide` just chose: whether its draft context rows should be kept. With a
+        ``context_window`` W (the draft reads the last W positions), not when W or more plain steps are planned
+        before the next speculative one (:meth:`plain_steps_ahead`): by then the window has moved past this step.
+        A probe that comes due while the last W steps did not all keep their rows waits until they have (so its
+        drafts read a whole window and measure what speculation would really do); W = 0 keeps every step."""
+        keep = self.context_window == 0 or self.plain_steps_ahead() + 1 <= self.context_window
+        self.kept = min(self.kept + 1, self.context_window) if keep else 0
+        return keep

@@ -278,7 +278,9 @@ class DSparkSpeculator:
     def decode_taps(self, seqs: list[Sequence]) -> TargetTaps | None:
         """A taps dict for a plain decode step of ``seqs`` (:meth:`defer_context` takes it afterwards), or None when
         this step's rows cannot reach the draft: the policy plans W or more plain steps before its next
-        speculative one, and by then the draft's window (the last W positions) has moved past them. The
+        speculative one, and by then the draft's window (the last W positions) has moved past them
+        (:meth:`~deepseek_v41.engine.spec_schedule.SpeculationPolicy.keep_context`; a probe waits for a whole
+        window). The
         sequences' ``draft_context_from`` then moves past this step's position: a speculative step that comes
         sooner than planned drafts over a window with holes (fewer context rows; verification keeps the output
         exact), and its acceptance is left out of the policy's estimates (:meth:`step`).
@@ -288,7 +290,7 @@ class DSparkSpeculator:
         step of a speculative engine 0.885x a plain engine's at batch 8, and with the copy it is 1.04x (paired
         runs, bench/README.md; why the originals cost so much was not traced). Taking none when they are not
         needed saves about 1 % more at batch 8, where plain decoding wins (bench/README.md)."""
-        if self.policy is not None and self.policy.plain_steps_ahead() + 1 >= self.window:
+        if self.policy is not None and not self.policy.keep_context():
             for seq in seqs:
                 seq.draft_context_from = seq.num_computed + 1
             return None
@@ -558,5 +560,5 @@ def build_speculator(model, cache, runner, sampler: Sampler, max_len: int, cost_
     if isinstance(cost_table, str) and cost_table != FIXED:
         raise ValueError(f"speculative_cost_table must be a list, a dict, {FIXED!r} or None, got {cost_table!r}")
     cost = parse_cost_table(cost_table, max_len) if cost_table is not None and cost_table != FIXED else None
-    policy = SpeculationPolicy(max_len) if cost_table is None else None
+    policy = SpeculationPolicy(max_len, context_window=model.mtp.window) if cost_table is None else None
     return DSparkSpeculator(model, cache, runner, sampler, max_len, cost, policy)

@@ -207,6 +207,45 @@ def test_policy_steps_aside_probes_and_comes_back():
     assert policy.decide([0, 0]) == PLAIN
 
 
+def test_speculation_must_win_by_min_gain():
+    """Expected 8 x (1 + 0.3 + 0.09 + 0.027 + 0.0081) = 11.40 tokens in 14 ms (814/s) against plain's 8 in 10 ms
+    (800/s): 1.8 % better, so plain stays the winner under the default 5 % and speculation wins with no margin."""
+    for gain, winner in ((0.05, PLAIN), (0.0, SPEC)):
+        policy = SpeculationPolicy(K, min_gain=gain)
+        feed(policy, 8, 0.010, 0.014, 0.3, 4)
+        assert policy.compare([K] * 8)[0] == winner
+    with pytest.raises(ValueError, match="min_gain"):
+        SpeculationPolicy(K, min_gain=1.0)
+
+
+def test_plain_steps_keep_the_draft_context_only_when_a_probe_can_read_it():
+    policy = SpeculationPolicy(K, probe_budget=0.01, context_window=10)
+    feed(policy, 8, 0.010, 0.030, 0.3, 4)  # warm-up; plain then wins, a probe every 157 steps
+    kinds, kept = [], []
+    for _ in range(320):
+        kinds.append(policy.decide([K] * 8))
+        if kinds[-1] == PLAIN:
+            kept.append(policy.keep_context())
+            policy.costs.observe_plain(8, 0.010)
+        else:
+            kept.append(None)
+            policy.costs.observe_spec(8, K + 1, 0.030, 0.018)
+    probe = kinds.index(SPEC)
+    assert kinds.count(SPEC) == 2 and kinds.index(SPEC, probe + 1) - probe == 157  # not delayed
+    # the 10 plain steps before each probe keep their rows, the others do not
+    assert kept[probe - 10: probe] == [True] * 10 and not any(kept[probe + 1: probe + 147])
+    assert kept[probe + 147: probe + 157] == [True] * 10
+    # A probe that comes due sooner than planned (here: its rows were dropped up to the step before) waits
+    # until the last 10 steps kept theirs.
+    policy.kept, policy.since[SPEC] = 0, 155
+    kinds = []
+    for _ in range(12):
+        kinds.append(policy.decide([K] * 8))
+        if kinds[-1] == PLAIN:
+            policy.keep_context()
+    assert kinds == [PLAIN] * 10 + [SPEC, PLAIN]
+
+
 def test_plain_steps_ahead_counts_down_to_the_next_probe():
     policy = SpeculationPolicy(K, probe_budget=0.01)
     feed(policy, 8, 0.010, 0.030, 0.3, 4)  # warm-up: spec, spec, plain, plain
