@@ -351,16 +351,17 @@ class SpeculationPolicy:
     beat plain decoding's by this fraction. Near break-even the costs the estimates leave out decide, and they all
     weigh against speculation: the flush of the plain steps' backlog, and above all a batch whose sequences drift
     apart (each accepts a different number of drafts) and so finish one by one, the last of them decoding at a
-    small batch. At batch 8 on 2 cores beside a busy neighbour, speculative steps estimated 9 % ahead (and about
-    even per step in fact) decoded 0.91x plain over the whole batch; with 5 % the scheduler still mixed them in
-    (0.92x), with 15 % it steps aside there and still speculates where it pays (batch 1: 2.3x, batch 2: 1.2x). ``refresh``: steps a comparison of the
+    small batch. At batch 8 on 2 cores beside a busy neighbour, speculative steps 11 % ahead per step decoded
+    0.8x plain over the whole batch (half of its steps ran at batch 4 or less); with a margin of 5 % the scheduler
+    still let 18 % of the steps speculate (0.92x), with 15 % 10 % of them (0.94x). At 25 % it steps aside there and
+    still speculates where it pays (batch 1: 2.2x, batch 2: 1.25x quiet). ``refresh``: steps a comparison of the
     estimates is reused for at one batch size (it costs tens of µs of Python and the estimates move slowly).
     ``context_window``: the draft's window W (:meth:`keep_context`; 0: every plain step keeps its rows).
     ``decisions[kind]`` counts the choices, probes included. Raises ValueError for a budget or gain outside
     (0, 1) / [0, 1) or intervals not 1 <= min_interval <= max_interval."""
 
     def __init__(self, max_len: int, probe_budget: float = 0.005, min_interval: int = 8, max_interval: int = 512,
-                 window: int = 15, refresh: int = 8, context_window: int = 0, min_gain: float = 0.15):
+                 window: int = 15, refresh: int = 8, context_window: int = 0, min_gain: float = 0.25):
         if not (0 < probe_budget < 1 and 0 <= min_gain < 1 and 1 <= min_interval <= max_interval):
             raise ValueError(f"need 0 < probe_budget < 1, 0 <= min_gain < 1 and 1 <= min_interval <= max_interval, "
                              f"got {probe_budget}, {min_gain}, {min_interval}, {max_interval}")
