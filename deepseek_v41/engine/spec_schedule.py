@@ -392,7 +392,10 @@ class SpeculationPolicy:
         tokens = expected_tokens_by_length(survival, caps, self.max_len)
         if ell == 0:  # the loser: the best speculative step
             ell = max(range(1, self.max_len + 1), key=lambda n: tokens[n] / spec[n])
-            winner, t_win, tok_win, t_lose, tok_lose = PLAIN, plain, B, spec[ell], tokens[ell]
+            # a probe's cost counts the margin too: it stands for what the estimates leave out (a speculative step
+            # makes the batch ragged), and without it near-even estimates probed every few steps
+            winner, t_win, tok_win = PLAIN, plain, B
+            t_lose, tok_lose = spec[ell] * (1 + self.min_gain), tokens[ell]
         else:
             winner, t_win, tok_win, t_lose, tok_lose = SPEC, spec[ell], tokens[ell], plain, B
         loss = max(0.0, t_lose - tok_lose * t_win / tok_win)  # seconds a probe costs against the winner

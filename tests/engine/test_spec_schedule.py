@@ -194,15 +194,16 @@ def test_policy_steps_aside_probes_and_comes_back():
     # New batch size: a speculative step and a plain one first (two of each: the first is warm-up).
     assert feed(policy, 8, 0.010, 0.030, 0.3, 4) == [SPEC, SPEC, PLAIN, PLAIN]
     # Acceptance 0.3 (ŝ = 0.3, 0.09, 0.027, 0.0081); one verify width seen, so 30 ms at every ℓ: the best, ℓ = 4,
-    # gives 8 x 1.4251 tokens (380/s) against plain's 800/s. A probe costs 30 - 11.40 x 10 / 8 = 15.75 ms; 1 % of
-    # 10 ms steps is 0.1 ms: one probe every 157 steps.
-    kinds = feed(policy, 8, 0.010, 0.030, 0.3, 400)
+    # gives 8 x 1.4251 tokens (380/s) against plain's 800/s. A probe costs 30 ms plus the 25 % margin (min_gain)
+    # less the plain time of its tokens: 37.5 - 11.40 x 10 / 8 = 23.25 ms; 1 % of 10 ms steps is 0.1 ms: one probe
+    # every 232 steps.
+    kinds = feed(policy, 8, 0.010, 0.030, 0.3, 500)
     probes = [i for i, k in enumerate(kinds) if k == SPEC]
-    assert len(probes) == 2 and probes[1] - probes[0] == 157
+    assert len(probes) == 2 and probes[1] - probes[0] == 232
     # The draft got better (0.95 per position): at the next probe speculation wins (36.19 tokens in 30 ms) and
     # takes over; plain steps are probed every (10 - 8 x 30 / 36.19) / 0.3 = 11 steps.
     kinds = feed(policy, 8, 0.010, 0.030, 0.95, 400)
-    assert kinds.index(SPEC) < 158 and kinds[-200:].count(PLAIN) in (18, 19)
+    assert kinds.index(SPEC) < 233 and kinds[-200:].count(PLAIN) in (18, 19)
     # Nothing left to verify (caps 0): plain.
     assert policy.decide([0, 0]) == PLAIN
 
@@ -225,9 +226,9 @@ def test_speculation_must_win_by_min_gain():
 
 def test_plain_steps_keep_the_draft_context_only_when_a_probe_can_read_it():
     policy = SpeculationPolicy(K, probe_budget=0.01, context_window=10)
-    feed(policy, 8, 0.010, 0.030, 0.3, 4)  # warm-up; plain then wins, a probe every 157 steps
+    feed(policy, 8, 0.010, 0.030, 0.3, 4)  # warm-up; plain then wins, a probe every 232 steps
     kinds, kept = [], []
-    for _ in range(320):
+    for _ in range(470):
         kinds.append(policy.decide([K] * 8))
         if kinds[-1] == PLAIN:
             kept.append(policy.keep_context())
@@ -236,13 +237,13 @@ def test_plain_steps_keep_the_draft_context_only_when_a_probe_can_read_it():
             kept.append(None)
             policy.costs.observe_spec(8, K + 1, 0.030, 0.018)
     probe = kinds.index(SPEC)
-    assert kinds.count(SPEC) == 2 and kinds.index(SPEC, probe + 1) - probe == 157  # not delayed
+    assert kinds.count(SPEC) == 2 and kinds.index(SPEC, probe + 1) - probe == 232  # not delayed
     # the 10 plain steps before each probe keep their rows, the others do not
-    assert kept[probe - 10: probe] == [True] * 10 and not any(kept[probe + 1: probe + 147])
-    assert kept[probe + 147: probe + 157] == [True] * 10
+    assert kept[probe - 10: probe] == [True] * 10 and not any(kept[probe + 1: probe + 222])
+    assert kept[probe + 222: probe + 232] == [True] * 10
     # A probe that comes due sooner than planned (here: its rows were dropped up to the step before) waits
     # until the last 10 steps kept theirs.
-    policy.kept, policy.since[SPEC] = 0, 155
+    policy.kept, policy.since[SPEC] = 0, 230
     kinds = []
     for _ in range(12):
         kinds.append(policy.decide([K] * 8))
@@ -255,12 +256,12 @@ def test_plain_steps_ahead_counts_down_to_the_next_probe():
     policy = SpeculationPolicy(K, probe_budget=0.01)
     feed(policy, 8, 0.010, 0.030, 0.3, 4)  # warm-up: spec, spec, plain, plain
     assert policy.plain_steps_ahead() == 0  # no comparison yet
-    kinds = feed(policy, 8, 0.010, 0.030, 0.3, 1)  # plain wins, a probe every 157 steps (the test above)
+    kinds = feed(policy, 8, 0.010, 0.030, 0.3, 1)  # plain wins, a probe every 232 steps (the test above)
     ahead = policy.plain_steps_ahead()
-    assert kinds == [PLAIN] and 0 < ahead < 157
+    assert kinds == [PLAIN] and 0 < ahead < 232
     kinds = feed(policy, 8, 0.010, 0.030, 0.3, ahead + 1)
     assert kinds == [PLAIN] * ahead + [SPEC]  # exactly as planned
-    feed(policy, 8, 0.010, 0.030, 0.95, 200)  # speculation wins: the next step may speculate
+    feed(policy, 8, 0.010, 0.030, 0.95, 300)  # speculation wins after the next probe: the next step may speculate
     assert policy.decide([K] * 8) == SPEC and policy.plain_steps_ahead() == 0
     with pytest.raises(ValueError, match="probe_budget"):
         SpeculationPolicy(K, probe_budget=0.0)
