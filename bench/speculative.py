@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: {', '.join(bad)}: must be >= 1", file=sys.stderr)
         return 2
+    if args.text is not None and not (args.text.is_file() and args.text.stat().st_size > 0):
+        print(f"error: --text {args.text}: not a non-empty file (held-out text, e.g. data/corpus/heldout.txt from "
+              f"`dsv41 data prepare --out data/corpus`; without --text the prompts are random ids)", file=sys.stderr)
+        return 2
     if not (args.model / "config.json").is_file():
         print(f"error: no model at {args.model} (config.json missing)", file=sys.stderr)
         return 2

@@ -147,6 +147,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv_cache_manager.free(seq)
         seq.num_computed = seq.decoder_done = seq.write_from = 0
+        seq.draft_backlog.clear()  # the re-prefill recomputes those rows; waiting, it would pin their steps' taps
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -32,3 +32,11 @@ def test_bench_refuses_counts_below_one(tmp_path, capsys):
     bench = load_bench("speculative", "bench_speculative")
     assert bench.main(["--model", str(tmp_path / "none"), "--rounds", "0", "--batch-sizes", "1", "0"]) == 2
     assert "--rounds 0, --batch-sizes 0: must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_refuses_a_missing_or_empty_text(tmp_path, capsys):
+    bench = load_bench("speculative", "bench_speculative")
+    (tmp_path / "empty.txt").write_text("")
+    for text in (tmp_path / "none.txt", tmp_path, tmp_path / "empty.txt"):
+        assert bench.main(["--model", str(tmp_path), "--text", str(text)]) == 2
+        assert "not a non-empty file" in capsys.readouterr().err

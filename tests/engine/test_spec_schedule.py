@@ -190,7 +190,7 @@ def feed(policy: SpeculationPolicy, batch: int, plain: float, spec: float, accep
 
 
 def test_policy_steps_aside_probes_and_comes_back():
-    policy = SpeculationPolicy(K, probe_budget=0.01)
+    policy = SpeculationPolicy(K, probe_budget=0.01, warmup_rows=0)  # warm-up probing: the next test
     # New batch size: a speculative step and a plain one first (two of each: the first is warm-up).
     assert feed(policy, 8, 0.010, 0.030, 0.3, 4) == [SPEC, SPEC, PLAIN, PLAIN]
     # Acceptance 0.3 (ŝ = 0.3, 0.09, 0.027, 0.0081); one verify width seen, so 30 ms at every ℓ: the best, ℓ = 4,
@@ -225,7 +225,7 @@ def test_speculation_must_win_by_min_gain():
 
 
 def test_plain_steps_keep_the_draft_context_only_when_a_probe_can_read_it():
-    policy = SpeculationPolicy(K, probe_budget=0.01, context_window=10)
+    policy = SpeculationPolicy(K, probe_budget=0.01, context_window=10, warmup_rows=0)
     feed(policy, 8, 0.010, 0.030, 0.3, 4)  # warm-up; plain then wins, a probe every 232 steps
     kinds, kept = [], []
     for _ in range(470):
@@ -252,8 +252,25 @@ def test_plain_steps_keep_the_draft_context_only_when_a_probe_can_read_it():
     assert kinds == [PLAIN] * 10 + [SPEC, PLAIN]
 
 
+def test_a_fresh_policy_probes_often_until_enough_drafts_were_verified():
+    """Two unlucky first speculative steps must not shut speculation out for hundreds of steps (a fresh engine at
+    batch 1 once ran 252 of 256 steps plain where the full block was 1.6x faster): until ``warmup_rows``
+    sequence-steps verified drafts, a losing speculation is probed every ``min_interval`` steps."""
+    policy = SpeculationPolicy(K, probe_budget=0.01, warmup_rows=3)
+    feed(policy, 1, 0.010, 0.030, 0.3, 4)  # warm-up measurements: two speculative steps (one row each)
+    policy.calibration.observe([[0.3] * K], [K], [0])  # a first verified row: 1 of 3
+    kinds = feed(policy, 1, 0.010, 0.030, 0.3, 40)
+    probes = [i for i, k in enumerate(kinds) if k == SPEC]
+    gaps = {b - a for a, b in zip(probes, probes[1:], strict=False)}
+    assert probes[0] < 8 and gaps == {8}  # min_interval while rows are few
+    for _ in range(2):
+        policy.calibration.observe([[0.3] * K], [K], [0])
+    kinds = feed(policy, 1, 0.010, 0.030, 0.3, 100)
+    assert kinds.count(SPEC) <= 1  # then the estimated loss sets the interval (150+ steps here)
+
+
 def test_plain_steps_ahead_counts_down_to_the_next_probe():
-    policy = SpeculationPolicy(K, probe_budget=0.01)
+    policy = SpeculationPolicy(K, probe_budget=0.01, warmup_rows=0)
     feed(policy, 8, 0.010, 0.030, 0.3, 4)  # warm-up: spec, spec, plain, plain
     assert policy.plain_steps_ahead() == 0  # no comparison yet
     kinds = feed(policy, 8, 0.010, 0.030, 0.3, 1)  # plain wins, a probe every 232 steps (the test above)
@@ -358,6 +375,23 @@ def test_plain_steps_far_from_a_probe_take_no_taps(model64, monkeypatch):
     # positions 20..29 came from plain steps without taps: the window of a step at num_computed c has holes
     # while c - W < 30, so the first speculative steps are not observed, the later ones are
     assert observed[0] == 0 and observed[-1] == 1 and W < 40
+
+
+def test_preemption_drops_the_draft_backlog(model64, monkeypatch):
+    """A preempted sequence recomputes its positions (and their draft rows) when prefilled again: while it waits
+    it must not pin the taps of its plain steps (W steps of the whole batch's target-layer rows)."""
+    forced(monkeypatch, lambda n: PLAIN)
+    llm = LLM(model64, speculative="dspark", max_model_len=256)
+    engine = llm.engine
+    engine.add_request("a", prompt_of(20, seed=3), greedy(30))
+    for _ in range(6):
+        engine.step()
+    seq = engine.scheduler.running[0]
+    assert len(seq.draft_backlog) == 5  # the prefill step, then 5 plain steps
+    engine.scheduler.preempt(seq)
+    assert seq.draft_backlog == []
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_stats_count_plain_steps_and_only_verified_drafts(model64, monkeypatch):
