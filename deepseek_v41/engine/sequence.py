@@ -189,6 +189,3 @@ class RequestOutput:
     num_replayed_tokens: int = 0  # cached prompt tokens recomputed to rebuild window state (bounded replay)
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
-    # Its own acceptance history, for the adaptive speculation policy (spec_schedule.py); None before its first
-    # speculative step.
-    spec_acceptance: SequenceAcceptance | None = field(default=None, repr=False, compare=False)
