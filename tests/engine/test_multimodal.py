@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from deepseek_v41.chat import encode_messages
@@ -36,6 +38,7 @@ from deepseek_v41.engine.multimodal import (
     process_images,
 )
 from deepseek_v41.model.image_processor import ImageGrid, ProcessedImage, TokenType, preprocess_image
+from deepseek_v41.model.vision import _span_shapes
 
 P = 509  # image_token_id of the test config
 S, I, N, E, T = (int(t) for t in (TokenType.IMAGE_START, TokenType.IMAGE, TokenType.IMAGE_NEWLINE,
@@ -251,3 +254,32 @@ def test_made_image_helper_matches_the_span_formula():
         im = made_image(h, w)
         assert im.grid.span_length == h * (w + 1) + 2 and im.patches.shape == (9 * h * w, 12)
         assert (im.grid.n_llm_h, im.grid.n_llm_w) == (math.ceil(im.grid.n_vit_h / 3), math.ceil(im.grid.n_vit_w / 3))
+
+
+# ---------------------------------------------------------------------------------------------- property
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_expansion_spans_and_types_agree(data):
+    n_images = data.draw(st.integers(0, 4))
+    grids = [(data.draw(st.integers(1, 4)), data.draw(st.integers(1, 5))) for _ in range(n_images)]
+    text = data.draw(st.lists(st.integers(0, P - 1), max_size=12))
+    prompt = list(text)
+    for _ in range(n_images):  # placeholders at random places
+        prompt.insert(data.draw(st.integers(0, len(prompt))), P)
+    images = [made_image(h, w, seed=k) for k, (h, w) in enumerate(grids)]
+    ids, mm = build_multimodal_prompt(prompt, images, CFG)
+    assert len(ids) == len(mm.token_types) == len(text) + sum(h * (w + 1) + 2 for h, w in grids)
+    spans = mm.spans()
+    assert [item.length for item in mm.images] == [h * (w + 1) + 2 for h, w in grids]
+    assert all(a < b <= c for (a, b), (c, _) in zip(spans, spans[1:], strict=False))  # prompt order, no overlap
+    inside = set()
+    for (start, end), (h, w) in zip(spans, grids, strict=True):
+        row = [I] * w + [N]
+        assert list(mm.token_types[start:end]) == [S] + row * h + [E]
+        assert ids[start:end] == [P] * (end - start)
+        inside.update(range(start, end))
+    outside = [i for i in range(len(ids)) if i not in inside]
+    assert [ids[i] for i in outside] == text and all(mm.token_types[i] == T for i in outside)
+    # the model's own span parser reads the same grids back from the token types
+    assert _span_shapes(list(mm.token_types)) == grids
+    assert mm.num_image_tokens == len(inside)
