@@ -81,7 +81,7 @@ class TokenType(enum.IntEnum):
 
 @dataclass(frozen=True)
 class ImageGrid:
-    """The resize plan of one image: canvas size in pixels, ViT patch grid and LLM token grid."""
+    """The grid of one image: canvas size in pixels (whole token cells), ViT patch grid and LLM token grid."""
 
     height: int  # canvas height in pixels, n_vit_h * patch_size
     width: int  # canvas width in pixels, n_vit_w * patch_size

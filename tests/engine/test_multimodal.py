@@ -175,6 +175,15 @@ def test_process_images_refuses_bad_input_clearly():
         process_images([truncated], VC)
     with pytest.raises(ValueError, match="float32"):
         process_images([ProcessedImage(torch.zeros(9, 13), ImageGrid(6, 6, 3, 3, 1, 1))], VC)
+    # a format Pillow reads but a client has no reason to send (EPS would run Ghostscript): refused unread
+    eps = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(eps, format="EPS")
+    with pytest.raises(ValueError, match="cannot decode.*the formats read are PNG, JPEG, WEBP, GIF, BMP, TIFF"):
+        process_images([eps.getvalue()], VC)
+    for fmt in ("WEBP", "GIF", "BMP", "TIFF"):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 5), (1, 2, 3)).save(buf, format=fmt)
+        assert process_images([buf.getvalue()], VC)[0].grid == preprocess_image(Image.new("RGB", (8, 5)), VC).grid
 
 
 def test_decompression_bomb_is_refused_before_decoding():
