@@ -89,6 +89,19 @@ class MultiModalInputs:
         """Prompt positions inside image spans (delimiters and newlines included)."""
         return sum(item.length for item in self.images)
 
+    def overlapping(self, start: int, end: int) -> tuple[ImageItem, ...]:
+        """The images whose span shares a position with ``[start, end)`` (prompt order): the images of a prefill
+        chunk, or of a prefix-cache block (its extra keys)."""
+        return tuple(item for item in self.images if item.offset < end and start < item.end)
+
+    def boundary_at_or_before(self, pos: int) -> int:
+        """The largest position ``p <= pos`` that does not cut a span: ``pos`` itself unless a span lies across it
+        (``offset < pos < end``), then that span's offset. Where a chunk or a prefix-cache hit may end."""
+        for item in self.images:
+            if item.offset < pos < item.end:
+                return item.offset
+        return pos
+
 
 def decode_image(data: bytes | bytearray | memoryview, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
     """Decode encoded image bytes in one of :data:`IMAGE_FORMATS` (PNG, JPEG, WebP, GIF's first frame, BMP, TIFF).

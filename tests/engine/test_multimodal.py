@@ -83,6 +83,12 @@ def test_build_prompt_records_spans_by_hand():
     assert mm.num_image_tokens == 11
     assert mm.images[0].image is a and mm.images[1].image is b
     assert [item.hash for item in mm.images] == [image_hash(a), image_hash(b)]
+    # images of a range (half-open): [0, 1) is text only, [5, 8) touches both spans, [6, 7) only the text between
+    assert mm.overlapping(0, 1) == () and mm.overlapping(6, 7) == ()
+    assert mm.overlapping(5, 8) == mm.images and mm.overlapping(0, 2) == mm.images[:1]
+    assert mm.overlapping(12, 100) == mm.images[1:]
+    # where a chunk may end: 1, 6, 7 and 13 are span edges or text; 3 and 10 cut a span
+    assert [mm.boundary_at_or_before(p) for p in (0, 1, 3, 6, 7, 10, 13)] == [0, 1, 1, 6, 7, 7, 13]
     # no image: the prompt is unchanged and all text
     ids, mm = build_multimodal_prompt([3, 4], [], CFG)
     assert ids == [3, 4] and mm.images == () and mm.token_types == (T, T) and mm.spans() == []
