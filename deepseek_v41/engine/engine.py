@@ -14,7 +14,7 @@ import logging
 import operator
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer
@@ -25,6 +25,7 @@ from deepseek_v41.engine.args import EngineArgs
 from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
 from deepseek_v41.engine.encoder_cache import EncoderCache, VisionEncoder
 from deepseek_v41.engine.model_runner import ModelRunner, PrefillMode, few_token_kernels, step_threads
+from deepseek_v41.engine.multimodal import MultiModalInputs, build_multimodal_prompt, process_images
 from deepseek_v41.engine.sampler import Sampler, SamplingState
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.scheduler import Scheduler
@@ -39,9 +40,6 @@ from deepseek_v41.engine.speculative import build_speculator, speculative_max_le
 from deepseek_v41.kernels import fast
 from deepseek_v41.model.vision import encode_images
 from deepseek_v41.structured import CompiledGrammar, StructuredOutputManager, StructuredOutputsConfig
-
-if TYPE_CHECKING:
-    from deepseek_v41.engine.multimodal import MultiModalInputs
 
 log = logging.getLogger(__name__)
 
@@ -223,10 +221,8 @@ class LLMEngine:
                 raise ValueError(f"the prompt has {count} image placeholder(s) (id {cfg.image_token_id}) but no "
                                  f"image was given; pass one image per placeholder in multi_modal_data['image']")
             return prompt_token_ids, None
-        from deepseek_v41.engine.multimodal import build_multimodal_prompt, process_images
-
         processed = process_images(images, cfg.vision_config)
-        ids, mm_inputs = build_multimodal_prompt(prompt_token_ids, processed, cfg)
+        ids, mm_inputs = build_multimodal_prompt(prompt_token_ids, processed, cfg, max_model_len=self.max_model_len)
         return list(ids), mm_inputs
 
     def abort_request(self, request_id: str) -> None:
