@@ -437,8 +437,24 @@ def test_outputs_carry_the_expanded_prompt(vlm):
 def test_speculative_decoding_with_an_image_equals_plain(vlm):
     COST = [1.0, 1.15, 1.3, 1.45, 1.6]  # a made-up cost curve: the adaptive scheduler speculates at varied lengths
     requests = [("a", text(10, 90) + [IMG] + text(20, 91), [image(9, 9, 21)]), ("b", text(12, 92), [])]
+    extended = [("a2", requests[0][1] + text(5, 93), requests[0][2])]  # the image in a cached prefix
     common = dict(max_model_len=512, max_num_batched_tokens=24, replay="exact")
-    plain = tokens(run(LLM(vlm, **common).engine, requests, max_tokens=16))
+    plain_engine = LLM(vlm, **common).engine
+    plain = tokens(run(plain_engine, requests, max_tokens=16)) | tokens(run(plain_engine, extended, max_tokens=16))
     spec = LLM(vlm, speculative="dspark", speculative_cost_table=COST, **common).engine
-    assert tokens(run(spec, requests, max_tokens=16)) == plain
+    assert tokens(run(spec, requests, max_tokens=16)) == {k: plain[k] for k in ("a", "b")}
+    hit = run(spec, extended, max_tokens=16)
+    assert hit["a2"].num_cached_tokens > 0 and tokens(hit)["a2"] == plain["a2"]
     assert spec.stats["spec_decode_num_drafts"] > 0
+
+
+def test_preempted_image_requests_recompute_the_same_tokens(vlm):
+    """A pool of 10 pages for 3 image prompts of 40-60 positions: sequences are preempted, come back (their prefix
+    looked up with the image keys, the images' rows from the encoder cache) and end with the roomy run's tokens."""
+    requests = [(f"r{i}", text(10 + 5 * i, 100 + i) + [IMG] + text(12, 110 + i), [image(12, 9 + 3 * i, 120 + i)])
+                for i in range(3)]
+    roomy = tokens(run(engine_of(vlm), requests, max_tokens=20))
+    tight = LLM(vlm, max_model_len=160, num_kv_pages=10).engine
+    assert tokens(run(tight, requests, max_tokens=20)) == roomy
+    assert tight.stats["num_preemptions"] > 0 and tight.stats["kv_pages_used"] == 0
+    assert tight.stats["encoder_cache"]["hits"] > 0
