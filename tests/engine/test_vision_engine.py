@@ -341,6 +341,8 @@ def test_prefix_hits_only_for_the_same_image_and_never_end_inside_a_span(vlm):
     outs = run(engine, [("same", prompt + [7], [same])])
     assert outs["same"].num_cached_tokens == 48
     assert_same_logprobs(outs["same"], want["same"])
+    stats = engine.stats["encoder_cache"]
+    assert (stats["misses"], stats["hits"]) == (1, 0)  # the cached span needed no rows at all
     outs = run(engine, [("other", prompt + [7], [other])])
     assert outs["other"].num_cached_tokens == 16  # only the text block before the image
     assert_same_logprobs(outs["other"], want["other"])
@@ -458,3 +460,24 @@ def test_preempted_image_requests_recompute_the_same_tokens(vlm):
     assert tokens(run(tight, requests, max_tokens=20)) == roomy
     assert tight.stats["num_preemptions"] > 0 and tight.stats["kv_pages_used"] == 0
     assert tight.stats["encoder_cache"]["hits"] > 0
+
+
+def test_a_pil_image_and_its_png_bytes_are_the_same_image(vlm):
+    """The engine preprocesses PIL images and encoded bytes itself: the same pixels give the same content hash, so
+    the PNG bytes of an image already seen as a PIL image are an encoder-cache hit with the same logprobs."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (12, 18, 3), dtype=np.uint8)
+    pil = Image.fromarray(pixels, "RGB")
+    png = io.BytesIO()
+    pil.save(png, format="PNG")
+    engine = engine_of(vlm, enable_prefix_caching=False)  # (a prefix hit past the span would need no rows at all)
+    prompt = text(3, 130) + [IMG] + text(4, 131)
+    first = run(engine, [("pil", prompt, [pil])], max_tokens=4)["pil"]
+    second = run(engine, [("png", prompt, [png.getvalue()])], max_tokens=4)["png"]
+    stats = engine.stats["encoder_cache"]
+    assert (stats["misses"], stats["hits"]) == (1, 1)
+    assert_same_logprobs(second, first, tol=0.0)
