@@ -400,15 +400,30 @@ def test_the_same_image_hits_across_a_restart_from_disk(vlm, tmp_path):
     assert_same_logprobs(outs["o"], want["o"])
 
 
-def test_bounded_replay_starting_inside_a_span_takes_the_rest_of_its_rows(vlm):
-    """Bounded replay restarts at L' - W = 48 - 16 = 32, inside the span [20, 42): the chunk takes the image's rows
-    from the 32nd position on. Bounded replay is an approximation; it must run, keep spans whole and stay close."""
+def test_bounded_replay_starting_inside_a_span_takes_the_rest_of_its_rows(vlm, monkeypatch):
+    """Bounded replay restarts at L' - W = 48 - 16 = 32, inside the span [20, 42) (4x4 rows; IMAGE slots 21-24,
+    26-29, 31-34, 36-39): the chunk gets the image's rows 9..15, those of its IMAGE slots 32-34 and 36-39, from the
+    encoder cache. (Bounded replay is an approximation: the rows are checked, not the tokens.)"""
+    from deepseek_v41.engine import model_runner
+    from deepseek_v41.model.vision import encode_images
+
     prompt = text(20, 70) + [IMG] + text(12, 71)
     images = [image(12, 12, 19)]
     engine = engine_of(vlm, prefill_mode="ced", swa_pool_bytes=0)
     run(engine, [("w", prompt, images)])
     chunks = recording(engine)
+    placed = []
+
+    def place(h, token_types, features, *vectors):
+        placed.append(features)
+        return real_place(h, token_types, features, *vectors)
+
+    real_place = model_runner.place_image_embeddings
+    monkeypatch.setattr(model_runner, "place_image_embeddings", place)
     outs = run(engine, [("r", prompt + [5], images)])
+    with torch.no_grad():
+        rows = encode_images(vlm, images)[0]
+    assert len(placed) == 1 and torch.equal(placed[0], rows[9:])
     assert outs["r"].num_cached_tokens == 48 and outs["r"].num_replayed_tokens == 16
     assert chunks[0][1] == 32
     assert outs["r"].outputs[0].token_ids
