@@ -121,7 +121,8 @@ class EngineRequest:
 
     ``prompt_token_ids``: the prompt's ids in ``[0, vocab_size)``; ``prompt``: its text when it came as text
     (echoed in outputs); ``cache_salt``: keeps its prefix-cache entries apart from other salts (None or a
-    non-empty string); ``arrival_time``: seconds since the epoch (None: when the engine takes it).
+    non-empty string); ``arrival_time``: seconds since the epoch (None: when the engine takes it);
+    ``multi_modal_data``: ``{"image": [...]}``, one image per ``image_token_id`` placeholder of the prompt, or None.
     """
 
     request_id: str
@@ -130,6 +131,7 @@ class EngineRequest:
     prompt: str | None = None
     cache_salt: str | None = None
     arrival_time: float | None = None
+    multi_modal_data: dict | None = None
 
 
 @dataclass

