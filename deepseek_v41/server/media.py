@@ -18,9 +18,9 @@ Policy (:class:`MediaConfig`, ``dsv41 serve`` flags named as vLLM's where vLLM h
 - ``--limit-mm-per-prompt '{"image": N}'`` (vLLM's flag) caps the images of one request (default
   :data:`DEFAULT_LIMIT_IMAGES`); more is a 400 naming the limit.
 
-Decoding (Pillow, :func:`deepseek_v41.chat.images.open_image`: PNG, JPEG, WEBP, GIF, BMP, at most
-``max_image_pixels`` read from the header) and everything after it run in a worker thread, never on the event
-loop; images are loaded and decoded one at a time, so a request holds at most one full-size decoded image.
+Decoding (Pillow, at most ``max_image_pixels`` read from the header: :func:`deepseek_v41.engine.multimodal.
+decode_image`) and preprocessing run in a worker thread, never on the event loop; images are loaded and decoded
+one at a time, so a request holds at most one full-size decoded image.
 Every refusal is an :class:`~deepseek_v41.server.errors.APIError` 400 naming the content part.
 """
 
@@ -34,7 +34,8 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 import httpx
 
-from deepseek_v41.chat.images import DEFAULT_MAX_IMAGE_PIXELS, ImageSource, data_url_bytes, open_image
+from deepseek_v41.chat.images import ImageSource, data_url_bytes
+from deepseek_v41.engine.multimodal import MAX_IMAGE_PIXELS, process_images
 from deepseek_v41.server.errors import APIError
 
 DEFAULT_LIMIT_IMAGES = 16  # images per request (vLLM: --limit-mm-per-prompt)
@@ -60,7 +61,7 @@ class MediaConfig:
     limit_images: int = DEFAULT_LIMIT_IMAGES
     fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_image_pixels: int = MAX_IMAGE_PIXELS
     allow_redirects: bool = True
 
     def __post_init__(self) -> None:
@@ -125,13 +126,17 @@ async def image_bytes(source: ImageSource, config: MediaConfig) -> bytes:
                    f"file://, got {_shown(source.url)!r}", source.where, "invalid_image")
 
 
-def decode_image(data: bytes, config: MediaConfig, where: str):
-    """Decode image bytes into a loaded PIL image (:func:`deepseek_v41.chat.images.open_image`) within
-    ``config.max_image_pixels``; APIError 400 naming ``where``. Call it from a worker thread."""
+def preprocess(data: bytes, config: MediaConfig, vision_config, where: str):
+    """Encoded image bytes -> :class:`~deepseek_v41.model.image_processor.ProcessedImage` (decoded within
+    ``config.max_image_pixels``, then resized, padded and patchified: :func:`deepseek_v41.engine.multimodal.
+    process_images`); APIError 400 naming ``where``. Call it from a worker thread: the full-size decoded image
+    lives only inside this call."""
     try:
-        return open_image(data, config.max_image_pixels, where)
+        (processed,) = process_images([data], vision_config, max_pixels=config.max_image_pixels)
     except ValueError as exc:
-        raise APIError(str(exc), where, "invalid_image") from None
+        message = str(exc).removeprefix("image 0: ")
+        raise APIError(f"{where}: {message}", where, "invalid_image") from None
+    return processed
 
 
 def _check_host(url: str, config: MediaConfig, where: str, hop: str = "") -> None:
