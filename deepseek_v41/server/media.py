@@ -27,6 +27,7 @@ Every refusal is an :class:`~deepseek_v41.server.errors.APIError` 400 naming the
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,17 @@ class MediaConfig:
         return ANY_HOST in self.allowed_media_domains or host.lower() in self.allowed_media_domains
 
 
+def describe(config: MediaConfig) -> str:
+    """One log line of the media policy in force."""
+    fetch = ("image URLs fetched from " + ", ".join(config.allowed_media_domains) +
+             f" (within {config.fetch_timeout_s:g} s, redirects {'checked' if config.allow_redirects else 'refused'})"
+             if config.allowed_media_domains else "image URL fetching off (--allowed-media-domains)")
+    local = f"file:// URLs below {config.allowed_local_media_path}" if config.allowed_local_media_path else \
+        "no file:// URLs"
+    return (f"images: data URLs, {fetch}, {local}; at most {config.limit_images} images of "
+            f"{config.max_image_bytes} bytes and {config.max_image_pixels} pixels each per request")
+
+
 def env_fetch_timeout() -> float:
     """The fetch timeout default: ``$VLLM_IMAGE_FETCH_TIMEOUT`` (seconds, vLLM's variable) when set, else 5.
     Raises ValueError for a value that is not a positive number."""
@@ -95,6 +107,23 @@ def env_fetch_timeout() -> float:
 def env_allow_redirects() -> bool:
     """``$VLLM_MEDIA_URL_ALLOW_REDIRECTS`` (vLLM's variable): redirects are followed unless it is ``0`` / ``false``."""
     return os.environ.get("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def parse_limit_mm_per_prompt(value: str) -> int:
+    """``--limit-mm-per-prompt '{"image": N}'`` (vLLM's flag) -> N. Other modalities may be named only with 0 (this
+    model takes images only). Raises ValueError saying what is allowed."""
+    try:
+        limits = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--limit-mm-per-prompt must be a JSON object such as '{{\"image\": 4}}': {exc}") from None
+    if not isinstance(limits, dict):
+        raise ValueError(f"--limit-mm-per-prompt must be a JSON object such as '{{\"image\": 4}}', got {value!r}")
+    for modality, count in limits.items():
+        if type(count) is not int or count < 0:
+            raise ValueError(f"--limit-mm-per-prompt: {modality!r} must be an integer >= 0, got {count!r}")
+        if modality != "image" and count:
+            raise ValueError(f"--limit-mm-per-prompt: this model takes images only, so {modality!r} can only be 0")
+    return limits.get("image", DEFAULT_LIMIT_IMAGES)
 
 
 def check_image_count(count: int, config: MediaConfig, param: str = "messages") -> None:
