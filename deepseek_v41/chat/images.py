@@ -134,3 +134,34 @@ def split_at_placeholders(text: str, placeholders: tuple[str, ...] = IMAGE_NAMES
     for placeholder in placeholders:
         pieces = [part for piece in pieces for part in piece.split(placeholder)]
     return pieces
+
+
+def read_offline(source: ImageSource, max_bytes: int) -> Any:
+    """The image of a part for an in-process caller (``LLM.chat``): the PIL image itself, or the encoded bytes of a
+    data URL or of a ``file://`` URL (a path on this machine; the caller is trusted). Raises ValueError naming the
+    part for an http(s) URL (nothing is fetched in-process: load it and pass an ``image_pil`` part), another scheme,
+    a missing file, or more than ``max_bytes`` bytes."""
+    scheme = source.scheme
+    if scheme == "pil":
+        return source.pil
+    if scheme == "data":
+        return data_url_bytes(source.url, max_bytes, source.where)
+    if scheme == "file":
+        from pathlib import Path
+        from urllib.parse import unquote, urlsplit
+
+        path = Path(unquote(urlsplit(source.url).path))
+        try:
+            with path.open("rb") as f:
+                data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise ValueError(f"{source.where}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+        if len(data) > max_bytes:
+            raise ValueError(f"{source.where}: the image is larger than the {max_bytes} bytes allowed per image")
+        return data
+    if scheme in ("http", "https"):
+        raise ValueError(f"{source.where}: image URLs are not fetched in-process; load the image yourself and "
+                         f"pass {{'type': 'image_pil', 'image_pil': image}} (or a data URL), or serve the model "
+                         f"with dsv41 serve --allowed-media-domains")
+    raise ValueError(f"{source.where}: an image URL must be a data URL (data:image/png;base64,...) or file://, got "
+                     f"scheme {scheme!r}")
