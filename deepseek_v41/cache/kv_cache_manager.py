@@ -28,7 +28,7 @@ import torch
 
 from deepseek_v41.cache.fingerprint import model_fingerprint
 from deepseek_v41.cache.kv_cache import PagedKVCache
-from deepseek_v41.cache.prefix_cache import PrefixCache, chain_hashes
+from deepseek_v41.cache.prefix_cache import PrefixCache, chain_hashes, image_block_keys
 from deepseek_v41.cache.redis_store import RedisPages, RedisStore
 from deepseek_v41.cache.store import PageCodec, PageStore
 from deepseek_v41.cache.swa_pool import SwaPool, default_swa_pool_bytes
@@ -81,7 +81,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ sequence lifecycle
     def admit(self, seq, prefill_end: int) -> None:
         """Give a newly admitted (or preempted and returning) sequence a slot, hash its full blocks of positions
-        [0, prefill_end) with its ``cache_salt`` and look its prefix up (SPEC.md §4.3).
+        [0, prefill_end) with its ``cache_salt`` (and the content hashes of the images in each block) and look its
+        prefix up (SPEC.md §4.3); a hit never ends inside an image span.
 
         On a hit the sequence holds the cached pages, its window state is restored from the snapshot (or left to
         replay from the hit's start), ``num_computed`` = the hit's start, ``write_from`` = L' (the cached
@@ -94,9 +95,10 @@ class KVCacheManager:
         if pc is None:
             return
         tokens = seq.token_at(0, prefill_end)
-        seq.block_hashes = chain_hashes(pc.root(seq.cache_salt), tokens, self.block_size, seq.block_hashes)
+        seq.block_hashes = chain_hashes(pc.root(seq.cache_salt), tokens, self.block_size, seq.block_hashes,
+                                        self._extra_keys(seq))
         hit = pc.match(tokens, seq.block_hashes, seq.decoder_start, len(seq.prompt_token_ids),
-                       resumed=bool(seq.output_token_ids))
+                       resumed=bool(seq.output_token_ids), image_spans=seq.image_spans)
         if hit.cached == 0:
             return
         seq.block_table[:] = hit.pages
@@ -119,12 +121,21 @@ class KVCacheManager:
         P = self.block_size
         full = seq.num_computed // P
         if full > seq.registered_pages:
-            seq.block_hashes = chain_hashes(pc.root(seq.cache_salt), seq.token_at(0, full * P), P, seq.block_hashes)
+            seq.block_hashes = chain_hashes(pc.root(seq.cache_salt), seq.token_at(0, full * P), P, seq.block_hashes,
+                                            self._extra_keys(seq))
             pc.register(seq.block_table, seq.block_hashes, seq.registered_pages, full)
             seq.registered_pages = full
         if prompt_done and not seq.prompt_snapshot_taken:
             seq.prompt_snapshot_taken = True
             pc.take_snapshot(seq.slot, P * (len(seq.prompt_token_ids) // P), seq.block_hashes)
+
+    def _extra_keys(self, seq) -> dict[int, list[str]] | None:
+        """The image content hashes of ``seq``'s blocks (:func:`~deepseek_v41.cache.prefix_cache.image_block_keys`;
+        None for a text prompt)."""
+        mm = getattr(seq, "mm_inputs", None)
+        if mm is None:
+            return None
+        return image_block_keys([(item.offset, item.length, item.hash) for item in mm.images], self.block_size)
 
     def free(self, seq, snapshot: bool = False) -> None:
         """Return ``seq``'s pages (they keep their contents and hashes until reused) and slot. ``snapshot``: a

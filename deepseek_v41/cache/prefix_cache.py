@@ -52,16 +52,47 @@ REPLAY_MODES = ("bounded", "exact")
 READ_TIERS = ("disk", "swa_pool", "remote")
 
 
-def chain_hashes(root: str, tokens: list[int], block_size: int, start: list[str] | None = None) -> list[str]:
+def chain_hashes(root: str, tokens: list[int], block_size: int, start: list[str] | None = None,
+                 extra_keys: dict[int, list[str]] | None = None) -> list[str]:
     """Hashes of every full block of ``tokens``: ``h_i = sha256(h_{i-1} || block_i)`` with ``h_{-1} = root``.
-    ``start`` holds already computed hashes of the first blocks (extended, not recomputed)."""
+    ``start`` holds already computed hashes of the first blocks (extended, not recomputed).
+
+    ``extra_keys`` (vLLM's extra keys; VISION_DESIGN.md decision 6): block index -> content hashes of the images
+    whose spans overlap that block (:func:`image_block_keys`); such a block hashes as
+    ``sha256(h_{i-1} || block_i || "image:" key ...)``, so two prompts whose ids agree but whose images differ
+    part at the first block of the differing image. Blocks without extra keys hash exactly as without them
+    (text prompts keep their hashes, and the pages on disk stay valid)."""
     out = list(start or [])
     prev = out[-1] if out else root
     for i in range(len(out), len(tokens) // block_size):
         block = np.asarray(tokens[i * block_size:(i + 1) * block_size], dtype="<i4").tobytes()
+        keys = extra_keys.get(i) if extra_keys else None
+        if keys:
+            block += b"".join(b"\0image:" + key.encode() for key in keys)
         prev = hashlib.sha256(bytes.fromhex(prev) + block).hexdigest()
         out.append(prev)
     return out
+
+
+def image_block_keys(images: list[tuple[int, int, str]], block_size: int) -> dict[int, list[str]]:
+    """The extra keys of :func:`chain_hashes` for images given as (span offset, span length, content hash):
+    block index -> the hashes of the images whose spans [offset, offset + length) overlap that block, in prompt
+    order."""
+    keys: dict[int, list[str]] = {}
+    for offset, length, image_hash in images:
+        for i in range(offset // block_size, (offset + length - 1) // block_size + 1):
+            keys.setdefault(i, []).append(image_hash)
+    return keys
+
+
+def span_safe_pages(pages: int, block_size: int, spans: list[tuple[int, int]] | None) -> int:
+    """The most pages (<= ``pages``) a prefix-cache hit may keep so that it does not end inside an image span
+    [s, e) of ``spans``: a boundary strictly inside a span moves down to the page boundary at or below s
+    (VISION_DESIGN.md decision 6; the span then runs whole in the sequence's next chunk)."""
+    for s, e in spans or ():
+        if s < pages * block_size < e:
+            pages = min(pages, s // block_size)
+    return pages
 
 
 @dataclass
@@ -129,7 +160,8 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ lookup
     def match(self, tokens: list[int], hashes: list[str], decoder_start: int | None = None,
-              prompt_len: int | None = None, resumed: bool = False) -> Hit:
+              prompt_len: int | None = None, resumed: bool = False,
+              image_spans: list[tuple[int, int]] | None = None) -> Hit:
         """Find the longest cached prefix of ``tokens`` (hashes of its full blocks given) that the engine can
         resume from, and take its pages (shared device pages, or pages loaded from disk into new device pages).
         Returns a Hit with ``cached=0`` on a miss. Never raises for a bad cache: unreadable pages are misses.
@@ -142,7 +174,8 @@ class PrefixCache:
         ``prompt_len``: the prompt's length (default ``len(tokens)``): the boundary of the prompt's snapshot, tried
         when the longest usable boundary has none. ``resumed``: a preempted sequence coming back; without a
         snapshot it replays exactly (``replay="exact"``'s start) whatever ``replay`` says, so that preemption
-        never changes what a sequence computes.
+        never changes what a sequence computes. ``image_spans``: the prompt's image spans [s, e): a hit never
+        ends strictly inside one (:func:`span_safe_pages`; the replay start of a hit may).
         """
         blocks = self.cache.blocks
         n = len(tokens)
@@ -162,9 +195,15 @@ class PrefixCache:
                     device.pop()
                     break
             pages.append(page)
+        keep = span_safe_pages(len(pages), self.block_size, image_spans)
+        if keep < len(pages):
+            blocks.release(pages[keep:])
+            del pages[keep:], device[keep:]
         if not pages:
             return Hit(0, 0, [], None)
         for j in self._snapshot_boundaries(len(pages), D, N):
+            if span_safe_pages(j, self.block_size, image_spans) != j:
+                continue  # the prompt's boundary inside an image span: not a place to resume
             snapshot = self.swa_pool.get(self.snapshot_key(hashes[j - 1]))
             if snapshot is None or not self._resumable(snapshot, j * self.block_size, D):
                 continue

@@ -33,6 +33,12 @@ class EngineArgs:
     cost of a step verifying ℓ drafts per sequence, every step speculates; ``"fixed"`` verifies
     ``speculative_max_len`` drafts every step.
 
+    Images (a model with a vision tower): ``encoder_cache_size`` (vLLM's name and unit) is the encoder cache's
+    budget in encoder tokens, i.e. aligner rows of ``hidden_size`` values in the model's dtype (default None:
+    16 images of ``max_image_tokens`` each; 0 keeps nothing, every image is encoded each time it is prefilled).
+    The cache keeps the rows of images by content hash, so an image seen again is not encoded again
+    (engine/encoder_cache.py).
+
     Structured outputs: ``structured_outputs_config`` (vLLM's name), a dict of
     :class:`~deepseek_v41.structured.StructuredOutputsConfig` fields: ``backend`` ("auto", "xgrammar",
     "guidance") and ``disable_any_whitespace`` (default True here, False in vLLM); None = the defaults.
@@ -57,6 +63,7 @@ class EngineArgs:
     speculative_max_len: int | None = None
     speculative_cost_table: dict[int, float] | list[float] | str | None = None
     structured_outputs_config: dict[str, Any] | None = None
+    encoder_cache_size: int | None = None
 
     def cache_config(self, max_model_len: int) -> CacheConfig:
         """The cache settings of these arguments, for an engine of ``max_model_len`` tokens per sequence."""

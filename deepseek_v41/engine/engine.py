@@ -8,6 +8,7 @@ snapshots), samples, detokenizes, frees finished sequences and returns the outpu
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import operator
@@ -22,7 +23,9 @@ from deepseek_v41.cache.kv_cache_manager import KVCacheManager, build_kv_cache_m
 from deepseek_v41.cache.swa_pool import SwaPool
 from deepseek_v41.engine.args import EngineArgs
 from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
+from deepseek_v41.engine.encoder_cache import EncoderCache, VisionEncoder
 from deepseek_v41.engine.model_runner import ModelRunner, PrefillMode, few_token_kernels, step_threads
+from deepseek_v41.engine.multimodal import MultiModalInputs, build_multimodal_prompt, process_images
 from deepseek_v41.engine.sampler import Sampler, SamplingState
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.scheduler import Scheduler
@@ -35,6 +38,7 @@ from deepseek_v41.engine.sequence import (
 )
 from deepseek_v41.engine.speculative import build_speculator, speculative_max_len
 from deepseek_v41.kernels import fast
+from deepseek_v41.model.vision import encode_images
 from deepseek_v41.structured import CompiledGrammar, StructuredOutputManager, StructuredOutputsConfig
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,8 @@ class LLMEngine:
         self.cache, self.prefix_cache = kv.cache, kv.prefix_cache
         self.scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens, num_lookahead_tokens=spec_len)
         self.runner = ModelRunner(model, self.cache, self.prefill_mode)
+        self.vision = self._vision_encoder(model, args)
+        self.runner.vision = self.vision
         self.sampler = Sampler()
         self.speculator = (build_speculator(model, self.cache, self.runner, self.sampler, spec_len,
                                             args.speculative_cost_table) if spec_len else None)
@@ -86,6 +92,19 @@ class LLMEngine:
         # the grammar engines; an engine that never gets one pays nothing).
         self.structured_outputs_config = StructuredOutputsConfig.of(args.structured_outputs_config)
         self._structured: StructuredOutputManager | None = None
+
+    @staticmethod
+    def _vision_encoder(model, args: EngineArgs) -> VisionEncoder | None:
+        """The vision encode stage and its encoder cache (``encoder_cache_size`` aligner rows), for a model with a
+        vision tower; None for a text-only model. Raises ValueError for a negative ``encoder_cache_size``."""
+        vision = model.config.vision_config
+        if vision is None or getattr(model, "vision", None) is None:
+            return None
+        size = 16 * vision.max_image_tokens if args.encoder_cache_size is None else args.encoder_cache_size
+        if size < 0:
+            raise ValueError(f"encoder_cache_size must be >= 0 (encoder tokens; 0 keeps nothing), got {size}")
+        row_bytes = model.config.hidden_size * model.aligner.w2.weight.element_size()
+        return VisionEncoder(functools.partial(encode_images, model), EncoderCache(size * row_bytes))
 
     @property
     def structured_output_manager(self) -> StructuredOutputManager:
@@ -107,12 +126,20 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, multi_modal_data: dict[str, Any] | None = None) -> None:
         """Queue a request (``params.n`` sequences). Raises ValueError, with nothing queued, for an empty prompt,
         token ids outside ``[0, vocab_size)``, ``params.logprobs`` above ``vocab_size``, a ``cache_salt`` that is
         not None or a non-empty string, a prompt longer than ``max_model_len`` or than the KV pool can ever hold,
         a duplicate id, ``params.structured_outputs`` that no backend compiles (a bad schema, regex or grammar) or
-        on an engine without a tokenizer."""
+        on an engine without a tokenizer.
+
+        Images (vLLM's ``multi_modal_data``): ``{"image": [PIL.Image | ProcessedImage | bytes, ...]}`` (or one
+        image), with one ``image_token_id`` placeholder per image in ``prompt_token_ids``, not expanded: each is
+        preprocessed and its placeholder expanded to its span here (engine/multimodal.py), and the length limits
+        apply to the expanded prompt, whose ids the request's outputs then carry. ValueError, with nothing
+        queued, for images given to a model without a vision tower, a key other than ``"image"``, placeholders
+        that do not match the images, more image tokens than ``max_image_tokens`` allows, or an unreadable
+        image; a vision model's prompt holding placeholders without images is refused too."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         try:  # ints, numpy or 0-d torch integers; not text (vLLM's engine also takes text, ours token ids only)
@@ -133,6 +160,7 @@ class LLMEngine:
             raise ValueError(f"logprobs must be in [0, {vocab}] (the vocabulary size) or None, got {params.logprobs}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be None or a non-empty string, got {cache_salt!r}")
+        prompt_token_ids, mm_inputs = self._multimodal_prompt(prompt_token_ids, multi_modal_data)
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} (the prompt "
@@ -160,12 +188,42 @@ class LLMEngine:
                            cache_salt=cache_salt)
             if grammar is not None:
                 seq.grammar = self._structured.matcher(grammar)
+            seq.mm_inputs = mm_inputs
             seqs.append(seq)
         # Queue only once every sample was built: a failure above leaves nothing half-added.
         for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
         self._prompts[request_id] = (prompt, list(prompt_token_ids))
+
+    def _multimodal_prompt(self, prompt_token_ids: list[int], multi_modal_data: dict[str, Any] | None
+                           ) -> tuple[list[int], MultiModalInputs | None]:
+        """The prompt with each image placeholder expanded to its span, and its images (None for a text prompt);
+        ValueError as :meth:`add_request` says."""
+        cfg = self.config
+        images: list = []
+        if multi_modal_data is not None:
+            if not isinstance(multi_modal_data, dict):
+                raise ValueError(f"multi_modal_data must be a dict such as {{'image': [image, ...]}}, got "
+                                 f"{type(multi_modal_data).__name__}")
+            unknown = sorted(set(multi_modal_data) - {"image"})
+            if unknown:
+                raise ValueError(f"multi_modal_data takes only the key 'image' (a list of images), got {unknown}")
+            given = multi_modal_data.get("image")
+            images = [] if given is None else list(given) if isinstance(given, list | tuple) else [given]
+        if images and (cfg.vision_config is None or self.vision is None):
+            raise ValueError("this model has no vision tower (its config has no vision_config): it takes text "
+                             "prompts only, without images")
+        if not images:
+            if (cfg.vision_config is not None and cfg.image_token_id is not None
+                    and cfg.image_token_id in prompt_token_ids):
+                count = prompt_token_ids.count(cfg.image_token_id)
+                raise ValueError(f"the prompt has {count} image placeholder(s) (id {cfg.image_token_id}) but no "
+                                 f"image was given; pass one image per placeholder in multi_modal_data['image']")
+            return prompt_token_ids, None
+        processed = process_images(images, cfg.vision_config)
+        ids, mm_inputs = build_multimodal_prompt(prompt_token_ids, processed, cfg, max_model_len=self.max_model_len)
+        return list(ids), mm_inputs
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its pages and slots return to the pool."""
@@ -186,13 +244,16 @@ class LLMEngine:
         ``reset_running_requests=True`` (vLLM's keyword): the running requests are preempted first (their pages
         freed; they go back to the front of the queue and recompute their prompt and output so far, with no
         prefix hit, then continue; preemption never changes their tokens). Call it between steps (the async
-        engine runs it on its worker thread).
+        engine runs it on its worker thread). The encoder cache (the images' aligner rows, computed by the same
+        weights) is emptied with it.
 
         The persistent tiers are kept: disk pages under ``cache_dir`` and Redis entries are keyed by the
         fingerprint of the checkpoint taken when the engine was built, so after changing the weights in place an
         engine with ``cache_dir`` or ``redis_url`` would read them again; use a new engine (and a new
         ``cache_dir`` / Redis database) for changed weights (logged as a warning when those tiers exist)."""
         if self.prefix_cache is None:
+            if self.vision is not None:
+                self.vision.cache.clear()
             return True  # nothing cached: no request is preempted for nothing
         if reset_running_requests:
             for seq in reversed(list(self.scheduler.running)):
@@ -201,6 +262,8 @@ class LLMEngine:
             log.warning("reset_prefix_cache: not reset, %d requests hold KV pages (finish or abort them first, or "
                         "pass reset_running_requests=True)", len(self.scheduler.running))
             return False
+        if self.vision is not None:  # the images' rows were computed by the old weights too
+            self.vision.cache.clear()
         pc = self.prefix_cache
         if pc is not None and (pc.page_store is not None or pc.remote_pages is not None
                                or (pc.swa_pool is not None and not isinstance(pc.swa_pool, SwaPool))):
@@ -241,6 +304,19 @@ class LLMEngine:
         kv = self.kv_cache_manager
         sampled: list[tuple[Sequence, torch.Tensor]] = []
         spec = self.speculator
+        try:
+            return self._run_planned(plan, now, kv, sampled, spec)
+        finally:
+            if self.vision is not None:
+                self.vision.release()
+
+    def _run_planned(self, plan, now, kv, sampled, spec) -> list[RequestOutput]:
+        if self.vision is not None and plan.prefills:
+            # The encode stage: every image the step's chunks hold, the cached ones from the encoder cache and the
+            # others encoded now in one batch, before any chunk runs.
+            for seq, start, end in plan.prefills:
+                self.vision.request(seq.images_in(start, end))
+            self.vision.run()
         for seq, start, end in plan.prefills:
             seq.first_scheduled_time = seq.first_scheduled_time or now
             taps = spec.prefill_taps() if spec is not None else None
@@ -354,7 +430,9 @@ class LLMEngine:
     @property
     def stats(self) -> dict[str, Any]:
         """Engine counters: per-layer processed tokens, the largest decode batch, preemptions, KV bytes and the
-        ``prefix_cache`` counters (:meth:`KVCacheManager.stats`); with speculation the ``spec_decode_*``
+        ``prefix_cache`` counters (:meth:`KVCacheManager.stats`); for a model with a vision tower the
+        ``encoder_cache`` counters (hits, misses, evictions, encoded images, size, encode calls and seconds:
+        :meth:`~deepseek_v41.engine.encoder_cache.VisionEncoder.stats`); with speculation the ``spec_decode_*``
         counters (:class:`~deepseek_v41.engine.speculative.SpecDecodeStats`), the user's cost table (None: adaptive
         or fixed) and, with the adaptive policy, the measured step costs per batch size
         (``spec_decode_step_costs``: ms of a plain step and of a speculative step per verification length)."""
@@ -369,6 +447,7 @@ class LLMEngine:
             "prefill_mode": self.prefill_mode.value,
             "entries_written": dict(self.runner.entries_written),
             **self.kv_cache_manager.stats(),
+            **({"encoder_cache": self.vision.stats()} if self.vision is not None else {}),
             **({**spec.stats.as_dict(), "spec_decode_max_len": spec.max_len, "spec_decode_cost_table": spec.cost,
                 "spec_decode_step_costs": spec.policy.costs.summary(spec.max_len) if spec.policy is not None else None}
                if spec is not None else {}),

@@ -14,6 +14,11 @@ every decoding sequence in one batched forward of all layers. After a prefix-cac
 the hit's restart point and first rebuilds the Engram history from the tokens before it (the KV cache manager
 marks the sequence; it never runs the model).
 
+Images (MODEL_REFERENCE.md §3.18, VISION_DESIGN.md decision 7): a prefill chunk holding image positions gets the
+aligner rows of its IMAGE slots and the learned delimiters in place of the token embeddings, routes those
+positions with ``bias_vl``, hashes them as masked in Engram and attends bidirectionally inside each span (the
+context's ``key_limit``). Decode and verify rows are generated tokens: always text.
+
 Speculative decoding (DSPARK.md §6, §7): :meth:`ModelRunner.verify` runs T tokens of every sequence (anchor +
 drafts, rows padded to one length) in one batched forward and commits nothing that depends on which tokens are
 accepted; :meth:`ModelRunner.commit_verify` then sets the ratio-2 pending pairs and the Engram history to those
@@ -35,9 +40,12 @@ import torch
 from deepseek_v41 import kernels
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.paged_context import PagedContext
+from deepseek_v41.engine.encoder_cache import VisionEncoder
 from deepseek_v41.engine.sequence import Sequence
 from deepseek_v41.kernels import cpu_share, fast
 from deepseek_v41.kernels.host_memory import keep_freed_memory, release_freed_memory
+from deepseek_v41.model.image_processor import TokenType
+from deepseek_v41.model.vision import image_token_mask, place_image_embeddings
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +203,9 @@ class ModelRunner:
         self.layer_tokens = [0] * len(model.layers)
         self.entries_written: dict[int, int] = {}  # compressed entries written per kv-source layer
         self.max_decode_batch = 0
+        # The vision encode stage (engine/encoder_cache.py) that gives prefill chunks their images' rows; the
+        # engine sets it for a model with a vision tower.
+        self.vision: VisionEncoder | None = None
         # The CPU fast paths, chosen once here for this model (kernels/fast): the model itself is reference math.
         # A helper runner on the engine's model (the speculator's cost measurement) reuses the engine's install
         # instead of packing the expert copies again (install_fast=False).
@@ -209,34 +220,75 @@ class ModelRunner:
             log.debug("glibc malloc thresholds: %s", outcome)
 
     # ------------------------------------------------------------------ helpers
-    def _context(self, seqs: list[Sequence], positions: torch.Tensor, ends: list[int]) -> PagedContext:
+    def _context(self, seqs: list[Sequence], positions: torch.Tensor, ends: list[int],
+                 key_limit: torch.Tensor | None = None) -> PagedContext:
+        extra = {} if key_limit is None else {"key_limit": key_limit}  # image spans: bidirectional window keys
         return PagedContext(self.cache, [s.slot for s in seqs], [s.block_table for s in seqs], positions, ends,
-                            self.dtype, [s.write_from for s in seqs])
+                            self.dtype, [s.write_from for s in seqs], **extra)
+
+    def _image_layout(self, seq: Sequence, start: int, end: int, positions: torch.Tensor
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Token types [1, T], image mask [1, T] and window ``key_limit`` [1, T] of positions [start, end) of
+        ``seq`` (``positions`` [1, T]), or three Nones when no image span overlaps them (text: the forward runs
+        exactly as without vision)."""
+        types = seq.token_types(start, end)
+        if types is None:
+            return None, None, None
+        token_types = torch.tensor([types], dtype=torch.long, device=self.device)
+        return token_types, image_token_mask(token_types), self.model.key_limit(token_types, positions)
+
+    def _place_images(self, seq: Sequence, start: int, end: int, streams: torch.Tensor,
+                      token_types: torch.Tensor) -> torch.Tensor:
+        """The embedding streams [1, T, hc, D] of positions [start, end) with the image spans filled in: the
+        aligner rows of the IMAGE slots in the chunk (from the encoder stage, in reading order; a chunk that
+        starts inside a span, a replay's restart point, takes the rest of that image's rows) and the learned
+        delimiters (:func:`~deepseek_v41.model.vision.place_image_embeddings`), as the exact forward fills them."""
+        items = seq.images_in(start, end)
+        if self.vision is None:
+            raise ValueError("this prompt has images but the engine has no vision encoder")
+        image = int(TokenType.IMAGE)
+        parts = []
+        for item, rows in zip(items, self.vision.rows(items), strict=True):
+            span = seq.mm_inputs.token_types
+            lo, hi = max(start, item.offset), min(end, item.offset + item.length)
+            skip = sum(1 for t in span[item.offset:lo] if t == image)
+            take = sum(1 for t in span[lo:hi] if t == image)
+            parts.append(rows[skip:skip + take])
+        model = self.model
+        h = streams[:, :, 0]  # every hc stream starts as the token embedding
+        h, _ = place_image_embeddings(h, token_types, torch.cat(parts), model.image_start, model.image_newline,
+                                      model.image_end)
+        return h[:, :, None, :].expand_as(streams).contiguous()
 
     def _count_entries(self, ctx: PagedContext) -> None:
         for layer, n in ctx.entries_written.items():
             self.entries_written[layer] = self.entries_written.get(layer, 0) + n
 
-    def _engram(self, seqs: list[Sequence], ids: torch.Tensor):
-        """Engram rows of this forward and the histories after it (from the cache slots)."""
+    def _engram(self, seqs: list[Sequence], ids: torch.Tensor, image_mask: torch.Tensor | None = None):
+        """Engram rows of this forward and the histories after it (from the cache slots); image positions
+        (``image_mask`` [B, T]) hash as masked, as in ``Transformer.forward`` (ENGRAM.md §7)."""
         hasher = self.model.hasher
         if hasher is None:
             return None, None
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         history = self.cache.engram_history[slots][:, : hasher.depth]
-        rows = hasher(ids, None, history)
-        return rows, (slots, hasher.next_history(ids, None, history))
+        rows = hasher(ids, image_mask, history)
+        return rows, (slots, hasher.next_history(ids, image_mask, history))
 
     def _rebuild_engram_history(self, seq: Sequence, start: int) -> None:
         """The slot's Engram history from the real tokens before ``start`` (a prefix hit's restart point: the
-        cache restored pages and windows, but the hash history is the last ``depth`` token ids, recomputed)."""
+        cache restored pages and windows, but the hash history is the last ``depth`` token ids, recomputed; image
+        positions among them masked)."""
         seq.rebuild_engram_history = False
         hasher = self.model.hasher
         if hasher is None:
             return
         depth = hasher.depth
-        before = torch.tensor([seq.token_at(max(0, start - depth), start)], dtype=torch.long, device=self.device)
-        history = hasher.next_history(before, None, hasher.start_history(1, self.device))
+        first = max(0, start - depth)
+        before = torch.tensor([seq.token_at(first, start)], dtype=torch.long, device=self.device)
+        types = seq.token_types(first, start)
+        mask = None if types is None else image_token_mask(torch.tensor([types], device=self.device))
+        history = hasher.next_history(before, mask, hasher.start_history(1, self.device))
         self.cache.engram_history[seq.slot, :depth] = history[0]
 
     def _commit_engram(self, update) -> None:
@@ -252,7 +304,10 @@ class ModelRunner:
     @torch.no_grad()
     def prefill(self, seq: Sequence, start: int, end: int, taps: dict | None = None) -> torch.Tensor | None:
         """Forward positions [start, end) of ``seq``; fp32 logits [V] of the last position when it is the last
-        token of the sequence, else None. ``taps`` receives each layer's input streams [1, n, hc, D] of the
+        token of the sequence, else None. Image spans in the chunk (it never ends inside one; it may start inside
+        one at a replay restart point) get their rows from the vision encoder (:attr:`vision`), route with
+        ``bias_vl``, hash as masked in Engram and attend bidirectionally inside their span (the context's
+        ``key_limit``), as in ``Transformer.forward``. ``taps`` receives each layer's input streams [1, n, hc, D] of the
         positions that layer ran over, which end at ``end`` (CED decoder layers: from the decoder start).
         Raises ValueError for an empty chunk (``end <= start``) or one beyond the sequence: the scheduler never
         plans one."""
@@ -267,9 +322,12 @@ class ModelRunner:
         kernels.set_spin(0.0)
         ids = torch.tensor([seq.token_at(start, end)], dtype=torch.long, device=self.device)
         positions = torch.arange(start, end, device=self.device)[None]
-        ctx = self._context([seq], positions, [end])
-        rows, engram = self._engram([seq], ids)
+        token_types, image_mask, key_limit = self._image_layout(seq, start, end, positions)
+        ctx = self._context([seq], positions, [end], key_limit)
+        rows, engram = self._engram([seq], ids, image_mask)
         streams, pre = model.embed_streams(ids)
+        if token_types is not None:
+            streams = self._place_images(seq, start, end, streams, token_types)
         want_logits = end == seq.num_tokens
         if self.prefill_mode is PrefillMode.CED and plan.ced:
             first = max(seq.decoder_start, seq.decoder_done)
@@ -277,7 +335,7 @@ class ModelRunner:
                 # Resumed from an SWA snapshot: the decoder's inputs before this chunk are the snapshot's, read
                 # before this chunk writes its own rows (a chunk longer than the ring's slack overwrites them).
                 old_streams, old_pre = self.cache.read_residuals(seq.slot, first, start)  # copies
-            streams, pre = model.ced_encode(streams, pre, ctx, rows, taps)
+            streams, pre = model.ced_encode(streams, pre, ctx, rows, taps, image_mask=image_mask)
             self._count(plan.encoder_layers, end - start)
             if self.cache.residuals:
                 self.cache.write_residuals(seq.slot, range(start, end), streams[0], pre[0])
@@ -288,15 +346,17 @@ class ModelRunner:
                     pre = torch.cat((old_pre[None].to(pre.dtype), pre), 1)
                 else:
                     streams, pre = streams[:, first - start:], pre[:, first - start:]
-                tail = self._context([seq], torch.arange(first, end, device=self.device)[None], [end])
-                streams, pre = model.ced_decode(streams, pre, tail, rows, taps)
+                tail_positions = torch.arange(first, end, device=self.device)[None]
+                _, tail_mask, tail_limit = self._image_layout(seq, first, end, tail_positions)
+                tail = self._context([seq], tail_positions, [end], tail_limit)
+                streams, pre = model.ced_decode(streams, pre, tail, rows, taps, image_mask=tail_mask)
                 self._count(plan.decoder_layers, end - first)
                 seq.decoder_done = end
                 if want_logits:
                     logits = model.logits(streams[:, -1:], pre[:, -1:])[0, -1]
         else:
             layers = range(len(model.layers))
-            streams, pre = model.run_layers(layers, streams, pre, ctx, None, rows, taps)
+            streams, pre = model.run_layers(layers, streams, pre, ctx, image_mask, rows, taps)
             self._count(layers, end - start)
             seq.decoder_done = end
             logits = model.logits(streams[:, -1:], pre[:, -1:])[0, -1] if want_logits else None

@@ -4,7 +4,8 @@ Each step: every running sequence that is decoding gets one token (pages are fou
 most recently arrived running sequences when the pool is short); the rest of the token budget
 ``max_num_batched_tokens`` goes to prefill chunks — first of running sequences, then of waiting ones in arrival
 order (FIFO: a waiting request that does not fit blocks the ones behind it). Preempted sequences free their
-pages and slot and go back to the front of the queue; they later recompute prompt + output. The scheduler
+pages and slot and go back to the front of the queue; they later recompute prompt + output. A chunk never ends
+inside an image span (:func:`image_safe_end`). The scheduler
 decides; it never computes. It owns the :class:`~deepseek_v41.cache.kv_cache_manager.KVCacheManager`: admission
 takes a slot and looks the prefix up there (a hit moves ``num_computed`` past the cached pages), preemption and
 finish free pages and slot there.
@@ -21,6 +22,23 @@ from dataclasses import dataclass, field
 
 from deepseek_v41.cache.kv_cache_manager import KVCacheManager
 from deepseek_v41.engine.sequence import Sequence, SequenceStatus
+
+
+def image_safe_end(spans: list[tuple[int, int]], start: int, end: int, limit: int) -> int:
+    """The end of a prefill chunk [start, end) moved so that no image span [s, e) of ``spans`` is split by it
+    (VISION_DESIGN.md decision 2: the bidirectional keys of a span must be in the forward that computes it).
+
+    An end strictly inside a span moves back to the span's start when that leaves a non-empty chunk; otherwise
+    (the chunk starts at the span's start, or inside the span: a replay restart point after a prefix-cache hit)
+    it moves on to the span's end, beyond the token budget if the span is longer: such a span runs whole in its
+    own chunk. ``limit`` is the most positions the free pages allow: when the span's end lies beyond it, no
+    chunk is possible now and ``start`` is returned (the sequence waits for pages)."""
+    for s, e in spans:
+        if s < end < e:
+            if s > start:
+                return s
+            return e if e <= limit else start
+    return end
 
 
 @dataclass
@@ -121,10 +139,14 @@ class Scheduler:
 
     def _chunk_end(self, seq: Sequence, budget: int, grow: bool = True) -> int:
         """End of the next prefill chunk of ``seq`` within ``budget`` tokens and the free pages (with ``grow``,
-        its table is extended to cover it)."""
+        its table is extended to cover it). An image span is never split (:func:`image_safe_end`): the end moves
+        back to the span's start, or — when the chunk would start at or inside the span — on to its end, past
+        the budget if need be."""
         end = min(self.prefill_end(seq), seq.num_computed + budget)
         free_tokens = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
         end = min(end, free_tokens)
+        if seq.mm_inputs is not None:
+            end = image_safe_end(seq.image_spans, seq.num_computed, end, free_tokens)
         if grow and end > seq.num_computed:
             self.blocks.grow(seq.block_table, end)
         return end

@@ -13,6 +13,7 @@ from deepseek_v41.engine.sampler import Logprob, SamplingState
 from deepseek_v41.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from deepseek_v41.engine.multimodal import ImageItem, MultiModalInputs
     from deepseek_v41.engine.spec_schedule import SequenceAcceptance
     from deepseek_v41.structured import GrammarMatcher
 
@@ -35,6 +36,9 @@ class Sequence:
     ``rebuild_engram_history``: set by the KV cache manager on a prefix hit; the model runner rebuilds the slot's
     Engram history from the tokens before ``num_computed`` at the next prefill chunk, then clears it.
     ``grammar``: the structured-output matcher (``deepseek_v41.structured``), None for free text.
+    ``mm_inputs``: the prompt's images (:class:`~deepseek_v41.engine.multimodal.MultiModalInputs`: content hash,
+    span offset and length of each, and one token type per prompt position), None for a text prompt; the prompt's
+    ids are then the expanded ones (every span position carries ``image_token_id``). Output positions are text.
     """
 
     seq_id: int
@@ -83,6 +87,30 @@ class Sequence:
     # Structured outputs: the matcher of the request's constraint, at the state after every output token (None:
     # free text). The engine masks this sequence's logits with it and advances it by each emitted token.
     grammar: GrammarMatcher | None = None
+    # Images of the prompt (VISION_DESIGN.md decision 4), None for a text prompt.
+    mm_inputs: MultiModalInputs | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def image_spans(self) -> list[tuple[int, int]]:
+        """Prompt positions [offset, offset + length) of each image span, in prompt order ([] for text)."""
+        mm = self.mm_inputs
+        return [] if mm is None else [(item.offset, item.offset + item.length) for item in mm.images]
+
+    def images_in(self, start: int, end: int) -> list[ImageItem]:
+        """The prompt's images whose spans overlap positions [start, end), in prompt order."""
+        mm = self.mm_inputs
+        if mm is None:
+            return []
+        return [item for item in mm.images if item.offset < end and start < item.offset + item.length]
+
+    def token_types(self, start: int, end: int) -> list[int] | None:
+        """The :class:`~deepseek_v41.model.image_processor.TokenType` codes of positions [start, end) (-1 = text;
+        output positions are text), or None when no image span overlaps them (then the forward is text only)."""
+        if not self.images_in(start, end):
+            return None
+        n = len(self.prompt_token_ids)
+        types = list(self.mm_inputs.token_types[start:min(end, n)])
+        return types + [-1] * (end - max(start, n)) if end > n else types
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -122,7 +150,8 @@ class EngineRequest:
     ``prompt_token_ids``: the prompt's ids in ``[0, vocab_size)``; ``prompt``: its text when it came as text
     (echoed in outputs); ``cache_salt``: keeps its prefix-cache entries apart from other salts (None or a
     non-empty string); ``arrival_time``: seconds since the epoch (None: when the engine takes it);
-    ``multi_modal_data``: ``{"image": [...]}``, one image per ``image_token_id`` placeholder of the prompt, or None.
+    ``multi_modal_data``: ``{"image": [PIL.Image | ProcessedImage | bytes, ...]}`` with one ``image_token_id``
+    placeholder per image in ``prompt_token_ids`` (not expanded), or None.
     """
 
     request_id: str
@@ -131,7 +160,7 @@ class EngineRequest:
     prompt: str | None = None
     cache_salt: str | None = None
     arrival_time: float | None = None
-    multi_modal_data: dict | None = None
+    multi_modal_data: dict[str, Any] | None = None
 
 
 @dataclass

@@ -36,6 +36,8 @@ it starts, whatever its ``n``: a request with ``n > 1`` is one observation of ev
 chunks, replay and speculative verification included; when one observer call spans several steps, their tokens
 are spread evenly over them). ``cache_config_info`` (gauge 1) carries the KV cache settings as
 labels (vLLM's ``block_size``, ``num_gpu_blocks``, ``cache_dtype``, ``enable_prefix_caching``, and ``replay``).
+Images: ``encoder_cache_hits_total`` and ``encoder_cache_misses_total`` (counters, per image a prefill chunk
+needed: its aligner rows came from the encoder cache, or the vision tower encoded it; 0 for a text-only model).
 Source: SPEC.md §4.6; vLLM ``vllm/v1/metrics/loggers.py``.
 """
 
@@ -322,6 +324,12 @@ class _EngineCollector:
                                           labels=["model_name"])
         preemptions.add_metric([name], stats["num_preemptions"])
         yield preemptions
+        encoder = stats.get("encoder_cache") or {}
+        for key, doc in (("hits", "Images whose aligner rows came from the encoder cache (not encoded again)."),
+                         ("misses", "Images the encoder cache did not hold, encoded by the vision tower.")):
+            family = CounterMetricFamily(f"dsv41:encoder_cache_{key}", doc, labels=["model_name"])
+            family.add_metric([name], encoder.get(key, 0))
+            yield family
         for key, doc in (("num_drafts", "Speculative draft blocks verified (one per sequence and step)."),
                          ("num_draft_tokens", "Draft tokens verified by the target."),
                          ("num_accepted_tokens", "Draft tokens accepted (bonus tokens not counted)."),
