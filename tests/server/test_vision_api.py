@@ -333,3 +333,22 @@ def test_the_event_loop_keeps_serving_while_an_image_is_fetched(vlm, image_host)
     assert time.monotonic() - start < FETCH_TIMEOUT_S
     thread.join(30)
     assert result["r"].status_code == 400
+
+
+def test_image_requests_complete_and_repeat_with_the_encoder_cache(vlm, client):
+    """The real engine: a chat request with two images completes (usage counts the image spans), streamed and not;
+    the same images after another text (so the prefix cache cannot cover them) come from the encoder cache."""
+    def messages(before):
+        return [{"role": "user", "content": [{"type": "text", "text": before}, image_part(data_url(text_image("HI"))),
+                                             image_part(data_url(text_image("B", (84, 84)))),
+                                             {"type": "text", "text": "Transcribe the text."}]}]
+
+    first = send(client, messages("one"), temperature=0, extra_body={"ignore_eos": True})
+    assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 2
+    text_only = send(client, [{"role": "user", "content": "one\n\n\n\nTranscribe the text."}])
+    assert first.usage.prompt_tokens >= text_only.usage.prompt_tokens + 6 + 8  # the two spans
+    hits = vlm.llm.engine.stats["encoder_cache"]["hits"]
+    events = list(client.chat.completions.create(model=MODEL, messages=messages("two"), max_tokens=2, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason] == ["length"]
+    assert vlm.llm.engine.stats["encoder_cache"]["hits"] == hits + 2
