@@ -43,7 +43,7 @@ from fastapi.responses import JSONResponse
 
 from deepseek_v41.chat import IMAGE, ChatFormatError, ChoiceParser, ImageSource, render_messages
 from deepseek_v41.engine.async_engine import EngineDeadError, EngineDrainingError, StepOutput
-from deepseek_v41.engine.multimodal import build_multimodal_prompt
+from deepseek_v41.model.image_processor import expand_image_placeholders
 from deepseek_v41.server.common import (
     ServerState,
     chat_logprobs,
@@ -166,11 +166,12 @@ async def encode_with_images(state: ServerState, prompt: str, count: int, add_sp
 
 
 def _expand(state: ServerState, ids: list[int], images: list) -> list[int]:
-    """The prompt with each placeholder expanded (:func:`deepseek_v41.engine.multimodal.build_multimodal_prompt`,
-    the engine's own check); its ValueError (an image over ``max_image_tokens``, a count mismatch) becomes a 400
-    naming the limit."""
+    """The prompt with each placeholder expanded into its image's span (the length the model sees, for the
+    context checks); a count mismatch becomes a 400. The engine expands again and hashes each image (its encoder
+    and prefix cache keys) on its own thread; nothing is hashed twice."""
     try:
-        expanded, _ = build_multimodal_prompt(ids, images, state.engine.engine.config)
+        expanded, _ = expand_image_placeholders(ids, [image.grid for image in images],
+                                                state.engine.engine.config.image_token_id)
     except ValueError as exc:
         raise APIError(str(exc), "messages", "invalid_value") from exc
     return expanded
