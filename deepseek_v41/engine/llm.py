@@ -181,6 +181,8 @@ class LLM:
         Raises ValueError for a prompt :meth:`generate` refuses."""
         images = None
         if isinstance(prompt, dict):  # vLLM's TokensPrompt / TextPrompt
+            if "prompt_token_ids" not in prompt and not isinstance(prompt.get("prompt"), str):
+                raise ValueError("a dict prompt needs 'prompt_token_ids' (a list of ids) or 'prompt' (a string)")
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"}
             if unknown:
                 raise ValueError(f"unknown prompt keys {sorted(unknown)}; a dict prompt takes 'prompt' or "
@@ -188,8 +190,6 @@ class LLM:
             images = self._multi_modal_data(prompt.get("multi_modal_data"))
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"]), images
-            if not isinstance(prompt.get("prompt"), str):
-                raise ValueError("a dict prompt needs 'prompt_token_ids' (a list of ids) or 'prompt' (a string)")
             prompt = prompt["prompt"]
         if not isinstance(prompt, str):
             raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")

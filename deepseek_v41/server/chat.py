@@ -134,12 +134,10 @@ def _vision_config(state: ServerState, sources: list[ImageSource]):
     return vision
 
 
-async def load_images(state: ServerState, sources: list[ImageSource]) -> list:
+async def load_images(state: ServerState, sources: list[ImageSource], vision) -> list:
     """The preprocessed images of a request, in order: each loaded (:func:`deepseek_v41.server.media.image_bytes`),
-    decoded and preprocessed before the next, so at most one decoded image is held at a time. APIError 400 naming
-    the part for anything refused."""
-    vision = _vision_config(state, sources)
-    check_image_count(len(sources), state.config.media)
+    decoded and preprocessed for ``vision`` (the model's vision config) before the next, so at most one decoded
+    image is held at a time. APIError 400 naming the part for anything refused."""
     processed = []
     for source in sources:
         data = await image_bytes(source, state.config.media)
@@ -217,9 +215,13 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_len
         raise APIError(str(exc), exc.where, "invalid_value") from exc
     check_text_fits(state, prompt, "messages")  # the rendered prompt holds every message's text
     images, prompt_ids = [], None
-    if sources:
-        images = await load_images(state, sources)
+    if sources:  # the cheap checks first: nothing is fetched for a request refused anyway
+        vision = _vision_config(state, sources)
+        check_image_count(len(sources), state.config.media)
         ids = await encode_with_images(state, prompt, len(sources), req.add_special_tokens)
+        if check_length:
+            check_prompt_ids(state, ids, "messages")  # the text alone, one position per image
+        images = await load_images(state, sources, vision)
         prompt_ids = await asyncio.to_thread(_expand, state, ids, images)
     else:
         (ids,) = await encode(state, [prompt], add_special_tokens=req.add_special_tokens)

@@ -197,6 +197,15 @@ def test_too_many_images_names_the_limit(client):
     assert "--limit-mm-per-prompt '{\"image\": 4}'" in body["message"] and body["code"] == "too_many_images"
 
 
+def test_nothing_is_fetched_for_a_request_refused_anyway(client, image_host):
+    url = f"http://127.0.0.1:{image_host.server_port}/ok.png?refused"
+    body = refusal(client, [{"role": "user", "content": [image_part(url)] * 5}])
+    assert body["code"] == "too_many_images"
+    body = refusal(client, [{"role": "user", "content": [image_part(url), {"type": "text", "text": "a " * 600}]}])
+    assert body["code"] == "context_length_exceeded"
+    assert not [hit for hit in image_host.hits if hit.endswith("?refused")]
+
+
 def test_image_tokens_over_the_context_name_the_limit(client, media, monkeypatch):
     monkeypatch.setattr(media, "limit_images", 16)
     big = image_part(data_url(Image.new("RGB", (1000, 1000), "white")))  # shrunk to the 64-position budget

@@ -63,6 +63,7 @@ class _Images(BaseHTTPRequestHandler):
 
     def do_GET(self):  # noqa: N802 (http.server's name)
         path = self.path
+        self.server.hits.append(path)
         files = self.server.files
         if path in files:
             self._send(200, files[path], {"Content-Type": "image/png"})
@@ -117,6 +118,7 @@ def local_image_host(files: dict[str, bytes]):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Images)
     server.daemon_threads = True
     server.files = files
+    server.hits = []  # the paths asked for, in order
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
