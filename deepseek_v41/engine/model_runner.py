@@ -222,9 +222,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ helpers
     def _context(self, seqs: list[Sequence], positions: torch.Tensor, ends: list[int],
                  key_limit: torch.Tensor | None = None) -> PagedContext:
-        extra = {} if key_limit is None else {"key_limit": key_limit}  # image spans: bidirectional window keys
+        """The paged context of a forward; ``key_limit`` [B, T]: the window keys of image-span queries (None: text)."""
         return PagedContext(self.cache, [s.slot for s in seqs], [s.block_table for s in seqs], positions, ends,
-                            self.dtype, [s.write_from for s in seqs], **extra)
+                            self.dtype, [s.write_from for s in seqs], key_limit)
 
     def _image_layout(self, seq: Sequence, start: int, end: int, positions: torch.Tensor
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

@@ -5,7 +5,10 @@ most recently arrived running sequences when the pool is short); the rest of the
 ``max_num_batched_tokens`` goes to prefill chunks — first of running sequences, then of waiting ones in arrival
 order (FIFO: a waiting request that does not fit blocks the ones behind it). Preempted sequences free their
 pages and slot and go back to the front of the queue; they later recompute prompt + output. A chunk never ends
-inside an image span (:func:`image_safe_end`). The scheduler
+inside an image span (:func:`image_safe_end`): a chunk that starts at (or, replaying, inside) a span takes all of
+it, so a step may exceed ``max_num_batched_tokens`` by less than one span (``max_image_tokens``), after which it
+schedules no more prefill; this way an image longer than the budget still runs and no span waits for room. The
+scheduler
 decides; it never computes. It owns the :class:`~deepseek_v41.cache.kv_cache_manager.KVCacheManager`: admission
 takes a slot and looks the prefix up there (a hit moves ``num_computed`` past the cached pages), preemption and
 finish free pages and slot there.
