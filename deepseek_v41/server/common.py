@@ -325,7 +325,9 @@ async def start_generation(state: ServerState, request_id: str, ids: list[int], 
     if params.max_tokens is not None:
         state.metrics.request_started(params.max_tokens)
     if state.config.log_requests:
-        logger.info("Received request %s: %d prompt tokens, %s", request_id, len(ids), params)
+        images = len(multi_modal_data["image"]) if multi_modal_data else 0
+        logger.info("Received request %s: %d prompt tokens%s, %s", request_id, len(first.output.prompt_token_ids),
+                    f" ({images} images)" if images else "", params)
     return stream, first
 
 
