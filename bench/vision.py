@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         ms = row["ttft_ms"]
         print(f"{arm:<18} {row['prompt_positions']:>9} {statistics.median(ms):>8.1f} "
               f"{f'{min(ms):.1f}-{max(ms):.1f}':>15}")
-    print(f"encoder cache over the rounds: {counters['hits']} hits, {counters['misses']} misses "
-          f"(expected {args.rounds} and {args.rounds})")
+    print(f"encoder cache over the rounds: hits {counters['hits']}, misses {counters['misses']} (expected "
+          f"{args.rounds} each: one per round of the hit and the miss arm)")
     if args.save_json:
         args.save_json.write_text(json.dumps({"model": what, "dtype": args.dtype, "device": args.device,
                                               "rounds": args.rounds, "encode": encode, "ttft": ttft,
