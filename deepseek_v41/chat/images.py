@@ -1,4 +1,4 @@
-"""Image content parts: where an image part's pixels come from, and turning bytes into a checked PIL image.
+"""Image content parts: where an image part's pixels come from, data URLs, in-process reads, placeholder splits.
 
 Accepted parts (CHAT_FORMAT.md §2 rule 1; each renders as one ``<｜deepseek_image｜>`` placeholder):
 
