@@ -21,7 +21,7 @@ free reasoning in thinking mode). "auto" constrains a tool block only once the m
 Images (issue 27): image content parts (``image_url`` with a data URL or an http(s) URL, ``input_image``, ``image``:
 :mod:`deepseek_v41.chat.images`), several per message and across messages, render as one placeholder each; the
 images are loaded under the server's media policy (:mod:`deepseek_v41.server.media`), decoded and preprocessed
-(:func:`deepseek_v41.engine.multimodal.process_images`) one at a time on a worker thread, and handed to the engine
+(:func:`deepseek_v41.engine.multimodal.process_images`) one at a time on the media threads, and handed to the engine
 as ``multi_modal_data={"image": [...]}`` in the order of their placeholders in the prompt. The prompt is tokenized
 around the placeholders and gets ``image_token_id`` in their places (the engine expands each into its image span),
 so the placeholder's spelling in the tokenizer does not matter. Limits are checked on the expanded prompt: its
@@ -57,7 +57,7 @@ from deepseek_v41.server.common import (
     usage,
 )
 from deepseek_v41.server.errors import APIError
-from deepseek_v41.server.media import check_image_count, image_bytes, preprocess
+from deepseek_v41.server.media import check_image_count, image_bytes, in_media_thread, preprocess
 from deepseek_v41.server.protocol import ChatCompletionRequest
 from deepseek_v41.server.streaming import SSEResponse
 from deepseek_v41.server.structured import Constraint, engine_params, request_constraint, tool_constraint
@@ -141,7 +141,7 @@ async def load_images(state: ServerState, sources: list[ImageSource], vision) ->
     processed = []
     for source in sources:
         data = await image_bytes(source, state.config.media)
-        processed.append(await asyncio.to_thread(preprocess, data, state.config.media, vision, source.where))
+        processed.append(await in_media_thread(preprocess, data, state.config.media, vision, source.where))
         del data
     return processed
 

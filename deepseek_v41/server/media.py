@@ -19,16 +19,19 @@ Policy (:class:`MediaConfig`, ``dsv41 serve`` flags named as vLLM's where vLLM h
   :data:`DEFAULT_LIMIT_IMAGES`); more is a 400 naming the limit.
 
 Decoding (Pillow, at most ``max_image_pixels`` read from the header: :func:`deepseek_v41.engine.multimodal.
-decode_image`) and preprocessing run in a worker thread, never on the event loop; images are loaded and decoded
-one at a time, so a request holds at most one full-size decoded image.
+decode_image`) and preprocessing run on a pool of :data:`MEDIA_THREADS` worker threads of their own, never on the
+event loop; a request loads and decodes its images one at a time, and the server holds at most
+:data:`MEDIA_THREADS` full-size decoded images at once.
 Every refusal is an :class:`~deepseek_v41.server.errors.APIError` 400 naming the content part.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
@@ -44,6 +47,15 @@ DEFAULT_FETCH_TIMEOUT_S = 5.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT default
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024  # encoded bytes per image (OpenAI's limit per image is 20 MB)
 MAX_REDIRECTS = 5
 ANY_HOST = "*"
+MEDIA_THREADS = 4
+# Decoding and preprocessing run here, not in asyncio's default pool (which tokenizes text): a burst of image
+# requests neither delays text requests' tokenization nor holds more than MEDIA_THREADS full-size decoded images.
+_media_pool = ThreadPoolExecutor(max_workers=MEDIA_THREADS, thread_name_prefix="dsv41-media")
+
+
+async def in_media_thread(fn, *args):
+    """``fn(*args)`` on the media worker pool (:data:`MEDIA_THREADS` threads), awaited."""
+    return await asyncio.get_running_loop().run_in_executor(_media_pool, functools.partial(fn, *args))
 
 
 @dataclass
@@ -140,17 +152,17 @@ def _shown(url: str) -> str:
 
 async def image_bytes(source: ImageSource, config: MediaConfig) -> bytes:
     """The encoded bytes of one image part under ``config``'s policy; APIError 400 naming the part otherwise.
-    A data URL is decoded in a worker thread; a fetch runs on the event loop (it awaits the network)."""
+    A data URL is decoded on the media pool; a fetch runs on the event loop (it awaits the network)."""
     scheme = source.scheme
     if scheme == "data":
         try:
-            return await asyncio.to_thread(data_url_bytes, source.url, config.max_image_bytes, source.where)
+            return await in_media_thread(data_url_bytes, source.url, config.max_image_bytes, source.where)
         except ValueError as exc:
             raise APIError(str(exc), source.where, "invalid_image") from None
     if scheme in ("http", "https"):
         return await _fetch(source, config)
     if scheme == "file":
-        return await asyncio.to_thread(_read_local, source, config)
+        return await in_media_thread(_read_local, source, config)
     raise APIError(f"{source.where}: an image URL must be a data URL (data:image/png;base64,...), http(s):// or "
                    f"file://, got {_shown(source.url)!r}", source.where, "invalid_image")
 
