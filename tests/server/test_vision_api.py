@@ -235,20 +235,25 @@ def test_decompression_bomb_is_refused_before_decoding(client, media, monkeypatc
     assert "10,100 pixels" in body["message"] and "10,000 pixels" in body["message"]
 
 
-def test_the_event_loop_keeps_serving_while_an_image_is_fetched(vlm, image_host):
-    """A slow fetch waits on the network, not on the event loop: /health answers meanwhile."""
+def test_the_event_loop_keeps_serving_while_an_image_is_fetched(vlm, image_host, media, monkeypatch):
+    """A slow fetch (2 s: a byte every 0.1 s) awaits the network, not the event loop: /health answers meanwhile."""
+    monkeypatch.setattr(media, "fetch_timeout_s", 10.0)
     url = f"http://127.0.0.1:{image_host.server_port}/slow"
     body = {"model": MODEL, "messages": [{"role": "user", "content": [image_part(url)]}], "max_tokens": 2}
     result = {}
     thread = threading.Thread(target=lambda: result.update(r=httpx.post(
         vlm.v1 + "/chat/completions", json=body, headers=auth(KEYS[0]), timeout=30)))
+    seen = len(image_host.hits)
+    started = time.monotonic()
     thread.start()
-    time.sleep(0.1)
+    while "/slow" not in image_host.hits[seen:]:  # the fetch is under way
+        assert time.monotonic() - started < 10
+        time.sleep(0.01)
     start = time.monotonic()
     assert httpx.get(vlm.url + "/health", timeout=5).status_code == 200
-    assert time.monotonic() - start < FETCH_TIMEOUT_S
+    assert time.monotonic() - start < 1.0
     thread.join(30)
-    assert result["r"].status_code == 400
+    assert result["r"].status_code == 400 and time.monotonic() - started > 1.5  # the fetch did take its time
 
 
 def test_image_requests_complete_and_repeat_with_the_encoder_cache(vlm, client):
