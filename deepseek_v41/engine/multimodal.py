@@ -41,6 +41,9 @@ from deepseek_v41.model.image_processor import (
 # Largest image (width * height, pixels) decoded from bytes: Pillow's default ``Image.MAX_IMAGE_PIXELS``
 # (89,478,485 px, ~256 MiB as RGB), checked from the file header before any pixel is decoded.
 MAX_IMAGE_PIXELS = 89_478_485
+# Formats decoded from bytes. Others (EPS runs Ghostscript, PSD, ...) are refused: they are not photos or
+# screenshots a client sends, and some of Pillow's readers for them are large attack surfaces.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes multi-picture (MPO) files
 # Domain tag of :func:`image_hash`; change it when the meaning of the hashed bytes changes.
 _HASH_TAG = b"dsv41-image-v1\0"
 
@@ -86,9 +89,22 @@ class MultiModalInputs:
         """Prompt positions inside image spans (delimiters and newlines included)."""
         return sum(item.length for item in self.images)
 
+    def overlapping(self, start: int, end: int) -> tuple[ImageItem, ...]:
+        """The images whose span shares a position with ``[start, end)`` (prompt order): the images of a prefill
+        chunk, or of a prefix-cache block (its extra keys)."""
+        return tuple(item for item in self.images if item.offset < end and start < item.end)
+
+    def boundary_at_or_before(self, pos: int) -> int:
+        """The largest position ``p <= pos`` that does not cut a span: ``pos`` itself unless a span lies across it
+        (``offset < pos < end``), then that span's offset. Where a chunk or a prefix-cache hit may end."""
+        for item in self.images:
+            if item.offset < pos < item.end:
+                return item.offset
+        return pos
+
 
 def decode_image(data: bytes | bytearray | memoryview, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
-    """Decode encoded image bytes (any format Pillow reads: PNG, JPEG, WebP, GIF's first frame, ...).
+    """Decode encoded image bytes in one of :data:`IMAGE_FORMATS` (PNG, JPEG, WebP, GIF's first frame, BMP, TIFF).
 
     The size is read from the header first: an image over ``max_pixels`` (width * height) is refused before its
     pixels are decoded (decompression-bomb guard; Pillow's own ``Image.MAX_IMAGE_PIXELS`` check, which refuses
@@ -100,18 +116,18 @@ def decode_image(data: bytes | bytearray | memoryview, max_pixels: int = MAX_IMA
 
     data = bytes(data)
     if not data:
-        raise ValueError("the image data is empty (0 bytes); send an encoded image (PNG, JPEG, WebP, ...)")
+        raise ValueError(f"the image data is empty (0 bytes); send an encoded image ({', '.join(IMAGE_FORMATS)})")
     limit_msg = (f"is over the limit of {max_pixels:,} pixels (width x height) that this server decodes; "
                  f"send a smaller image")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the explicit check below decides
         try:
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
         except Image.DecompressionBombError as exc:
             raise ValueError(f"the image {limit_msg} ({exc})") from exc
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
             raise ValueError(f"cannot decode the image data ({len(data):,} bytes starting {data[:8]!r}): {exc}; "
-                             f"send a PNG, JPEG, WebP or another format Pillow reads") from exc
+                             f"the formats read are {', '.join(IMAGE_FORMATS)}") from exc
         width, height = image.size
         if width * height > max_pixels:
             raise ValueError(f"the image of {width}x{height} = {width * height:,} pixels {limit_msg}")

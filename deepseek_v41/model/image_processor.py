@@ -1,26 +1,47 @@
-"""Image preprocessing and image-span layout (MODEL_REFERENCE.md §3.18, CHAT_FORMAT.md §3 (h)).
+"""Image preprocessing and image-span layout (MODEL_REFERENCE.md §3.18, CHAT_FORMAT.md §3 (h), issue 27).
 
-An image of ``width x height`` pixels becomes
+An image of ``W x H`` pixels becomes
 
 - a canvas of ``n_vit_h x n_vit_w`` patches of ``patch_size`` (14) pixels for the ViT, and
-- a grid of ``n_llm_h x n_llm_w`` LLM tokens after the aligner's ``downsample_ratio`` (3x3) merge, where
-  ``n_llm = ceil(n_vit / 3)`` (the aligner pads a ragged edge, see :class:`~deepseek_v41.model.vision.Aligner`).
+- a grid of ``n_llm_h x n_llm_w`` LLM tokens after the aligner's ``downsample_ratio`` (3x3) merge,
+  ``n_llm = ceil(n_vit / 3)``; the canvas sides are whole token cells (``c = patch_size * downsample_ratio`` =
+  42 px), so ``n_vit = 3 * n_llm`` and the aligner never pads a ragged edge.
 
 In the prompt each ``<｜deepseek_image｜>`` placeholder expands to the span
-``[IMAGE_START] + ([IMAGE] * n_llm_w + [IMAGE_NEWLINE]) * n_llm_h + [IMAGE_END]``; every span position carries
-``image_token_id`` in ``input_ids`` and its role travels in a separate ``token_types`` list (:class:`TokenType`).
+``[IMAGE_START] + ([IMAGE] * n_llm_w + [IMAGE_NEWLINE]) * n_llm_h + [IMAGE_END]`` of
+``n_llm_h * (n_llm_w + 1) + 2`` positions; every span position carries ``image_token_id`` in ``input_ids`` and its
+role travels in a separate ``token_types`` list (:class:`TokenType`).
 
-Sizing (:func:`plan_image_grid`) follows the release's ``image_processor.py`` as public ports describe it [S]:
-an image under ``min_pixels`` is scaled up (aspect kept) to about ``min_pixels``; each side is rounded *up* to a
-whole number of patches; if the span would then exceed ``max_image_tokens`` the image is scaled down, aspect
-kept, to the largest grid whose span fits. Note that the budget counts the whole span (delimiters and one
-newline per row), not just the ``n_llm_h * n_llm_w`` IMAGE tokens.
+Rules (issue 27, which agree with TensorRT-LLM's and SGLang's V4.1 processors; :func:`plan_image`):
 
-Pixels (:func:`preprocess_image`): the image is fitted into the canvas with its aspect ratio kept (bicubic) and
-centred on grey 127 padding, scaled to [0, 1] and normalised with mean 0.5 and std 0.5 per channel, i.e. to
-[-1, 1]. The mean/std are **[?]**: MODEL_REFERENCE.md §9 item 7 says the official values were not captured;
-0.5/0.5 is what every public port of the release and the timm remap of its ViT use. Pillow does the resizing
-(imported when an image is processed, so the model imports without it).
+1. **Colour.** ``PIL.Image.convert("RGB")``: no EXIF transpose, no alpha compositing (RGBA / LA / PA lose their
+   alpha channel as Pillow's convert drops it; palette, grey and other modes convert through Pillow).
+2. **Image cells.** The image covers ``a = ceil(H / c)`` rows and ``b = ceil(W / c)`` columns of cells.
+3. **Aspect (``max_wh_ratio`` = rho, None in the release = no limit).** The short side is padded until
+   long / short <= rho in cells: ``h = max(a, ceil(b / rho))``, ``w = max(b, ceil(a / rho))``.
+4. **Area (``min_pixels``, 295,936 = 544**2 in the release).** The canvas must hold at least
+   ``n = ceil(min_pixels / c**2)`` cells (so its area in pixels is >= min_pixels). When ``h * w < n``, padding
+   grows the short side ``s`` to ``ceil(n / L)`` (L the long side) if ``L * L >= n``, else both sides to the
+   square ``q = ceil(sqrt(n))``. Growing the short side never breaks rule 3.
+5. **Token cap (``max_image_tokens``, 1024 in the release, counting the whole span).** When the canvas of rules
+   2-4 has ``h * (w + 1) + 2 > max_image_tokens``, the image is scaled *down*, aspect kept, bicubic, and rules
+   2-4 are applied again to the scaled size. The scale is the largest of the form ``k * c / W`` or
+   ``k * c / H`` (integer k >= 1, scale < 1: one side becomes exactly k cells, the other
+   ``round(side * scale)`` >= 1 px) whose canvas fits. This is the only resize: an image is never scaled up,
+   and an image within the caps is placed pixel for pixel.
+6. **Placement.** The (possibly scaled) image is pasted on a canvas of ``h * c x w * c`` pixels filled with grey
+   (127, 127, 127), at offset ``((w * c - W') // 2, (h * c - H') // 2)`` (centred, extra pixel right/bottom).
+7. **Normalisation.** ``(x / 255 - 0.5) / 0.5`` per channel, i.e. [-1, 1] (mean/std 0.5 as every public port
+   and the timm remap of the ViT use; MODEL_REFERENCE.md §9 item 7 says the official values were not captured).
+
+Consequence: an image whose sides are whole multiples of ``c`` (42 px), whose area is at least ``min_pixels``
+and which is within ``max_wh_ratio`` and ``max_image_tokens`` goes through unchanged (no resize, no padding).
+Why pad instead of resize: the issue asks to resize only when a cap applies; rendered text stays sharp at its
+own scale. Earlier versions of this file scaled small images *up* to min_pixels and rounded to 14-pixel patches.
+
+Config checks (:func:`check_vision_config`): ``max_image_tokens`` must hold the min_pixels square (rule 4),
+``max_wh_ratio`` must be >= 1. Pillow does the converting and resizing (imported when an image is processed,
+so the model imports without it).
 
 Patch layout: patches are listed in reading order (row-major over the ``n_vit_h x n_vit_w`` grid) and each is
 flattened channel-major to ``3 * 14 * 14 = 588`` values, index ``c * 196 + y * 14 + x`` for channel ``c`` (RGB)
@@ -32,7 +53,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +81,7 @@ class TokenType(enum.IntEnum):
 
 @dataclass(frozen=True)
 class ImageGrid:
-    """The resize plan of one image: canvas size in pixels, ViT patch grid and LLM token grid."""
+    """The grid of one image: canvas size in pixels (whole token cells), ViT patch grid and LLM token grid."""
 
     height: int  # canvas height in pixels, n_vit_h * patch_size
     width: int  # canvas width in pixels, n_vit_w * patch_size
@@ -126,58 +147,131 @@ def expand_image_placeholders(token_ids: Sequence[int], grids: Sequence[ImageGri
     return ids, types
 
 
-def _llm_side(pixels: int, patch_size: int, ratio: int) -> int:
-    return math.ceil((pixels // patch_size) / ratio)
+@dataclass(frozen=True)
+class ImagePlan:
+    """How one image is laid out (module docstring, rules 2-6): its grid, the size it is pasted at and where."""
+
+    grid: ImageGrid
+    resized_width: int  # W' in pixels: the image's width on the canvas (W unless rule 5 scaled it)
+    resized_height: int  # H' in pixels
+    left: int  # x offset of the image on the canvas, pixels
+    top: int  # y offset of the image on the canvas, pixels
+    scaled: bool  # rule 5 (the token cap) scaled the image down to resized_width x resized_height
 
 
-def _shrink_to_budget(height: float, width: float, patch_size: int, ratio: int, max_tokens: int) -> tuple[int, int]:
-    """The largest aspect-kept canvas (h, w) in pixels whose span fits ``max_tokens``.
+def check_vision_config(cfg: VisionConfig) -> None:
+    """Raise ValueError unless ``cfg`` can plan every image: positive ``patch_size`` / ``downsample_ratio``,
+    ``max_wh_ratio`` None or >= 1, and ``max_image_tokens`` at least the span of the min_pixels square
+    ``q x q`` (rule 4), which is also >= 4 (a 1x1 grid)."""
+    if cfg.patch_size < 1 or cfg.downsample_ratio < 1:
+        raise ValueError(f"patch_size ({cfg.patch_size}) and downsample_ratio ({cfg.downsample_ratio}) must be >= 1")
+    if cfg.max_wh_ratio is not None and not cfg.max_wh_ratio >= 1:
+        raise ValueError(f"max_wh_ratio={cfg.max_wh_ratio} must be >= 1 (long side over short side) or None")
+    q = _min_square(cfg)
+    if image_span_length(q, q) > cfg.max_image_tokens:
+        raise ValueError(f"max_image_tokens={cfg.max_image_tokens} cannot hold the {q}x{q}-token canvas that "
+                         f"min_pixels={cfg.min_pixels} needs ({image_span_length(q, q)} span positions)")
 
-    With ``a = height / width`` and an LLM grid of ``a * n x n``, the span ``a n (n + 1) + 2 <= max_tokens``
-    gives ``n = sqrt((max_tokens - 2) / a + 1/4) - 1/2``. Both grid sides are floored to whole tokens and the
-    canvas is scaled so neither is exceeded; a side below one token collapses to a single row or column.
+
+def _min_cells(cfg: VisionConfig) -> int:
+    cell = cfg.patch_size * cfg.downsample_ratio
+    return max(1, -(-cfg.min_pixels // (cell * cell)))
+
+
+def _min_square(cfg: VisionConfig) -> int:
+    n = _min_cells(cfg)
+    return math.isqrt(n - 1) + 1  # ceil(sqrt(n)) in integers
+
+
+def _canvas_cells(width: int, height: int, cfg: VisionConfig) -> tuple[int, int]:
+    """Rules 2-4: (rows, columns) of token cells of the canvas for an image of ``width x height`` pixels."""
+    cell = cfg.patch_size * cfg.downsample_ratio
+    a, b = -(-height // cell), -(-width // cell)
+    h, w = a, b
+    if cfg.max_wh_ratio is not None:
+        h, w = max(a, math.ceil(b / cfg.max_wh_ratio)), max(b, math.ceil(a / cfg.max_wh_ratio))
+    n = _min_cells(cfg)
+    if h * w < n:
+        long_side = max(h, w)
+        if long_side * long_side >= n:
+            short = -(-n // long_side)
+            h, w = (long_side, short) if h >= w else (short, long_side)
+        else:
+            h = w = _min_square(cfg)
+    return h, w
+
+
+def _best_scale(side: int, other: int, cell: int, n: int, fits: Callable[[int, int], bool]
+                ) -> tuple[int, int] | None:
+    """Rule 5 for one family of scales ``k * cell / side``: the largest k (``k * cell < side``) for which
+    ``fits(k * cell, round(other * k * cell / side))`` holds, as that (scaled side, scaled other) pair, or None.
+
+    Exact: for k >= n (``_min_cells``) rule 4 is inactive and the span only grows with k, so bisection decides
+    there; the k below n (fewer than n, a few hundred) are tried one by one.
     """
-    aspect = height / width
-    n_w = math.sqrt((max_tokens - 2) / aspect + 0.25) - 0.5
-    n_h = n_w * aspect
-    cell = patch_size * ratio
-    if n_w < 1.0:  # very tall: one column of (max_tokens - 2) // 2 rows
-        return (max_tokens - 2) // 2 * cell, cell
-    if n_h < 1.0:  # very wide: one row of max_tokens - 3 tokens
-        return cell, (max_tokens - 3) * cell
-    scale = min(math.floor(n_w) * cell / width, math.floor(n_h) * cell / height)
-    return (math.floor(height * scale / patch_size) * patch_size,
-            math.floor(width * scale / patch_size) * patch_size)
+    def sizes(k: int) -> tuple[int, int]:
+        return k * cell, max(1, (2 * other * k * cell + side) // (2 * side))  # round half up, >= 1 px
+
+    k_max = (side - 1) // cell  # k * c < side: a real reduction
+    if k_max < 1:
+        return None
+    lo = min(n, k_max)
+    if fits(*sizes(lo)):
+        hi = k_max
+        while lo < hi:  # invariant: lo fits
+            mid = (lo + hi + 1) // 2
+            if fits(*sizes(mid)):
+                lo = mid
+            else:
+                hi = mid - 1
+        return sizes(lo)
+    for k in range(lo - 1, 0, -1):
+        if fits(*sizes(k)):
+            return sizes(k)
+    return None
 
 
-def plan_image_grid(width: int, height: int, cfg: VisionConfig) -> ImageGrid:
-    """The canvas, patch grid and token grid of a ``width x height`` image (pixels), per the module docstring.
+def plan_image(width: int, height: int, cfg: VisionConfig) -> ImagePlan:
+    """The layout of a ``width x height`` image (pixels) by the module docstring's rules 2-6.
 
-    Guarantees: the span is at most ``cfg.max_image_tokens``; the canvas is at least the image scaled up to
-    ``cfg.min_pixels`` whenever that fits the budget — up to the reference's truncation of the scaled-up size to
-    whole pixels (under one pixel per side) before rounding up to patches. ``cfg.max_wh_ratio`` (None in the
-    release) first clamps the width to ``height * max_wh_ratio``.
-    Raises ValueError for a non-positive size or a budget below the 4 positions of a 1x1 grid.
+    Guarantees: the span is at most ``cfg.max_image_tokens``; canvas sides are whole 42-px cells (patch_size *
+    downsample_ratio); the canvas area is >= ``cfg.min_pixels`` and its long/short side ratio <= ``max_wh_ratio``;
+    the image is resized only when the token cap requires it, and then by the largest admissible scale.
+    Raises ValueError for a non-positive size and for a config :func:`check_vision_config` refuses.
     """
     if width <= 0 or height <= 0:
         raise ValueError(f"image size must be positive, got {width}x{height} pixels")
-    p, r, budget = cfg.patch_size, cfg.downsample_ratio, cfg.max_image_tokens
-    if budget < image_span_length(1, 1):
-        raise ValueError(f"max_image_tokens={budget} cannot hold even a 1x1 image (4 span positions)")
-    w, h = float(width), float(height)
-    if cfg.max_wh_ratio is not None and w > h * cfg.max_wh_ratio:
-        w = h * cfg.max_wh_ratio
-    if w * h < cfg.min_pixels:
-        scale = math.sqrt(cfg.min_pixels / (w * h))
-        w, h = float(int(w * scale)), float(int(h * scale))
-    canvas_h, canvas_w = math.ceil(h / p) * p, math.ceil(w / p) * p
-    if image_span_length(_llm_side(canvas_h, p, r), _llm_side(canvas_w, p, r)) > budget:
-        canvas_h, canvas_w = _shrink_to_budget(h, w, p, r, budget)
-    grid = ImageGrid(canvas_h, canvas_w, canvas_h // p, canvas_w // p, _llm_side(canvas_h, p, r),
-                     _llm_side(canvas_w, p, r))
-    if grid.span_length > budget:  # unreachable by the algebra above; a loud guard against a silent overflow
+    check_vision_config(cfg)
+    cell, budget = cfg.patch_size * cfg.downsample_ratio, cfg.max_image_tokens
+
+    def span_of(w_px: int, h_px: int) -> int:
+        return image_span_length(*_canvas_cells(w_px, h_px, cfg))
+
+    w_px, h_px, scaled = width, height, False
+    if span_of(width, height) > budget:
+        n = _min_cells(cfg)
+        by_width = _best_scale(width, height, cell, n, lambda w, h: span_of(w, h) <= budget)  # (W', H')
+        by_height = _best_scale(height, width, cell, n, lambda h, w: span_of(w, h) <= budget)  # (H', W')
+        options = []  # (scale, W', H')
+        if by_width is not None:
+            options.append((by_width[0] / width, *by_width))
+        if by_height is not None:
+            options.append((by_height[0] / height, by_height[1], by_height[0]))
+        if not options:  # unreachable: a 1-cell side always fits once check_vision_config passed
+            raise ValueError(f"image {width}x{height} cannot be fitted into max_image_tokens={budget}")
+        _, w_px, h_px = max(options)
+        scaled = True
+    h, w = _canvas_cells(w_px, h_px, cfg)
+    r = cfg.downsample_ratio
+    grid = ImageGrid(h * cell, w * cell, h * r, w * r, h, w)
+    if grid.span_length > budget:  # unreachable by the rules above; a loud guard against a silent overflow
         raise ValueError(f"image {width}x{height} needs {grid.span_length} span positions, budget {budget}")
-    return grid
+    return ImagePlan(grid, w_px, h_px, (grid.width - w_px) // 2, (grid.height - h_px) // 2, scaled)
+
+
+def plan_image_grid(width: int, height: int, cfg: VisionConfig) -> ImageGrid:
+    """The canvas, patch grid and token grid of a ``width x height`` image: :func:`plan_image`'s grid."""
+    return plan_image(width, height, cfg).grid
 
 
 def _to_pil(image: Any):
@@ -193,22 +287,24 @@ def _to_pil(image: Any):
 
 
 def preprocess_image(image: Any, cfg: VisionConfig) -> ProcessedImage:
-    """Resize, pad, normalise and patchify one image for the ViT (module docstring).
+    """Convert, (only under the token cap) resize, letterbox, normalise and patchify one image for the ViT
+    (module docstring, rules 1-7).
 
-    ``image``: a PIL image (any mode; converted to RGB) or a uint8 RGB array [height, width, 3] (numpy or torch).
+    ``image``: a PIL image (any mode; ``convert("RGB")``) or a uint8 RGB array [height, width, 3] (numpy or torch).
     Returns a :class:`ProcessedImage` with float32 patches [n_vit_h * n_vit_w, 3 * patch_size**2] in [-1, 1].
-    Raises ValueError for an empty image or a malformed array.
+    Raises ValueError for an empty image, a malformed array or a config :func:`check_vision_config` refuses.
     """
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     pil = _to_pil(image)
-    grid = plan_image_grid(pil.width, pil.height, cfg)
-    size = (grid.width, grid.height)
-    if cfg.max_wh_ratio is not None and pil.width >= cfg.max_wh_ratio * pil.height:
-        # The width was clamped in the plan, so the image is squeezed to the canvas instead of letterboxed.
-        pil = pil.resize(size, resample=Image.Resampling.BICUBIC)
-    else:
-        pil = ImageOps.pad(pil, size, color=PAD_COLOR)
+    plan = plan_image(pil.width, pil.height, cfg)
+    grid = plan.grid
+    if plan.scaled:
+        pil = pil.resize((plan.resized_width, plan.resized_height), resample=Image.Resampling.BICUBIC)
+    if (plan.resized_width, plan.resized_height) != (grid.width, grid.height):
+        canvas = Image.new("RGB", (grid.width, grid.height), PAD_COLOR)
+        canvas.paste(pil, (plan.left, plan.top))
+        pil = canvas
     pixels = torch.from_numpy(np.asarray(pil, dtype=np.float32).copy()).permute(2, 0, 1) / 255.0
     mean = torch.tensor(IMAGE_MEAN).view(3, 1, 1)
     std = torch.tensor(IMAGE_STD).view(3, 1, 1)

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from deepseek_v41.chat import encode_messages
@@ -36,6 +38,7 @@ from deepseek_v41.engine.multimodal import (
     process_images,
 )
 from deepseek_v41.model.image_processor import ImageGrid, ProcessedImage, TokenType, preprocess_image
+from deepseek_v41.model.vision import _span_shapes
 
 P = 509  # image_token_id of the test config
 S, I, N, E, T = (int(t) for t in (TokenType.IMAGE_START, TokenType.IMAGE, TokenType.IMAGE_NEWLINE,
@@ -80,6 +83,12 @@ def test_build_prompt_records_spans_by_hand():
     assert mm.num_image_tokens == 11
     assert mm.images[0].image is a and mm.images[1].image is b
     assert [item.hash for item in mm.images] == [image_hash(a), image_hash(b)]
+    # images of a range (half-open): [0, 1) is text only, [5, 8) touches both spans, [6, 7) only the text between
+    assert mm.overlapping(0, 1) == () and mm.overlapping(6, 7) == ()
+    assert mm.overlapping(5, 8) == mm.images and mm.overlapping(0, 2) == mm.images[:1]
+    assert mm.overlapping(12, 100) == mm.images[1:]
+    # where a chunk may end: 1, 6, 7 and 13 are span edges or text; 3 and 10 cut a span
+    assert [mm.boundary_at_or_before(p) for p in (0, 1, 3, 6, 7, 10, 13)] == [0, 1, 1, 6, 7, 7, 13]
     # no image: the prompt is unchanged and all text
     ids, mm = build_multimodal_prompt([3, 4], [], CFG)
     assert ids == [3, 4] and mm.images == () and mm.token_types == (T, T) and mm.spans() == []
@@ -172,6 +181,15 @@ def test_process_images_refuses_bad_input_clearly():
         process_images([truncated], VC)
     with pytest.raises(ValueError, match="float32"):
         process_images([ProcessedImage(torch.zeros(9, 13), ImageGrid(6, 6, 3, 3, 1, 1))], VC)
+    # a format Pillow reads but a client has no reason to send (EPS would run Ghostscript): refused unread
+    eps = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(eps, format="EPS")
+    with pytest.raises(ValueError, match="cannot decode.*the formats read are PNG, JPEG, WEBP, GIF, BMP, TIFF"):
+        process_images([eps.getvalue()], VC)
+    for fmt in ("WEBP", "GIF", "BMP", "TIFF"):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 5), (1, 2, 3)).save(buf, format=fmt)
+        assert process_images([buf.getvalue()], VC)[0].grid == preprocess_image(Image.new("RGB", (8, 5)), VC).grid
 
 
 def test_decompression_bomb_is_refused_before_decoding():
@@ -251,3 +269,32 @@ def test_made_image_helper_matches_the_span_formula():
         im = made_image(h, w)
         assert im.grid.span_length == h * (w + 1) + 2 and im.patches.shape == (9 * h * w, 12)
         assert (im.grid.n_llm_h, im.grid.n_llm_w) == (math.ceil(im.grid.n_vit_h / 3), math.ceil(im.grid.n_vit_w / 3))
+
+
+# ---------------------------------------------------------------------------------------------- property
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_expansion_spans_and_types_agree(data):
+    n_images = data.draw(st.integers(0, 4))
+    grids = [(data.draw(st.integers(1, 4)), data.draw(st.integers(1, 5))) for _ in range(n_images)]
+    text = data.draw(st.lists(st.integers(0, P - 1), max_size=12))
+    prompt = list(text)
+    for _ in range(n_images):  # placeholders at random places
+        prompt.insert(data.draw(st.integers(0, len(prompt))), P)
+    images = [made_image(h, w, seed=k) for k, (h, w) in enumerate(grids)]
+    ids, mm = build_multimodal_prompt(prompt, images, CFG)
+    assert len(ids) == len(mm.token_types) == len(text) + sum(h * (w + 1) + 2 for h, w in grids)
+    spans = mm.spans()
+    assert [item.length for item in mm.images] == [h * (w + 1) + 2 for h, w in grids]
+    assert all(a < b <= c for (a, b), (c, _) in zip(spans, spans[1:], strict=False))  # prompt order, no overlap
+    inside = set()
+    for (start, end), (h, w) in zip(spans, grids, strict=True):
+        row = [I] * w + [N]
+        assert list(mm.token_types[start:end]) == [S] + row * h + [E]
+        assert ids[start:end] == [P] * (end - start)
+        inside.update(range(start, end))
+    outside = [i for i in range(len(ids)) if i not in inside]
+    assert [ids[i] for i in outside] == text and all(mm.token_types[i] == T for i in outside)
+    # the model's own span parser reads the same grids back from the token types
+    assert _span_shapes(list(mm.token_types)) == grids
+    assert mm.num_image_tokens == len(inside)
