@@ -239,6 +239,9 @@ def serve(
     max_image_bytes: int | None = typer.Option(None, parser=lambda v: _positive_int(v, "--max-image-bytes"),
                                                metavar="INTEGER", help="Encoded bytes per image at most (fetched, "
                                                "read or in a data URL), e.g. 5M (default 20M = 20 MiB)."),
+    encoder_cache_size: int | None = typer.Option(None, min=0, help="Encoder cache budget in encoder tokens "
+                                                  "(aligner rows) of a model with a vision tower: images seen again "
+                                                  "are not re-encoded (default 16 x max_image_tokens; 0 = none)."),
     allowed_origins: str = typer.Option('["*"]', help="CORS: allowed origins, a JSON list or one value."),
     allowed_methods: str = typer.Option('["*"]', help="CORS: allowed methods, a JSON list or one value."),
     allowed_headers: str = typer.Option('["*"]', help="CORS: allowed headers, a JSON list or one value."),
@@ -353,7 +356,7 @@ def serve(
                        enable_prefix_caching=enable_prefix_caching, swa_pool_bytes=swa_pool_bytes, replay=replay,
                        redis_url=redis_url,
                        speculative=speculative, speculative_max_len=speculative_max_len,
-                       structured_outputs_config=structured)
+                       structured_outputs_config=structured, encoder_cache_size=encoder_cache_size)
     # LLM turns the fraction into the pool's budget (engine.options) and logs the budget and the pool allocated.
     vllm_options = dict(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, kv_cache_dtype=kv_cache_dtype,

@@ -80,3 +80,23 @@ def test_defaults_are_the_documented_ones():
     config = MediaConfig()
     assert config.allowed_media_domains == [] and config.allowed_local_media_path is None
     assert config.limit_images == DEFAULT_LIMIT_IMAGES == 16 and config.fetch_timeout_s == DEFAULT_FETCH_TIMEOUT_S == 5
+
+
+def test_encoder_cache_size_reaches_the_engine(tmp_path, monkeypatch):
+    from vision_helpers import save_tiny_vlm
+
+    import deepseek_v41.cli.serve as serve_cli
+
+    save_tiny_vlm(tmp_path / "vlm")
+    seen = []
+
+    def stop(engine, **kwargs):
+        seen.append(engine)
+        raise ValueError("stopped at the async engine")
+
+    monkeypatch.setattr(serve_cli, "AsyncLLMEngine", stop)  # where `dsv41 serve` looks it up
+    result = run_serve(str(tmp_path / "vlm"), "--cache-dir", str(tmp_path / "cache"), "--max-model-len", "64",
+                       "--encoder-cache-size", "300")
+    assert "stopped at the async engine" in str(result.exception), (result.output, result.exception)
+    assert seen[0].args.encoder_cache_size == 300
+    assert run_serve(str(tmp_path / "vlm"), "--encoder-cache-size", "-1").exit_code == 2
