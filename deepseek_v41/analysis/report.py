@@ -1,7 +1,8 @@
 """``dsv41 report``: the paper's numbers computed from the code (SPEC.md §1.5, §5).
 
 :func:`build_report` returns a nested dict (the ``--json`` output); :func:`print_report` renders it as tables;
-:func:`plot_report` writes the plots. Sections: ``kv`` (this issue), ``params`` and ``flops`` as they land.
+:func:`plot_report` writes the plots. Sections: ``kv``, ``params``, ``memory``, ``flops`` and, for a model with a
+vision tower, ``vision`` (its parameters by part and FLOPs per image, :mod:`deepseek_v41.analysis.vision`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 from deepseek_v41.analysis.flops import DECODE_CONTEXTS, flops_runs, flops_section
 from deepseek_v41.analysis.kv import generations_bytes_per_token
 from deepseek_v41.analysis.params import build_on_meta, count_params, loaded_bytes
+from deepseek_v41.analysis.vision import vision_section
 from deepseek_v41.cache.kv_cache import PagedKVCache
 from deepseek_v41.cache.layout import KVLayout
 from deepseek_v41.config import ModelConfig
@@ -64,7 +66,8 @@ def build_report(cfg: ModelConfig, name: str = "", flops: bool = True,
     plan = build_layer_plan(cfg)
     report_step(0, 1, "building the model on meta")
     model = build_on_meta(cfg)
-    total = 1 + (len(flops_runs(model)) if flops else 0)  # the build, then each FLOPs run
+    vision_run = flops and cfg.vision_config is not None
+    total = 1 + (len(flops_runs(model)) if flops else 0) + vision_run  # the build, then each FLOPs run
     report_step(1, total, "counting parameters and KV bytes")
     params, memory = params_section(model)
     kv = kv_section(cfg)
@@ -78,9 +81,14 @@ def build_report(cfg: ModelConfig, name: str = "", flops: bool = True,
         "params": params,
         "memory": memory,
     }
+    if cfg.vision_config is not None and not flops:
+        report["vision"] = vision_section(cfg, flops=False)
     if flops:
         report["flops"] = flops_section(model, progress=lambda done, _, what="": report_step(
             1 + done, total, what and f"FLOPs, {what}"))
+    if vision_run:
+        report_step(total - 1, total, "FLOPs, vision tower per image")
+        report["vision"] = vision_section(cfg, flops=True)
     report_step(total, total)
     return report
 
@@ -147,6 +155,36 @@ def print_report(report: dict[str, Any]) -> None:
         console.print(table)
         growth = next(v for k, v in flops.items() if k.startswith("decode_growth_"))
         console.print(f"decode FLOPs growth from the shortest to the longest context: {growth:+.1%} (weighted)")
+    if report.get("vision"):
+        _print_vision(console, report["vision"])
+
+
+def _print_vision(console, vision: dict[str, Any]) -> None:
+    """The ``vision`` block: parameters by part, then FLOPs per image by grid."""
+    from rich.table import Table
+
+    params = Table(title="Vision tower parameters (counted from the modules built on meta)")
+    params.add_column("part")
+    params.add_column("parameters", justify="right")
+    for key, label in (("patch_embed", "patch embedding"), ("blocks", "ViT blocks"), ("per_block", "  one block"),
+                       ("norm", "final norm"), ("aligner", "aligner (3x3 merge MLP)"),
+                       ("delimiters", "image_start / newline / end"), ("total", "total")):
+        params.add_row(label, f"{vision['params'][key]:,}")
+    console.print(params)
+    if "flops_per_image" not in vision:
+        return
+    table = Table(title="Vision FLOPs per image (matmuls of the real modules on meta, BF16)")
+    table.add_column("")
+    grids = vision["flops_per_image"]
+    for name, entry in grids.items():
+        table.add_column(f"{name}\n{'x'.join(map(str, entry['vit_grid']))} patches", justify="right")
+    table.add_row("LLM tokens", *("x".join(map(str, e["llm_grid"])) for e in grids.values()))
+    table.add_row("span positions", *(f"{e['span_tokens']:,}" for e in grids.values()))
+    for label, keys in (("patch embedding", ("patch_embed",)), ("ViT qkv + wo", ("qkv", "wo")),
+                        ("ViT attention core", ("attention_core",)), ("ViT MLP", ("mlp",)),
+                        ("aligner", ("aligner",)), ("total", ("total",))):
+        table.add_row(label, *(_human(sum(e["flops"][k] for k in keys)) for e in grids.values()))
+    console.print(table)
 
 
 def _human(value: float, unit: str = "") -> str:

@@ -300,23 +300,23 @@ class LLMEngine:
         return outputs
 
     def _run(self, plan) -> list[RequestOutput]:
+        if self.vision is None or not plan.prefills:
+            return self._run_plan(plan)
+        # The encode stage: every image the step's chunks hold, the cached ones from the encoder cache and the
+        # others encoded now in one batch, before any chunk runs; their rows are held for this step only.
+        try:
+            for seq, start, end in plan.prefills:
+                self.vision.request(seq.images_in(start, end))
+            self.vision.run()
+            return self._run_plan(plan)
+        finally:
+            self.vision.release()
+
+    def _run_plan(self, plan) -> list[RequestOutput]:
         now = time.time()
         kv = self.kv_cache_manager
         sampled: list[tuple[Sequence, torch.Tensor]] = []
         spec = self.speculator
-        try:
-            return self._run_planned(plan, now, kv, sampled, spec)
-        finally:
-            if self.vision is not None:
-                self.vision.release()
-
-    def _run_planned(self, plan, now, kv, sampled, spec) -> list[RequestOutput]:
-        if self.vision is not None and plan.prefills:
-            # The encode stage: every image the step's chunks hold, the cached ones from the encoder cache and the
-            # others encoded now in one batch, before any chunk runs.
-            for seq, start, end in plan.prefills:
-                self.vision.request(seq.images_in(start, end))
-            self.vision.run()
         for seq, start, end in plan.prefills:
             seq.first_scheduled_time = seq.first_scheduled_time or now
             taps = spec.prefill_taps() if spec is not None else None
