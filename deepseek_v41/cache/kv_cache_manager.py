@@ -28,7 +28,7 @@ import torch
 
 from deepseek_v41.cache.fingerprint import model_fingerprint
 from deepseek_v41.cache.kv_cache import PagedKVCache
-from deepseek_v41.cache.prefix_cache import PrefixCache, chain_hashes, image_block_keys
+from deepseek_v41.cache.prefix_cache import PrefixCache, chain_hashes, image_block_keys, span_safe_pages
 from deepseek_v41.cache.redis_store import RedisPages, RedisStore
 from deepseek_v41.cache.store import PageCodec, PageStore
 from deepseek_v41.cache.swa_pool import SwaPool, default_swa_pool_bytes
@@ -127,7 +127,9 @@ class KVCacheManager:
             seq.registered_pages = full
         if prompt_done and not seq.prompt_snapshot_taken:
             seq.prompt_snapshot_taken = True
-            pc.take_snapshot(seq.slot, P * (len(seq.prompt_token_ids) // P), seq.block_hashes)
+            pages = len(seq.prompt_token_ids) // P
+            if span_safe_pages(pages, P, seq.image_spans) == pages:  # no hit ever resumes inside an image span
+                pc.take_snapshot(seq.slot, P * pages, seq.block_hashes)
 
     def _extra_keys(self, seq) -> dict[int, list[str]] | None:
         """The image content hashes of ``seq``'s blocks (:func:`~deepseek_v41.cache.prefix_cache.image_block_keys`;
@@ -143,7 +145,9 @@ class KVCacheManager:
         policy)."""
         if snapshot and self.prefix_cache is not None and seq.slot is not None:
             P = self.block_size
-            self.prefix_cache.take_snapshot(seq.slot, P * (seq.num_computed // P), seq.block_hashes)
+            pages = seq.num_computed // P
+            if span_safe_pages(pages, P, seq.image_spans) == pages:
+                self.prefix_cache.take_snapshot(seq.slot, P * pages, seq.block_hashes)
         self.blocks.release(seq.block_table)
         seq.registered_pages = 0
         seq.rebuild_engram_history = False

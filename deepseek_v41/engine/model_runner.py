@@ -368,7 +368,13 @@ class ModelRunner:
     @_few_tokens
     def decode(self, seqs: list[Sequence], taps: dict | None = None) -> torch.Tensor:
         """One token of every sequence in ``seqs`` (its last token, at position ``num_computed``), all layers.
-        ``taps`` receives each layer's input streams [B, 1, hc, D]. Returns fp32 logits [B, V]."""
+        ``taps`` receives each layer's input streams [B, 1, hc, D]. Returns fp32 logits [B, V]. The token is text
+        (the scheduler never ends a chunk inside an image span, so an image position is never decoded alone):
+        RuntimeError otherwise."""
+        for seq in seqs:
+            if seq.mm_inputs is not None and seq.token_types(seq.num_computed, seq.num_computed + 1) is not None:
+                raise RuntimeError(f"request {seq.request_id}: position {seq.num_computed} lies in an image span and "
+                                   f"cannot run as a one-token decode (image spans run whole in prefill chunks)")
         ids = torch.tensor([seq.token_at(seq.num_computed, seq.num_computed + 1) for seq in seqs],
                            dtype=torch.long, device=self.device)
         positions = torch.tensor([[seq.num_computed] for seq in seqs], device=self.device)

@@ -481,3 +481,13 @@ def test_a_pil_image_and_its_png_bytes_are_the_same_image(vlm):
     stats = engine.stats["encoder_cache"]
     assert (stats["misses"], stats["hits"]) == (1, 1)
     assert_same_logprobs(second, first, tol=0.0)
+
+
+def test_no_snapshot_is_taken_at_a_boundary_inside_a_span(vlm):
+    """A prompt of 42 positions ending with the span [20, 42): its page boundary 32 lies inside the span, where no
+    hit may resume, so neither the prompt's nor the finished sequence's snapshot is taken there."""
+    engine = engine_of(vlm, swa_pool_bytes=1 << 26)
+    run(engine, [("r", text(20, 140) + [IMG], [image(12, 12, 22)])], max_tokens=2)
+    assert engine.stats["prefix_cache"]["snapshots_written"] == 0
+    run(engine, [("t", text(20, 140) + [IMG] + text(12, 141), [image(12, 12, 22)])], max_tokens=2)
+    assert engine.stats["prefix_cache"]["snapshots_written"] == 1  # at 48, past the span
