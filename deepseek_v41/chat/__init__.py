@@ -5,8 +5,9 @@
 delta. No model logic and no HTTP here. Source: CHAT_FORMAT.md.
 """
 
-from .encoding import effort_budget, encode_messages
+from .encoding import effort_budget, encode_messages, render_messages
 from .errors import ChatFormatError
+from .images import ImageSource
 from .parsing import ChoiceParser, assistant_message, merge_deltas, parse_output
 from .streaming import StreamingParser
 from .tokens import (
@@ -35,10 +36,12 @@ __all__ = [
     "USER",
     "ChatFormatError",
     "ChoiceParser",
+    "ImageSource",
     "StreamingParser",
     "assistant_message",
     "effort_budget",
     "encode_messages",
     "merge_deltas",
     "parse_output",
+    "render_messages",
 ]

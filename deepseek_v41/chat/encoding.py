@@ -16,12 +16,23 @@ from typing import Any
 
 from .dsml import render_tool_calls, render_tools, to_json
 from .errors import ChatFormatError
-from .messages import ToolResult, Turn, merge_tool_results, read_messages, read_tools, sort_tool_results
+from .images import ImageSource
+from .messages import (
+    ImagePart,
+    ToolResult,
+    Turn,
+    merge_tool_results,
+    read_messages,
+    read_tools,
+    rendered_images,
+    sort_tool_results,
+)
 from .tokens import (
     ASSISTANT,
     BOS,
     DEFAULT_REASONING_EFFORT,
     EOS,
+    IMAGE,
     LATEST_REMINDER,
     REASONING_EFFORT_LINE,
     REASONING_EFFORTS,
@@ -80,9 +91,11 @@ def _drop_developer_turns(turns: list[Turn]) -> list[Turn]:
     return [t for i, t in enumerate(turns) if t.role != "developer" or i >= last_user]
 
 
-def _block_text(block: str | ToolResult) -> str:
+def _block_text(block: str | ImagePart | ToolResult) -> str:
     if isinstance(block, ToolResult):
         return f"{TOOL_RESULT_OPEN}{block.text}{TOOL_RESULT_CLOSE}"
+    if isinstance(block, ImagePart):
+        return IMAGE
     return block
 
 
@@ -162,6 +175,19 @@ def encode_messages(
     malformed content parts, tool calls or tools, invalid efforts or tasks, and special tokens typed into
     text. Source: CHAT_FORMAT.md §2 (rules in order), §3 (cases), §7 (worked examples).
     """
+    return render_messages(messages, tools, thinking, reasoning_effort, drop_thinking)[0]
+
+
+def render_messages(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    thinking: bool = False,
+    reasoning_effort: int | str | None = None,
+    drop_thinking: bool = True,
+) -> tuple[str, list[ImageSource]]:
+    """:func:`encode_messages`, plus the image parts whose placeholders the prompt holds, in prompt order (one
+    ``<｜deepseek_image｜>`` each; an image of a developer message left out in thinking mode is not among them).
+    Same arguments and errors."""
     for name, flag in (("thinking", thinking), ("drop_thinking", drop_thinking)):
         if not isinstance(flag, bool):
             raise ChatFormatError(name, f"must be a bool, got {flag!r}")
@@ -175,4 +201,5 @@ def encode_messages(
     if thinking and drop:
         turns = _drop_developer_turns(turns)
     last_user = _last_user_index(turns)
-    return BOS + "".join(_render_turn(i, turns, thinking, drop, budget, last_user) for i in range(len(turns)))
+    prompt = BOS + "".join(_render_turn(i, turns, thinking, drop, budget, last_user) for i in range(len(turns)))
+    return prompt, rendered_images(turns)

@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 
 from .dsml import decode_arguments, to_json
 from .errors import ChatFormatError
+from .images import IMAGE_PART_TYPES, ImageSource, image_source
 from .tokens import IMAGE, IMAGE_NAMES, RESERVED, RESERVED_IN_VALUES, TASK_TOKENS
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
@@ -21,12 +22,30 @@ ROLES: tuple[str, ...] = get_args(Role)
 _TEXTLESS_ALLOWED = ("system", "assistant")  # roles whose content may be null
 
 
+@dataclass(frozen=True)
+class ImagePart:
+    """An image content part: renders as one ``<｜deepseek_image｜>`` placeholder; ``source`` says where its pixels
+    come from (:mod:`deepseek_v41.chat.images`)."""
+
+    source: ImageSource
+
+
+Part = str | ImagePart
+
+
+def join_parts(parts: list[Part]) -> str:
+    """Content parts as text, joined by "\n\n", each image as its placeholder."""
+    return "\n\n".join(IMAGE if isinstance(p, ImagePart) else p for p in parts)
+
+
 @dataclass
 class ToolResult:
-    """One ``role: "tool"`` message as a block of a user turn; ``call_id`` only orders it."""
+    """One ``role: "tool"`` message as a block of a user turn; ``call_id`` only orders it; ``images``: the image
+    parts inside ``text``, in order."""
 
     call_id: str
     text: str
+    images: list[ImagePart] = field(default_factory=list)
 
 
 @dataclass
@@ -44,7 +63,8 @@ class Turn:
 
     role: Role  # "tool" only before merge_tool_results
     content: str = ""  # system, developer, assistant, latest_reminder: text parts joined by "\n\n"
-    blocks: list[str | ToolResult] = field(default_factory=list)  # user and tool: joined by "\n\n"
+    blocks: list[str | ImagePart | ToolResult] = field(default_factory=list)  # user and tool: joined by "\n\n"
+    images: list[ImagePart] = field(default_factory=list)  # the image parts of the message, in order
     tools: list[dict[str, Any]] = field(default_factory=list)  # system, developer: OpenAI ``function`` objects
     response_format: Any = None  # system, developer: schema rendered after the tools block
     task: str | None = None  # user: quick-instruction task
@@ -72,8 +92,8 @@ def _json_text(value: Any, where: str) -> str:
         raise ChatFormatError(where, f"cannot be written as JSON: {exc}") from exc
 
 
-def _read_parts(content: Any, where: str, nullable: bool) -> list[str]:
-    """Content -> its text parts, each image part as one placeholder (CHAT_FORMAT.md §2 rule 1)."""
+def _read_parts(content: Any, where: str, nullable: bool) -> list[Part]:
+    """Content -> its parts: text parts as strings, image parts as :class:`ImagePart` (CHAT_FORMAT.md §2 rule 1)."""
     if isinstance(content, str):
         return [_check_text(content, where)]
     if content is None and nullable:
@@ -81,7 +101,7 @@ def _read_parts(content: Any, where: str, nullable: bool) -> list[str]:
     if not isinstance(content, list):
         allowed = "a string, null or a list of parts" if nullable else "a string or a list of parts"
         raise ChatFormatError(where, f"is {type(content).__name__}; content must be {allowed}")
-    parts = []
+    parts: list[Part] = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
@@ -89,18 +109,10 @@ def _read_parts(content: Any, where: str, nullable: bool) -> list[str]:
             if not isinstance(part.get("text"), str):
                 raise ChatFormatError(f"{at}.text", "a text part needs a string 'text'")
             parts.append(_check_text(part["text"], f"{at}.text"))
-        elif kind == "image_url":
-            url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str) or not url:
-                raise ChatFormatError(at, "an image_url part needs 'image_url': {'url': <non-empty string>}")
-            parts.append(IMAGE)
-        elif kind == "image":
-            if not any(part.get(key) for key in ("source", "url", "data")):
-                raise ChatFormatError(at, "an image part needs a 'source', 'url' or 'data'")
-            parts.append(IMAGE)
+        elif kind in IMAGE_PART_TYPES:
+            parts.append(ImagePart(image_source(part, at)))
         else:
-            allowed = "'text', 'image_url', 'image'"
+            allowed = ", ".join(repr(k) for k in ("text", *IMAGE_PART_TYPES))
             raise ChatFormatError(at, f"part type {kind!r} is not supported; allowed: {allowed}")
     return parts
 
@@ -176,14 +188,14 @@ def _read_message(msg: Any, where: str) -> Turn:
     if msg.get("task") is not None and (role != "user" or msg["task"] not in TASK_TOKENS):
         raise ChatFormatError(f"{where}.task", f"must be on a user message and one of {list(TASK_TOKENS)}")
     parts = _read_parts(msg.get("content"), f"{where}.content", role in _TEXTLESS_ALLOWED)
-    turn = Turn(role, content="\n\n".join(parts))
+    turn = Turn(role, content=join_parts(parts), images=[p for p in parts if isinstance(p, ImagePart)])
     if role == "user":
         turn.blocks, turn.task = list(parts), msg.get("task")
     elif role == "tool":
         call_id = msg.get("tool_call_id") or ""
         if not isinstance(call_id, str):
             raise ChatFormatError(f"{where}.tool_call_id", "must be a string")
-        turn.blocks = [ToolResult(call_id, turn.content)]
+        turn.blocks = [ToolResult(call_id, turn.content, list(turn.images))]
     elif role in ("system", "developer"):
         if role == "developer" and not turn.content:
             # DeepSeek's V4 encoder (and the SGLang / vLLM V4.1 ports) render it as a user turn of this text and
@@ -217,7 +229,8 @@ def read_messages(messages: Any) -> list[Turn]:
     """Validate OpenAI-shaped messages and return one :class:`Turn` each (tool messages not merged yet).
 
     Accepts roles system / developer / user / assistant / tool / latest_reminder; content as a string or a list of
-    ``text`` / ``image_url`` / ``image`` parts (null for system and assistant); assistant ``tool_calls``
+    ``text`` parts and image parts (``image_url``, ``input_image``, ``image``, ``image_pil``:
+    :mod:`deepseek_v41.chat.images`; null for system and assistant); assistant ``tool_calls``
     with ``function.arguments`` as a JSON string or an object; ``reasoning_content`` (or ``reasoning``).
     Raises ChatFormatError naming the field for anything else (CHAT_FORMAT.md §2, §3(d), §3(h)).
     """
@@ -261,3 +274,21 @@ def sort_tool_results(turns: list[Turn]) -> None:
                 continue
             ordered = iter(sorted(results, key=lambda r: order.get(r.call_id, 0)))
             turn.blocks = [next(ordered) if isinstance(b, ToolResult) else b for b in turn.blocks]
+
+
+def rendered_images(turns: list[Turn]) -> list[ImageSource]:
+    """The image parts of the turns to be rendered, in the order their placeholders appear in the prompt: a user
+    turn's blocks in order (a tool result's images at its sorted place), the images of any other turn in its
+    content order. Call it on the turns :func:`deepseek_v41.chat.encoding.render_messages` renders (after merging,
+    sorting and dropping)."""
+    sources: list[ImageSource] = []
+    for turn in turns:
+        if turn.role != "user":
+            sources += [p.source for p in turn.images]
+            continue
+        for block in turn.blocks:
+            if isinstance(block, ImagePart):
+                sources.append(block.source)
+            elif isinstance(block, ToolResult):
+                sources += [p.source for p in block.images]
+    return sources

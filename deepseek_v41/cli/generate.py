@@ -16,6 +16,10 @@ template when it has one; ``--chat`` / ``--no-chat`` (mlx-lm: ``--use-default-ch
 ``--ignore-chat-template``) force it on or off. In chat mode the prompt is one user message (after the
 ``--system-prompt`` message, if given) rendered by the official V4.1 encoder.
 
+``--image FILE`` (repeatable; a model with a vision tower) sends images with the prompt: in chat mode they are
+image parts of the user message, before its text (``--image a.png --prompt "Transcribe the text."``), in prompt
+order; in raw mode the prompt holds one ``<｜deepseek_image｜>`` where each image goes. Any format Pillow reads.
+
 With ``--follow-up`` a second turn runs after the first: its prompt is the first prompt, the first completion and
 the follow-up text (in chat mode: the conversation plus the reply and the follow-up as a new user message), so it
 shows the prefix cache at work. Every turn is streamed and gets its own stats, the DSpark mean accepted length
@@ -43,7 +47,8 @@ from typing import Any
 import torch
 import typer
 
-from deepseek_v41.chat import assistant_message, encode_messages
+from deepseek_v41.chat import IMAGE, assistant_message, encode_messages
+from deepseek_v41.chat.tokens import IMAGE_NAMES
 from deepseek_v41.cli.serve import DTYPES, check_device, choose_model, fail, resolve_dtype
 from deepseek_v41.config import ConfigError
 from deepseek_v41.engine import LLM, SamplingParams
@@ -99,6 +104,9 @@ def generate(
                                       "tools) rendered into the prompt; calls the model makes are printed."),
     tool_choice: str | None = typer.Option(None, help="With --tools: auto (default), none, required, or a tool's "
                                            "function name (that call is forced); as /v1/chat/completions."),
+    image: list[Path] = typer.Option([], "--image", help="An image file for the prompt (repeatable, in order; a "
+                                     "model with a vision tower). Chat mode: image parts of the user message before "
+                                     "its text; raw mode: one <｜deepseek_image｜> in the prompt per image."),
 ) -> None:
     """Generate a continuation, streaming it to stdout, then print the stats on stderr (prompt and cached tokens,
     TTFT, tokens/s, peak memory, KV cache bytes)."""
@@ -113,6 +121,10 @@ def generate(
     chat = _chat_mode(model, chat, thinking=thinking, system_prompt=system_prompt)
     tool_list, mode, tag = _tool_setup(tools, tool_choice, chat, thinking)
     text = _read_stdin() if prompt == "-" else prompt if prompt is not None else _read_prompt(prompt_file)
+    images = [_read_image(path) for path in image]
+    if images and not chat and sum(text.count(name) for name in IMAGE_NAMES) != len(images):
+        fail(f"--image without the chat format: the prompt must hold one {IMAGE} per image ({len(images)} given, "
+             f"{sum(text.count(name) for name in IMAGE_NAMES)} in the prompt), or add --chat")
     try:
         defaults, _ = load_sampling_defaults(generation_config, model)
     except GenerationConfigError as exc:
@@ -132,6 +144,8 @@ def generate(
                   speculative=speculative, speculative_max_len=speculative_max_len)
         if llm.tokenizer is None:
             fail(f"{model} has no tokenizer.json: dsv41 generate takes a text prompt")
+        if images and llm.engine.config.vision_config is None:
+            fail(f"--image: {model} has no vision tower (no vision_config in its config.json); it takes text only")
         turns = [text] if follow_up is None else [text, follow_up]
         messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
         context = ""  # raw mode: the text so far (prompts and completions)
@@ -142,14 +156,18 @@ def generate(
                        "turn 1 + completion + follow-up")
                 typer.echo(f"--- turn {turn + 1} (prompt = {how}) ---", err=True)
             if chat:
-                messages.append({"role": "user", "content": new_text})
+                # The parts only place the placeholders; the bytes read above go to the engine beside the prompt.
+                parts = [{"type": "image_url", "image_url": {"url": path.resolve().as_uri()}} for path in image] \
+                    if turn == 0 else []
+                messages.append({"role": "user", "content": [*parts, {"type": "text", "text": new_text}]
+                                 if parts else new_text})
                 prompt_text = encode_messages(messages, tools=tool_list if mode != "none" else None,
                                               thinking=thinking)
             else:
                 context += new_text
                 prompt_text = context
             start = time.perf_counter()
-            out = stream(llm, prompt_text, params, add_special_tokens=not chat, write=write)
+            out = stream(llm, prompt_text, params, add_special_tokens=not chat, write=write, images=images)
             result = turn_result(out, llm, time.perf_counter() - start, torch_device)
             reply = {"role": "assistant", "content": result["text"]}
             if tool_list is not None:
@@ -273,23 +291,41 @@ def _read_prompt(path: Path) -> str:
         fail(f"--prompt-file {path} cannot be read: {exc.strerror or exc}")
 
 
+def _read_image(path: Path) -> bytes:
+    """The bytes of an ``--image`` file; exits 2 naming it when it is missing, a directory or unreadable (whether it
+    is an image is checked by the engine, which names what is wrong)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        fail(f"--image {path}: no such file")
+    except IsADirectoryError:
+        fail(f"--image {path} is a directory; give an image file")
+    except OSError as exc:
+        fail(f"--image {path} cannot be read: {exc.strerror or exc}")
+
+
 def write_text(text: str) -> None:
     """Write a streamed piece of the completion to stdout now (flushed: a pipe sees it at once)."""
     sys.stdout.write(text)
     sys.stdout.flush()
 
 
-def stream(llm, prompt: str, params, add_special_tokens: bool, write: Callable[[str], None] | None):
+def stream(llm, prompt: str, params, add_special_tokens: bool, write: Callable[[str], None] | None,
+           images: list | None = None):
     """Generate one completion of ``prompt`` on ``llm``'s engine step by step, passing each step's new text
     (``CompletionOutput.new_text``: what the incremental detokenizer released, never part of a UTF-8 character,
-    never taken back) to ``write`` as it comes, then a newline; ``write`` None streams nothing.
+    never taken back) to ``write`` as it comes, then a newline; ``write`` None streams nothing. ``images``: one per
+    image placeholder of ``prompt``, in order (:meth:`LLM.generate`'s ``multi_modal_data``).
 
     Returns the finished ``RequestOutput``. Raises ValueError for a prompt the engine refuses (too long for
-    ``max_model_len`` or the KV pool). Whatever ends the loop (an error, Ctrl-C), the request leaves the engine."""
+    ``max_model_len`` or the KV pool, images that do not decode or match the placeholders). Whatever ends the loop
+    (an error, Ctrl-C), the request leaves the engine."""
     engine = llm.engine
-    ids = llm.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+    request = {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
+    _, ids, multi_modal_data = llm.prompt_inputs(request, add_special_tokens=add_special_tokens)
     request_id = f"generate-{next(_request_ids)}"
-    engine.add_request(request_id, ids, params, prompt=prompt)
+    extra = {"multi_modal_data": multi_modal_data} if multi_modal_data else {}
+    engine.add_request(request_id, ids, params, prompt=prompt, **extra)
     try:
         while True:
             for out in engine.step():

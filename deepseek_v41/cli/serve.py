@@ -32,6 +32,16 @@ from deepseek_v41.server.app import build_app
 from deepseek_v41.server.common import ServerConfig
 from deepseek_v41.server.generation_config import GenerationConfigError, describe, load_sampling_defaults
 from deepseek_v41.server.launch import ConnectionLimits, make_server
+from deepseek_v41.server.media import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    MediaConfig,
+    env_allow_redirects,
+    env_fetch_timeout,
+    parse_limit_mm_per_prompt,
+)
+from deepseek_v41.server.media import (
+    describe as describe_media,
+)
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "deepseek_v41" / "prefix-cache"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -217,6 +227,21 @@ def serve(
                                                          "'{\"backend\": \"auto\"|\"xgrammar\"|\"guidance\", "
                                                          "\"disable_any_whitespace\": true|false}' (default: "
                                                          "auto, true)."),
+    allowed_media_domains: list[str] = typer.Option([], "--allowed-media-domains", help="Hosts image URLs may be "
+                                                    "fetched from (repeatable or comma-separated; '*' = any). "
+                                                    "Default: none, URL fetching is off (data URLs always work)."),
+    allowed_local_media_path: Path | None = typer.Option(None, help="Directory file:// image URLs may read below "
+                                                         "(default: none, file URLs are refused)."),
+    limit_mm_per_prompt: str | None = typer.Option(None, help="Images per request at most, as vLLM: "
+                                                   "'{\"image\": N}' (default 16)."),
+    media_fetch_timeout: float | None = typer.Option(None, help="Seconds one image URL fetch may take in all "
+                                                     "(default: $VLLM_IMAGE_FETCH_TIMEOUT, else 5)."),
+    max_image_bytes: int | None = typer.Option(None, parser=lambda v: _positive_int(v, "--max-image-bytes"),
+                                               metavar="INTEGER", help="Encoded bytes per image at most (fetched, "
+                                               "read or in a data URL), e.g. 5M (default 20M = 20 MiB)."),
+    encoder_cache_size: int | None = typer.Option(None, min=0, help="Encoder cache budget in encoder tokens "
+                                                  "(aligner rows) of a model with a vision tower: images seen again "
+                                                  "are not re-encoded (default 16 x max_image_tokens; 0 = none)."),
     allowed_origins: str = typer.Option('["*"]', help="CORS: allowed origins, a JSON list or one value."),
     allowed_methods: str = typer.Option('["*"]', help="CORS: allowed methods, a JSON list or one value."),
     allowed_headers: str = typer.Option('["*"]', help="CORS: allowed headers, a JSON list or one value."),
@@ -296,6 +321,8 @@ def serve(
         fail("--speculative-max-len needs --speculative dspark (speculative decoding is off)")
     if not model.is_dir():
         fail(f"model directory {model} not found")
+    media = _media_config(allowed_media_domains, allowed_local_media_path, limit_mm_per_prompt, media_fetch_timeout,
+                          max_image_bytes)
 
 
     try:
@@ -329,7 +356,7 @@ def serve(
                        enable_prefix_caching=enable_prefix_caching, swa_pool_bytes=swa_pool_bytes, replay=replay,
                        redis_url=redis_url,
                        speculative=speculative, speculative_max_len=speculative_max_len,
-                       structured_outputs_config=structured)
+                       structured_outputs_config=structured, encoder_cache_size=encoder_cache_size)
     # LLM turns the fraction into the pool's budget (engine.options) and logs the budget and the pool allocated.
     vllm_options = dict(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, kv_cache_dtype=kv_cache_dtype,
@@ -347,7 +374,7 @@ def serve(
                               model_path=str(model), api_keys=api_key, sampling_defaults_origin=defaults_origin,
                               max_body_bytes=int(max_body_mb * 1024 * 1024), log_stats_interval_s=log_stats_interval,
                               drain_timeout_s=drain_timeout, sampling_defaults=defaults, **cors,
-                              allow_credentials=allow_credentials, log_requests=enable_log_requests,
+                              allow_credentials=allow_credentials, log_requests=enable_log_requests, media=media,
                               dev_mode=os.environ.get("DSV41_SERVER_DEV_MODE", "0") not in ("", "0"))
         app = build_app(engine, config)
         if config.dev_mode:
@@ -360,6 +387,8 @@ def serve(
                  engine.stats["kv_pages_total"], torch_dtype, torch_device, _prefix_line(llm, cache_path),
                  _speculative_line(llm), limits.limit_concurrency)
         log.info("%s; CORS origins %s", describe(defaults, defaults_origin), cors["allow_origins"])
+        if llm.engine.config.vision_config is not None:
+            log.info("%s", describe_media(media))
         if config.model_aliases:
             log.info("requests may also name the model by its path: %s (vLLM's default served name)",
                      ", ".join(config.model_aliases))
@@ -373,6 +402,24 @@ def serve(
     finally:
         if not started:
             _remove_created(created)
+
+
+def _media_config(domains: list[str], local_path: Path | None, limit: str | None, timeout: float | None,
+                  max_bytes: int | None) -> MediaConfig:
+    """The media flags as a :class:`MediaConfig` (:mod:`deepseek_v41.server.media`); exits 2 naming the flag for a
+    bad value."""
+    if local_path is not None and not local_path.is_dir():
+        fail(f"--allowed-local-media-path {local_path} is not a directory")
+    try:
+        return MediaConfig(
+            allowed_media_domains=[d for value in domains for d in value.split(",")],
+            allowed_local_media_path=str(local_path.resolve()) if local_path is not None else None,
+            limit_images=parse_limit_mm_per_prompt(limit) if limit is not None else MediaConfig.limit_images,
+            fetch_timeout_s=timeout if timeout is not None else env_fetch_timeout(),
+            max_image_bytes=max_bytes if max_bytes is not None else DEFAULT_MAX_IMAGE_BYTES,
+            allow_redirects=env_allow_redirects())
+    except ValueError as exc:
+        fail(str(exc).replace("fetch_timeout_s", "--media-fetch-timeout"))
 
 
 API_KEY_ENV = ("DSV41_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given

@@ -159,14 +159,17 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, cache_salt: str | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[StepOutput]:
+                       arrival_time: float | None = None, multi_modal_data: dict | None = None
+                       ) -> AsyncIterator[StepOutput]:
         """Add a request and yield a :class:`StepOutput` for every step that advanced it, the last one finished.
 
-        ``cache_salt`` keeps its prefix-cache entries apart from other salts. The request crosses to the engine's
-        thread as one :class:`~deepseek_v41.engine.sequence.EngineRequest`. Raises ValueError (from
-        ``LLMEngine.add_request``: empty prompt, ids outside the vocabulary, too long, duplicate id) at the first
-        iteration, EngineDrainingError during shutdown and EngineDeadError after a failure of the loop. Leaving the
-        iteration early aborts the request.
+        ``cache_salt`` keeps its prefix-cache entries apart from other salts. ``multi_modal_data``: ``{"image":
+        [...]}``, passed to ``LLMEngine.add_request`` as it is (one image per ``image_token_id`` placeholder of
+        the prompt; preprocess them off the event loop first, the engine's thread only checks and expands). The
+        request crosses to the engine's thread as one :class:`~deepseek_v41.engine.sequence.EngineRequest`. Raises
+        ValueError (from ``LLMEngine.add_request``: empty prompt, ids outside the vocabulary, too long, duplicate id)
+        at the first iteration, EngineDrainingError during shutdown and EngineDeadError after a failure of the loop.
+        Leaving the iteration early aborts the request.
         """
         if self._dead is not None:
             raise self.dead_error()
@@ -178,7 +181,7 @@ class AsyncLLMEngine:
         stream = _Stream()
         self._streams[request_id] = stream
         self._adds.append(EngineRequest(request_id, prompt_token_ids, params, prompt=prompt, cache_salt=cache_salt,
-                                        arrival_time=arrival_time))
+                                        arrival_time=arrival_time, multi_modal_data=multi_modal_data))
         self._wake.set()
         try:
             while True:
@@ -278,10 +281,12 @@ class AsyncLLMEngine:
         errors: list[tuple[str, BaseException]] = []
         for request in adds:
             request_id = request.request_id
+            # Images only when there are some, so a text request takes the engine's text path unchanged.
+            images = {"multi_modal_data": request.multi_modal_data} if request.multi_modal_data else {}
             try:
                 engine.add_request(request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
                                    prompt=request.prompt, arrival_time=request.arrival_time,
-                                   cache_salt=request.cache_salt)
+                                   cache_salt=request.cache_salt, **images)
             except ValueError as exc:
                 errors.append((request_id, exc))
                 continue

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from deepseek_v41.chat import assistant_message, encode_messages
+from deepseek_v41.chat import assistant_message, render_messages
+from deepseek_v41.chat.images import read_offline, split_at_placeholders
 from deepseek_v41.dtypes import resolve_dtype
 from deepseek_v41.engine import options
 from deepseek_v41.engine.engine import EngineArgs, LLMEngine, load_tokenizer
@@ -27,6 +28,7 @@ from deepseek_v41.structured.tool_choice import resolve_tool_choice, tool_choice
 log = logging.getLogger("deepseek_v41")
 # The chat_template_kwargs keys LLM.chat takes (the server's, and reasoning_effort as the argument).
 CHAT_TEMPLATE_KWARGS = ("thinking", "enable_thinking", "drop_thinking", "reasoning_effort")
+MAX_IMAGE_BYTES = 64 * 1024 * 1024  # encoded bytes of one image of an LLM.chat data URL or file
 
 
 class LLM:
@@ -171,19 +173,56 @@ class LLM:
             out.append(int(value))
         return out
 
-    def _prompt_ids(self, prompt: str | dict, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+    def prompt_inputs(self, prompt: str | dict, add_special_tokens: bool = True
+                    ) -> tuple[str | None, list[int], dict | None]:
+        """``(text, token ids, multi_modal_data)`` of one prompt as :meth:`generate` takes it (what
+        ``LLMEngine.add_request`` gets). A text prompt with images is tokenized around its image placeholders
+        (``<｜deepseek_image｜>`` or ``<｜image2｜>``), each becoming one ``image_token_id``; the engine expands them.
+        Raises ValueError for a prompt :meth:`generate` refuses."""
+        images = None
         if isinstance(prompt, dict):  # vLLM's TokensPrompt / TextPrompt
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"])
-            if not isinstance(prompt.get("prompt"), str):
+            if "prompt_token_ids" not in prompt and not isinstance(prompt.get("prompt"), str):
                 raise ValueError("a dict prompt needs 'prompt_token_ids' (a list of ids) or 'prompt' (a string)")
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"}
+            if unknown:
+                raise ValueError(f"unknown prompt keys {sorted(unknown)}; a dict prompt takes 'prompt' or "
+                                 f"'prompt_token_ids', and optionally 'multi_modal_data' and 'cache_salt'")
+            images = self._multi_modal_data(prompt.get("multi_modal_data"))
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"]), images
             prompt = prompt["prompt"]
         if not isinstance(prompt, str):
             raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer.json: give prompts as "
                              "{'prompt_token_ids': [...]}")
-        return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+        if images is None:
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids, None
+        first, *rest = split_at_placeholders(prompt)
+        ids = list(self.tokenizer.encode(first, add_special_tokens=add_special_tokens).ids)
+        for piece in rest:
+            ids.append(self.engine.config.image_token_id)
+            ids += self.tokenizer.encode(piece, add_special_tokens=False).ids
+        return prompt, ids, images
+
+    def _multi_modal_data(self, data: Any) -> dict | None:
+        """vLLM's ``multi_modal_data``: ``{"image": image or [images]}`` (PIL images, encoded bytes, uint8 RGB arrays
+        or ``ProcessedImage``) -> ``{"image": [...]}``; None when absent or without images. ValueError for other
+        keys (this model takes images only) or a model without a vision tower."""
+        if data is None:
+            return None
+        if not isinstance(data, dict):
+            raise ValueError(f"multi_modal_data must be a dict such as {{'image': [PIL.Image, ...]}}, got "
+                             f"{type(data).__name__}")
+        unknown = set(data) - {"image"}
+        if unknown:
+            raise ValueError(f"multi_modal_data keys {sorted(unknown)}: this model takes images only ('image')")
+        images = data.get("image")
+        images = list(images) if isinstance(images, list | tuple) else [] if images is None else [images]
+        if images and self.engine.config.vision_config is None:
+            raise ValueError("this model has no vision tower (no vision_config in its config), so it takes text "
+                             "only; give the prompt without multi_modal_data")
+        return {"image": images} if images else None
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The ``SamplingParams`` a call without any gets, as vLLM's: its defaults with those of the checkpoint's
@@ -195,17 +234,23 @@ class LLM:
     def generate(self, prompts: str | dict | list, sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool | Callable[..., Any] = True, add_special_tokens: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}`` — either
-        optionally with ``"cache_salt"``,
-        which keeps its prefix-cache entries apart from other salts — or a list of them); outputs in
-        prompt order. ``sampling_params`` is one for all or one per prompt (default:
-        :meth:`get_default_sampling_params`; given ones are used as they are).
+        optionally with ``"cache_salt"``, which keeps its prefix-cache entries apart from other salts, and with
+        ``"multi_modal_data": {"image": [...]}`` as vLLM takes it — or a list of them); outputs in prompt order.
+
+        Images (a model with a vision tower): PIL images (any mode), encoded image bytes, uint8 RGB arrays
+        [height, width, 3] or preprocessed ``ProcessedImage``; one per image placeholder of the prompt, in order
+        (a text prompt writes ``<｜deepseek_image｜>`` or ``<｜image2｜>`` where each image goes; ``prompt_token_ids``
+        hold ``image_token_id`` there). The engine expands each placeholder into the image's span.
+        ``sampling_params`` is one for all or one per prompt (default: :meth:`get_default_sampling_params`; given
+        ones are used as they are).
 
         ``use_tqdm``: vLLM's "Processed prompts" progress bar on stderr, shown only when stderr is a terminal
         (tqdm's ``disable=None``), so logs and pipes stay clean; False hides it; a callable (e.g. a ``tqdm``
         subclass or ``functools.partial(tqdm, ...)``) is called with the bar's keyword arguments instead.
 
         Raises ValueError for bad prompts or parameters (token ids that are not integers in ``[0, vocab_size)``, a
-        ``cache_salt`` that is not a non-empty string, ``logprobs`` above ``vocab_size``, ...) before anything runs.
+        ``cache_salt`` that is not a non-empty string, ``logprobs`` above ``vocab_size``, an unknown prompt key,
+        images for a model without a vision tower or not one per placeholder, ...) before anything runs.
         Any exception out of an engine step (KeyboardInterrupt included) aborts all of this call's requests, their
         pages and slots freed, and is re-raised: the LLM stays usable."""
         single = isinstance(prompts, str | dict)
@@ -216,13 +261,14 @@ class LLM:
             params = params * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        encoded = [self._prompt_ids(p, add_special_tokens) for p in prompts]
+        encoded = [self.prompt_inputs(p, add_special_tokens) for p in prompts]
         ids: list[str] = []
         try:  # a request failing admission, or a step failing, takes this call's requests out of the engine
-            for prompt, (text, tokens), p in zip(prompts, encoded, params, strict=True):
+            for prompt, (text, tokens, images), p in zip(prompts, encoded, params, strict=True):
                 rid = str(next(self._ids))
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                self.engine.add_request(rid, tokens, p, prompt=text, cache_salt=salt)
+                extra = {"multi_modal_data": images} if images else {}  # a text prompt takes the text path as is
+                self.engine.add_request(rid, tokens, p, prompt=text, cache_salt=salt, **extra)
                 ids.append(rid)
             return self._run(ids, use_tqdm)
         except BaseException:  # KeyboardInterrupt too: the LLM must stay usable after Ctrl-C
@@ -238,6 +284,9 @@ class LLM:
         """Render each conversation with the official encoder (:func:`deepseek_v41.chat.encode_messages`) and
         generate. ``messages`` is one conversation (a list of messages) or a list of conversations;
         ``sampling_params`` (one for all or one per conversation) and ``use_tqdm`` as in :meth:`generate`.
+        Image parts (a model with a vision tower) go to the model in prompt order: ``image_url`` / ``input_image``
+        with a data URL or a ``file://`` URL (read here), vLLM's ``{"type": "image_pil", "image_pil": image}``;
+        http(s) URLs are not fetched in-process (ValueError: pass the image instead).
 
         vLLM's keyword arguments, with the server's meaning (``/v1/chat/completions``): ``chat_template_kwargs``
         may set ``thinking`` / ``enable_thinking`` (bools, thinking mode), ``drop_thinking`` (bool) and
@@ -286,9 +335,12 @@ class LLM:
         # A continued answer starts mid-turn, where no grammar starts: "auto" then runs free (as the server does).
         tag = None if continue_final_message else tool_choice_tag(tools, mode, name, thinking=thinking)
         params = self._with_tool_grammar(sampling_params, len(conversations), tag, mode)
-        prompts = [encode_messages(c, tools=tools if mode != "none" else None, thinking=thinking,
-                                   reasoning_effort=reasoning_effort, drop_thinking=drop_thinking)
-                   for c in conversations]
+        prompts = []
+        for conversation in conversations:
+            text, sources = render_messages(conversation, tools=tools if mode != "none" else None, thinking=thinking,
+                                            reasoning_effort=reasoning_effort, drop_thinking=drop_thinking)
+            images = [read_offline(source, MAX_IMAGE_BYTES) for source in sources]
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm, add_special_tokens=False)
         for output in outputs:
             for completion in output.outputs:

@@ -203,7 +203,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                                              chat_template_kwargs=body.chat_template_kwargs)
             except ValidationError as exc:
                 raise validation_error(exc) from exc
-            ids = (await prepare_chat(state, chat, check_length=False)).ids
+            plan = await prepare_chat(state, chat, check_length=False)
+            ids = plan.prompt_ids if plan.prompt_ids is not None else plan.ids  # image spans expanded
         else:
             check_text_fits(state, body.prompt, "prompt")
             (ids,) = await encode(state, [body.prompt], body.add_special_tokens)

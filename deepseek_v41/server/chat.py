@@ -16,22 +16,34 @@ constrained decoding with the V4.1 DSML structural tag (:mod:`deepseek_v41.struc
 one tool-call block whose invokes name the given tools and whose arguments are valid under each tool's schema (after
 free reasoning in thinking mode). "auto" constrains a tool block only once the model opens one. ``response_format``,
 ``structured_outputs`` and ``guided_*`` map onto the same engine API (:mod:`deepseek_v41.server.structured`).
-``parallel_tool_calls: false`` allows (and returns) only the first call. Images -> 400 "this model does not take
-images" (the engine does not feed images yet).
+``parallel_tool_calls: false`` allows (and returns) only the first call.
+
+Images (issue 27): image content parts (``image_url`` with a data URL or an http(s) URL, ``input_image``, ``image``:
+:mod:`deepseek_v41.chat.images`), several per message and across messages, render as one placeholder each; the
+images are loaded under the server's media policy (:mod:`deepseek_v41.server.media`), decoded and preprocessed
+(:func:`deepseek_v41.engine.multimodal.process_images`) one at a time on the media threads, and handed to the engine
+as ``multi_modal_data={"image": [...]}`` in the order of their placeholders in the prompt. The prompt is tokenized
+around the placeholders and gets ``image_token_id`` in their places (the engine expands each into its image span),
+so the placeholder's spelling in the tokenizer does not matter. Limits are checked on the expanded prompt: its
+length against ``max_model_len``, the image tokens against the model's ``max_image_tokens``, the count against
+``--limit-mm-per-prompt``; each a 400 naming the limit. A model without a vision tower answers a 400 "this model
+does not take images".
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from deepseek_v41.chat import ChatFormatError, ChoiceParser, encode_messages
+from deepseek_v41.chat import IMAGE, ChatFormatError, ChoiceParser, ImageSource, render_messages
 from deepseek_v41.engine.async_engine import EngineDeadError, EngineDrainingError, StepOutput
+from deepseek_v41.model.image_processor import expand_image_placeholders
 from deepseek_v41.server.common import (
     ServerState,
     chat_logprobs,
@@ -45,6 +57,7 @@ from deepseek_v41.server.common import (
     usage,
 )
 from deepseek_v41.server.errors import APIError
+from deepseek_v41.server.media import check_image_count, image_bytes, in_media_thread, preprocess
 from deepseek_v41.server.protocol import ChatCompletionRequest
 from deepseek_v41.server.streaming import SSEResponse
 from deepseek_v41.server.structured import Constraint, engine_params, request_constraint, tool_constraint
@@ -55,12 +68,14 @@ from deepseek_v41.structured.tool_choice import resolve_tool_choice
 _EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "high", "max": "max",
             "ultra": "max"}
 _TEMPLATE_KWARGS = ("thinking", "enable_thinking", "drop_thinking")
-_IMAGE_PARTS = ("image_url", "image", "input_image")
 
 
 @dataclass
 class ChatPlan:
-    """A chat request turned into what the engine and the parsers need."""
+    """A chat request turned into what the engine and the parsers need. With images, ``ids`` holds one
+    ``image_token_id`` per image (what the engine takes), ``images`` the preprocessed images in that order and
+    ``prompt_ids`` the prompt as the model sees it (each placeholder expanded into its span); without, the
+    three are ``ids``, ``[]`` and ``ids``."""
 
     prompt: str
     ids: list[int]
@@ -68,6 +83,16 @@ class ChatPlan:
     tools_active: bool  # DSML calls in the output are returned as tool_calls
     parallel: bool
     constraint: Constraint | None  # structured-output constraint (response_format, tool_choice, ...), after thinking
+    images: list = field(default_factory=list)  # ProcessedImage, prompt order
+    prompt_ids: list[int] | None = None  # None: ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids if self.prompt_ids is not None else self.ids)
+
+    @property
+    def multi_modal_data(self) -> dict | None:
+        return {"image": list(self.images)} if self.images else None
 
 
 def resolve_thinking(req: ChatCompletionRequest) -> tuple[bool, int | str | None, bool]:
@@ -100,15 +125,54 @@ def resolve_thinking(req: ChatCompletionRequest) -> tuple[bool, int | str | None
     return thinking, effort, kwargs.get("drop_thinking", True)
 
 
-def _check_images(messages: list[dict[str, Any]]) -> None:
-    for i, message in enumerate(messages):
-        content = message.get("content")
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
-                    raise APIError("this model does not take images (the engine does not feed the vision path "
-                                   "yet); send text content parts", f"messages[{i}].content[{j}]",
-                                   "unsupported_content")
+def _vision_config(state: ServerState, sources: list[ImageSource]):
+    """The model's vision config; a 400 naming the first image part when the model has none."""
+    vision = getattr(state.engine.engine.config, "vision_config", None)
+    if vision is None:
+        raise APIError("this model does not take images: it has no vision tower (no vision_config in its "
+                       "config.json); send text content parts", sources[0].where, "unsupported_content")
+    return vision
+
+
+async def load_images(state: ServerState, sources: list[ImageSource], vision) -> list:
+    """The preprocessed images of a request, in order: each loaded (:func:`deepseek_v41.server.media.image_bytes`),
+    decoded and preprocessed for ``vision`` (the model's vision config) before the next, so at most one decoded
+    image is held at a time. APIError 400 naming the part for anything refused."""
+    processed = []
+    for source in sources:
+        data = await image_bytes(source, state.config.media)
+        processed.append(await in_media_thread(preprocess, data, state.config.media, vision, source.where))
+        del data
+    return processed
+
+
+async def encode_with_images(state: ServerState, prompt: str, count: int, add_special_tokens: bool) -> list[int]:
+    """Tokenize a rendered prompt holding ``count`` image placeholders: the text between them is tokenized (off the
+    event loop) and ``image_token_id`` put in each placeholder's place; special tokens, when asked, only before the
+    first piece."""
+    pieces = prompt.split(IMAGE)
+    if len(pieces) != count + 1:  # the renderer emits exactly one placeholder per image part it renders
+        raise RuntimeError(f"the rendered prompt holds {len(pieces) - 1} image placeholders for {count} images")
+    (first,) = await encode(state, pieces[:1], add_special_tokens=add_special_tokens)
+    rest = await encode(state, pieces[1:], add_special_tokens=False)
+    image_token_id = state.engine.engine.config.image_token_id
+    ids = list(first)
+    for piece in rest:
+        ids.append(image_token_id)
+        ids += piece
+    return ids
+
+
+def _expand(state: ServerState, ids: list[int], images: list) -> list[int]:
+    """The prompt with each placeholder expanded into its image's span (the length the model sees, for the
+    context checks); a count mismatch becomes a 400. The engine expands again and hashes each image (its encoder
+    and prefix cache keys) on its own thread; nothing is hashed twice."""
+    try:
+        expanded, _ = expand_image_placeholders(ids, [image.grid for image in images],
+                                                state.engine.engine.config.image_token_id)
+    except ValueError as exc:
+        raise APIError(str(exc), "messages", "invalid_value") from exc
+    return expanded
 
 
 def _tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
@@ -133,7 +197,6 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_len
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     messages = req.messages
-    _check_images(messages)
     thinking, effort, drop = resolve_thinking(req)
     choice, name = _tool_choice(req)
     constraint = _constraint(req, choice, name, thinking)
@@ -146,16 +209,26 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, check_len
         raise APIError("add_generation_prompt: false is only supported with continue_final_message: true",
                        "add_generation_prompt", "invalid_value")
     try:
-        prompt = encode_messages(messages, tools=req.tools if choice != "none" else None, thinking=thinking,
-                                 reasoning_effort=effort, drop_thinking=drop)
+        prompt, sources = render_messages(messages, tools=req.tools if choice != "none" else None,
+                                          thinking=thinking, reasoning_effort=effort, drop_thinking=drop)
     except ChatFormatError as exc:
         raise APIError(str(exc), exc.where, "invalid_value") from exc
     check_text_fits(state, prompt, "messages")  # the rendered prompt holds every message's text
-    (ids,) = await encode(state, [prompt], add_special_tokens=req.add_special_tokens)
+    images, prompt_ids = [], None
+    if sources:  # the cheap checks first: nothing is fetched for a request refused anyway
+        vision = _vision_config(state, sources)
+        check_image_count(len(sources), state.config.media)
+        ids = await encode_with_images(state, prompt, len(sources), req.add_special_tokens)
+        if check_length:
+            check_prompt_ids(state, ids, "messages")  # the text alone, one position per image
+        images = await load_images(state, sources, vision)
+        prompt_ids = await asyncio.to_thread(_expand, state, ids, images)
+    else:
+        (ids,) = await encode(state, [prompt], add_special_tokens=req.add_special_tokens)
     if check_length:
-        check_prompt_ids(state, ids, "messages")
+        check_prompt_ids(state, prompt_ids if prompt_ids is not None else ids, "messages")
     return ChatPlan(prompt, ids, thinking and not req.continue_final_message, choice != "none",
-                    req.parallel_tool_calls is not False, constraint)
+                    req.parallel_tool_calls is not False, constraint, images, prompt_ids)
 
 
 def _constraint(req: ChatCompletionRequest, choice: str, name: str | None, thinking: bool) -> Constraint | None:
@@ -196,14 +269,15 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, salt: 
     """Run one chat request; a JSONResponse, or an SSEResponse when ``stream``."""
     plan = await prepare_chat(state, req)
     top = req.top_logprobs or 0
-    params = sampling_params(state, req, len(plan.ids), max_tokens_field=(
+    params = sampling_params(state, req, plan.num_prompt_tokens, max_tokens_field=(
         "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"),
         logprobs=top if req.logprobs else None, logprobs_field="top_logprobs", skip_special_tokens=False,
         structured_outputs=engine_params(plan.constraint, plan.thinking))
     request_id, engine_id = request_ids("chatcmpl", req)
     stream, first = await start_generation(state, engine_id, plan.ids, params, plan.prompt,
                                            request_salt(salt, req.cache_salt), arrival,
-                                           plan.constraint.param if plan.constraint else "messages")
+                                           plan.constraint.param if plan.constraint else "messages",
+                                           multi_modal_data=plan.multi_modal_data)
     created = int(time.time())
     if req.stream:
         return SSEResponse(_chunks(state, req, plan, request_id, created, stream, first))
@@ -232,7 +306,7 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
         choices.append(entry)
     body = {"id": request_id, "object": "chat.completion", "created": created,
             "model": state.response_model(req),
-            "choices": choices, "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+            "choices": choices, "usage": usage(plan.num_prompt_tokens, sum(len(c.token_ids) for c in out.outputs),
                                                out.num_cached_tokens)}
     if req.return_token_ids:
         body["prompt_token_ids"] = out.prompt_token_ids
@@ -246,7 +320,7 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)
     choices = [_Choice(plan) for _ in range(req.n)]
-    prompt_tokens = len(plan.ids)
+    prompt_tokens = plan.num_prompt_tokens
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
             "model": state.response_model(req)}
 

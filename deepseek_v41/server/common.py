@@ -28,6 +28,7 @@ from deepseek_v41.engine.async_engine import (
 from deepseek_v41.engine.sampler import Logprob
 from deepseek_v41.engine.sampling_params import SAMPLING_EPS, SamplingParams
 from deepseek_v41.server.errors import APIError, error_body
+from deepseek_v41.server.media import MediaConfig
 from deepseek_v41.server.text import check_unicode, max_token_bytes
 
 logger = logging.getLogger("deepseek_v41.server")
@@ -52,7 +53,9 @@ class ServerConfig:
     they come from (for error messages: the file, or the flag); ``allow_origins``,
     ``allow_methods``, ``allow_headers``, ``allow_credentials``: CORS (vLLM's defaults: any origin, method and
     header, no credentials); ``log_requests``: log one line per request (id, prompt tokens, sampling parameters;
-    never the prompt text), vLLM's ``--enable-log-requests``; ``dev_mode``: serve the development routes
+    never the prompt text), vLLM's ``--enable-log-requests``; ``media``: how images of chat requests are taken
+    (:class:`~deepseek_v41.server.media.MediaConfig`: data URLs always, URL fetching off unless allowed, images per
+    request, fetch timeout and byte limits); ``dev_mode``: serve the development routes
     (``POST /reset_prefix_cache``; vLLM's ``VLLM_SERVER_DEV_MODE``, here ``DSV41_SERVER_DEV_MODE=1``), which no API
     key guards: never on a public address.
     """
@@ -72,6 +75,7 @@ class ServerConfig:
     allow_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     log_requests: bool = False
+    media: MediaConfig = field(default_factory=MediaConfig)
     dev_mode: bool = False
 
 
@@ -299,12 +303,14 @@ def stream_error(exc: EngineDeadError | EngineDrainingError) -> dict[str, Any]:
 
 
 async def start_generation(state: ServerState, request_id: str, ids: list[int], params: SamplingParams,
-                           prompt: str | None, salt: str | None, arrival: float, param: str
-                           ) -> tuple[AsyncIterator[StepOutput], StepOutput]:
+                           prompt: str | None, salt: str | None, arrival: float, param: str,
+                           multi_modal_data: dict | None = None) -> tuple[AsyncIterator[StepOutput], StepOutput]:
     """Submit a request and wait for its first output, so that engine refusals become a 400 naming ``param``
     (and shutdown / a dead engine a 503) before any response byte is sent. Returns the open stream and the
-    first output; the caller must close the stream."""
-    stream = state.engine.generate(request_id, ids, params, prompt=prompt, cache_salt=salt, arrival_time=arrival)
+    first output; the caller must close the stream. ``multi_modal_data``: ``{"image": [ProcessedImage, ...]}``, one
+    per ``image_token_id`` placeholder of ``ids``, or None."""
+    stream = state.engine.generate(request_id, ids, params, prompt=prompt, cache_salt=salt, arrival_time=arrival,
+                                   multi_modal_data=multi_modal_data)
     try:
         first = await anext(stream)
     except ValueError as exc:
@@ -319,7 +325,9 @@ async def start_generation(state: ServerState, request_id: str, ids: list[int], 
     if params.max_tokens is not None:
         state.metrics.request_started(params.max_tokens)
     if state.config.log_requests:
-        logger.info("Received request %s: %d prompt tokens, %s", request_id, len(ids), params)
+        images = len(multi_modal_data["image"]) if multi_modal_data else 0
+        logger.info("Received request %s: %d prompt tokens%s, %s", request_id, len(first.output.prompt_token_ids),
+                    f" ({images} images)" if images else "", params)
     return stream, first
 
 

@@ -215,7 +215,7 @@ REJECTED = [
         [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
         {},
         "messages[0].content[0]: part type 'input_audio' is not supported; "
-        "allowed: 'text', 'image_url', 'image'",
+        "allowed: 'text', 'image_url', 'input_image', 'image', 'image_pil'",
     ),
     ("text part", [{"role": "user", "content": [{"type": "text"}]}], {}, "a text part needs a string 'text'"),
     (

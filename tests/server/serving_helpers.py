@@ -99,15 +99,17 @@ class LiveServer:
         self.thread.join(timeout)
 
 
-def start_server(model_dir, api_keys=KEYS, drain_timeout_s: float = 10.0, limits=None, **engine_args) -> LiveServer:
+def start_server(model_dir, api_keys=KEYS, drain_timeout_s: float = 10.0, limits=None, config_args=None,
+                 **engine_args) -> LiveServer:
     """Load ``model_dir`` and serve it on a free loopback port from a daemon thread (``limits``: the server's
-    ``ConnectionLimits``, default its defaults)."""
+    ``ConnectionLimits``, default its defaults; ``config_args``: more ``ServerConfig`` fields, e.g. ``media``)."""
     args = dict(max_num_seqs=40, max_model_len=MAX_MODEL_LEN)
     args.update(engine_args)
     llm = LLM(model_dir, **args)
     engine = AsyncLLMEngine(llm.engine)
     config = ServerConfig(served_model_names=[MODEL], model_path=str(model_dir), api_keys=list(api_keys),
-                          max_body_bytes=MAX_BODY_BYTES, log_stats_interval_s=0, drain_timeout_s=drain_timeout_s)
+                          max_body_bytes=MAX_BODY_BYTES, log_stats_interval_s=0, drain_timeout_s=drain_timeout_s,
+                          **(config_args or {}))
     server = make_server(build_app(engine, config), "127.0.0.1", 0, drain_timeout_s, log_level="warning",
                          limits=limits)
     thread = threading.Thread(target=server.run, name="dsv41-test-server", daemon=True)
