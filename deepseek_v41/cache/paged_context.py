@@ -32,16 +32,24 @@ class PagedContext:
     position after its last new token (Python ints, so shapes never depend on tensor values: the forward also
     runs on ``meta``); ``dtype``: the model's dtype (stored rows decode to fp32, or float64 for a float64 model:
     what attention, the indexer and the mixing compute in); ``write_from``: per row, the first position
-    whose compressed entries this forward may write (earlier ones live in shared prefix-cache pages).
+    whose compressed entries this forward may write (earlier ones live in shared prefix-cache pages);
+    ``key_limit`` [B, T] long or None: the window keys each query sees (:mod:`deepseek_v41.model.context`; None =
+    causal; the engine passes :func:`deepseek_v41.model.vision.window_key_limit` of a chunk holding image spans;
+    ValueError when its shape is not that of ``positions``).
 
     The block tables are padded with the null page up to ``max(ends)``: a speculative verify forward pads short
     rows with positions past their pages, whose entries then go to the null page (DSPARK.md §7).
     """
 
     def __init__(self, cache: PagedKVCache, slots: list[int], tables: list[list[int]], positions: torch.Tensor,
-                 ends: list[int], dtype: torch.dtype, write_from: list[int] | None = None):
+                 ends: list[int], dtype: torch.dtype, write_from: list[int] | None = None,
+                 key_limit: torch.Tensor | None = None):
         self.cache = cache
         self.positions = positions
+        if key_limit is not None and key_limit.shape != positions.shape:
+            raise ValueError(f"key_limit must have the shape of positions {list(positions.shape)}, got "
+                             f"{list(key_limit.shape)}")
+        self.key_limit = key_limit
         self.fake_quant = True  # the indexer query is quantized as in the reference
         self.banded_window = True  # the new window rows are the new tokens, at consecutive positions
         self.indexer_losses = None  # training: a deepseek_v41.train.indexer_loss.IndexerLosses

@@ -26,7 +26,8 @@ from deepseek_v41.plan import LayerRole, LayerSpec
 def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, window: int,
                      topk: torch.Tensor | None, gather: Callable[[torch.Tensor], torch.Tensor] | None,
                      sink: torch.Tensor, scale: float, chunk: int = QUERY_CHUNK, banded: bool = True,
-                     entry_probs: bool = False, shared_entries: torch.Tensor | None = None):
+                     entry_probs: bool = False, shared_entries: torch.Tensor | None = None,
+                     key_limit: torch.Tensor | None = None):
     """One softmax per (query, head) over its window keys and its selected compressed entries, with a sink.
 
     q [B, T, H, d]; q_pos [B, T]; keys [B, P + T, d] with key_pos [B, P + T]: the last T rows are the new tokens
@@ -41,13 +42,21 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
     entry (training's dense warm-up); then ``topk`` is [B, T, N] with column n for entry n (-1 = not visible)
     and the entries are read once for all queries instead of gathered per query.
 
+    ``key_limit`` [B, T] long (None: strictly causal, the code and bits of a text-only forward): the exclusive
+    upper bound of the window-key positions each query sees, so its window is ``p - window < key_pos <
+    key_limit``: ``p + 1`` for a text position, ``min(e, p + window)`` for a position of an image span [s, e)
+    (bidirectional inside the span, as the issue and TensorRT-LLM / SGLang; MODEL_REFERENCE.md §3.18 says causal;
+    VISION_DESIGN.md decision 1; :func:`deepseek_v41.model.vision.window_key_limit`). The keys after p are new
+    rows (a span never straddles forwards), read through a second, forward band of at most ``window - 1`` rows,
+    built only when some query looks ahead. Compressed entries stay causal (``topk`` decides them).
+
     Each query reads exactly its band of ``min(window, T)`` new rows (a strided view, no copy of the keys), the P
     earlier rows and its k entries, so the work is O(T x (window + P + k)) — no masked-out block work — and
     queries run in chunks of ``chunk`` so memory is O(chunk x (window + P + k)).
     """
     B, T, H, d = q.shape
     if T <= FEW_QUERIES and not entry_probs and shared_entries is None:
-        return attend_few(q, q_pos, keys, key_pos, window, topk, gather, sink, scale)
+        return attend_few(q, q_pos, keys, key_pos, window, topk, gather, sink, scale, key_limit)
     P = keys.shape[1] - T if banded else keys.shape[1]
     wide = upcast(keys)
     prev, prev_pos = wide[:, :P], key_pos[:, :P]
@@ -56,6 +65,11 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
     if band:
         band_keys = torch.nn.functional.pad(wide[:, P:], (0, 0, band - 1, 0)).unfold(1, band, 1)  # [B, T, d, band]
         band_pos = torch.nn.functional.pad(key_pos[:, P:], (band - 1, 0), value=-1).unfold(1, band, 1)  # [B, T, band]
+    ahead = _lookahead(q_pos, key_limit, window, T if banded else 0)
+    # Row i of the forward band view holds new rows i + 1 .. i + ahead (padding rows have position -1).
+    if ahead:
+        ahead_keys = torch.nn.functional.pad(wide[:, P:], (0, 0, 0, ahead)).unfold(1, ahead, 1)[:, 1:]
+        ahead_pos = torch.nn.functional.pad(key_pos[:, P:], (0, ahead), value=-1).unfold(1, ahead, 1)[:, 1:]
     out, picked = [], []
     for i0 in range(0, T, chunk):
         i1 = min(T, i0 + chunk)
@@ -64,12 +78,19 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
         parts = []
         if P:
             s_prev = torch.einsum("bchd,bld->bchl", qc, prev) * scale
-            seen = (prev_pos[:, None, :] <= qp) & (prev_pos[:, None, :] > qp - window) & (prev_pos[:, None, :] >= 0)
+            kp = prev_pos[:, None, :]
+            upto = (kp <= qp) if key_limit is None else (kp < key_limit[:, i0:i1, None])
+            seen = upto & (kp > qp - window) & (kp >= 0)
             parts.append(s_prev.masked_fill(~seen[:, :, None, :], float("-inf")))
         if band:
             bk = band_keys[:, i0:i1]
             s_band = torch.einsum("bchd,bcdw->bchw", qc, bk) * scale
             parts.append(s_band.masked_fill((band_pos[:, i0:i1] < 0)[:, :, None, :], float("-inf")))
+        if ahead:
+            ak, ap = ahead_keys[:, i0:i1], ahead_pos[:, i0:i1]
+            s_ahead = torch.einsum("bchd,bcdw->bchw", qc, ak) * scale
+            hidden = (ap < 0) | (ap >= key_limit[:, i0:i1, None])
+            parts.append(s_ahead.masked_fill(hidden[:, :, None, :], float("-inf")))
         selected = None
         if topk is not None and topk.shape[-1] > 0:
             idx = topk[:, i0:i1]
@@ -85,10 +106,12 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
         o = torch.einsum("bchl,bld->bchd", probs[..., :P], prev)
         if band:
             o = o + torch.einsum("bchw,bcdw->bchd", probs[..., P: P + band], bk)
+        if ahead:
+            o = o + torch.einsum("bchw,bcdw->bchd", probs[..., P + band: P + band + ahead], ak)
         if selected is not None:
             equation = "bchk,bkd->bchd" if shared_entries is not None else "bchk,bckd->bchd"
-            o = o + torch.einsum(equation, probs[..., P + band:-1], selected)
-            picked.append(probs[..., P + band:-1])
+            o = o + torch.einsum(equation, probs[..., P + band + ahead:-1], selected)
+            picked.append(probs[..., P + band + ahead:-1])
         out.append(o)
     o = torch.cat(out, 1).to(q.dtype)
     if entry_probs:
@@ -96,22 +119,36 @@ def sparse_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k
     return o
 
 
+def _lookahead(q_pos: torch.Tensor, key_limit: torch.Tensor | None, window: int, new_rows: int) -> int:
+    """Width of :func:`sparse_attention`'s forward band: the most new rows after its own position any query may
+    see (``key_limit - q_pos - 1``, at most ``window - 1`` and the ``new_rows - 1`` there are); 0 without
+    ``key_limit`` or new rows. On ``meta`` (no values) the bound itself."""
+    if key_limit is None or new_rows < 2:
+        return 0
+    bound = min(window - 1, new_rows - 1)
+    if key_limit.device.type == "meta" or bound <= 0:
+        return max(bound, 0)
+    return max(0, min(bound, int((key_limit - q_pos).max()) - 1))
+
+
 FEW_QUERIES = 16  # up to this many queries per row (decode, speculative verify) attention takes attend_few
 
 
 def attend_few(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, window: int,
                 topk: torch.Tensor | None, gather: Callable[[torch.Tensor], torch.Tensor] | None,
-                sink: torch.Tensor, scale: float) -> torch.Tensor:
+                sink: torch.Tensor, scale: float, key_limit: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`sparse_attention` for a few queries per row (decode, speculative verify): every query scores all
     window rows at once, masked by position alone (``p - window < key_pos <= p``, which is exactly the band
-    for new rows at consecutive positions), so the whole softmax is a handful of batched matmuls instead of a
-    chunk loop of einsums. Same arguments, result and fp32 arithmetic as :func:`sparse_attention`."""
+    for new rows at consecutive positions; with ``key_limit`` [B, T], ``p - window < key_pos < key_limit``), so
+    the whole softmax is a handful of batched matmuls instead of a chunk loop of einsums. Same arguments, result
+    and fp32 arithmetic as :func:`sparse_attention`."""
     B, T, H, d = q.shape
     wide = upcast(keys)  # [B, L, d]
     qc = cast(upcast(q), wide.dtype)
     scores = (qc.flatten(1, 2) @ wide.transpose(1, 2)).unflatten(1, (T, H)) * scale  # [B, T, H, L]
     qp, kp = q_pos[:, :, None], key_pos[:, None, :]
-    seen = (kp >= 0) & (kp <= qp) & (kp > qp - window)  # [B, T, L]
+    upto = (kp <= qp) if key_limit is None else (kp < key_limit[:, :, None])
+    seen = (kp >= 0) & upto & (kp > qp - window)  # [B, T, L]
     parts = [scores.masked_fill(~seen[:, :, None, :], float("-inf"))]
     selected = None
     if topk is not None and topk.shape[-1] > 0:
@@ -208,7 +245,8 @@ class Attention(nn.Module):
                 shared = ctx.all_entries(source)
         learn = ctx.indexer_losses if self.indexer is not None else None  # training the indexer
         o = self.core(q, pos, keys, key_pos, self.window, topk, gather, self.attn_sink, self.head_dim ** -0.5,
-                      self.query_chunk, ctx.banded_window, entry_probs=learn is not None, shared_entries=shared)
+                      self.query_chunk, ctx.banded_window, entry_probs=learn is not None, shared_entries=shared,
+                      key_limit=ctx.key_limit)
         if learn is not None:  # the KL toward these probabilities: deepseek_v41.train.indexer_loss
             o, entry_probs = o
             learn.add(self, ctx, entry_probs, ctx.shared.pop(("indexer_scores", spec.layer_id)), topk)

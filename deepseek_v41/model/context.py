@@ -22,6 +22,10 @@ the context object they pass. A context provides, for the tokens of one forward 
 - ``indexer_losses`` / ``dense_indexer``: training only (:mod:`deepseek_v41.train.trainer`): an object whose
   ``add`` each index-source layer calls with what its KL loss needs (:mod:`deepseek_v41.train.indexer_loss`),
   and the dense warm-up in which every visible entry is selected;
+- ``key_limit``: None (every window is causal: ``p - window < key_pos <= p``), or [B, T] long, the exclusive upper
+  bound of the window-key positions each query sees — ``p + 1`` for text, ``min(e, p + window)`` inside an image
+  span [s, e) (bidirectional inside the span; :func:`deepseek_v41.model.vision.window_key_limit`, VISION_DESIGN.md
+  decision 1); compressed entries and the indexer stay causal either way;
 - ``banded_window``: True when the last T window rows are the new tokens at consecutive positions (each query
   then reads only its band of them); False makes attention mask every row by position alone.
 - ``completes_entries(layer)``: False when no row of this forward completes a compressed entry of kv source
@@ -52,10 +56,16 @@ def pick_rows(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 class DenseContext:
-    """Context of one exact forward over whole sequences [B, T] starting at position 0."""
+    """Context of one exact forward over whole sequences [B, T] starting at position 0. ``key_limit`` [B, T] long
+    or None: the window keys each query sees (module docstring; the exact forward builds it from the prompt's
+    image spans). Raises ValueError for a ``key_limit`` of another shape."""
 
-    def __init__(self, batch: int, length: int, device: torch.device | str, fake_quant: bool = True):
+    def __init__(self, batch: int, length: int, device: torch.device | str, fake_quant: bool = True,
+                 key_limit: torch.Tensor | None = None):
         self.positions = torch.arange(length, device=device).expand(batch, length)
+        if key_limit is not None and tuple(key_limit.shape) != (batch, length):
+            raise ValueError(f"key_limit must be [batch, length] = [{batch}, {length}], got {list(key_limit.shape)}")
+        self.key_limit = key_limit
         self.fake_quant = fake_quant
         self.shared: dict[Any, torch.Tensor] = {}
         self.banded_window = True  # the new window rows are the new tokens, at consecutive positions

@@ -99,6 +99,7 @@ class DraftContext:
         self.fake_quant = fake_quant
         self.shared: dict = {}
         self.banded_window = False  # block rows report the anchor position: visibility by position only
+        self.key_limit = None  # causal window (no image span in a draft block)
         anchor = positions[:, :1]
         self._key_pos = torch.cat((torch.where(visible, anchor, -1), anchor.expand_as(positions)), 1)
 

@@ -20,7 +20,7 @@ from deepseek_v41.model.engram import EngramHasher
 from deepseek_v41.model.hyper import collapse
 from deepseek_v41.model.norm import RMSNorm, upcast
 from deepseek_v41.model.save import named_weights, save_pretrained
-from deepseek_v41.model.vision import add_vision, embed_images, image_token_mask
+from deepseek_v41.model.vision import add_vision, embed_images, image_token_mask, window_key_limit
 from deepseek_v41.plan import build_layer_plan
 
 
@@ -113,31 +113,46 @@ class Transformer(nn.Module):
             streams, pre = block(streams, pre, ctx, image_mask, compress=j not in skip_compress)
         return streams, pre
 
+    def key_limit(self, token_types: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
+        """The contexts' ``key_limit`` [B, T] for a forward at ``positions`` [B, T] whose span roles are
+        ``token_types`` [B, T] (:func:`~deepseek_v41.model.vision.window_key_limit`: bidirectional attention
+        inside image spans), or None when it holds no image position (then attention is exactly the text code)."""
+        if token_types is None:
+            return None
+        types = token_types.to(positions.device)
+        if types.device.type != "meta" and not bool(image_token_mask(types).any()):
+            return None
+        return window_key_limit(types, positions, self.config.sliding_window)
+
     # ------------------------------------------------------------------ CED (MODEL_REFERENCE.md §3.16)
     def ced_encode(self, streams: torch.Tensor, pre: torch.Tensor, ctx,
                    engram_rows: dict[int, torch.Tensor] | None = None,
-                   taps: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   taps: dict[int, torch.Tensor] | None = None,
+                   image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The CED encoder over every position of streams [B, T, hc, D]: the encoder layers
         (``plan.encoder_layers``), then the first decoder layer's compressor over the same positions (so the
         compressed entries the decoder reads cover the whole prompt). Returns the encoder's output (streams, pre),
         which the decoder reads from its start (:meth:`deepseek_v41.plan.LayerPlan.decoder_start`) on. The one
         home of the CED order: the engine's chunked prefill and the evaluation's exact CED both call it.
-        Raises ValueError without a CED layout (``plan.ced_reason`` says why)."""
+        ``image_mask`` [B, T] bool: image positions (``bias_vl`` routing, masked out of Engram), as in
+        :meth:`run_layers`. Raises ValueError without a CED layout (``plan.ced_reason`` says why)."""
         plan = self.plan
         if not plan.ced:
             raise ValueError(f"CED needs the CED layout; this model has {plan.ced_reason}")
-        streams, pre = self.run_layers(plan.encoder_layers, streams, pre, ctx, None, engram_rows, taps)
+        streams, pre = self.run_layers(plan.encoder_layers, streams, pre, ctx, image_mask, engram_rows, taps)
         boundary = self.layers[plan.decoder_layers[0]]
         boundary.attn.compress(boundary.attention_input(streams, pre), ctx)
         return streams, pre
 
     def ced_decode(self, streams: torch.Tensor, pre: torch.Tensor, ctx,
                    engram_rows: dict[int, torch.Tensor] | None = None,
-                   taps: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   taps: dict[int, torch.Tensor] | None = None,
+                   image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The CED decoder: the decoder layers over the positions of ``ctx`` (from the decoder start on), without
-        the first decoder layer's compressor, which :meth:`ced_encode` ran over every position."""
+        the first decoder layer's compressor, which :meth:`ced_encode` ran over every position. ``image_mask``
+        [B, T] bool of these positions, as in :meth:`run_layers`."""
         plan = self.plan
-        return self.run_layers(plan.decoder_layers, streams, pre, ctx, None, engram_rows, taps,
+        return self.run_layers(plan.decoder_layers, streams, pre, ctx, image_mask, engram_rows, taps,
                                skip_compress={plan.decoder_layers[0]})
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -154,9 +169,9 @@ class Transformer(nn.Module):
         """Exact forward: input_ids [B, T] long -> logits [B, T, V] fp32.
 
         ``image_mask`` [B, T] bool marks image tokens (routed with ``bias_vl``, masked out of Engram); with
-        ``token_types`` [B, T] (image span roles, -1 = text) and ``images`` the vision path fills the spans and the
-        mask is derived from the types. Raises ValueError for ids outside the vocabulary or a mask of the wrong
-        shape.
+        ``token_types`` [B, T] (image span roles, -1 = text) and ``images`` the vision path fills the spans, the
+        mask is derived from the types and attention is bidirectional inside each span (:meth:`key_limit`).
+        Raises ValueError for ids outside the vocabulary, a mask of the wrong shape or a span cut by the end.
         """
         if token_types is not None:
             image_mask = image_token_mask(token_types.to(input_ids.device))
@@ -170,7 +185,8 @@ class Transformer(nn.Module):
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         B, T = input_ids.shape
-        ctx = DenseContext(B, T, input_ids.device, self.fake_quant)
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        ctx = DenseContext(B, T, input_ids.device, self.fake_quant, self.key_limit(token_types, positions))
         rows = self.hasher(input_ids, image_mask) if self.hasher is not None else None
         streams, pre = self.embed_streams(input_ids, token_types, images)
         streams, pre = self.run_layers(range(len(self.layers)), streams, pre, ctx, image_mask, rows)

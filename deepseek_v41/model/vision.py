@@ -263,6 +263,38 @@ def image_token_mask(token_types: torch.Tensor) -> torch.Tensor:
     return token_types != int(TokenType.TEXT)
 
 
+def window_key_limit(token_types: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """The window keys each query of one forward sees: ``key_limit`` [B, T] long (VISION_DESIGN.md decision 1).
+
+    ``token_types`` [B, T] integer (:class:`TokenType` codes, -1 = text); ``positions`` [B, T] long, each row
+    consecutive; ``window`` the sliding window W. A text position p gets ``p + 1`` (causal: keys ``p - W < k <=
+    p``); a position p of an image span [s, e) (s its IMAGE_START, e one past its IMAGE_END) gets
+    ``min(e, p + W)``: it also sees the span's later positions ``p < k < min(e, p + W)``, so attention is
+    bidirectional inside the span (within the window). This follows the issue (and TensorRT-LLM's / SGLang's V4.1)
+    where MODEL_REFERENCE.md §3.18 says the LLM stays causal over image tokens. A span may begin before this
+    forward (a replay that starts inside it); it must end inside it (spans are never split across prefill chunks,
+    decision 2): ValueError names a span position with no IMAGE_END after it in its row, or mis-shaped inputs.
+    """
+    if token_types.dim() != 2 or positions.shape != token_types.shape:
+        raise ValueError(f"token_types and positions must both be [B, T], got {list(token_types.shape)} and "
+                         f"{list(positions.shape)}")
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    types = token_types.to(positions.device)
+    B, T = types.shape
+    image = image_token_mask(types)
+    index = torch.arange(T, device=positions.device).expand(B, T)
+    # The index of the first IMAGE_END at or after each position (T where none): a cumulative min from the right.
+    ends = torch.where(types == TokenType.IMAGE_END, index, T).flip(1).cummin(1).values.flip(1)
+    open_span = image & (ends == T)
+    if positions.device.type != "meta" and bool(open_span.any()):
+        b, t = (int(v) for v in open_span.nonzero()[0])
+        raise ValueError(f"the image span at position {int(positions[b, t])} (row {b}) has no IMAGE_END in this "
+                         f"forward: an image span is never split across forwards")
+    span_end = positions.gather(1, ends.clamp(max=T - 1)) + 1
+    return torch.where(image, torch.minimum(span_end, positions + window), positions + 1)
+
+
 def _span_shapes(types: list[int]) -> list[tuple[int, int]]:
     """(n_llm_h, n_llm_w) of each complete span in one flattened row of types; ValueError if malformed."""
     shapes, i = [], 0

@@ -40,6 +40,7 @@ from deepseek_v41.model.context import DenseContext
 from deepseek_v41.model.engram_hash import build_token_map
 from deepseek_v41.model.moe import Gate
 from deepseek_v41.model.transformer import Transformer
+from deepseek_v41.model.vision import image_token_mask
 from deepseek_v41.train.data import read_documents
 from deepseek_v41.train.evaluate import stream_nats
 from deepseek_v41.train.indexer_loss import IndexerLosses
@@ -97,10 +98,14 @@ def sample_batch(stream: np.ndarray, rng: np.random.Generator, batch: int, conte
 
 
 def training_loss(model: Transformer, ids: torch.Tensor, dense_indexer: bool, kl_weight: float,
-                  bf16: bool = False, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                  bf16: bool = False, loss_mask: torch.Tensor | None = None, token_types: torch.Tensor | None = None,
+                  images: list | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one batch ``ids`` [B, T + 1]: cross-entropy of tokens 1..T plus the indexers' KL (see module
     docstring). ``loss_mask`` (bool [B, T], for the targets ``ids[:, 1:]``): the cross-entropy is the mean over
     the True positions only (supervised fine-tuning, :mod:`deepseek_v41.train.sft`); it must hold at least one.
+    ``token_types`` [B, T] (image span roles of the inputs ``ids[:, :-1]``, -1 = text) and ``images`` (their
+    preprocessed images in prompt order): the vision path as in ``Transformer.forward`` (aligner rows in the
+    spans, ``bias_vl`` routing, Engram masking, bidirectional attention inside each span).
     Returns the loss tensor and its parts as floats."""
     inputs, targets = ids[:, :-1], ids[:, 1:]
     if loss_mask is not None:
@@ -109,13 +114,17 @@ def training_loss(model: Transformer, ids: torch.Tensor, dense_indexer: bool, kl
                              f"{list(loss_mask.shape)}")
         targets = targets.masked_fill(~loss_mask, -100)  # cross_entropy's ignore_index
     B, T = inputs.shape
-    ctx = DenseContext(B, T, inputs.device, fake_quant=True)
+    if token_types is not None and token_types.shape != inputs.shape:
+        raise ValueError(f"token_types must be [B, T] = {list(inputs.shape)}, got {list(token_types.shape)}")
+    image_mask = image_token_mask(token_types.to(inputs.device)) if token_types is not None else None
+    positions = torch.arange(T, device=inputs.device).expand(B, T)
+    ctx = DenseContext(B, T, inputs.device, fake_quant=True, key_limit=model.key_limit(token_types, positions))
     ctx.indexer_losses = IndexerLosses()
     ctx.dense_indexer = dense_indexer
     with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=bf16):
-        rows = model.hasher(inputs) if model.hasher is not None else None
-        streams, pre = model.embed_streams(inputs)
-        streams, pre = model.run_layers(range(len(model.layers)), streams, pre, ctx, None, rows)
+        rows = model.hasher(inputs, image_mask) if model.hasher is not None else None
+        streams, pre = model.embed_streams(inputs, token_types, images)
+        streams, pre = model.run_layers(range(len(model.layers)), streams, pre, ctx, image_mask, rows)
         logits = model.logits(streams, pre)
     lm = torch.nn.functional.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(-1))
     kl = ctx.indexer_losses.total(lm)

@@ -5,7 +5,8 @@ once per module instance by :func:`deepseek_v41.kernels.fast.install` (see that 
   ``kv_norm`` and both RoPEs) in one :func:`kernels.attn_prologue` call, ``output`` (inverse RoPE, ``wo_a``,
   ``wo_b``) in one :func:`kernels.attn_epilogue` call, and ``compress`` (compressor, entry RoPE, index keys) in one
   :func:`kernels.compress` call, for at most ``kernels.FEW_ROWS`` tokens (decode, speculative verify);
-- :class:`~deepseek_v41.model.attention.SparseAttention`: :func:`kernels.attend_few` for a few queries per row;
+- :class:`~deepseek_v41.model.attention.SparseAttention`: :func:`kernels.attend_few` for a few queries per row
+  (causal windows only: a forward with image spans runs the reference);
 - :class:`~deepseek_v41.model.attention.GroupedLinear`: the grouped GEMV :func:`kernels.linear` for small inputs;
 - :class:`~deepseek_v41.model.indexer.Indexer`: ``queries`` in one :func:`kernels.indexer_queries` call (a few
   tokens) and the selection rules ``topk_entries`` / ``candidate_blocks`` / ``pool_entries`` in C
@@ -209,11 +210,14 @@ def install_sparse_attention(m: SparseAttention) -> bool:
 def attend(self: SparseAttention, q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
            window: int, topk: torch.Tensor | None, gather: Callable[[torch.Tensor], torch.Tensor] | None,
            sink: torch.Tensor, scale: float, chunk: int = QUERY_CHUNK, banded: bool = True, entry_probs: bool = False,
-           shared_entries: torch.Tensor | None = None):
+           shared_entries: torch.Tensor | None = None, key_limit: torch.Tensor | None = None):
     """:func:`~deepseek_v41.model.attention.sparse_attention`; a few queries per row in fp32 / bf16 on the CPU in
-    inference mode take one fused kernel (the reference's :func:`~deepseek_v41.model.attention.attend_few` in C)."""
+    inference mode take one fused kernel (the reference's :func:`~deepseek_v41.model.attention.attend_few` in C).
+    A forward with image spans (``key_limit`` not None: bidirectional window keys inside a span) always runs the
+    reference: the kernel's window is causal, and image spans only come in prefill chunks, not decode steps."""
     B, T, H, d = q.shape
-    if (T <= attention_module.FEW_QUERIES and not entry_probs and shared_entries is None and fused(q, keys, sink)
+    if (key_limit is None and T <= attention_module.FEW_QUERIES and not entry_probs and shared_entries is None
+            and fused(q, keys, sink)
             and q_pos.dtype == key_pos.dtype == torch.int64 and H <= kernels.MAX_ATTEND_HEADS
             and kernels.usable(q_pos, key_pos)):
         selected = None
@@ -226,7 +230,7 @@ def attend(self: SparseAttention, q: torch.Tensor, q_pos: torch.Tensor, keys: to
         return cast(kernels.attend_few(upcast(q), q_pos, upcast(keys), key_pos, window, selected, topk, upcast(sink),
                                        scale), q.dtype)
     return sparse_attention(q, q_pos, keys, key_pos, window, topk, gather, sink, scale, chunk, banded,
-                            entry_probs=entry_probs, shared_entries=shared_entries)
+                            entry_probs=entry_probs, shared_entries=shared_entries, key_limit=key_limit)
 
 
 # --------------------------------------------------------------------------------------------- GroupedLinear
