@@ -197,6 +197,14 @@ def build_example(text: str, image, tokenizer: Tokenizer, vision: VisionConfig, 
     return VisionExample(np.asarray(ids, dtype=np.int64), np.asarray(types, dtype=np.int64), start, processed, text)
 
 
+def prompt_example(image, tokenizer: Tokenizer, vision: VisionConfig, image_token_id: int) -> VisionExample:
+    """The prompt alone (no answer: ``text`` is empty and ``start`` is its length) for an image of any size,
+    processed with ``vision`` (resized or padded as the processor's rules say) — what reading a new image needs."""
+    processed = preprocess_image(image, vision)
+    ids, types = expand_image_placeholders(prompt_ids(tokenizer), [processed.grid], image_token_id)
+    return VisionExample(np.asarray(ids, dtype=np.int64), np.asarray(types, dtype=np.int64), len(ids), processed, "")
+
+
 def make_example(lines: Sequence[str], seed: Sequence[int], fonts: Sequence[str], tokenizer: Tokenizer,
                  vision: VisionConfig, image_token_id: int, spec: RenderSpec = RenderSpec(),
                  max_chars: int = 24) -> VisionExample:

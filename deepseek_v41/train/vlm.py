@@ -7,11 +7,12 @@ delimiters start from scratch; ``bias_vl`` starts as a copy of the router's text
 route as text tokens do). The data are :mod:`deepseek_v41.train.vision_data` renders of training-split text, a
 pure function of ``(seed, step, row)``: a resumed run sees the same batches.
 
-Each step: a batch of rendered snippets in the chat turn "image + Transcribe the text." -> the snippet; the exact
-forward (:meth:`~deepseek_v41.model.transformer.Transformer.forward` with ``token_types`` and ``images``: image
-spans filled by the vision path, routed with ``bias_vl``, masked out of Engram); next-token cross-entropy over the
-answer tokens and the end token only. What trains: the vision path (learning rate ``lr``) and the text model
-(``text_lr``), except the DSpark draft (``mtp.*``, not run by the forward) and the Engram tables, kept as
+Each step: a batch of rendered snippets in the chat turn "image + Transcribe the text." -> the snippet; the
+trainer's forward (:func:`~deepseek_v41.train.trainer.training_loss` with ``token_types`` and ``images``: image
+spans filled by the vision path, routed with ``bias_vl``, masked out of Engram, attention bidirectional inside
+each span); next-token cross-entropy over the answer tokens and the end token only, plus the indexers' KL as
+``dsv41 train-sft`` has it. What trains: the vision path (learning rate ``lr``) and the text model (``text_lr``),
+except the DSpark draft (``mtp.*``, not run by the forward) and the Engram tables, kept as
 ``dsv41 train-sft`` keeps them. AdamW, warmup + cosine, clipping, aux-loss-free balancing and the checkpoint
 format (safetensors + JSON, ``--resume``) are the trainer's (:mod:`deepseek_v41.train.trainer`).
 
@@ -39,7 +40,7 @@ from deepseek_v41.model.checkpoint import load_model
 from deepseek_v41.model.engram_hash import build_token_map
 from deepseek_v41.model.image_processor import TokenType
 from deepseek_v41.model.transformer import Transformer
-from deepseek_v41.train.trainer import CHECKPOINT_DIR, Trainer, TrainState, balance_experts, lr_at
+from deepseek_v41.train.trainer import CHECKPOINT_DIR, Trainer, TrainState, balance_experts, lr_at, training_loss
 from deepseek_v41.train.vision_data import (
     PROMPT,
     VisionExample,
@@ -48,6 +49,7 @@ from deepseek_v41.train.vision_data import (
     corpus_lines,
     find_fonts,
     make_example,
+    prompt_example,
     prompt_ids,
     render_sample,
 )
@@ -104,6 +106,7 @@ class VLMArgs:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     bias_update_rate: float = 1e-3
+    indexer_loss_weight: float = 1.0  # the indexers' KL, as dsv41 train-sft
     eval_every: int = 400
     eval_samples: int = 64  # held-out renders transcribed per evaluation during training
     checkpoint_minutes: float = 4.0
@@ -111,15 +114,13 @@ class VLMArgs:
     seed: int = 0
 
 
-def vlm_loss(model: Transformer, ids: torch.Tensor, types: torch.Tensor, mask: torch.Tensor, images: list
-             ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Masked next-token cross-entropy of a :func:`~deepseek_v41.train.vision_data.collate` batch: ``ids`` /
-    ``types`` [B, L], ``mask`` bool [B, L - 1] over the targets ``ids[:, 1:]``, ``images`` one per row. The
-    spans all lie in the prompts, so dropping the last column never cuts one. Returns (loss, {"lm": float})."""
-    logits = model(ids[:, :-1], token_types=types[:, :-1], images=images)
-    targets = ids[:, 1:].masked_fill(~mask, -100)
-    lm = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    return lm, {"lm": lm.item()}
+def vlm_loss(model: Transformer, ids: torch.Tensor, types: torch.Tensor, mask: torch.Tensor, images: list,
+             kl_weight: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The trainer's loss (:func:`~deepseek_v41.train.trainer.training_loss`, sparse indexer KL weighted
+    ``kl_weight``) of a :func:`~deepseek_v41.train.vision_data.collate` batch: ``ids`` / ``types`` [B, L],
+    ``mask`` bool [B, L - 1] over the targets ``ids[:, 1:]``, ``images`` one per row. The spans all lie in the
+    prompts, so dropping the last column never cuts one. Returns (loss, {"loss", "lm", "kl"} floats)."""
+    return training_loss(model, ids, False, kl_weight, loss_mask=mask, token_types=types[:, :-1], images=images)
 
 
 @torch.no_grad()
@@ -166,6 +167,17 @@ def greedy_transcribe(model: Transformer, tokenizer: Tokenizer, examples: list[V
         answers += [tokenizer.decode(o, skip_special_tokens=True) for o in out]
     model.train(was_training)
     return answers
+
+
+def read_image(model: Transformer, tokenizer: Tokenizer, image, max_new_tokens: int = 24) -> str:
+    """The model's greedy answer to "<image> Transcribe the text." for one image (PIL or a path)."""
+    from PIL import Image
+
+    if isinstance(image, (str, Path)):
+        image = Image.open(image)
+    cfg = model.config
+    example = prompt_example(image, tokenizer, cfg.vision_config, cfg.image_token_id)
+    return greedy_transcribe(model, tokenizer, [example], with_image=True, max_new_tokens=max_new_tokens)[0]
 
 
 def eval_examples(lines: list[str], fonts: list[str], tokenizer: Tokenizer, model: Transformer, n: int,
@@ -240,15 +252,15 @@ class VLMTrainer(Trainer):
             started = time.time()
             ids, types, mask, images = self.batch(state.step)
             lr = lr_at(state.step, args)
-            loss, parts = vlm_loss(self.model, ids, types, mask, images)
+            loss, parts = vlm_loss(self.model, ids, types, mask, images, args.indexer_loss_weight)
             self.update(loss, lr)
             state.step += 1
             state.tokens += int(mask.sum())
             elapsed = time.time() - started
             state.wall_seconds += elapsed
             state.history.append({"step": state.step, "lr": lr, "width": ids.shape[1], "seconds": elapsed, **parts})
-            log(f"step {state.step}/{args.steps} loss {parts['lm']:.4f} lr {lr:.2e} rows {ids.shape[0]}x{ids.shape[1]}"
-                f" {elapsed:.2f}s")
+            log(f"step {state.step}/{args.steps} loss {parts['lm']:.4f} kl {parts['kl']:.4f} lr {lr:.2e} "
+                f"rows {ids.shape[0]}x{ids.shape[1]} {elapsed:.2f}s")
             if args.eval_every and state.step % args.eval_every == 0 and self.eval_set:
                 result = evaluate_transcription(self.model, self.tokenizer, self.eval_set, baseline=False)
                 acc = result["with_image"]

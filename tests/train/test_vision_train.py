@@ -131,3 +131,17 @@ def test_lines_are_rendered_from_the_trainers_lines(tmp_path, tok):
     answers = {tok.decode(ids[r, 1:][mask[r]].tolist(), skip_special_tokens=True) for r in range(3)}
     assert answers == {"onlyword"}
     assert np.all(mask.sum(1).numpy() > 0)
+
+
+def test_read_image_is_the_greedy_answer_to_the_prompt(tmp_path, tok):
+    from deepseek_v41.train.vision_data import render_sample
+    from deepseek_v41.train.vlm import read_image
+
+    model = tiny_vlm(2).eval()
+    cfg = model.config
+    text, image, _ = render_sample(LINES, [9, 0], find_fonts())
+    image.save(tmp_path / "x.png")
+    example = make_example(LINES, [9, 0], find_fonts(), tok, cfg.vision_config, cfg.image_token_id)
+    assert example.text == text
+    expected = greedy_transcribe(model, tok, [example], with_image=True, max_new_tokens=4)[0]
+    assert read_image(model, tok, tmp_path / "x.png", max_new_tokens=4) == expected
