@@ -275,6 +275,7 @@ def train_vlm(
     lr: float = typer.Option(2e-3, help="Learning rate of the vision path (trained from scratch)."),
     text_lr: float = typer.Option(3e-4, help="Learning rate of the text model (fine-tuned)."),
     warmup_steps: int = typer.Option(50),
+    max_chars: int = typer.Option(24, min=1, help="Longest rendered snippet in characters."),
     vision_width: int = typer.Option(96, min=4, help="ViT hidden size."),
     vision_layers: int = typer.Option(3, min=1, help="ViT blocks."),
     vision_heads: int = typer.Option(4, min=1, help="ViT attention heads (head width a multiple of 4)."),
@@ -291,7 +292,7 @@ def train_vlm(
     import sys
 
     args = VLMArgs(steps=steps, batch_size=batch_size, lr=lr, text_lr=text_lr, warmup_steps=warmup_steps,
-                   eval_every=eval_every, checkpoint_minutes=checkpoint_minutes, seed=seed)
+                   eval_every=eval_every, checkpoint_minutes=checkpoint_minutes, max_chars=max_chars, seed=seed)
     out.mkdir(parents=True, exist_ok=True)
     log_file = open(out / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
 
