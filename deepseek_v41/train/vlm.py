@@ -274,6 +274,12 @@ class VLMTrainer(Trainer):
         return state
 
 
+def _cell(text: str) -> str:
+    """A string as a Markdown table cell: code-quoted (JSON-escaped, so newlines and quotes stay visible), pipes
+    escaped."""
+    return "`" + json.dumps(text, ensure_ascii=False)[1:-1].replace("|", "\\|").replace("`", "'") + "`"
+
+
 def write_card(model_dir: Path, facts: dict[str, Any], overwrite: bool = False) -> Path:
     """Write ``model_dir/MODEL_CARD.md`` from ``facts`` (:func:`train_vlm_command`'s summary). Raises
     FileExistsError when the card exists and ``overwrite`` is False (a card may carry hand-written sections)."""
@@ -337,7 +343,7 @@ def write_card(model_dir: Path, facts: dict[str, Any], overwrite: bool = False) 
     lines += ["", "Examples (reference -> with the image / without):", "", "| reference | with the image | without |",
               "|---|---|---|"]
     for smp in final["examples"]:
-        lines.append(f"| `{smp['reference']}` | `{smp['with_image']}` | `{smp['text_only']}` |")
+        lines.append("| " + " | ".join(_cell(smp[k]) for k in ("reference", "with_image", "text_only")) + " |")
     lines += ["", "## Reproduce", "", "```", facts["command"], "```", ""]
     card.write_text("\n".join(lines))
     return card
