@@ -345,6 +345,8 @@ def write_card(model_dir: Path, facts: dict[str, Any], overwrite: bool = False) 
     for smp in final["examples"]:
         lines.append("| " + " | ".join(_cell(smp[k]) for k in ("reference", "with_image", "text_only")) + " |")
     lines += ["", "## Reproduce", "", "```", facts["command"], "```", ""]
+    if facts.get("notes"):
+        lines += ["## Notes", "", *[f"- {note}" for note in facts["notes"]], ""]
     card.write_text("\n".join(lines))
     return card
 
