@@ -109,7 +109,8 @@ def render_text(text: str, rng: np.random.Generator, fonts: Sequence[str], spec:
     height is ``rows * 42`` for a random ``rows`` of ``spec.rows``, the font size scales with it, and the width is
     the text's plus margins rounded up to 42, at most ``spec.max_tokens_w * 42`` (the font shrinks until the
     text fits). ``fonts``: TrueType paths (:func:`find_fonts`); empty = Pillow's built-in font. Deterministic in
-    ``rng``'s state. Returns ``(image, font name)``."""
+    ``rng``'s state. Returns ``(image, font name, centres)``: centres float32 [len(text)] is the horizontal
+    centre in pixels of each character's advance (before the small rotation; kerning ignored)."""
     from PIL import Image, ImageDraw, ImageFilter
 
     rows = int(spec.rows[int(rng.integers(len(spec.rows)))])
@@ -138,6 +139,8 @@ def render_text(text: str, rng: np.random.Generator, fonts: Sequence[str], spec:
     x = int(rng.integers(4, max(5, width - text_w - 4))) - left
     y = int(rng.integers(2, max(3, height - text_h - 2))) - top
     draw.text((x, y), text, font=font, fill=tuple(int(c) for c in ink))
+    advances = [font.getlength(text[:k]) for k in range(len(text) + 1)]
+    centres = np.array([x + (a + b) / 2 for a, b in zip(advances[:-1], advances[1:], strict=True)], dtype=np.float32)
     degrees = float(rng.uniform(-spec.max_degrees, spec.max_degrees))
     image = image.rotate(degrees, resample=Image.Resampling.BICUBIC, fillcolor=tuple(int(c) for c in background))
     if rng.random() < 0.3:
@@ -145,20 +148,22 @@ def render_text(text: str, rng: np.random.Generator, fonts: Sequence[str], spec:
     sigma = float(rng.uniform(0, spec.max_noise))
     pixels = np.asarray(image, dtype=np.float32) + rng.normal(0, sigma, size=(height, width, 3))
     image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), mode="RGB")
-    return image, Path(path).stem if path else "pillow-default"
+    return image, Path(path).stem if path else "pillow-default", centres
 
 
 @dataclass(frozen=True)
 class VisionExample:
     """One tokenized image chat turn: ``ids`` int64 [n] with the image span expanded, ``token_types`` int64 [n]
     (:class:`~deepseek_v41.model.image_processor.TokenType`), ``start``: the first target position (ids[start:]
-    is the answer and the end token), the ``image`` (processed) and the reference ``text``."""
+    is the answer and the end token), the ``image`` (processed), the reference ``text`` and, for renders,
+    ``char_x``: each character's horizontal centre in pixels (float32 [len(text)]; :func:`cell_labels`)."""
 
     ids: np.ndarray
     token_types: np.ndarray
     start: int
     image: ProcessedImage
     text: str
+    char_x: np.ndarray | None = None
 
 
 def prompt_messages(text: str | None, with_image: bool = True) -> list[dict]:
@@ -178,8 +183,8 @@ def prompt_ids(tokenizer: Tokenizer, with_image: bool = True) -> list[int]:
                             add_special_tokens=False).ids
 
 
-def build_example(text: str, image, tokenizer: Tokenizer, vision: VisionConfig, image_token_id: int
-                  ) -> VisionExample:
+def build_example(text: str, image, tokenizer: Tokenizer, vision: VisionConfig, image_token_id: int,
+                  char_x: np.ndarray | None = None) -> VisionExample:
     """Tokenize the turn "image + PROMPT -> ``text``" and expand its placeholder for ``image`` (PIL, processed
     with ``vision``). Raises ValueError when the image would be resized or padded (its size is not a multiple
     of 42 pixels or its area is under ``min_pixels``), or when the prompt's tokens are not a prefix of the
@@ -194,7 +199,8 @@ def build_example(text: str, image, tokenizer: Tokenizer, vision: VisionConfig, 
     processed = preprocess_image(image, vision)
     ids, types = expand_image_placeholders(whole, [processed.grid], image_token_id)
     start = len(head) + processed.grid.span_length - 1
-    return VisionExample(np.asarray(ids, dtype=np.int64), np.asarray(types, dtype=np.int64), start, processed, text)
+    return VisionExample(np.asarray(ids, dtype=np.int64), np.asarray(types, dtype=np.int64), start, processed, text,
+                         char_x)
 
 
 def prompt_example(image, tokenizer: Tokenizer, vision: VisionConfig, image_token_id: int) -> VisionExample:
@@ -210,18 +216,35 @@ def make_example(lines: Sequence[str], seed: Sequence[int], fonts: Sequence[str]
                  max_chars: int = 24) -> VisionExample:
     """The example of one seed (a list of ints, e.g. ``[seed, step, row]``): :func:`render_sample`, then
     :func:`build_example`."""
-    text, image, _ = render_sample(lines, seed, fonts, spec, max_chars)
-    return build_example(text, image, tokenizer, vision, image_token_id)
+    text, image, _, centres = render_sample(lines, seed, fonts, spec, max_chars)
+    return build_example(text, image, tokenizer, vision, image_token_id, centres)
 
 
 def render_sample(lines: Sequence[str], seed: Sequence[int], fonts: Sequence[str], spec: RenderSpec = RenderSpec(),
                   max_chars: int = 24):
-    """``(text, PIL image, font name)`` of one seed: :func:`pick_snippet` then :func:`render_text`, both from
-    ``numpy.random.default_rng(seed)``."""
+    """``(text, PIL image, font name, character centres)`` of one seed: :func:`pick_snippet` then
+    :func:`render_text`, both from ``numpy.random.default_rng(seed)``."""
     rng = np.random.default_rng(list(seed))
     text = pick_snippet(lines, rng, max_chars)
-    image, font = render_text(text, rng, fonts, spec)
-    return text, image, font
+    image, font, centres = render_text(text, rng, fonts, spec)
+    return text, image, font, centres
+
+
+CELL_CHARS = 94  # printable ASCII without the space: '!' (33) .. '~' (126)
+
+
+def cell_labels(example: VisionExample) -> torch.Tensor:
+    """Which characters lie in each 42-pixel column of a render: multi-hot float32 [n_llm_w, 94], column of a
+    character = its centre // 42 (clamped to the grid), class = ``ord(c) - 33``; spaces carry no label. The
+    target of the trainer's auxiliary per-column probe. Raises ValueError for an example without ``char_x``."""
+    if example.char_x is None:
+        raise ValueError("the example has no character positions (only renders carry them)")
+    width = example.image.grid.n_llm_w
+    labels = torch.zeros(width, CELL_CHARS)
+    for ch, x in zip(example.text, example.char_x.tolist(), strict=True):
+        if 33 <= ord(ch) <= 126:
+            labels[min(max(int(x // TOKEN_PIXELS), 0), width - 1), ord(ch) - 33] = 1.0
+    return labels
 
 
 def collate(examples: Sequence[VisionExample], pad_id: int

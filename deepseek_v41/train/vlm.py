@@ -40,10 +40,13 @@ from deepseek_v41.model.checkpoint import load_model
 from deepseek_v41.model.engram_hash import build_token_map
 from deepseek_v41.model.image_processor import TokenType
 from deepseek_v41.model.transformer import Transformer
+from deepseek_v41.model.vision import encode_images
 from deepseek_v41.train.trainer import CHECKPOINT_DIR, Trainer, TrainState, balance_experts, lr_at, training_loss
 from deepseek_v41.train.vision_data import (
+    CELL_CHARS,
     PROMPT,
     VisionExample,
+    cell_labels,
     char_accuracy,
     collate,
     corpus_lines,
@@ -107,6 +110,7 @@ class VLMArgs:
     grad_clip: float = 1.0
     bias_update_rate: float = 1e-3
     indexer_loss_weight: float = 1.0  # the indexers' KL, as dsv41 train-sft
+    cell_loss_weight: float = 1.0  # the auxiliary per-column character probe (cell_loss); 0 = off
     eval_every: int = 400
     eval_samples: int = 64  # held-out renders transcribed per evaluation during training
     checkpoint_minutes: float = 4.0
@@ -121,6 +125,27 @@ def vlm_loss(model: Transformer, ids: torch.Tensor, types: torch.Tensor, mask: t
     ``mask`` bool [B, L - 1] over the targets ``ids[:, 1:]``, ``images`` one per row. The spans all lie in the
     prompts, so dropping the last column never cuts one. Returns (loss, {"loss", "lm", "kl"} floats)."""
     return training_loss(model, ids, False, kl_weight, loss_mask=mask, token_types=types[:, :-1], images=images)
+
+
+def cell_loss(model: Transformer, probe: torch.nn.Linear, examples: list[VisionExample]
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Auxiliary loss on the aligner rows of renders: a linear ``probe`` [hidden -> 94] on each token column
+    (rows averaged) predicts which characters lie in it (:func:`~deepseek_v41.train.vision_data.cell_labels`,
+    binary cross-entropy), plus ``log(rms(rows) / rms(embed))^2``, which holds the rows at the scale of the token
+    embeddings. Why: from the language-model loss alone the fresh ViT's rows collapsed to one large constant
+    vector (RMS ~30x the embeddings', loss unchanged with grey images at step 1000 of a first run), after which
+    the normalised layers pass it almost no gradient; the probe gives the ViT a direct signal and the scale term
+    keeps the rows where the text model reads them. The probe is not part of the exported model."""
+    feats = encode_images(model, [e.image for e in examples])
+    logits, labels = [], []
+    for e, f in zip(examples, feats, strict=True):
+        g = e.image.grid
+        logits.append(probe(f.view(g.n_llm_h, g.n_llm_w, -1).mean(0)))
+        labels.append(cell_labels(e))
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(torch.cat(logits), torch.cat(labels))
+    rms = torch.cat(feats).pow(2).mean().sqrt()
+    scale = torch.log(rms / model.embed.weight.detach().pow(2).mean().sqrt()) ** 2
+    return bce + scale, {"cell": bce.item(), "scale": scale.item()}
 
 
 @torch.no_grad()
@@ -216,7 +241,10 @@ class VLMTrainer(Trainer):
         for name, p in model.named_parameters():
             p.requires_grad_(not any(tag in name for tag in FROZEN))
         model.train()
+        torch.manual_seed(args.seed)
+        self.probe = torch.nn.Linear(model.config.hidden_size, CELL_CHARS)
         vision = [p for n, p in model.named_parameters() if p.requires_grad and n.startswith(VISION_PARAMS)]
+        vision += list(self.probe.parameters())
         text = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith(VISION_PARAMS)]
         self.lr_scale = [1.0, args.text_lr / args.lr]
         self.optimizer = torch.optim.AdamW([{"params": vision}, {"params": text}], lr=args.lr, betas=(0.9, 0.95),
@@ -225,13 +253,31 @@ class VLMTrainer(Trainer):
         if resume and (self.out / CHECKPOINT_DIR / "state.json").is_file():
             self.load_checkpoint()
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
-        """The batch of global ``step``: rows rendered from seeds ``[seed, step, row]``."""
+    def examples(self, step: int) -> list[VisionExample]:
+        """The renders of global ``step``: rows from seeds ``[seed, step, row]``."""
         cfg = self.model.config
-        examples = [make_example(self.train_lines, [self.args.seed, step, row], self.fonts, self.tokenizer,
-                                 cfg.vision_config, cfg.image_token_id, max_chars=self.args.max_chars)
-                    for row in range(self.args.batch_size)]
-        return collate(examples, cfg.pad_token_id)
+        return [make_example(self.train_lines, [self.args.seed, step, row], self.fonts, self.tokenizer,
+                             cfg.vision_config, cfg.image_token_id, max_chars=self.args.max_chars)
+                for row in range(self.args.batch_size)]
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+        """The collated batch of global ``step`` (:meth:`examples`)."""
+        return collate(self.examples(step), self.model.config.pad_token_id)
+
+    def save_checkpoint(self) -> Path:
+        """The trainer's checkpoint, the probe included (as ``cell_probe.*``; never in the exported model)."""
+        self.model.add_module("cell_probe", self.probe)
+        try:
+            return super().save_checkpoint()
+        finally:
+            del self.model.cell_probe
+
+    def load_checkpoint(self) -> None:
+        self.model.add_module("cell_probe", self.probe)
+        try:
+            super().load_checkpoint()
+        finally:
+            del self.model.cell_probe
 
     def update(self, loss: torch.Tensor, lr: float) -> None:
         """One AdamW update: the vision group at ``lr``, the text group at ``lr * text_lr / lr``; gradients
@@ -240,7 +286,7 @@ class VLMTrainer(Trainer):
             group["lr"] = lr * scale
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
+        torch.nn.utils.clip_grad_norm_([*self.model.parameters(), *self.probe.parameters()], self.args.grad_clip)
         self.optimizer.step()
         balance_experts(self.model, self.args.bias_update_rate)
 
@@ -250,16 +296,22 @@ class VLMTrainer(Trainer):
         last_checkpoint = time.time()
         while state.step < min(args.steps, stop_at or args.steps):
             started = time.time()
-            ids, types, mask, images = self.batch(state.step)
+            examples = self.examples(state.step)
+            ids, types, mask, images = collate(examples, self.model.config.pad_token_id)
             lr = lr_at(state.step, args)
             loss, parts = vlm_loss(self.model, ids, types, mask, images, args.indexer_loss_weight)
+            if args.cell_loss_weight:
+                aux, aux_parts = cell_loss(self.model, self.probe, examples)
+                loss = loss + args.cell_loss_weight * aux
+                parts.update(aux_parts)
             self.update(loss, lr)
             state.step += 1
             state.tokens += int(mask.sum())
             elapsed = time.time() - started
             state.wall_seconds += elapsed
             state.history.append({"step": state.step, "lr": lr, "width": ids.shape[1], "seconds": elapsed, **parts})
-            log(f"step {state.step}/{args.steps} loss {parts['lm']:.4f} kl {parts['kl']:.4f} lr {lr:.2e} "
+            log(f"step {state.step}/{args.steps} loss {parts['lm']:.4f} kl {parts['kl']:.4f} "
+                f"cell {parts.get('cell', 0):.4f} scale {parts.get('scale', 0):.4f} lr {lr:.2e} "
                 f"rows {ids.shape[0]}x{ids.shape[1]} {elapsed:.2f}s")
             if args.eval_every and state.step % args.eval_every == 0 and self.eval_set:
                 result = evaluate_transcription(self.model, self.tokenizer, self.eval_set, baseline=False)
@@ -398,7 +450,7 @@ def train_vlm_command(base: Path, data: Path, out: Path, args: VLMArgs, vision: 
         "loss_last_10": float(np.mean([h["lm"] for h in state.history[-10:]])),
         "params": count_params(shipped), "evals": state.evals, "final_eval": final}
     (target / "vlm_train.json").write_text(json.dumps(summary, indent=2) + "\n")
-    text, image, _ = render_sample(heldout_lines, [EVAL_SEED, 0], fonts, max_chars=args.max_chars)
+    text, image, _, _ = render_sample(heldout_lines, [EVAL_SEED, 0], fonts, max_chars=args.max_chars)
     image.save(target / "example.png")  # the first evaluation render, for the README's example
     (target / "example.txt").write_text(text + "\n")
     write_card(target, summary, overwrite=True)

@@ -55,7 +55,7 @@ def test_renders_are_whole_tokens_and_deterministic(fonts):
     lines = ["the quick brown fox", "jumps over the lazy dog", "x"]
     cfg = tiny_vision_config()
     for seed in range(12):
-        text, image, font = render_sample(lines, [3, seed], font_list)
+        text, image, font, _ = render_sample(lines, [3, seed], font_list)
         assert image.mode == "RGB" and image.width % TOKEN_PIXELS == 0 and image.height % TOKEN_PIXELS == 0
         assert image.width * image.height >= cfg.min_pixels and image.height in (42, 84)
         assert len(text) <= 24 and text in " ".join(lines)
@@ -69,7 +69,7 @@ def test_renders_are_whole_tokens_and_deterministic(fonts):
 def test_renders_are_not_resized_or_padded(tok):
     """The processor's patches are exactly the render's pixels, normalised: no resize, no letterbox."""
     cfg = tiny_vision_config()
-    _, image, _ = render_sample(["Resize nothing please"], [0, 7], find_fonts())
+    _, image, _, _ = render_sample(["Resize nothing please"], [0, 7], find_fonts())
     example = build_example("Resize nothing please", image, tok, cfg, IMAGE_ID)
     g = example.image.grid
     assert (g.height, g.width) == (image.height, image.width)
@@ -146,5 +146,35 @@ def test_render_text_fits_the_width_cap():
     from deepseek_v41.train.vision_data import RenderSpec
 
     spec = RenderSpec(max_tokens_w=4)
-    image, _ = render_text("a rather long line of text for four tokens", np.random.default_rng(0), find_fonts(), spec)
+    image, _, _ = render_text("a rather long line of text for four tokens", np.random.default_rng(0), find_fonts(),
+                              spec)
     assert image.width <= 4 * 42 and image.width % 42 == 0
+
+
+def test_cell_labels_put_each_character_in_its_column():
+    import torch
+
+    from deepseek_v41.model.image_processor import ImageGrid, ProcessedImage
+    from deepseek_v41.train.vision_data import VisionExample, cell_labels
+
+    grid = ImageGrid(42, 126, 3, 9, 1, 3)
+    image = ProcessedImage(torch.zeros(27, 588), grid)
+    e = VisionExample(np.zeros(1, np.int64), np.zeros(1, np.int64), 1, image, "ab c~",
+                      np.array([10.0, 50.0, 70.0, 130.0, 83.9], np.float32))
+    labels = cell_labels(e)
+    assert labels.shape == (3, 94)
+    expected = {(0, ord("a") - 33), (1, ord("b") - 33), (2, ord("c") - 33), (1, ord("~") - 33)}  # c clamped
+    assert {tuple(x) for x in labels.nonzero().tolist()} == expected  # the space has no label
+    with pytest.raises(ValueError, match="no character positions"):
+        cell_labels(VisionExample(e.ids, e.token_types, 1, image, "a"))
+
+
+def test_render_centres_follow_the_text():
+    text, image, _, centres = render_sample(["left right"], [0, 3], find_fonts())
+    assert centres.shape == (len(text),) and np.all(np.diff(centres) > 0)
+    assert centres[0] > 0 and centres[-1] < image.width
+    # the ink of the first and last characters is near their centres: darkest columns lie inside [first, last]
+    gray = np.asarray(image.convert("L"), dtype=np.float32)
+    ink = np.abs(gray - np.median(gray)).mean(0)
+    cols = np.nonzero(ink > ink.max() * 0.5)[0]
+    assert cols.min() > centres[0] - 20 and cols.max() < centres[-1] + 20

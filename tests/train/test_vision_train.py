@@ -139,7 +139,7 @@ def test_read_image_is_the_greedy_answer_to_the_prompt(tmp_path, tok):
 
     model = tiny_vlm(2).eval()
     cfg = model.config
-    text, image, _ = render_sample(LINES, [9, 0], find_fonts())
+    text, image, _, _ = render_sample(LINES, [9, 0], find_fonts())
     image.save(tmp_path / "x.png")
     example = make_example(LINES, [9, 0], find_fonts(), tok, cfg.vision_config, cfg.image_token_id)
     assert example.text == text
