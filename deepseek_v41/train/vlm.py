@@ -378,6 +378,11 @@ def write_card(model_dir: Path, facts: dict[str, Any], overwrite: bool = False) 
         f"{a['lr']} for the vision path and {a['text_lr']} for the text model, warmup {a['warmup_steps']}, "
         f"cosine to {a['min_lr_ratio']} x (schedule of {a['steps']:,} steps), clip {a['grad_clip']}; the DSpark "
         "draft and the Engram tables frozen; `bias_vl` started as a copy of each router's text bias.",
+        f"- Auxiliary loss (weight {a.get('cell_loss_weight', 0)}, training only): a linear probe on each column of "
+        "aligner rows predicts which characters lie in it (the renderer knows where it drew each one), plus a "
+        "term holding the rows' RMS at the token embeddings'. Without it a first run's ViT rows collapsed to one "
+        "large constant vector and the model ignored the image (its loss was the same with grey images). The "
+        "probe is not in the checkpoint.",
         f"- Training loss: {facts['loss_first_10']:.3f} over the first 10 steps, {facts['loss_last_10']:.3f} over "
         "the last 10.",
         "",
