@@ -110,7 +110,8 @@ class VLMArgs:
     grad_clip: float = 1.0
     bias_update_rate: float = 1e-3
     indexer_loss_weight: float = 1.0  # the indexers' KL, as dsv41 train-sft
-    cell_loss_weight: float = 1.0  # the auxiliary per-column character probe (cell_loss); 0 = off
+    cell_loss_weight: float = 5.0  # the auxiliary per-column character probe (cell_loss); 0 = off
+    vision_lm_start: int = 400  # steps before the language-model loss reaches the vision path (probe alone first)
     eval_every: int = 400
     eval_samples: int = 64  # held-out renders transcribed per evaluation during training
     checkpoint_minutes: float = 4.0
@@ -135,7 +136,11 @@ def cell_loss(model: Transformer, probe: torch.nn.Linear, examples: list[VisionE
     embeddings. Why: from the language-model loss alone the fresh ViT's rows collapsed to one large constant
     vector (RMS ~30x the embeddings', loss unchanged with grey images at step 1000 of a first run), after which
     the normalised layers pass it almost no gradient; the probe gives the ViT a direct signal and the scale term
-    keeps the rows where the text model reads them. The probe is not part of the exported model."""
+    keeps the rows where the text model reads them. The probe is not part of the exported model. For the first
+    ``vision_lm_start`` steps the language-model loss does not reach the vision path (its rows are detached
+    there): in a second run with the probe at weight 1 the aligner's GELU units still died early (rows constant
+    across tokens, equal to its output bias), the language model's first preference being image rows that do
+    not vary."""
     feats = encode_images(model, [e.image for e in examples])
     logits, labels = [], []
     for e, f in zip(examples, feats, strict=True):
@@ -143,9 +148,11 @@ def cell_loss(model: Transformer, probe: torch.nn.Linear, examples: list[VisionE
         logits.append(probe(f.view(g.n_llm_h, g.n_llm_w, -1).mean(0)))
         labels.append(cell_labels(e))
     bce = torch.nn.functional.binary_cross_entropy_with_logits(torch.cat(logits), torch.cat(labels))
-    rms = torch.cat(feats).pow(2).mean().sqrt()
+    rows = torch.cat(feats)
+    rms = rows.pow(2).mean().sqrt()
     scale = torch.log(rms / model.embed.weight.detach().pow(2).mean().sqrt()) ** 2
-    return bce + scale, {"cell": bce.item(), "scale": scale.item()}
+    spread = rows.detach().std(0).mean().item() / max(rms.item(), 1e-12)  # ~0 when the rows do not vary
+    return bce + scale, {"cell": bce.item(), "scale": scale.item(), "spread": spread}
 
 
 @torch.no_grad()
@@ -299,7 +306,13 @@ class VLMTrainer(Trainer):
             examples = self.examples(state.step)
             ids, types, mask, images = collate(examples, self.model.config.pad_token_id)
             lr = lr_at(state.step, args)
-            loss, parts = vlm_loss(self.model, ids, types, mask, images, args.indexer_loss_weight)
+            cut = self.model.aligner.register_forward_hook(lambda module, inputs, out: out.detach()) if (
+                state.step < args.vision_lm_start) else None
+            try:
+                loss, parts = vlm_loss(self.model, ids, types, mask, images, args.indexer_loss_weight)
+            finally:
+                if cut is not None:
+                    cut.remove()
             if args.cell_loss_weight:
                 aux, aux_parts = cell_loss(self.model, self.probe, examples)
                 loss = loss + args.cell_loss_weight * aux
@@ -311,8 +324,8 @@ class VLMTrainer(Trainer):
             state.wall_seconds += elapsed
             state.history.append({"step": state.step, "lr": lr, "width": ids.shape[1], "seconds": elapsed, **parts})
             log(f"step {state.step}/{args.steps} loss {parts['lm']:.4f} kl {parts['kl']:.4f} "
-                f"cell {parts.get('cell', 0):.4f} scale {parts.get('scale', 0):.4f} lr {lr:.2e} "
-                f"rows {ids.shape[0]}x{ids.shape[1]} {elapsed:.2f}s")
+                f"cell {parts.get('cell', 0):.4f} scale {parts.get('scale', 0):.4f} "
+                f"spread {parts.get('spread', 0):.3f} lr {lr:.2e} rows {ids.shape[0]}x{ids.shape[1]} {elapsed:.2f}s")
             if args.eval_every and state.step % args.eval_every == 0 and self.eval_set:
                 result = evaluate_transcription(self.model, self.tokenizer, self.eval_set, baseline=False)
                 acc = result["with_image"]
