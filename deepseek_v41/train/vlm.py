@@ -250,6 +250,8 @@ class VLMTrainer(Trainer):
         model.train()
         torch.manual_seed(args.seed)
         self.probe = torch.nn.Linear(model.config.hidden_size, CELL_CHARS)
+        with torch.no_grad():  # start at the prior (~3 % of the classes per column) so that the first gradients
+            self.probe.bias.fill_(-3.5)  # sort characters instead of pushing every logit, and the rows, down
         vision = [p for n, p in model.named_parameters() if p.requires_grad and n.startswith(VISION_PARAMS)]
         vision += list(self.probe.parameters())
         text = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith(VISION_PARAMS)]
