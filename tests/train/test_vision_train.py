@@ -145,3 +145,16 @@ def test_read_image_is_the_greedy_answer_to_the_prompt(tmp_path, tok):
     assert example.text == text
     expected = greedy_transcribe(model, tok, [example], with_image=True, max_new_tokens=4)[0]
     assert read_image(model, tok, tmp_path / "x.png", max_new_tokens=4) == expected
+
+
+@pytest.mark.parametrize("start", [0, 100])
+def test_the_lm_loss_reaches_the_vision_path_only_from_vision_lm_start(tmp_path, tok, start):
+    model = tiny_vlm(3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = VLMArgs(steps=2, batch_size=2, warmup_steps=1, eval_every=0, checkpoint_minutes=1e9, cell_loss_weight=0.0,
+                   vision_lm_start=start)
+    VLMTrainer(model, tok, LINES, [], find_fonts(), tmp_path, args).train(log=lambda line: None)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    tower = {n for n in before if n.startswith(("vision.", "aligner."))}
+    assert "head.weight" in moved and "image_start" in moved  # the text model and the delimiters train
+    assert (tower <= moved) if start == 0 else not (tower & moved)
