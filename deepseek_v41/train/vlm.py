@@ -145,7 +145,10 @@ def cell_loss(model: Transformer, probe: torch.nn.Linear, examples: list[VisionE
     logits, labels = [], []
     for e, f in zip(examples, feats, strict=True):
         g = e.image.grid
-        logits.append(probe(f.view(g.n_llm_h, g.n_llm_w, -1).mean(0)))
+        column = f.view(g.n_llm_h, g.n_llm_w, -1).mean(0)
+        # RMS-normalised: the rows sit at the embeddings' small scale (RMS ~0.04), from which a plain linear probe
+        # would need its weights to grow ~25x before it could say anything
+        logits.append(probe(column * torch.rsqrt(column.pow(2).mean(-1, keepdim=True) + 1e-12)))
         labels.append(cell_labels(e))
     bce = torch.nn.functional.binary_cross_entropy_with_logits(torch.cat(logits), torch.cat(labels))
     rows = torch.cat(feats)
