@@ -276,6 +276,10 @@ def train_vlm(
     text_lr: float = typer.Option(3e-4, help="Learning rate of the text model (fine-tuned)."),
     warmup_steps: int = typer.Option(50),
     max_chars: int = typer.Option(24, min=1, help="Longest rendered snippet in characters."),
+    vision_only_steps: int = typer.Option(0, min=0, help="First steps that train the ViT, aligner and character "
+                                                         "probe alone, without the text model."),
+    vision_lm_start: int = typer.Option(400, min=0, help="Step from which the language-model loss reaches the "
+                                                         "vision path."),
     vision_width: int = typer.Option(96, min=4, help="ViT hidden size."),
     vision_layers: int = typer.Option(3, min=1, help="ViT blocks."),
     vision_heads: int = typer.Option(4, min=1, help="ViT attention heads (head width a multiple of 4)."),
@@ -292,7 +296,8 @@ def train_vlm(
     import sys
 
     args = VLMArgs(steps=steps, batch_size=batch_size, lr=lr, text_lr=text_lr, warmup_steps=warmup_steps,
-                   eval_every=eval_every, checkpoint_minutes=checkpoint_minutes, max_chars=max_chars, seed=seed)
+                   eval_every=eval_every, checkpoint_minutes=checkpoint_minutes, max_chars=max_chars, seed=seed,
+                   vision_only_steps=vision_only_steps, vision_lm_start=vision_lm_start)
     out.mkdir(parents=True, exist_ok=True)
     log_file = open(out / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
 
