@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -292,6 +292,14 @@ class VLMTrainer(Trainer):
         finally:
             del self.model.cell_probe
 
+    def lr_at(self, step: int) -> float:
+        """Warmup + cosine (:func:`~deepseek_v41.train.trainer.lr_at`) over each phase on its own: the
+        ``vision_only_steps`` first, then the rest."""
+        first = self.args.vision_only_steps
+        if step < first:
+            return lr_at(step, replace(self.args, steps=first))
+        return lr_at(step - first, replace(self.args, steps=self.args.steps - first))
+
     def update(self, loss: torch.Tensor, lr: float) -> None:
         """One AdamW update: the vision group at ``lr``, the text group at ``lr * text_lr / lr``; gradients
         clipped to ``grad_clip``; then the routers' aux-loss-free bias update."""
@@ -311,7 +319,7 @@ class VLMTrainer(Trainer):
             started = time.time()
             examples = self.examples(state.step)
             ids, types, mask, images = collate(examples, self.model.config.pad_token_id)
-            lr = lr_at(state.step, args)
+            lr = self.lr_at(state.step)
             if state.step < args.vision_only_steps:  # the glyphs first: the probe alone, no text model
                 loss, parts = cell_loss(self.model, self.probe, examples)
                 parts.update(lm=float("nan"), kl=float("nan"))
@@ -336,7 +344,8 @@ class VLMTrainer(Trainer):
             log(f"step {state.step}/{args.steps} loss {parts['lm']:.4f} kl {parts['kl']:.4f} "
                 f"cell {parts.get('cell', 0):.4f} scale {parts.get('scale', 0):.4f} "
                 f"spread {parts.get('spread', 0):.3f} lr {lr:.2e} rows {ids.shape[0]}x{ids.shape[1]} {elapsed:.2f}s")
-            if args.eval_every and state.step % args.eval_every == 0 and self.eval_set:
+            if (args.eval_every and state.step % args.eval_every == 0 and self.eval_set
+                    and state.step > args.vision_only_steps):
                 result = evaluate_transcription(self.model, self.tokenizer, self.eval_set, baseline=False)
                 acc = result["with_image"]
                 state.evals.append({"step": state.step, **acc})
