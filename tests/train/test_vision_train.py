@@ -158,3 +158,16 @@ def test_the_lm_loss_reaches_the_vision_path_only_from_vision_lm_start(tmp_path,
     tower = {n for n in before if n.startswith(("vision.", "aligner."))}
     assert "head.weight" in moved and "image_start" in moved  # the text model and the delimiters train
     assert (tower <= moved) if start == 0 else not (tower & moved)
+
+
+def test_vision_only_steps_train_the_tower_and_probe_alone_with_their_own_schedule(tmp_path, tok):
+    model = tiny_vlm(4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = VLMArgs(steps=10, batch_size=2, warmup_steps=2, eval_every=0, checkpoint_minutes=1e9,
+                   vision_only_steps=2, vision_lm_start=2)
+    trainer = VLMTrainer(model, tok, LINES, [], find_fonts(), tmp_path, args)
+    assert trainer.lr_at(1) == trainer.lr_at(3) == args.lr and trainer.lr_at(0) == args.lr / 2  # warmup twice
+    state = trainer.train(stop_at=2, log=lambda line: None)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(n.startswith(("vision.", "aligner.")) for n in moved)
+    assert all(not np.isfinite(h["lm"]) and np.isfinite(h["cell"]) for h in state.history)
