@@ -377,7 +377,7 @@ def write_card(model_dir: Path, facts: dict[str, Any], overwrite: bool = False) 
     if "base_text_only" in final:
         rows.append((f"{facts['base_model']} (no vision), prompt without the image", final["base_text_only"]))
     lines = [
-        "# v41-tiny-vl: a tiny DeepSeek-V4.1 vision-language model that reads rendered text",
+        "# v41-tiny-vl: a tiny DeepSeek-V4.1 vision-language model trained to read rendered text",
         "",
         f"`{facts['base_model']}` plus a small vision path trained from scratch on images of rendered text "
         f"(`dsv41 train-vlm`): a ViT of {v['num_hidden_layers']} blocks, width {v['hidden_size']}, "
@@ -385,8 +385,9 @@ def write_card(model_dir: Path, facts: dict[str, Any], overwrite: bool = False) 
         f"{v['downsample_ratio']} aligner into the text width; at most {v['max_image_tokens']} image-span "
         f"positions per image, `min_pixels` {v['min_pixels']}. The text model was fine-tuned with it.",
         "",
-        "**A toy.** It reads one line of printed ASCII text in the fonts it was trained on and answers the chat "
-        f"turn \"<image> {PROMPT}\" with the text; it has not seen photographs, handwriting or any other task.",
+        f"**A toy.** It was trained to answer the chat turn \"<image> {PROMPT}\" with one line of printed ASCII "
+        "text in the fonts of its renders; how far it got is in the held-out results below. It has not seen "
+        "photographs, handwriting or any other task.",
         "",
         "## Size",
         f"- {p['total']:,} parameters: vision path {p['vision']:,}, text backbone {p['backbone']:,}, Engram "
