@@ -10,7 +10,7 @@ TEST_WORKERS ?= 2
 # machine 10-20x slower (bench/README.md).
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: run test test-slow lint clean
+.PHONY: run test test-slow lint clean fonts
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,14 @@ test-slow: $(VENV)/.installed-dev
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
+
+# Debian's font packages whose faces the tiny VLM's training renders use (`dsv41 train-vlm`,
+# deepseek_v41/train/vision_data.py: DejaVu, Liberation, FreeFont); without them it uses the faces that are installed,
+# or Pillow's built-in font when none is.
+FONT_PACKAGES := fonts-dejavu-core fonts-liberation fonts-freefont-ttf
+fonts:
+	@command -v apt-get >/dev/null || { echo "apt-get not found: install $(FONT_PACKAGES) or their equivalents"; exit 1; }
+	apt-get install -y --no-install-recommends $(FONT_PACKAGES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -25,6 +25,7 @@ from deepseek_v41.train.model_card import write_model_card
 from deepseek_v41.train.sft import SFTArgs, train_sft_command
 from deepseek_v41.train.tokenizer import save_tokenizer, tokenizer_config_values, train_tokenizer
 from deepseek_v41.train.trainer import TrainArgs, train_command
+from deepseek_v41.train.vlm import VLMArgs, tiny_vision_config, train_vlm_command
 
 # Plain click help (no rich panels): rich cuts long flag names at 80 columns; -h as vLLM and argparse.
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -256,6 +257,64 @@ def train_sft(
     except (FileNotFoundError, ValueError, ConfigError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    typer.echo(f"model written to {path}")
+
+
+@app.command("train-vlm")
+def train_vlm(
+    model: Path = typer.Option(..., help="Text model folder to start from (config.json with image_token_id, "
+                                         "safetensors, tokenizer.json)."),
+    data: Path = typer.Option(..., help="Corpus folder from `dsv41 data prepare`: renders of train.txt train, "
+                                        "renders of heldout.txt evaluate."),
+    out: Path = typer.Option(..., help="Run folder: checkpoint/, train.log, model/."),
+    export: Path | None = typer.Option(None, help="Where the model is written (default: OUT/model)."),
+    steps: int = typer.Option(2400, min=1, help="Length of the learning-rate schedule."),
+    stop_at: int | None = typer.Option(None, min=0, help="Stop (checkpoint, export, evaluate) at this step "
+                                                         "without changing the schedule."),
+    batch_size: int = typer.Option(16, min=1, help="Renders per step."),
+    lr: float = typer.Option(2e-3, help="Learning rate of the vision path (trained from scratch)."),
+    text_lr: float = typer.Option(3e-4, help="Learning rate of the text model (fine-tuned)."),
+    warmup_steps: int = typer.Option(50),
+    max_chars: int = typer.Option(24, min=1, help="Longest rendered snippet in characters."),
+    vision_only_steps: int = typer.Option(0, min=0, help="First steps that train the ViT, aligner and character "
+                                                         "probe alone, without the text model."),
+    vision_lm_start: int = typer.Option(400, min=0, help="Step from which the language-model loss reaches the "
+                                                         "vision path."),
+    vision_width: int = typer.Option(96, min=4, help="ViT hidden size."),
+    vision_layers: int = typer.Option(3, min=1, help="ViT blocks."),
+    vision_heads: int = typer.Option(4, min=1, help="ViT attention heads (head width a multiple of 4)."),
+    max_image_tokens: int = typer.Option(64, min=4, help="Image-span positions per image at most."),
+    eval_every: int = typer.Option(400, min=0, help="Greedy held-out transcription every this many steps."),
+    eval_samples: int = typer.Option(200, min=1, help="Held-out renders scored at the end."),
+    checkpoint_minutes: float = typer.Option(4.0),
+    seed: int = typer.Option(0),
+    resume: bool = typer.Option(False, help="Continue from OUT/checkpoint."),
+    threads: int | None = typer.Option(None, help="torch threads (1 avoids OpenMP spin-waits on a busy machine)."),
+) -> None:
+    """Train a tiny VLM: the text model plus a small vision path, on rendered text -> transcription."""
+    import shlex
+    import sys
+
+    args = VLMArgs(steps=steps, batch_size=batch_size, lr=lr, text_lr=text_lr, warmup_steps=warmup_steps,
+                   eval_every=eval_every, checkpoint_minutes=checkpoint_minutes, max_chars=max_chars, seed=seed,
+                   vision_only_steps=vision_only_steps, vision_lm_start=vision_lm_start)
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = open(out / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
+
+    def log(line: str) -> None:
+        typer.echo(line, err=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    try:
+        vision = tiny_vision_config(vision_width, vision_layers, vision_heads, max_image_tokens)
+        path = train_vlm_command(model, data, out, args, vision, resume, stop_at, threads, export, eval_samples,
+                                 command="dsv41 " + shlex.join(sys.argv[1:]), log=log)
+    except (FileNotFoundError, ValueError, ConfigError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    finally:
+        log_file.close()
     typer.echo(f"model written to {path}")
 
 
