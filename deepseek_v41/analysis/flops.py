@@ -101,9 +101,16 @@ class _MetaSequence:
         self.num_tokens, self.num_computed, self.decoder_start = num_tokens, num_computed, decoder_start
         self.decoder_done = self.write_from = 0
         self.rebuild_engram_history = False
+        self.mm_inputs = None  # text only
 
     def token_at(self, start: int, end: int) -> list[int]:
         return [0] * (end - start)
+
+    def token_types(self, start: int, end: int) -> None:
+        return None  # text only
+
+    def images_in(self, start: int, end: int) -> list:
+        return []
 
 
 def decode_flops(model, context: int, block_size: int = 16) -> FlopCount:

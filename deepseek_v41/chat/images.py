@@ -21,7 +21,9 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from .errors import ChatFormatError
 from .tokens import IMAGE_NAMES
@@ -147,9 +149,6 @@ def read_offline(source: ImageSource, max_bytes: int) -> Any:
     if scheme == "data":
         return data_url_bytes(source.url, max_bytes, source.where)
     if scheme == "file":
-        from pathlib import Path
-        from urllib.parse import unquote, urlsplit
-
         path = Path(unquote(urlsplit(source.url).path))
         try:
             with path.open("rb") as f:

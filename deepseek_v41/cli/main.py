@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from pathlib import Path
 
 import torch
@@ -292,8 +294,6 @@ def train_vlm(
     threads: int | None = typer.Option(None, help="torch threads (1 avoids OpenMP spin-waits on a busy machine)."),
 ) -> None:
     """Train a tiny VLM: the text model plus a small vision path, on rendered text -> transcription."""
-    import shlex
-    import sys
 
     args = VLMArgs(steps=steps, batch_size=batch_size, lr=lr, text_lr=text_lr, warmup_steps=warmup_steps,
                    eval_every=eval_every, checkpoint_minutes=checkpoint_minutes, max_chars=max_chars, seed=seed,
