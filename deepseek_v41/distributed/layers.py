@@ -192,8 +192,8 @@ class ExpertParallelMoE(MoE):
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """Rows [M, ...] of any dtype as uint8 [M, bytes per row] (packed tensors travel as bytes)."""
-    return t.contiguous().reshape(t.shape[0], -1).view(torch.uint8)
+    """Rows [M, ...] (at least 2-D) of any dtype as uint8 [M, bytes per row] (packed tensors travel as bytes)."""
+    return t.contiguous().flatten(1).view(torch.uint8)
 
 
 def _pack(rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -210,11 +210,10 @@ def _unpack(payload: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[torch.
 def _expert_slice(expert: Expert, rows: slice) -> Expert:
     """A new :class:`Expert` holding intermediate rows ``rows`` of ``expert`` (w1 / w3 rows, w2 columns)."""
     w1, w3, w2 = expert.w1.weight, expert.w3.weight, expert.w2.weight
-    out = Expert(w1.shape[1], rows.stop - rows.start, expert.swiglu_limit).to(device=w1.device, dtype=w1.dtype)
-    out.requires_grad_(w1.requires_grad)
-    with torch.no_grad():
-        for name, w in (("w1", w1[rows]), ("w3", w3[rows]), ("w2", w2[:, rows])):
-            getattr(out, name).weight = nn.Parameter(w.clone(), requires_grad=w1.requires_grad)
+    with torch.device("meta"):  # (built empty; the slices are assigned)
+        out = Expert(w1.shape[1], rows.stop - rows.start, expert.swiglu_limit)
+    for name, w in (("w1", w1[rows]), ("w3", w3[rows]), ("w2", w2[:, rows])):
+        getattr(out, name).weight = nn.Parameter(w.detach().clone(), requires_grad=w1.requires_grad)
     return out
 
 
