@@ -1,0 +1,118 @@
+"""One rank of the sharding tests (tests/distributed/test_shard*.py), and the one-process oracle they compare with.
+
+``python shard_worker.py --rank R --port P --layout tp2|ep2|tp2ep --out DIR --cases forward,fast,engine,...``
+joins a 2-rank gloo group on 127.0.0.1:P, builds the tiny random model (the same seed as the oracle), shards it and
+writes, per case, ``DIR/<case>.rank<R>.json`` (tokens, shapes) and ``DIR/<case>.rank<R>.bin`` (raw float64 logits):
+JSON and raw bytes, no pickle. The test process runs :func:`run_case` with one rank for the oracle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from deepseek_v41.config import tiny_config
+from deepseek_v41.distributed.comm import ParallelState, init_distributed
+from deepseek_v41.distributed.config import ParallelConfig
+from deepseek_v41.distributed.shard import shard_bytes, shard_model
+from deepseek_v41.engine import EngineArgs, LLMEngine, SamplingParams
+from deepseek_v41.kernels import fast
+from deepseek_v41.model.transformer import Transformer
+
+LAYOUTS = {
+    "tp2": ParallelConfig(tensor_parallel_size=2),
+    "ep2": ParallelConfig(expert_parallel_size=2),
+    "tp2ep": ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True),
+}
+
+# Engine cases: EngineArgs of each (greedy requests below). Small max_num_batched_tokens: chunked prefill.
+ENGINE_CASES = {
+    "engine_exact": dict(prefill_mode="exact", max_num_batched_tokens=16, block_size=4),
+    "engine_ced": dict(prefill_mode="ced", max_num_batched_tokens=16, block_size=4),
+    "engine_dspark": dict(prefill_mode="exact", max_num_batched_tokens=16, block_size=4, speculative="dspark",
+                          speculative_cost_table="fixed", window_slack_rows=16),
+}
+
+
+def tiny_model(dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> Transformer:
+    """The tests' random tiny model (every layer role, a DSpark draft): the same weights in every process."""
+    cfg = tiny_config().replace(max_position_embeddings=2048)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(cfg)
+    return model.eval().to(dtype)
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 511, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_case(case: str, state: ParallelState) -> tuple[dict, torch.Tensor | None]:
+    """Run ``case`` on a model sharded for ``state``; returns (JSON-able result, float64 logits or None)."""
+    if case == "forward":  # float64 exact forward of a batch of 2
+        model = shard_model(tiny_model(torch.float64), state)
+        ids = torch.tensor([prompt_ids(37, 1), prompt_ids(37, 2)])
+        with torch.no_grad():
+            logits = model(ids)
+        return {"argmax": logits.argmax(-1).tolist(), "bytes": shard_bytes(model)}, logits
+    if case == "fast":  # fp32, the fast backend installed, a few-token forward and a longer one in inference mode
+        model = tiny_model(torch.float32)
+        fast.install(model)
+        model = shard_model(model, state)
+        out = []
+        with torch.inference_mode():
+            for n, seed in ((3, 3), (21, 4)):
+                out.append(model(torch.tensor([prompt_ids(n, seed)])).double().flatten())
+        return {"installed": fast.installed(model).modules}, torch.cat(out)
+    if case == "bytes":
+        model = shard_model(tiny_model(torch.float64), state)
+        planned = shard_model(tiny_model(torch.float64, device="meta"), state)
+        return {"measured": shard_bytes(model), "planned": shard_bytes(planned)}, None
+    if case in ENGINE_CASES:
+        model = shard_model(tiny_model(torch.float64), state)
+        engine = LLMEngine(model, EngineArgs(**ENGINE_CASES[case]))
+        prompts = {"a": prompt_ids(29, 5), "b": prompt_ids(11, 6), "c": prompt_ids(29, 5)[:20] + prompt_ids(6, 7)}
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for rid, ids in prompts.items():
+            engine.add_request(rid, ids, params)
+        tokens: dict[str, list[int]] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+            steps += 1
+        return {"tokens": tokens, "steps": steps}, None
+    raise ValueError(f"unknown case {case!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cases", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = LAYOUTS[args.layout]
+    state = init_distributed(config, args.rank, f"tcp://127.0.0.1:{args.port}")
+    for case in args.cases.split(","):
+        result, logits = run_case(case, state)
+        result["comm_calls"] = dict(state.comm_calls)
+        state.reset_counts()
+        (args.out / f"{case}.rank{args.rank}.json").write_text(json.dumps(result))
+        if logits is not None:
+            (args.out / f"{case}.rank{args.rank}.bin").write_bytes(logits.detach().double().contiguous().numpy()
+                                                                   .tobytes())
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Tensor / expert parallel sharding on 2 gloo processes (issue 28): the sharded exact forward equals one process.
+
+Oracle: the unsharded model in this process (float64: the same sums in another order, so logits within 1e-10 and
+the same greedy argmax). The two ranks must also hold bitwise identical logits (every rank computes the replicated
+tensors alike, the collectives hand every rank the same result). Layouts: TP=2, EP=2 (``expert_parallel_size``)
+and TP=2 + EP (``enable_expert_parallel``). The engine cases are in test_shard_engine.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from shard_worker import LAYOUTS, run_case, tiny_model
+
+from deepseek_v41.config import QuantizationConfig
+from deepseek_v41.distributed.comm import ParallelState
+from deepseek_v41.distributed.config import ParallelConfig
+from deepseek_v41.distributed.shard import check_shardable, shard_bytes, shard_model
+
+WORKER = Path(__file__).with_name("shard_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(layout: str, cases: list[str], out: Path, timeout: float = 120.0) -> list[dict]:
+    """Run ``cases`` on the 2 ranks of ``layout`` (two worker processes, killed if they outlive ``timeout``
+    seconds); returns each rank's results by case: [{case: (json, float64 array or None)}]."""
+    port = free_port()
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--port", str(port), "--layout", layout,
+                               "--out", str(out), "--cases", ",".join(cases)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        tails = "\n".join(f"--- rank {r} exited {p.returncode}:\n{logs[r][-2500:] if r < len(logs) else ''}"
+                          for r, p in enumerate(procs))
+        pytest.fail(f"{layout} ranks failed:\n{tails}")
+    results = []
+    for r in range(2):
+        ranked = {}
+        for case in cases:
+            data = json.loads((out / f"{case}.rank{r}.json").read_text())
+            raw = out / f"{case}.rank{r}.bin"
+            ranked[case] = (data, np.frombuffer(raw.read_bytes(), dtype=np.float64) if raw.exists() else None)
+        results.append(ranked)
+    return results
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """The one-process results of the forward cases."""
+    return {case: run_case(case, ParallelState.single()) for case in ("forward", "fast")}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sharded_forward_equals_one_process(layout, oracle, tmp_path):
+    ranks = spawn(layout, ["forward", "fast", "bytes"], tmp_path)
+    ref, ref_logits = oracle["forward"]
+    ref_logits = ref_logits.double().numpy().ravel()
+    for r, got in enumerate(ranks):
+        data, logits = got["forward"]
+        assert np.abs(logits - ref_logits).max() < 1e-10, (layout, r)
+        assert data["argmax"] == ref["argmax"], (layout, r)
+        # fp32 with the fast backend installed (few-token kernels in inference mode): within fp32 rounding.
+        fast_ref = oracle["fast"][1].numpy().ravel()
+        assert np.abs(got["fast"][1] - fast_ref).max() < 1e-3, (layout, r)
+        # The loaded shard holds exactly the bytes the meta plan says, less than the whole model.
+        bytes_ = got["bytes"][0]
+        assert bytes_["measured"] == bytes_["planned"], (layout, r)
+        assert bytes_["measured"]["total"] < ref["bytes"]["total"]
+    for case in ("forward", "fast"):
+        assert np.array_equal(ranks[0][case][1], ranks[1][case][1]), f"{layout} {case}: ranks differ"
+    calls = ranks[0]["forward"][0]["comm_calls"]
+    if layout.startswith("tp"):
+        assert calls["all_reduce"] > 0 and calls["all_gather"] > 0
+    if "ep" in layout:
+        assert calls["all_to_all"] > 0
+
+
+def test_world_of_one_is_a_no_op():
+    model = tiny_model(torch.float64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert shard_model(model, ParallelState.single()) is model
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_meta_plan_bytes_split_as_the_layout_says():
+    """Per-rank bytes from arithmetic on the config (not from shard_bytes' own walk): TP halves attention's
+    head-split weights, the vocab rows and the sliced experts; EP halves the routed experts only."""
+    whole = shard_bytes(tiny_model(torch.float64, device="meta"))
+    cfg = tiny_model(torch.float64, device="meta").config
+    ranks = {}
+    for name, pc in (("tp", ParallelConfig(tensor_parallel_size=2)), ("ep", ParallelConfig(expert_parallel_size=2)),
+                     ("tpep", ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True))):
+        ranks[name] = shard_bytes(shard_model(tiny_model(torch.float64, device="meta"), ParallelState.of(pc, 1)))
+    D, V, H, d, qr = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    split = layers * 8 * (H * d * qr + H + H * d * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * D) // 2
+    assert ranks["tp"]["attention"] == whole["attention"] - split
+    assert ranks["tp"]["embed"] == ranks["tp"]["head"] == V * D * 8 // 2
+    for name in ("tp", "ep", "tpep"):
+        assert ranks[name]["experts"] == whole["experts"] // 2
+        assert ranks[name]["engram"] == whole["engram"] and ranks[name]["other"] == whole["other"]
+    assert ranks["tp"]["shared"] == whole["shared"] // 2 and ranks["tpep"]["shared"] == whole["shared"]
+    assert ranks["ep"]["attention"] == whole["attention"] and ranks["ep"]["embed"] == whole["embed"]
+
+
+def test_sizes_that_do_not_divide_are_named():
+    cfg = tiny_model(torch.float64, device="meta").config
+    with pytest.raises(ValueError, match=r"num_attention_heads = 4 does not split over tensor_parallel_size 8.*"
+                                         r"allowed tensor_parallel_size values for it: 1, 2, 4"):
+        check_shardable(cfg, 8, 1)
+    with pytest.raises(ValueError, match=r"n_routed_experts = 8 does not split over expert parallel size 3"):
+        check_shardable(cfg, 1, 3)
+    fp4 = cfg.replace(moe_intermediate_size=96, quantization_config=QuantizationConfig(quant_method="fp8",
+                                                                                        expert_dtype="fp4"))
+    with pytest.raises(ValueError, match=r"FP4 experts: in 32-column blocks\) = 96 .* values for it: 1, 3"):
+        check_shardable(fp4, 2, 1)
+    check_shardable(fp4, 2, 2)  # with expert parallelism the experts stay whole
