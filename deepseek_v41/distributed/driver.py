@@ -27,6 +27,7 @@ from deepseek_v41.distributed import protocol
 from deepseek_v41.distributed.comm import ParallelState, init_distributed
 from deepseek_v41.distributed.config import ParallelConfig
 from deepseek_v41.distributed.executor import Executor, make_executor, worker_threads
+from deepseek_v41.distributed.shard import shard_model
 from deepseek_v41.engine.args import EngineArgs
 from deepseek_v41.engine.engine import LLMEngine
 from deepseek_v41.engine.sampling_params import SamplingParams
@@ -35,11 +36,6 @@ from deepseek_v41.kernels import pool
 from deepseek_v41.model.checkpoint import load_model
 
 log = logging.getLogger(__name__)
-
-
-def shard_model(model: Any, state: ParallelState) -> Any:
-    """Stand-in until ``distributed/shard.py`` lands: every rank keeps the whole model (a replica)."""
-    return model
 
 
 def set_threads(threads: int) -> None:
