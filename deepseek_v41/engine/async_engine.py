@@ -166,6 +166,9 @@ class AsyncLLMEngine:
         self._executor.shutdown(wait=True)
         # Persistent pages reach the disk before exit.
         await asyncio.to_thread(self.engine.kv_cache_manager.flush)
+        stop_workers = getattr(self.engine, "shutdown", None)  # a parallel engine (DriverEngine): its workers
+        if stop_workers is not None:
+            await asyncio.to_thread(stop_workers)
 
     def add_observer(self, observer: Observer) -> None:
         """Call ``observer(step_outputs, stats)`` on the event loop after every step that produced outputs."""
