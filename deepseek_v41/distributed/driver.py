@@ -117,9 +117,13 @@ class DriverEngine(LLMEngine):
         try:
             outputs = super().step()
         except Exception as exc:  # a collective failed: name the worker behind it when the watchdog sees one
-            failure = self.executor.wait_failure(2.0)
-            if failure is not None:
-                raise failure from exc
+            failure = self.executor.wait_failure(2.0) or RuntimeError(
+                f"step {self._step_index} failed on rank 0: {exc}; {self.executor.describe_workers()}")
+            self.executor.fail(failure)  # the ranks are out of step now: every later step refuses
+            raise failure from exc
+        except BaseException:  # Ctrl-C inside a step: the workers finish it, rank 0 did not
+            self.executor.fail(RuntimeError(f"step {self._step_index} was interrupted on rank 0; the ranks are out "
+                                            "of step (build a new LLM)"))
             raise
         self._digest = protocol.outputs_digest(outputs)
         self._step_index += 1

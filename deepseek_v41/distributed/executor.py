@@ -40,6 +40,7 @@ import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener
+from pathlib import Path
 from typing import Any
 
 from deepseek_v41.distributed import protocol
@@ -147,7 +148,12 @@ class Executor:
         if self._failure is not None:
             callback(self._failure)
 
-    def _fail(self, error: RuntimeError) -> None:
+    def describe_workers(self) -> str:
+        """Each worker's state, for an error message (which one is stopped, gone or running)."""
+        return "no worker processes"
+
+    def fail(self, error: RuntimeError) -> None:
+        """Record ``error`` as the engine's failure (the first one wins) and tell the :meth:`watch` callbacks."""
         if self._failure is not None:
             return
         self._failure = error
@@ -174,6 +180,19 @@ class _Worker:
 
     def name(self) -> str:
         return f"worker rank {self.rank} (pid {self.pid}{'' if self.proc is not None else ', host ' + self.host})"
+
+    def state(self) -> str:
+        """What this worker's process is doing, from Linux's /proc (spawned here), e.g. "stopped (SIGSTOP?)"."""
+        if self.proc is None:
+            return "on another node"
+        if self.proc.poll() is not None:
+            return describe_exit(self.proc.returncode)
+        try:
+            code = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return "running"
+        return {"T": "stopped (SIGSTOP?)", "t": "stopped by a debugger", "D": "in uninterruptible I/O",
+                "Z": "exited"}.get(code, "running")
 
     def dead(self) -> str | None:
         """Why this worker is gone, or None while it lives: its process's exit, an ``error`` message or EOF on its
@@ -295,7 +314,7 @@ class MultiprocExecutor(Executor):
             for worker in list(self._workers.values()):
                 why = worker.dead()
                 if why is not None and not self._stop.is_set():
-                    self._fail(RuntimeError(why))
+                    self.fail(RuntimeError(why))
                     return
 
     def send_step(self, data: bytes) -> None:
@@ -303,7 +322,7 @@ class MultiprocExecutor(Executor):
             try:
                 worker.conn.send_bytes(data)
             except OSError as exc:
-                self._fail(RuntimeError(self.wait_failure(2.0) or f"{worker.name()} cannot be reached: {exc}"))
+                self.fail(RuntimeError(self.wait_failure(2.0) or f"{worker.name()} cannot be reached: {exc}"))
                 raise self._failure from exc
 
     def wait_failure(self, timeout_s: float) -> RuntimeError | None:
@@ -312,6 +331,9 @@ class MultiprocExecutor(Executor):
                 and time.monotonic() < deadline:
             time.sleep(WATCH_INTERVAL_S / 2)
         return self._failure
+
+    def describe_workers(self) -> str:
+        return "; ".join(f"{w.name()}: {w.state()}" for w in self._workers.values())
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -118,6 +118,17 @@ def follow(conn, engine: LLMEngine, rank: int) -> None:
                 engine.release(out.request_id)
 
 
+def driver_gone(conn) -> bool:
+    """True when the driver closed the control connection or asked this worker to shut down."""
+    try:
+        if not conn.poll(0.5):
+            return False
+        header, _ = protocol.recv(conn)
+    except (EOFError, OSError, ValueError):
+        return True
+    return header.get("type") == "shutdown"
+
+
 def run_rank(conn, rank: int, model_override: str | None) -> None:
     """Build this rank's engine from the driver's ``init`` and follow the driver."""
     init, blobs = protocol.recv(conn)
@@ -154,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         run_rank(conn, args.rank, args.model)
         return 0
     except BaseException as exc:
+        if driver_gone(conn):  # the driver shut down under a step (its collectives then fail here): not an error
+            return 0
         traceback.print_exc()
         with contextlib.suppress(OSError):
             protocol.send(conn, {"type": "error", "rank": args.rank, "message": f"{type(exc).__name__}: {exc}"})
