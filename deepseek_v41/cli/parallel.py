@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -15,6 +16,10 @@ import typer
 
 from deepseek_v41.distributed.config import EXECUTOR_BACKENDS, ParallelConfig
 from deepseek_v41.distributed.worker import run_node
+
+# ParallelConfig's field names, written as their flags in the CLI's messages.
+FIELDS = ("tensor_parallel_size", "enable_expert_parallel", "expert_parallel_size", "distributed_executor_backend",
+          "nnodes", "node_rank", "master_addr", "master_port", "distributed_timeout_s")
 
 
 def tensor_parallel_size_option() -> Any:
@@ -29,7 +34,7 @@ def enable_expert_parallel_option() -> Any:
 
 def expert_parallel_size_option() -> Any:
     return typer.Option(None, "--expert-parallel-size", help="Experts over this many ranks, attention replicated "
-                        "(SGLang's --ep-size; with --tensor-parallel-size 1).")
+                        "(SGLang's ep-size; tensor parallel size 1).")
 
 
 def backend_option() -> Any:
@@ -56,7 +61,7 @@ def master_port_option() -> Any:
 
 
 def headless_option() -> Any:
-    return typer.Option(False, "--headless", help="A worker node (--node-rank > 0): run this node's ranks, serve "
+    return typer.Option(False, "--headless", help="A worker node (node rank > 0): run this node's ranks, serve "
                         "nothing.")
 
 
@@ -74,15 +79,14 @@ def parallel_config(fail: Any, tensor_parallel_size: int, enable_expert_parallel
     try:
         return config.validate()
     except ValueError as exc:
-        fail(str(exc).replace("distributed_executor_backend", "--distributed-executor-backend"))
+        fail(re.sub(r"(?<![\w-])(" + "|".join(FIELDS) + r")(?!\w)", lambda m: "--" + m[1].replace("_", "-"),
+                    str(exc)))
     raise AssertionError("fail() returned")
 
 
 def llm_kwargs(config: ParallelConfig) -> dict[str, Any]:
     """``LLM(...)``'s keyword arguments of ``config``."""
-    return {name: getattr(config, name) for name in (
-        "tensor_parallel_size", "enable_expert_parallel", "expert_parallel_size", "distributed_executor_backend",
-        "nnodes", "node_rank", "master_addr", "master_port", "distributed_timeout_s")}
+    return {name: getattr(config, name) for name in FIELDS}
 
 
 def run_headless(config: ParallelConfig, model: Path) -> NoReturn:
