@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepseek_v41.distributed import executor as executors  # (a module: executor.py's imports reach back here)
 from deepseek_v41.distributed import protocol
 from deepseek_v41.distributed.comm import ParallelState, init_distributed
 from deepseek_v41.distributed.config import ParallelConfig
-from deepseek_v41.distributed.executor import Executor, make_executor, worker_threads
 from deepseek_v41.distributed.shard import shard_model
 from deepseek_v41.engine.args import EngineArgs
 from deepseek_v41.engine.engine import LLMEngine
@@ -73,7 +73,7 @@ class DriverEngine(LLMEngine):
     docstring). ``executor``: the started :class:`~deepseek_v41.distributed.executor.Executor`; ``state``: rank
     0's :class:`ParallelState`. Raises RuntimeError naming the rank when a worker failed (from :meth:`step`)."""
 
-    def __init__(self, model, args: EngineArgs, tokenizer: Any, model_path: str | Path, executor: Executor,
+    def __init__(self, model, args: EngineArgs, tokenizer: Any, model_path: str | Path, executor: executors.Executor,
                  state: ParallelState, threads: int):
         super().__init__(model, args, tokenizer, model_path=model_path)
         self.executor, self.parallel_state = executor, state
@@ -142,8 +142,8 @@ def build_driver_engine(model_path: str | Path, config: ParallelConfig, dtype: A
     build rank 0's engine once every worker built its own. Raises ValueError for settings a parallel engine does
     not serve, RuntimeError naming a worker that failed; the workers are stopped on any failure."""
     check_engine_args(engine_args)
-    executor = make_executor(config)
-    threads = worker_threads(config)
+    executor = executors.make_executor(config)
+    threads = executors.worker_threads(config)
     try:
         executor.start({"model": str(model_path), "dtype": str(dtype).removeprefix("torch."), "device": device,
                         "engine_args": engine_args}, (tokenizer.to_str().encode(),) if tokenizer is not None else ())

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import logging
 import os
 import queue
@@ -242,8 +243,7 @@ class MultiprocExecutor(Executor):
     def start(self, init: dict[str, Any], blobs: tuple[bytes, ...] = ()) -> None:
         config = self.config
         threads = worker_threads(config)
-        for rank in range(1, config.local_world_size):
-            self._procs[rank] = spawn_worker(rank, self.control, self._key, threads)
+        self._spawn(threads)
         arrived: queue.Queue = queue.Queue()
         accepter = threading.Thread(target=self._accept, args=(config.world_size - 1, arrived), daemon=True,
                                     name="dsv41-accept")
@@ -271,6 +271,11 @@ class MultiprocExecutor(Executor):
                                           self._procs.get(rank))
             protocol.send(conn, {"type": "init", **init, "init_method": self.init_method, "threads": threads,
                                  "parallel": config.as_dict()}, blobs)
+
+    def _spawn(self, threads: int) -> None:
+        """Start this node's worker ranks (1 .. local_world_size - 1) as processes."""
+        for rank in range(1, self.config.local_world_size):
+            self._procs[rank] = spawn_worker(rank, self.control, self._key, threads)
 
     def _accept(self, count: int, arrived: queue.Queue) -> None:
         for _ in range(count):
@@ -359,6 +364,90 @@ def _shutdown(listener: Listener, workers: dict[int, _Worker], procs: dict[int, 
             proc.wait()
 
 
+class RayWorker:
+    """A worker rank as a Ray actor: runs :func:`deepseek_v41.distributed.worker.main` in the actor's process (the
+    control protocol is the mp backend's; Ray only places and starts the process)."""
+
+    def run(self, rank: int, control: str, key: str, threads: int) -> int:
+        os.environ[AUTHKEY_ENV] = key
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        worker = importlib.import_module("deepseek_v41.distributed.worker")  # the worker side, in the actor
+        return worker.main(["--rank", str(rank), "--control", control])
+
+
+class _RayState:
+    """What a :class:`RayExecutor` started on Ray (held apart from the executor, for its finalizer)."""
+
+    def __init__(self, ray: Any):
+        self.ray, self.actors, self.runs, self.group, self.started = ray, [], {}, None, False
+
+
+class RayExecutor(MultiprocExecutor):
+    """Ray actors (``distributed_executor_backend="ray"``): the worker ranks are :class:`RayWorker` actors in one
+    placement group of one CPU bundle each, on the Ray cluster of ``RAY_ADDRESS`` or a local one started here
+    (stopped again at shutdown); everything else is the mp backend's (control connections to ``master_addr``,
+    which must be an address the actors reach: this node's address on a multi-node cluster). Raises ValueError
+    when Ray is not installed (``pip install ray``)."""
+
+    name = "ray"
+
+    def __init__(self, config: ParallelConfig):
+        try:
+            ray = importlib.import_module("ray")
+        except ImportError as exc:
+            raise ValueError("distributed_executor_backend 'ray' needs Ray (pip install ray); or use 'mp'") from exc
+        super().__init__(config)
+        self._ray = _RayState(ray)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _ray_shutdown, self._ray, self._listener, self._workers,
+                                           self._procs, self._stop)
+
+    def _spawn(self, threads: int) -> None:
+        state, ray = self._ray, self._ray.ray
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, configure_logging=False)
+            state.started = True
+        placement = importlib.import_module("ray.util.placement_group")
+        strategies = importlib.import_module("ray.util.scheduling_strategies")
+        state.group = placement.placement_group([{"CPU": 1}] * (self.config.world_size - 1), strategy="PACK")
+        ray.get(state.group.ready(), timeout=START_TIMEOUT_S)
+        actor_class = ray.remote(num_cpus=1)(RayWorker)
+        for rank in range(1, self.config.world_size):
+            actor = actor_class.options(scheduling_strategy=strategies.PlacementGroupSchedulingStrategy(
+                state.group, placement_group_bundle_index=rank - 1)).remote()
+            state.actors.append(actor)
+            state.runs[actor.run.remote(rank, self.control, self._key.decode(), threads)] = rank
+
+    def _check_spawned(self, phase: str) -> None:
+        state = self._ray
+        done, _ = state.ray.wait(list(state.runs), num_returns=len(state.runs), timeout=0)
+        for ref in done:
+            rank = state.runs[ref]
+            try:
+                status = state.ray.get(ref)
+            except Exception as exc:  # the actor died or raised
+                raise RuntimeError(f"worker rank {rank} (Ray actor) failed while {phase}: {exc}") from exc
+            raise RuntimeError(f"worker rank {rank} (Ray actor) exited with status {status} while {phase}")
+
+
+def _ray_shutdown(state: _RayState, listener: Listener, workers: dict[int, _Worker],
+                  procs: dict[int, subprocess.Popen], stop: threading.Event) -> None:
+    """The mp shutdown; then the actors' runs awaited (``SHUTDOWN_WAIT_S``), the actors killed, the placement group
+    removed and a Ray started here stopped."""
+    _shutdown(listener, workers, procs, stop)
+    ray = state.ray
+    with contextlib.suppress(Exception):  # Ray's errors at teardown (a dead actor, a cluster gone) change nothing
+        ray.wait(list(state.runs), num_returns=len(state.runs), timeout=SHUTDOWN_WAIT_S)
+    for actor in state.actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+    if state.group is not None:
+        with contextlib.suppress(Exception):
+            importlib.import_module("ray.util.placement_group").remove_placement_group(state.group)
+    if state.started:
+        ray.shutdown()
+
+
 def make_executor(config: ParallelConfig) -> Executor:
     """The executor of ``config.backend``: "uni", "mp" or "ray" (ValueError when Ray is not installed)."""
     backend = config.validate().backend
@@ -366,4 +455,4 @@ def make_executor(config: ParallelConfig) -> Executor:
         return UniExecutor(config)
     if backend == "mp":
         return MultiprocExecutor(config)
-    raise ValueError("distributed_executor_backend 'ray' is not available yet; use 'mp'")
+    return RayExecutor(config)

@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Client
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="this node's path of the model (default: the driver's)")
     args = parser.parse_args(argv)
     die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # (a Ray actor may run this on another thread)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {args.rank} %(name)s: %(message)s")
     conn = connect(args.control, os.environ[AUTHKEY_ENV].encode())
     protocol.send(conn, {"type": "hello", "rank": args.rank, "pid": os.getpid(), "host": socket.gethostname()})

@@ -17,8 +17,8 @@ from tokenizers import Tokenizer
 
 from deepseek_v41.chat import assistant_message, render_messages
 from deepseek_v41.chat.images import read_offline, split_at_placeholders
+from deepseek_v41.distributed import driver  # (a module: driver.py's imports reach back to this package)
 from deepseek_v41.distributed.config import ParallelConfig
-from deepseek_v41.distributed.driver import build_driver_engine
 from deepseek_v41.dtypes import resolve_dtype
 from deepseek_v41.engine import options
 from deepseek_v41.engine.engine import EngineArgs, LLMEngine, load_tokenizer
@@ -144,7 +144,7 @@ class LLM:
         self.tokenizer = tokenizer
         try:
             if parallel.backend != "uni":  # rank 0 of several: the workers load and build their own ranks
-                self.engine = build_driver_engine(path, parallel, resolve_dtype(dtype, device, path), device,
+                self.engine = driver.build_driver_engine(path, parallel, resolve_dtype(dtype, device, path), device,
                                                   engine_args, tokenizer)
                 self.model = self.engine.model
                 self._finalizer = weakref.finalize(self, self.engine.shutdown)
