@@ -61,9 +61,17 @@ def check_engine_args(args: dict[str, Any]) -> None:
                          "Redis writes are asynchronous); use cache_dir")
 
 
+def rank_device(device: str, rank: int, config: ParallelConfig) -> str:
+    """The device of ``rank``: a bare ``"cuda"`` becomes ``"cuda:<local rank>"`` (one GPU per rank, as vLLM);
+    anything else as given (CPU ranks share the host)."""
+    return f"cuda:{rank % config.local_world_size}" if device == "cuda" else device
+
+
 def join_and_shard(model: Any, config: ParallelConfig, rank: int, init_method: str | None, device: str
                    ) -> tuple[Any, ParallelState]:
     """Join the engine's process group as ``rank`` and shard ``model`` in place; returns (model, state)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))  # NCCL binds each rank's communicator to its current GPU
     state = init_distributed(config, rank, init_method or "", device)
     return shard_model(model, state), state
 
@@ -148,6 +156,7 @@ def build_driver_engine(model_path: str | Path, config: ParallelConfig, dtype: A
         executor.start({"model": str(model_path), "dtype": str(dtype).removeprefix("torch."), "device": device,
                         "engine_args": engine_args}, (tokenizer.to_str().encode(),) if tokenizer is not None else ())
         set_threads(threads)
+        device = rank_device(device, 0, config)
         model = load_model(model_path, dtype=dtype, device=device)
         executor.wait("loaded")
         model, state = join_and_shard(model, config, 0, executor.init_method, device)

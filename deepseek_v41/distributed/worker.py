@@ -35,7 +35,7 @@ from tokenizers import Tokenizer
 
 from deepseek_v41.distributed import protocol
 from deepseek_v41.distributed.config import ParallelConfig
-from deepseek_v41.distributed.driver import engine_args_from_json, join_and_shard, set_threads
+from deepseek_v41.distributed.driver import engine_args_from_json, join_and_shard, rank_device, set_threads
 from deepseek_v41.distributed.executor import (
     AUTHKEY_ENV,
     PARENT_PID_ENV,
@@ -138,9 +138,10 @@ def run_rank(conn, rank: int, model_override: str | None) -> None:
     set_threads(init["threads"])
     config = ParallelConfig(**init["parallel"])
     path = model_override or init["model"]
-    model = load_model(path, dtype=init["dtype"], device=init["device"])
+    device = rank_device(init["device"], rank, config)
+    model = load_model(path, dtype=init["dtype"], device=device)
     protocol.send(conn, {"type": "loaded", "rank": rank})
-    model, _ = join_and_shard(model, config, rank, init["init_method"], init["device"])
+    model, _ = join_and_shard(model, config, rank, init["init_method"], device)
     tokenizer = Tokenizer.from_str(blobs[0].decode()) if blobs else None
     engine = LLMEngine(model, engine_args_from_json(init["engine_args"]), tokenizer, model_path=path)
     engine.lockstep_threads = init["threads"]

@@ -1,9 +1,12 @@
 """Faults of the mp executor (issue 28): a SIGKILLed worker fails the next step naming its rank within seconds; a
 stopped (hung) worker fails it after ``distributed_timeout_s`` naming the rank and its state; a worker whose
-outputs differ from rank 0's stops with "diverged"; no process is left behind."""
+outputs differ from rank 0's stops with "diverged"; no process is left behind, also when the interpreter exits
+without ``LLM.shutdown()``."""
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from multiprocessing import Pipe
 from pathlib import Path
@@ -43,6 +46,7 @@ def test_sigkilled_worker_fails_the_next_step_naming_its_rank():
     assert gone(proc.pid)
 
 
+@pytest.mark.slow
 def test_stopped_worker_fails_the_step_after_the_timeout_naming_its_rank():
     llm = LLM(CKPT, distributed_timeout_s=3, **KW)
     (proc,) = llm.engine.executor._procs.values()
@@ -70,3 +74,18 @@ def test_worker_stops_when_its_outputs_differ_from_rank_0():
                                        "digest": "not-rank-1s"}))
     with pytest.raises(RuntimeError, match="rank 1 diverged from rank 0 at step 0"):
         follow(worker, engine, 1)
+
+
+def test_interpreter_exit_without_shutdown_leaves_no_worker(tmp_path):
+    script = ("from deepseek_v41 import LLM, SamplingParams\n"
+              f"llm = LLM({str(CKPT)!r}, tensor_parallel_size=2, dtype='float32', max_model_len=128)\n"
+              "print(*[p.pid for p in llm.engine.executor._procs.values()], flush=True)\n"
+              "llm.generate({'prompt_token_ids': [3, 4, 5]}, SamplingParams(max_tokens=2), use_tqdm=False)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    (pid,) = map(int, done.stdout.split())
+    deadline = time.monotonic() + 5
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(pid)

@@ -1,6 +1,6 @@
 """``dsv41 serve MODEL --tensor-parallel-size 2`` (mp backend, issue 28): the official ``openai`` client gets the
 tokens one process gives; a SIGKILLed worker ends the server with a non-zero status and a message naming the rank
-within 30 s, and no process is left behind."""
+within 30 s, and no process is left behind; SIGTERM (slow test) stops the workers too."""
 
 import os
 import signal
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from deepseek_v41 import LLM, SamplingParams
 
@@ -93,3 +94,26 @@ def test_serve_tp2_answers_openai_and_exits_when_a_worker_is_killed(tmp_path):
     text = log.read_text()
     assert f"worker rank 1 (pid {workers[0]}) died: killed by SIGKILL" in text
     assert not any(alive(pid) for pid in workers)
+
+
+@pytest.mark.slow
+def test_serve_tp2_sigterm_stops_the_workers(tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "deepseek_v41.cli", "serve", str(CKPT), "--port", str(port), "--dtype",
+               "float32", "--max-model-len", "256", "--cache-dir", str(tmp_path / "cache"), "-tp", "2",
+               "--enable-expert-parallel", "--log-stats-interval", "0"]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_healthy(process, f"http://127.0.0.1:{port}", log)
+        workers = children(process.pid)
+        assert len(workers) == 1
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert not any(alive(pid) for pid in workers), log.read_text()
