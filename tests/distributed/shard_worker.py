@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from deepseek_v41.config import tiny_config
@@ -86,8 +89,51 @@ def run_case(case: str, state: ParallelState) -> tuple[dict, torch.Tensor | None
             for out in engine.step():
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
             steps += 1
-        return {"tokens": tokens, "steps": steps}, None
+        spec = engine.speculator.stats.as_dict() if engine.speculator is not None else {}
+        return {"tokens": tokens, "steps": steps, "spec": spec}, None
     raise ValueError(f"unknown case {case!r}")
+
+
+WORKER = Path(__file__).with_name("shard_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(layout: str, cases: list[str], out: Path, timeout: float = 120.0) -> list[dict]:
+    """Run ``cases`` on the 2 ranks of ``layout`` (two worker processes, killed if they outlive ``timeout``
+    seconds); returns each rank's results by case: [{case: (json, float64 array or None)}]."""
+    port = free_port()
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--port", str(port), "--layout", layout,
+                               "--out", str(out), "--cases", ",".join(cases)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        tails = "\n".join(f"--- rank {r} exited {p.returncode}:\n{logs[r][-2500:] if r < len(logs) else ''}"
+                          for r, p in enumerate(procs))
+        raise AssertionError(f"{layout} ranks failed:\n{tails}")
+    results = []
+    for r in range(2):
+        ranked = {}
+        for case in cases:
+            data = json.loads((out / f"{case}.rank{r}.json").read_text())
+            raw = out / f"{case}.rank{r}.bin"
+            ranked[case] = (data, np.frombuffer(raw.read_bytes(), dtype=np.float64) if raw.exists() else None)
+        results.append(ranked)
+    return results
 
 
 def main() -> None:

@@ -8,62 +8,15 @@ and TP=2 + EP (``enable_expert_parallel``). The engine cases are in test_shard_e
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from shard_worker import LAYOUTS, run_case, tiny_model
+from shard_worker import LAYOUTS, run_case, spawn, tiny_model
 
 from deepseek_v41.config import QuantizationConfig
 from deepseek_v41.distributed.comm import ParallelState
 from deepseek_v41.distributed.config import ParallelConfig
 from deepseek_v41.distributed.shard import check_shardable, shard_bytes, shard_model
-
-WORKER = Path(__file__).with_name("shard_worker.py")
-REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(layout: str, cases: list[str], out: Path, timeout: float = 120.0) -> list[dict]:
-    """Run ``cases`` on the 2 ranks of ``layout`` (two worker processes, killed if they outlive ``timeout``
-    seconds); returns each rank's results by case: [{case: (json, float64 array or None)}]."""
-    port = free_port()
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--port", str(port), "--layout", layout,
-                               "--out", str(out), "--cases", ",".join(cases)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode for p in procs):
-        tails = "\n".join(f"--- rank {r} exited {p.returncode}:\n{logs[r][-2500:] if r < len(logs) else ''}"
-                          for r, p in enumerate(procs))
-        pytest.fail(f"{layout} ranks failed:\n{tails}")
-    results = []
-    for r in range(2):
-        ranked = {}
-        for case in cases:
-            data = json.loads((out / f"{case}.rank{r}.json").read_text())
-            raw = out / f"{case}.rank{r}.bin"
-            ranked[case] = (data, np.frombuffer(raw.read_bytes(), dtype=np.float64) if raw.exists() else None)
-        results.append(ranked)
-    return results
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +37,7 @@ def test_sharded_forward_equals_one_process(layout, oracle, tmp_path):
         assert data["argmax"] == ref["argmax"], (layout, r)
         # fp32 with the fast backend installed (few-token kernels in inference mode): within fp32 rounding.
         fast_ref = oracle["fast"][1].numpy().ravel()
-        assert np.abs(got["fast"][1] - fast_ref).max() < 1e-3, (layout, r)
+        assert np.abs(got["fast"][1] - fast_ref).max() < 1e-4, (layout, r)
         # The loaded shard holds exactly the bytes the meta plan says, less than the whole model.
         bytes_ = got["bytes"][0]
         assert bytes_["measured"] == bytes_["planned"], (layout, r)
