@@ -63,6 +63,11 @@ def run_case(case: str, state: ParallelState) -> tuple[dict, torch.Tensor | None
         with torch.no_grad():
             logits = model(ids)
         return {"argmax": logits.argmax(-1).tolist(), "bytes": shard_bytes(model)}, logits
+    if case == "forward_engram":  # the same, the Engram tables split by rows
+        model = shard_model(tiny_model(torch.float64), state, shard_engram=True)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids(37, 1), prompt_ids(37, 2)]))
+        return {"argmax": logits.argmax(-1).tolist(), "bytes": shard_bytes(model)}, logits
     if case == "fast":  # fp32, the fast backend installed, a few-token forward and a longer one in inference mode
         model = tiny_model(torch.float32)
         fast.install(model)

@@ -28,7 +28,8 @@ def oracle():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_sharded_forward_equals_one_process(layout, oracle, tmp_path):
-    ranks = spawn(layout, ["forward", "fast", "bytes"], tmp_path)
+    tp = layout.startswith("tp")
+    ranks = spawn(layout, ["forward", "fast", "bytes"] + (["forward_engram"] if tp else []), tmp_path)
     ref, ref_logits = oracle["forward"]
     ref_logits = ref_logits.double().numpy().ravel()
     for r, got in enumerate(ranks):
@@ -42,7 +43,13 @@ def test_sharded_forward_equals_one_process(layout, oracle, tmp_path):
         bytes_ = got["bytes"][0]
         assert bytes_["measured"] == bytes_["planned"], (layout, r)
         assert bytes_["measured"]["total"] < ref["bytes"]["total"]
-    for case in ("forward", "fast"):
+        if tp:  # Engram tables split by rows: the same logits, half the table bytes (to a row)
+            engram, engram_logits = got["forward_engram"]
+            assert np.abs(engram_logits - ref_logits).max() < 1e-10 and engram["argmax"] == ref["argmax"]
+            cfg = tiny_model(torch.float64, device="meta").config
+            table = sum(cfg.engram_num_embeddings) * cfg.engram_head_dim * 8
+            assert abs(ref["bytes"]["engram"] - engram["bytes"]["engram"] - table / 2) <= cfg.engram_head_dim * 8
+    for case in ("forward", "fast") + (("forward_engram",) if tp else ()):
         assert np.array_equal(ranks[0][case][1], ranks[1][case][1]), f"{layout} {case}: ranks differ"
     calls = ranks[0]["forward"][0]["comm_calls"]
     if layout.startswith("tp"):
