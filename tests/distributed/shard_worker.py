@@ -57,12 +57,18 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 def run_case(case: str, state: ParallelState) -> tuple[dict, torch.Tensor | None]:
     """Run ``case`` on a model sharded for ``state``; returns (JSON-able result, float64 logits or None)."""
-    if case == "forward":  # float64 exact forward of a batch of 2
+    if case == "forward":  # float64 exact forward of a batch of 2, then with some image positions
         model = shard_model(tiny_model(torch.float64), state)
         ids = torch.tensor([prompt_ids(37, 1), prompt_ids(37, 2)])
+        mask = torch.zeros(ids.shape, dtype=torch.bool)
+        mask[0, 5:9] = mask[1, 30:] = True
         with torch.no_grad():
-            logits = model(ids)
-        return {"argmax": logits.argmax(-1).tolist(), "bytes": shard_bytes(model)}, logits
+            logits, masked = model(ids), model(ids, image_mask=mask)
+        return {"argmax": logits.argmax(-1).tolist(), "bytes": shard_bytes(model)}, torch.cat((logits, masked))
+    if case == "bf16":  # bf16 weights: sums of bf16 partials (a tolerance, not bits)
+        model = shard_model(tiny_model(torch.bfloat16), state)
+        with torch.no_grad():
+            return {}, model(torch.tensor([prompt_ids(37, 1)]))
     if case == "forward_engram":  # the same, the Engram tables split by rows
         model = shard_model(tiny_model(torch.float64), state, shard_engram=True)
         with torch.no_grad():
