@@ -30,7 +30,7 @@ from deepseek_v41.model.dspark import SharedVocab
 from deepseek_v41.model.engram import EngramTable
 from deepseek_v41.model.linear import Linear, LMHead
 from deepseek_v41.model.moe import Expert, MoE, expert_segments
-from deepseek_v41.model.norm import cast
+from deepseek_v41.model.norm import cast, upcast
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -180,9 +180,14 @@ class ExpertParallelMoE(MoE):
         rows = slice(start, start + sizes[self.state.ep_rank])
         chunk = flat[rows]
         mask = None if image_mask is None else image_mask.reshape(-1)[rows]
-        indices, weights = self.gate(chunk, mask)
+        if chunk.shape[0]:
+            indices, weights = self.gate(chunk, mask)
+        else:  # (a decode batch smaller than ep) no routing to do; the fast kernels take no empty input
+            k = self.gate.topk
+            indices = torch.empty((0, k), dtype=torch.long, device=flat.device)
+            weights = torch.empty((0, k), dtype=upcast(chunk).dtype, device=flat.device)
         out = self.dispatch(chunk, indices, weights)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and chunk.shape[0]:
             out = out + cast(self.shared_experts(chunk), out.dtype)
         return self.state.all_gather(cast(out, flat.dtype), dim=0, sizes=sizes).reshape(x.shape)
 

@@ -37,6 +37,7 @@ LAYOUTS = {
 ENGINE_CASES = {
     "engine_exact": dict(prefill_mode="exact", max_num_batched_tokens=16, block_size=4),
     "engine_ced": dict(prefill_mode="ced", max_num_batched_tokens=16, block_size=4),
+    "engine_fp32": dict(prefill_mode="ced", max_num_batched_tokens=16, block_size=4),
     "engine_dspark": dict(prefill_mode="exact", max_num_batched_tokens=16, block_size=4, speculative="dspark",
                           speculative_cost_table="fixed", window_slack_rows=16),
 }
@@ -87,8 +88,8 @@ def run_case(case: str, state: ParallelState) -> tuple[dict, torch.Tensor | None
         model = shard_model(tiny_model(torch.float64), state)
         planned = shard_model(tiny_model(torch.float64, device="meta"), state)
         return {"measured": shard_bytes(model), "planned": shard_bytes(planned)}, None
-    if case in ENGINE_CASES:
-        model = shard_model(tiny_model(torch.float64), state)
+    if case in ENGINE_CASES:  # float64 (engine_fp32: fp32, the fast backend's kernels serving decode)
+        model = shard_model(tiny_model(torch.float32 if case == "engine_fp32" else torch.float64), state)
         engine = LLMEngine(model, EngineArgs(**ENGINE_CASES[case]))
         prompts = {"a": prompt_ids(29, 5), "b": prompt_ids(11, 6), "c": prompt_ids(29, 5)[:20] + prompt_ids(6, 7)}
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
