@@ -77,15 +77,18 @@ def check_shardable(cfg: ModelConfig, tp: int, ep: int) -> None:
         rules.append(("n_routed_experts", cfg.n_routed_experts, 1, "expert parallel size"))
         if cfg.num_nextn_predict_layers:
             rules.append(("dspark_n_routed_experts", cfg.dspark_n_routed_experts, 1, "expert parallel size"))
-    problems = []
+    problems, fits = [], {}
     for what, size, step, flag in rules:
         n = tp if flag == "tensor_parallel_size" else ep
+        allowed = [d for d in _divisors(size) if (size // d) % step == 0]
+        fits[flag] = set(allowed) if flag not in fits else fits[flag] & set(allowed)
         if size % (n * step):
-            allowed = [d for d in _divisors(size) if (size // d) % step == 0] if step > 1 else _divisors(size)
             problems.append(f"{what} = {size} does not split over {flag} {n}; allowed {flag} values for it: "
                             f"{', '.join(map(str, allowed))}")
     if problems:
-        raise ValueError("cannot shard this model: " + "; ".join(problems))
+        every = "; ".join(f"{flag} values that fit every size: {', '.join(map(str, sorted(v)))}"
+                          for flag, v in fits.items())
+        raise ValueError("cannot shard this model: " + "; ".join(problems) + f" ({every})")
 
 
 def _rows(t: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tensor:

@@ -104,6 +104,8 @@ def test_sizes_that_do_not_divide_are_named():
     with pytest.raises(ValueError, match=r"num_attention_heads = 4 does not split over tensor_parallel_size 8.*"
                                          r"allowed tensor_parallel_size values for it: 1, 2, 4"):
         check_shardable(cfg, 8, 1)
+    with pytest.raises(ValueError, match=r"o_groups = 2 .*tensor_parallel_size values that fit every size: 1, 2\)"):
+        check_shardable(cfg, 4, 1)
     with pytest.raises(ValueError, match=r"n_routed_experts = 8 does not split over expert parallel size 3"):
         check_shardable(cfg, 1, 3)
     fp4 = cfg.replace(moe_intermediate_size=96, quantization_config=QuantizationConfig(quant_method="fp8",
