@@ -45,6 +45,7 @@ from deepseek_v41.distributed.layers import (
     expert_parallel_moe,
     tensor_parallel_moe,
 )
+from deepseek_v41.kernels import fast as fast_backend
 from deepseek_v41.model.attention import Attention, GroupedLinear
 from deepseek_v41.model.block import Block
 from deepseek_v41.model.linear import Linear
@@ -147,8 +148,6 @@ def shard_model(model: nn.Module, state: ParallelState, shard_engram: bool = Fal
     check_shardable(model.config, tp, ep)
     fast = model.__dict__.get("_fast_installed") is not None
     if fast:
-        from deepseek_v41.kernels import fast as fast_backend  # (the C library: only for a model that had it)
-
         fast_backend.uninstall(model)
     for block in _blocks(model):
         if tp > 1:
