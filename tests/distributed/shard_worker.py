@@ -1,7 +1,7 @@
 """One rank of the sharding tests (tests/distributed/test_shard*.py), and the one-process oracle they compare with.
 
-``python shard_worker.py --rank R --port P --layout tp2|ep2|tp2ep --out DIR --cases forward,fast,engine,...``
-joins a 2-rank gloo group on 127.0.0.1:P, builds the tiny random model (the same seed as the oracle), shards it and
+``python shard_worker.py --rank R --port P --layout tp2|ep2|tp2ep|ep4 --out DIR --cases forward,fast,engine,...``
+joins the layout's gloo group on 127.0.0.1:P, builds the tiny random model (the same seed as the oracle), shards it and
 writes, per case, ``DIR/<case>.rank<R>.json`` (tokens, shapes) and ``DIR/<case>.rank<R>.bin`` (raw float64 logits):
 JSON and raw bytes, no pickle. The test process runs :func:`run_case` with one rank for the oracle.
 """
@@ -32,6 +32,7 @@ LAYOUTS = {
     "ep2": ParallelConfig(expert_parallel_size=2),
     "tp2ep": ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True),
 }
+EXTRA_LAYOUTS = {"ep4": ParallelConfig(expert_parallel_size=4)}  # 4 ranks on the test machine's 2 cores: slow
 
 # Engine cases: EngineArgs of each (greedy requests below). Small max_num_batched_tokens: chunked prefill.
 ENGINE_CASES = {
@@ -117,13 +118,13 @@ def free_port() -> int:
 
 
 def spawn(layout: str, cases: list[str], out: Path, timeout: float = 120.0) -> list[dict]:
-    """Run ``cases`` on the 2 ranks of ``layout`` (two worker processes, killed if they outlive ``timeout``
+    """Run ``cases`` on the ranks of ``layout`` (one worker process each, killed if they outlive ``timeout``
     seconds); returns each rank's results by case: [{case: (json, float64 array or None)}]."""
-    port = free_port()
+    port, world = free_port(), EXTRA_LAYOUTS.get(layout, LAYOUTS.get(layout)).world_size
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--port", str(port), "--layout", layout,
                                "--out", str(out), "--cases", ",".join(cases)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
     logs = []
     try:
         for p in procs:
@@ -138,7 +139,7 @@ def spawn(layout: str, cases: list[str], out: Path, timeout: float = 120.0) -> l
                           for r, p in enumerate(procs))
         raise AssertionError(f"{layout} ranks failed:\n{tails}")
     results = []
-    for r in range(2):
+    for r in range(world):
         ranked = {}
         for case in cases:
             data = json.loads((out / f"{case}.rank{r}.json").read_text())
@@ -152,12 +153,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    parser.add_argument("--layout", choices=sorted({**LAYOUTS, **EXTRA_LAYOUTS}), required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cases", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    config = LAYOUTS[args.layout]
+    config = {**LAYOUTS, **EXTRA_LAYOUTS}[args.layout]
     state = init_distributed(config, args.rank, f"tcp://127.0.0.1:{args.port}")
     for case in args.cases.split(","):
         result, logits = run_case(case, state)

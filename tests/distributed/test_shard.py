@@ -113,3 +113,18 @@ def test_sizes_that_do_not_divide_are_named():
     with pytest.raises(ValueError, match=r"FP4 experts: in 32-column blocks\) = 96 .* values for it: 1, 3"):
         check_shardable(fp4, 2, 1)
     check_shardable(fp4, 2, 2)  # with expert parallelism the experts stay whole
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_four_expert_parallel_ranks(oracle, tmp_path):
+    """EP=4 (2 experts a rank, 1 of the draft's 4): dispatch and combine over more than a pair of ranks, chunks of
+    uneven length (37 rows over 4 ranks), a few-token fp32 forward that leaves a rank without rows."""
+    ranks = spawn("ep4", ["forward", "fast"], tmp_path, timeout=240)
+    ref_logits = oracle["forward"][1].double().numpy().ravel()
+    for r, got in enumerate(ranks):
+        assert np.abs(got["forward"][1] - ref_logits).max() < 1e-10, r
+        assert got["forward"][0]["argmax"] == oracle["forward"][0]["argmax"], r
+        assert np.abs(got["fast"][1] - oracle["fast"][1].numpy().ravel()).max() < 1e-4, r
+        for case in ("forward", "fast"):
+            assert np.array_equal(got[case][1], ranks[0][case][1]), (case, r)
