@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,20 @@ def run_case(case: str, state: ParallelState) -> tuple[dict, torch.Tensor | None
             steps += 1
         spec = engine.speculator.stats.as_dict() if engine.speculator is not None else {}
         return {"tokens": tokens, "steps": steps, "spec": spec}, None
+    if case == "engine_disk":  # KV pages written to this rank's cache_dir, read back by a new engine (replay)
+        model = shard_model(tiny_model(torch.float64), state)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        with tempfile.TemporaryDirectory() as cache_dir:
+            out = {}
+            for name, prompt in (("writer", prompt_ids(40, 8)), ("reader", prompt_ids(40, 8) + prompt_ids(5, 9))):
+                engine = LLMEngine(model, EngineArgs(block_size=4, cache_dir=cache_dir, swa_pool_bytes=0,
+                                                     replay="exact"))
+                engine.add_request(name, prompt, params)
+                while engine.has_unfinished_requests():
+                    for o in engine.step():
+                        out[name] = (list(o.outputs[0].token_ids), o.num_cached_tokens)
+                engine.prefix_cache.flush()
+        return {"tokens": {k: v[0] for k, v in out.items()}, "cached": {k: v[1] for k, v in out.items()}}, None
     raise ValueError(f"unknown case {case!r}")
 
 
