@@ -140,11 +140,14 @@ def shard_model(model: nn.Module, state: ParallelState, shard_engram: bool = Fal
     Engram layer) instead of keeping it whole on every rank (no effect without tensor parallelism).
 
     Raises ValueError when a size does not divide (heads, output groups, vocabulary, intermediate dims, experts),
-    naming it and the parallel sizes that would fit. Source: issue 28; PARALLEL_DESIGN.md.
+    naming it and the parallel sizes that would fit, and for a model sharded already. Source: issue 28;
+    PARALLEL_DESIGN.md.
     """
     tp, ep = state.tp_size, state.ep_size
     if tp == 1 and ep == 1:
         return model
+    if getattr(model, "parallel_state", None) is not None:
+        raise ValueError("this model is sharded already (model.parallel_state is set); shard an unsharded model")
     check_shardable(model.config, tp, ep)
     fast = model.__dict__.get("_fast_installed") is not None
     if fast:

@@ -113,6 +113,10 @@ def test_sizes_that_do_not_divide_are_named():
     with pytest.raises(ValueError, match=r"FP4 experts: in 32-column blocks\) = 96 .* values for it: 1, 3"):
         check_shardable(fp4, 2, 1)
     check_shardable(fp4, 2, 2)  # with expert parallelism the experts stay whole
+    state = ParallelState.of(ParallelConfig(tensor_parallel_size=2), 0)
+    model = shard_model(tiny_model(torch.float64, device="meta"), state)
+    with pytest.raises(ValueError, match="sharded already"):
+        shard_model(model, state)
 
 
 @pytest.mark.slow
