@@ -7,6 +7,7 @@ collectives of :class:`~deepseek_v41.distributed.comm.ParallelState`; the fast b
 - :class:`VocabParallelEmbedding` (rows ``[r V/tp, (r+1) V/tp)`` of ``embed``; ids outside give 0; one all-reduce),
   :class:`ParallelLMHead` (the same rows of ``head``; logits all-gathered on the vocabulary dim, so every rank holds
   the same full logits), :class:`VocabParallelSharedVocab` (the DSpark draft's use of those two weights);
+- :class:`RowParallelEngramTable` (optional: an Engram table's rows split over the ranks; one all-reduce);
 - :class:`RowParallelLinear` (``wo_b``: the input columns of the rank's output groups; one all-reduce);
 - :class:`TensorParallelMoE` (every routed expert and the shared expert sliced on the intermediate dim; every rank
   routes all tokens; one all-reduce of the summed output);
@@ -26,9 +27,10 @@ from torch import nn
 
 from deepseek_v41.distributed.comm import ParallelState
 from deepseek_v41.model.dspark import SharedVocab
+from deepseek_v41.model.engram import EngramTable
 from deepseek_v41.model.linear import Linear, LMHead
 from deepseek_v41.model.moe import Expert, MoE, expert_segments
-from deepseek_v41.model.norm import cast
+from deepseek_v41.model.norm import cast, upcast
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -92,6 +94,36 @@ class VocabParallelSharedVocab(SharedVocab):
         return self.state.all_gather(SharedVocab.logits(self, x, weight), dim=-1)
 
 
+class RowParallelEngramTable(EngramTable):
+    """Rows ``[row_start, row_start + num_rows)`` of one Engram table (the table split by rows over the tensor-
+    parallel ranks, :func:`split_sizes`: the release's row counts are primes' sums, not multiples of tp), float or
+    FP8 as the whole table was: row ids [...] long (global) -> [..., head_dim] (the stored dtype, fp32 for FP8),
+    each row from its owner, the others adding 0 (one all-reduce, exact). ``global_rows``: the whole table's rows.
+    Source: ENGRAM.md §8; issue 28 (Engram tables sharded by rows)."""
+
+    def __init__(self, table: EngramTable, state: ParallelState):
+        nn.Module.__init__(self)
+        sizes = split_sizes(table.num_rows, state.tp_size)
+        self.row_start = sum(sizes[:state.tp_rank])
+        rows = slice(self.row_start, self.row_start + sizes[state.tp_rank])
+        self.table_format, self.head_dim = table.table_format, table.head_dim
+        self.num_rows, self.global_rows, self.state = sizes[state.tp_rank], table.num_rows, state
+        if table.scale is None:
+            self.weight = nn.Parameter(table.weight.detach()[rows].clone(), requires_grad=table.weight.requires_grad)
+            self.scale = None
+        else:
+            self.register_buffer("weight", table.weight[rows].clone())
+            self.register_buffer("scale", table.scale[rows].clone())
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        local, outside = _vocab_rows(rows, self.row_start, self.num_rows)
+        return self.state.all_reduce(EngramTable.forward(self, local).masked_fill(outside[..., None], 0))
+
+    def extra_repr(self) -> str:
+        return f"rows {self.row_start}..{self.row_start + self.num_rows} of {self.global_rows}, {self.head_dim}, " \
+               f"table_format={self.table_format!r}"
+
+
 class RowParallelLinear(Linear):
     """A bias-free projection whose input columns are split over the tensor-parallel ranks (``weight`` [out,
     in/tp], the columns of the rank's input slice): x [..., in/tp] -> [..., out] in x's dtype, the partial
@@ -148,9 +180,14 @@ class ExpertParallelMoE(MoE):
         rows = slice(start, start + sizes[self.state.ep_rank])
         chunk = flat[rows]
         mask = None if image_mask is None else image_mask.reshape(-1)[rows]
-        indices, weights = self.gate(chunk, mask)
+        if chunk.shape[0]:
+            indices, weights = self.gate(chunk, mask)
+        else:  # (a decode batch smaller than ep) no routing to do; the fast kernels take no empty input
+            k = self.gate.topk
+            indices = torch.empty((0, k), dtype=torch.long, device=flat.device)
+            weights = torch.empty((0, k), dtype=upcast(chunk).dtype, device=flat.device)
         out = self.dispatch(chunk, indices, weights)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and chunk.shape[0]:
             out = out + cast(self.shared_experts(chunk), out.dtype)
         return self.state.all_gather(cast(out, flat.dtype), dim=0, sizes=sizes).reshape(x.shape)
 

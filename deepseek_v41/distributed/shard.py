@@ -17,8 +17,9 @@ The layout (PARALLEL_DESIGN.md; the reference's ``ParallelEmbedding`` / ``Column
   (:class:`~deepseek_v41.distributed.layers.ExpertParallelMoE`: two all-to-alls and one all-gather per layer).
 - Embedding and LM head: vocab-parallel rows ``[r V/tp, (r+1) V/tp)``; the DSpark draft, which is handed those
   weights, applies them through :class:`~deepseek_v41.distributed.layers.VocabParallelSharedVocab`.
-- Whole on every rank: norms, mHC parameters, Engram tables (host-resident on every rank) and hasher, the vision
-  tower and aligner, the draft's ``main_proj`` / ``main_norm`` / Markov and confidence heads.
+- Whole on every rank: norms, mHC parameters, Engram tables (host-resident on every rank; ``shard_engram=True``
+  splits them by rows over the tensor-parallel ranks instead) and the hasher, the vision tower and aligner, the
+  draft's ``main_proj`` / ``main_norm`` / Markov and confidence heads.
 
 The DSpark draft's blocks (``model.mtp``) are Blocks and shard like the target's. The model holds decoded weights
 (the checkpoint's FP8 / FP4 tensors are decoded at load), so slices are plain tensor slices; a checkpoint whose
@@ -37,12 +38,14 @@ from deepseek_v41.config import ModelConfig
 from deepseek_v41.distributed.comm import ParallelState
 from deepseek_v41.distributed.layers import (
     ParallelLMHead,
+    RowParallelEngramTable,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelSharedVocab,
     expert_parallel_moe,
     tensor_parallel_moe,
 )
+from deepseek_v41.kernels import fast as fast_backend
 from deepseek_v41.model.attention import Attention, GroupedLinear
 from deepseek_v41.model.block import Block
 from deepseek_v41.model.linear import Linear
@@ -75,15 +78,18 @@ def check_shardable(cfg: ModelConfig, tp: int, ep: int) -> None:
         rules.append(("n_routed_experts", cfg.n_routed_experts, 1, "expert parallel size"))
         if cfg.num_nextn_predict_layers:
             rules.append(("dspark_n_routed_experts", cfg.dspark_n_routed_experts, 1, "expert parallel size"))
-    problems = []
+    problems, fits = [], {}
     for what, size, step, flag in rules:
         n = tp if flag == "tensor_parallel_size" else ep
+        allowed = [d for d in _divisors(size) if (size // d) % step == 0]
+        fits[flag] = set(allowed) if flag not in fits else fits[flag] & set(allowed)
         if size % (n * step):
-            allowed = [d for d in _divisors(size) if (size // d) % step == 0] if step > 1 else _divisors(size)
             problems.append(f"{what} = {size} does not split over {flag} {n}; allowed {flag} values for it: "
                             f"{', '.join(map(str, allowed))}")
     if problems:
-        raise ValueError("cannot shard this model: " + "; ".join(problems))
+        every = "; ".join(f"{flag} values that fit every size: {', '.join(map(str, sorted(v)))}"
+                          for flag, v in fits.items())
+        raise ValueError("cannot shard this model: " + "; ".join(problems) + f" ({every})")
 
 
 def _rows(t: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tensor:
@@ -122,24 +128,29 @@ def _blocks(model: nn.Module) -> list[Block]:
     return blocks
 
 
-def shard_model(model: nn.Module, state: ParallelState) -> nn.Module:
+def shard_model(model: nn.Module, state: ParallelState, shard_engram: bool = False) -> nn.Module:
     """Shard a :class:`~deepseek_v41.model.transformer.Transformer` (its DSpark draft included) in place for the
     rank of ``state`` (module docstring: the layout) and return it. Works on ``meta`` tensors (planning: no
     collective runs until a forward). A world of one rank returns the model unchanged. The CPU fast backend, if
     installed, is installed again on the sharded modules. Every rank must shard the same model alike (the same
     weights, the same ``state`` sizes).
 
+    ``shard_engram``: split each Engram table by rows over the tensor-parallel ranks
+    (:class:`~deepseek_v41.distributed.layers.RowParallelEngramTable`, one all-reduce of the looked-up rows per
+    Engram layer) instead of keeping it whole on every rank (no effect without tensor parallelism).
+
     Raises ValueError when a size does not divide (heads, output groups, vocabulary, intermediate dims, experts),
-    naming it and the parallel sizes that would fit. Source: issue 28; PARALLEL_DESIGN.md.
+    naming it and the parallel sizes that would fit, and for a model sharded already. Source: issue 28;
+    PARALLEL_DESIGN.md.
     """
     tp, ep = state.tp_size, state.ep_size
     if tp == 1 and ep == 1:
         return model
+    if getattr(model, "parallel_state", None) is not None:
+        raise ValueError("this model is sharded already (model.parallel_state is set); shard an unsharded model")
     check_shardable(model.config, tp, ep)
     fast = model.__dict__.get("_fast_installed") is not None
     if fast:
-        from deepseek_v41.kernels import fast as fast_backend  # (the C library: only for a model that had it)
-
         fast_backend.uninstall(model)
     for block in _blocks(model):
         if tp > 1:
@@ -157,6 +168,10 @@ def shard_model(model: nn.Module, state: ParallelState) -> nn.Module:
                                     start, state)
         if model.mtp is not None:
             model.mtp.vocab = VocabParallelSharedVocab(start, state)
+        if shard_engram:
+            for block in model.layers:
+                if block.engram is not None:
+                    block.engram.embed = RowParallelEngramTable(block.engram.embed, state)
     model.parallel_state = state
     if fast:
         fast_backend.install(model)
