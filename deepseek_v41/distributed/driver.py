@@ -27,13 +27,12 @@ from deepseek_v41.distributed import executor as executors  # (a module: executo
 from deepseek_v41.distributed import protocol
 from deepseek_v41.distributed.comm import ParallelState, init_distributed
 from deepseek_v41.distributed.config import ParallelConfig
-from deepseek_v41.distributed.shard import shard_model
+from deepseek_v41.distributed.loader import load_sharded
 from deepseek_v41.engine.args import EngineArgs
 from deepseek_v41.engine.engine import LLMEngine
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.sequence import RequestOutput
 from deepseek_v41.kernels import pool
-from deepseek_v41.model.checkpoint import load_model
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +66,21 @@ def rank_device(device: str, rank: int, config: ParallelConfig) -> str:
     return f"cuda:{rank % config.local_world_size}" if device == "cuda" else device
 
 
-def join_and_shard(model: Any, config: ParallelConfig, rank: int, init_method: str | None, device: str
-                   ) -> tuple[Any, ParallelState]:
-    """Join the engine's process group as ``rank`` and shard ``model`` in place; returns (model, state)."""
+def load_rank(model_path: str | Path, config: ParallelConfig, rank: int, dtype: Any, device: str
+              ) -> tuple[Any, ParallelState]:
+    """Rank ``rank``'s shard of the checkpoint, reading only its slices of each tensor
+    (:func:`~deepseek_v41.distributed.loader.load_sharded`), and its :class:`ParallelState`, which the sharded
+    modules hold: its process group is set by :func:`join` (no collective runs before a forward). Raises what
+    ``load_sharded`` raises (FileNotFoundError, ConfigError, ValueError, CheckpointError)."""
+    state = ParallelState.of(config, rank)
+    return load_sharded(model_path, state, dtype=dtype, device=device), state
+
+
+def join(state: ParallelState, config: ParallelConfig, init_method: str | None, device: str) -> None:
+    """Join the engine's process group as ``state.rank`` (gloo on CPU, NCCL on CUDA); ``state`` gets the group."""
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))  # NCCL binds each rank's communicator to its current GPU
-    state = init_distributed(config, rank, init_method or "", device)
-    return shard_model(model, state), state
+    state.group = init_distributed(config, state.rank, init_method or "", device).group
 
 
 class DriverEngine(LLMEngine):
@@ -146,7 +153,7 @@ class DriverEngine(LLMEngine):
 
 def build_driver_engine(model_path: str | Path, config: ParallelConfig, dtype: Any, device: str,
                         engine_args: dict[str, Any], tokenizer: Any) -> DriverEngine:
-    """Start the workers of ``config`` (:func:`make_executor`), load and shard rank 0's model beside them, and
+    """Start the workers of ``config`` (:func:`make_executor`), load rank 0's shard beside them, and
     build rank 0's engine once every worker built its own. Raises ValueError for settings a parallel engine does
     not serve, RuntimeError naming a worker that failed; the workers are stopped on any failure."""
     check_engine_args(engine_args)
@@ -157,9 +164,9 @@ def build_driver_engine(model_path: str | Path, config: ParallelConfig, dtype: A
                         "engine_args": engine_args}, (tokenizer.to_str().encode(),) if tokenizer is not None else ())
         set_threads(threads)
         device = rank_device(device, 0, config)
-        model = load_model(model_path, dtype=dtype, device=device)
+        model, state = load_rank(model_path, config, 0, dtype, device)
         executor.wait("loaded")
-        model, state = join_and_shard(model, config, 0, executor.init_method, device)
+        join(state, config, executor.init_method, device)
         engine = DriverEngine(model, EngineArgs(**engine_args), tokenizer, model_path, executor, state, threads)
         executor.wait("ready")
         executor.start_watchdog()

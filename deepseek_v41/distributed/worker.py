@@ -3,8 +3,9 @@
 ``python -m deepseek_v41.distributed.worker --rank R --control HOST:PORT [--model PATH]`` (spawned by the driver's
 :class:`~deepseek_v41.distributed.executor.MultiprocExecutor`, or by :func:`run_node` on another node; the control
 key comes in ``DSV41_DIST_AUTHKEY``): connect to the driver, say ``hello``, receive ``init`` (model path, dtype,
-engine arguments, the tokenizer, thread count), load the model (``loaded``), join the process group and shard it,
-build the rank's :class:`~deepseek_v41.engine.engine.LLMEngine` (``ready``), then follow the driver step by step
+engine arguments, the tokenizer, thread count), load its shard (``loaded``: only its slices of the checkpoint),
+join the process group, build the rank's :class:`~deepseek_v41.engine.engine.LLMEngine` (``ready``), then follow
+the driver step by step
 (``driver.py`` describes the execution model): apply the step's events, check rank 0's digest of the previous
 step's outputs against this rank's own (a mismatch is a ``RuntimeError``: the ranks diverged), step.
 
@@ -35,7 +36,7 @@ from tokenizers import Tokenizer
 
 from deepseek_v41.distributed import protocol
 from deepseek_v41.distributed.config import ParallelConfig
-from deepseek_v41.distributed.driver import engine_args_from_json, join_and_shard, rank_device, set_threads
+from deepseek_v41.distributed.driver import engine_args_from_json, join, load_rank, rank_device, set_threads
 from deepseek_v41.distributed.executor import (
     AUTHKEY_ENV,
     PARENT_PID_ENV,
@@ -46,7 +47,6 @@ from deepseek_v41.distributed.executor import (
     worker_threads,
 )
 from deepseek_v41.engine.engine import LLMEngine
-from deepseek_v41.model.checkpoint import load_model
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -139,9 +139,9 @@ def run_rank(conn, rank: int, model_override: str | None) -> None:
     config = ParallelConfig(**init["parallel"])
     path = model_override or init["model"]
     device = rank_device(init["device"], rank, config)
-    model = load_model(path, dtype=init["dtype"], device=device)
+    model, state = load_rank(path, config, rank, init["dtype"], device)
     protocol.send(conn, {"type": "loaded", "rank": rank})
-    model, _ = join_and_shard(model, config, rank, init["init_method"], device)
+    join(state, config, init["init_method"], device)
     tokenizer = Tokenizer.from_str(blobs[0].decode()) if blobs else None
     engine = LLMEngine(model, engine_args_from_json(init["engine_args"]), tokenizer, model_path=path)
     engine.lockstep_threads = init["threads"]
