@@ -30,6 +30,7 @@ from deepseek_v41.distributed.config import ParallelConfig
 from deepseek_v41.distributed.loader import load_sharded
 from deepseek_v41.engine.args import EngineArgs
 from deepseek_v41.engine.engine import LLMEngine
+from deepseek_v41.engine.multimodal import process_images
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.sequence import RequestOutput
 from deepseek_v41.kernels import pool
@@ -94,22 +95,30 @@ class DriverEngine(LLMEngine):
         self.executor, self.parallel_state = executor, state
         self.lockstep_threads = threads
         self._events: list[dict[str, Any]] = []
+        self._blobs: list[bytes] = []  # the step message's raw bytes (images' patches)
         self._digest: str | None = None
         self._step_index = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None, multi_modal_data: dict[str, Any] | None = None) -> None:
-        """:meth:`LLMEngine.add_request`, then queued for the workers. ValueError also for images (not sent to
-        the workers yet)."""
-        if multi_modal_data:
-            raise ValueError("images are not served with several ranks yet (tensor_parallel_size > 1); use one "
-                             "process for image prompts")
-        super().add_request(request_id, prompt_token_ids, params, prompt=prompt, arrival_time=arrival_time,
-                            cache_salt=cache_salt)
+        """:meth:`LLMEngine.add_request`, then queued for the workers: images are preprocessed here once and sent
+        as their patches (every rank then expands the same placeholders and encodes the same pixels)."""
+        images = None
+        if multi_modal_data and isinstance(multi_modal_data, dict) and multi_modal_data.get("image") is not None \
+                and self.config.vision_config is not None:
+            given = multi_modal_data["image"]
+            images = process_images(list(given) if isinstance(given, list | tuple) else [given],
+                                    self.config.vision_config)
+            multi_modal_data = {**multi_modal_data, "image": images}
+        placeholders = prompt_token_ids if isinstance(prompt_token_ids, str | bytes) else list(prompt_token_ids)
+        super().add_request(request_id, placeholders, params, prompt=prompt, arrival_time=arrival_time,
+                            cache_salt=cache_salt, multi_modal_data=multi_modal_data)
         seq = self.requests[request_id][0]
-        self._events.append(protocol.add_event(request_id, self._prompts[request_id][1], params, prompt,
-                                               seq.arrival_time, cache_salt))
+        event = protocol.add_event(request_id, placeholders, params, prompt, seq.arrival_time, cache_salt)
+        if images:
+            event["images"] = protocol.image_entries(images, self._blobs)
+        self._events.append(event)
 
     def abort_request(self, request_id: str) -> None:
         super().abort_request(request_id)
@@ -126,8 +135,9 @@ class DriverEngine(LLMEngine):
             self.prefix_cache.flush()  # pages rank 0 queued are on disk before any rank looks them up
         message = {"type": "step", "step": self._step_index, "events": self._events,
                    "observation": self.last_observation, "digest": self._digest}
-        self._events = []
-        self.executor.send_step(protocol.encode(message))
+        data = protocol.encode(message, self._blobs)
+        self._events, self._blobs = [], []
+        self.executor.send_step(data)
         self.pending_observation = self.last_observation
         try:
             outputs = super().step()

@@ -18,7 +18,8 @@ Message types (``header["type"]``):
 - ``shutdown`` (driver -> worker): leave the loop and exit 0.
 
 Events (``header["events"][i]["op"]``): ``add`` (``request_id``, ``prompt_token_ids``, ``params``
-(:func:`params_to_dict`), ``prompt``, ``arrival_time``, ``cache_salt``), ``abort`` (``request_id``),
+(:func:`params_to_dict`), ``prompt``, ``arrival_time``, ``cache_salt``, and for a prompt with images ``images``:
+the preprocessed images, their patches as blobs of the message, :func:`image_entries`), ``abort`` (``request_id``),
 ``reset_prefix_cache`` (``reset_running_requests``).
 """
 
@@ -30,7 +31,10 @@ import json
 import struct
 from typing import Any
 
+import torch
+
 from deepseek_v41.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from deepseek_v41.model.image_processor import ImageGrid, ProcessedImage
 
 MAGIC = b"DSV4"
 _LENGTH = struct.Struct("<I")
@@ -95,10 +99,27 @@ def params_from_dict(data: dict[str, Any]) -> SamplingParams:
 # ---------------------------------------------------------------------------------------------- events
 def add_event(request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None,
               arrival_time: float | None, cache_salt: str | None) -> dict[str, Any]:
-    """The ``add`` event of one ``LLMEngine.add_request`` call (token-id prompts; images are not sent)."""
+    """The ``add`` event of one ``LLMEngine.add_request`` call (its images, if any, go in ``"images"``)."""
     return {"op": "add", "request_id": request_id, "prompt_token_ids": [int(t) for t in prompt_token_ids],
             "params": params_to_dict(params), "prompt": prompt, "arrival_time": arrival_time,
             "cache_salt": cache_salt}
+
+
+def image_entries(images: list[ProcessedImage], blobs: list[bytes]) -> list[dict[str, Any]]:
+    """The ``images`` of an ``add`` event: each image's grid and patch shape, its float32 patches appended to
+    ``blobs`` (the entry names the blob's index in the message)."""
+    entries = []
+    for image in images:
+        patches = image.patches.detach().to("cpu", torch.float32).contiguous()
+        entries.append({"grid": dataclasses.asdict(image.grid), "shape": list(patches.shape), "blob": len(blobs)})
+        blobs.append(patches.numpy().tobytes())
+    return entries
+
+
+def images_from_entries(entries: list[dict[str, Any]], blobs: list[bytes]) -> list[ProcessedImage]:
+    """The :class:`ProcessedImage` list of :func:`image_entries` (float32 patches, copied out of the message)."""
+    return [ProcessedImage(torch.frombuffer(bytearray(blobs[e["blob"]]), dtype=torch.float32).reshape(e["shape"]),
+                           ImageGrid(**e["grid"])) for e in entries]
 
 
 def abort_event(request_id: str) -> dict[str, Any]:

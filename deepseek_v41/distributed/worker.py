@@ -77,12 +77,15 @@ def connect(control: str, key: bytes, timeout_s: float = START_TIMEOUT_S):
             time.sleep(0.5)
 
 
-def apply_event(engine: LLMEngine, event: dict[str, Any]) -> None:
-    """Replay one of rank 0's calls on this rank's engine."""
+def apply_event(engine: LLMEngine, event: dict[str, Any], blobs: list[bytes]) -> None:
+    """Replay one of rank 0's calls on this rank's engine (``blobs``: the step message's raw bytes)."""
     op = event["op"]
     if op == "add":
+        images = {"multi_modal_data": {"image": protocol.images_from_entries(event["images"], blobs)}} \
+            if event.get("images") else {}
         engine.add_request(event["request_id"], event["prompt_token_ids"], protocol.params_from_dict(event["params"]),
-                           prompt=event["prompt"], arrival_time=event["arrival_time"], cache_salt=event["cache_salt"])
+                           prompt=event["prompt"], arrival_time=event["arrival_time"], cache_salt=event["cache_salt"],
+                           **images)
     elif op == "abort":
         engine.abort_request(event["request_id"])
         engine.release(event["request_id"])
@@ -98,7 +101,7 @@ def follow(conn, engine: LLMEngine, rank: int) -> None:
     digest = None
     while True:
         try:
-            header, _ = protocol.recv(conn)
+            header, blobs = protocol.recv(conn)
         except (EOFError, OSError):
             return  # the driver is gone
         kind = header["type"]
@@ -110,7 +113,7 @@ def follow(conn, engine: LLMEngine, rank: int) -> None:
             raise RuntimeError(f"rank {rank} diverged from rank 0 at step {header['step'] - 1}: its outputs differ "
                                f"(digest {digest} vs rank 0's {header['digest']})")
         for event in header["events"]:
-            apply_event(engine, event)
+            apply_event(engine, event, blobs)
         engine.pending_observation = header["observation"]
         outputs = engine.step()
         digest = protocol.outputs_digest(outputs)
