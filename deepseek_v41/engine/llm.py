@@ -66,7 +66,8 @@ class LLM:
     the vocabulary; ``enable_expert_parallel`` splits the routed experts whole over them instead
     (``expert_parallel_size``: SGLang's ``--ep-size``, experts over that many ranks with attention replicated);
     ``distributed_executor_backend``: "uni" (one process, the default for one rank), "mp" (worker processes
-    spawned here, the default for several; rank 0 runs in this process), "ray" (not yet); ``nnodes`` /
+    spawned here, the default for several; rank 0 runs in this process), "ray" (the workers as Ray actors;
+    ``pip install ray``); ``nnodes`` /
     ``node_rank`` / ``master_addr`` / ``master_port``: several nodes (the other nodes run ``dsv41 serve MODEL
     --headless ...``); ``distributed_timeout_s``: how long a collective may wait for a rank. Several ranks need a
     model path (the workers load it themselves); a worker that dies makes the next step raise RuntimeError naming
