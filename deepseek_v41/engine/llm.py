@@ -67,11 +67,11 @@ class LLM:
     (``expert_parallel_size``: SGLang's ``--ep-size``, experts over that many ranks with attention replicated);
     ``distributed_executor_backend``: "uni" (one process, the default for one rank), "mp" (worker processes
     spawned here, the default for several; rank 0 runs in this process), "ray" (the workers as Ray actors;
-    ``pip install ray``); ``nnodes`` /
-    ``node_rank`` / ``master_addr`` / ``master_port``: several nodes (the other nodes run ``dsv41 serve MODEL
-    --headless ...``); ``distributed_timeout_s``: how long a collective may wait for a rank. Several ranks need a
-    model path (the workers load it themselves); a worker that dies makes the next step raise RuntimeError naming
-    its rank; :meth:`shutdown` (or the LLM's collection, or interpreter exit) stops the workers.
+    ``pip install ray``); ``nnodes`` / ``node_rank`` / ``master_addr`` / ``master_port``: several nodes (the
+    other nodes run ``dsv41 serve MODEL --headless ...``); ``distributed_timeout_s``: how long a collective may
+    wait for a rank. Several ranks need a model path (the workers load it themselves); a worker that dies makes
+    the next step raise RuntimeError naming its rank, as does any failed step afterwards (the ranks are out of
+    step: build a new LLM); :meth:`shutdown` (or the LLM's collection, or interpreter exit) stops the workers.
     ``data_parallel_size``: only 1 here.
 
     At start the settings in force (dtype, device, max_model_len, the KV pool allocated and its budget) are logged
