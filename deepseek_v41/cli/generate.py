@@ -205,6 +205,8 @@ def generate(
             context += result["text"]
     except (FileNotFoundError, ValueError, ConfigError, CheckpointError) as exc:
         fail(str(exc))
+    except typer.Exit:  # fail() above (click's Exit is a RuntimeError)
+        raise
     except RuntimeError as exc:  # a worker rank of a parallel engine failed (named in the message)
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
