@@ -68,10 +68,12 @@ class ParallelState:
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` (any shape) over the tensor-parallel ranks; returns the sum (t itself when it could be reduced
-        in place). One rank: ``t``."""
+        in place). One rank, or a ``meta`` tensor (planning: counted, not sent): ``t``."""
         if self.tp_size == 1:
             return t
         self._count("all_reduce", t.numel() * t.element_size())
+        if t.device.type == "meta":
+            return t
         wide = _reducible(t)
         dist.all_reduce(wide, group=self.group)
         if wide is not t:
@@ -80,36 +82,47 @@ class ParallelState:
 
     def all_gather(self, t: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` in rank order (``sizes``: each rank's length along ``dim``
-        when they differ; None: all equal to t's). One rank: ``t``."""
+        when they differ, 0 allowed; None: all equal to t's). Every rank gets the same tensor. One rank: ``t``; a
+        ``meta`` tensor: counted, not sent. Raises ValueError when t's length is not ``sizes[rank]``."""
         if self.world_size == 1:
             return t
         dim = dim % t.dim()
-        sizes = sizes or [t.shape[dim]] * self.world_size
+        sizes = list(sizes) if sizes is not None else [t.shape[dim]] * self.world_size
+        if len(sizes) != self.world_size or sizes[self.rank] != t.shape[dim]:
+            raise ValueError(f"all_gather: rank {self.rank} holds {t.shape[dim]} rows along dim {dim}, sizes say "
+                             f"{sizes} for {self.world_size} ranks")
         self._count("all_gather", t.numel() * t.element_size())
-        moved = t.movedim(dim, 0).contiguous()
-        out = torch.empty((sum(sizes), *moved.shape[1:]), dtype=t.dtype, device=t.device)
-        if len(set(sizes)) == 1:
-            dist.all_gather_into_tensor(out, moved, group=self.group) if _has_gather_into() else \
-                dist.all_gather(list(out.split(sizes)), moved, group=self.group)
-        else:
-            parts = [torch.empty((n, *moved.shape[1:]), dtype=t.dtype, device=t.device) for n in sizes]
-            dist.all_gather(parts, moved, group=self.group)
-            out = torch.cat(parts)
+        moved = t.movedim(dim, 0)
+        rest = moved.shape[1:]
+        if t.device.type == "meta":
+            return t.new_empty((sum(sizes), *rest)).movedim(0, dim)
+        # Equal lengths on the wire (gloo's all_gather takes one size): shorter shards padded, then trimmed.
+        top = max(sizes)
+        padded = moved.new_zeros((top, *rest))
+        padded[:moved.shape[0]] = moved
+        parts = [moved.new_empty((top, *rest)) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded, group=self.group)
+        out = torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
         return out.movedim(0, dim)
 
     def all_to_all(self, rows: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Send ``rows`` [N, ...] split by ``send_counts`` (rows for rank 0, 1, ...; summing to N) to the expert-
         parallel ranks; returns (the rows received, in rank order, [M, ...]; the counts received per rank). One
-        rank: (rows, send_counts)."""
+        rank: (rows, send_counts); ``meta`` rows (planning): counted, and every rank assumed to send as much
+        (rows, send_counts)."""
         if self.ep_size == 1:
             return rows, list(send_counts)
-        counts = torch.tensor(send_counts, dtype=torch.long)
+        sent_elsewhere = sum(n for r, n in enumerate(send_counts) if r != self.rank)
+        row_bytes = rows[0:1].numel() * rows.element_size() if rows.dim() else 0
+        if rows.device.type == "meta":
+            self._count("all_to_all", sent_elsewhere * row_bytes)
+            return rows, list(send_counts)
+        counts = torch.tensor(send_counts, dtype=torch.long, device=rows.device)  # (NCCL: CUDA tensors only)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
         recv_counts = received.tolist()
         out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
-        sent_elsewhere = sum(n for r, n in enumerate(send_counts) if r != self.rank)
-        self._count("all_to_all", sent_elsewhere * rows[0:1].numel() * rows.element_size() if rows.dim() else 0)
+        self._count("all_to_all", sent_elsewhere * row_bytes)
         dist.all_to_all_single(out, rows.contiguous(), recv_counts, list(send_counts), group=self.group)
         return out, recv_counts
 
@@ -124,9 +137,6 @@ def _reducible(t: torch.Tensor) -> torch.Tensor:
         return t.float()
     return t
 
-
-def _has_gather_into() -> bool:
-    return hasattr(dist, "all_gather_into_tensor")
 
 
 def init_distributed(config: ParallelConfig, rank: int, init_method: str, device: torch.device | str = "cpu"

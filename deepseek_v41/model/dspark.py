@@ -63,6 +63,20 @@ class ConfidenceHead(nn.Module):
         return (torch.cat((hpre.float(), e.float()), -1) @ self.proj.weight.float().t()).squeeze(-1)
 
 
+class SharedVocab:
+    """How the draft applies the target's embedding and LM head, which it is handed as weights (``embed_weight``,
+    ``head_weight`` [V, D]: shared, never copied; DSPARK.md §1): ``embed(ids [...] long, weight) -> [..., D]`` in
+    the weight's dtype and ``logits(x [..., D], weight) -> [..., V]`` fp32 (the reference computes the base logits
+    in fp32). A tensor-parallel model (issue 28) hands the draft its rank's vocabulary rows of both weights and
+    replaces this by :class:`deepseek_v41.distributed.layers.VocabParallelSharedVocab` (the same values)."""
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, weight)
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.float() @ weight.float().t()
+
+
 class DSparkBlock(Block):
     """Draft stage ``mtp.k``: a window-only backbone block with the draft's MoE (``dspark_n_routed_experts``,
     top ``dspark_num_experts_per_tok``). The first stage also owns ``main_proj`` [D, n_taps * D] and
@@ -224,6 +238,7 @@ class DSparkDraft(nn.ModuleList):
         self.noise_token_id = config.dspark_noise_token_id
         self.target_layer_ids = tuple(config.dspark_target_layer_ids)
         self.fake_quant = True
+        self.vocab = SharedVocab()  # how the handed embed / head weights are applied (sharded: vocab-parallel)
 
     # ------------------------------------------------------------------ context (DSPARK.md §3.1)
     def main_x(self, taps: Mapping[int, torch.Tensor]) -> torch.Tensor:
@@ -262,7 +277,7 @@ class DSparkDraft(nn.ModuleList):
         """Pre-norm collapsed hidden ``hpre`` [N, K, D] of blocks ids [N, K] at positions [N, K] over context
         rows [S, N, P, d] (visible [N, P]): shared embedding into hc streams, one-hot pre on stream 0, the draft
         stages, collapse with the last stage's FFN ``pre``."""
-        h = F.embedding(ids, embed_weight)
+        h = self.vocab.embed(ids, embed_weight)
         N, K, D = h.shape
         hc = self.config.hc_mult
         streams = h[:, :, None, :].expand(N, K, hc, D).contiguous()
@@ -275,7 +290,7 @@ class DSparkDraft(nn.ModuleList):
 
     def base_logits(self, hpre: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
         """Base logits U = head(norm(hpre)) in fp32: [..., D] -> [..., V]."""
-        return self[-1].norm(hpre).float() @ head_weight.float().t()
+        return self.vocab.logits(self[-1].norm(hpre), head_weight)
 
     # ------------------------------------------------------------------ cached step (DSPARK.md §3.3, §3.4, §4)
     @torch.no_grad()

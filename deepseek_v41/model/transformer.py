@@ -18,6 +18,7 @@ from deepseek_v41.model.context import DenseContext
 from deepseek_v41.model.dspark import DSparkDraft
 from deepseek_v41.model.engram import EngramHasher
 from deepseek_v41.model.hyper import collapse
+from deepseek_v41.model.linear import LMHead
 from deepseek_v41.model.norm import RMSNorm, upcast
 from deepseek_v41.model.save import named_weights, save_pretrained
 from deepseek_v41.model.vision import add_vision, embed_images, image_token_mask, window_key_limit
@@ -35,7 +36,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, spec) for spec in self.plan.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head = LMHead(config.hidden_size, config.vocab_size, bias=False)
         if config.vision_config is not None:
             add_vision(self, config)  # vision.*, aligner.*, image_start / newline / end (MODEL_REFERENCE.md §8)
         self.hasher = None
@@ -161,8 +162,8 @@ class Transformer(nn.Module):
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head on the final normalised hidden x [B, T, D] fp32 (float64 stays): logits [B, T, vocab] in x's
-        dtype (the head weight widened to it)."""
-        return x @ self.head.weight.to(x.dtype).t()
+        dtype (the head weight widened to it; a vocab-parallel head gathers the full vocabulary)."""
+        return self.head(x)
 
     def forward(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None,
                 token_types: torch.Tensor | None = None, images: list | None = None) -> torch.Tensor:

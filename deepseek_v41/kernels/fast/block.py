@@ -12,7 +12,8 @@ Installed on a :class:`~deepseek_v41.model.block.Block` (and the draft's
 :class:`~deepseek_v41.model.dspark.DSparkBlock`, whose forward is the block's): ``forward`` and
 ``attention_input``. On a :class:`~deepseek_v41.model.transformer.Transformer`: ``run_layers`` (the same loop,
 with :func:`~deepseek_v41.kernels.fast.warm.warm` before each block of a few-token step) and ``lm_head`` (the GEMV
-kernel for a few tokens, :func:`~deepseek_v41.kernels.fast.dense.few_token_gemv`).
+kernel for a few tokens of a plain :class:`~deepseek_v41.model.linear.LMHead`,
+:func:`~deepseek_v41.kernels.fast.dense.few_token_gemv`; a vocab-parallel head is called as a module).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from deepseek_v41.kernels.fast.warm import warm
 from deepseek_v41.model import hyper
 from deepseek_v41.model.block import Block
 from deepseek_v41.model.dspark import DSparkBlock
+from deepseek_v41.model.linear import LMHead
 from deepseek_v41.model.norm import RMSNorm, cast, upcast
 from deepseek_v41.model.transformer import Transformer
 
@@ -166,7 +168,9 @@ def _run_layers(self: Transformer, layers: range, streams: torch.Tensor, pre: to
 
 
 def _lm_head(self: Transformer, x: torch.Tensor) -> torch.Tensor:
-    weight = self._modules["head"]._parameters["weight"]
-    if few_token_gemv(x, weight):
-        return kernels.linear(x, weight)
+    head = self._modules["head"]
+    if plain(head, LMHead):  # a vocab-parallel head (issue 28) or a hooked one is called as a module
+        weight = head._parameters["weight"]
+        if few_token_gemv(x, weight):
+            return kernels.linear(x, weight)
     return Transformer.lm_head(self, x)

@@ -11,6 +11,9 @@
   :func:`~deepseek_v41.kernels.moe_bf16` when they are exact in bf16; one token runs its k experts without the
   sort; more tokens without autograd run every expert at once by ``torch._grouped_mm`` (bf16 groups padded to
   ``GROUP_ROWS`` rows). Everything else is the reference.
+- :class:`~deepseek_v41.distributed.layers.TensorParallelMoE` (issue 28): ``dispatch`` only (the rank's expert
+  slices are local); its forward keeps the all-reduce. An expert-parallel MoE gets no MoE-level fast path (its
+  dispatch is the all-to-all); its local experts get :class:`Expert`'s.
 
 What to pack is decided here, at install; the copies are made once, when the first few-token step reaches the
 MoE (:func:`pack_copies`): the FP4 copies (E2M1 codes, UE8M0 scales per 32: a quarter of bf16's bytes, so a decode
@@ -35,8 +38,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepseek_v41 import kernels
+from deepseek_v41.distributed.layers import TensorParallelMoE
 from deepseek_v41.kernels.fast.dense import gemv
-from deepseek_v41.kernels.fast.registry import KERNEL_DTYPES, fused, override, plain, plain_weight, register
+from deepseek_v41.kernels.fast.registry import (
+    KERNEL_DTYPES,
+    OVERRIDES,
+    fused,
+    override,
+    plain,
+    plain_weight,
+    register,
+)
 from deepseek_v41.model.moe import Expert, Gate, MoE, clamped_swiglu
 from deepseek_v41.model.norm import cast, upcast
 from deepseek_v41.quant.weights import FP4_EXPERT_BLOCK
@@ -199,6 +211,19 @@ def install_moe(moe: MoE) -> bool:
     override(moe, "forward", _moe_forward)
     override(moe, "experts_forward", _experts_forward)
     override(moe, "dispatch", _dispatch)
+    return True
+
+
+@register(TensorParallelMoE)
+def install_tensor_parallel_moe(moe: TensorParallelMoE) -> bool:
+    """A tensor-parallel MoE (issue 28): its routed experts are the rank's intermediate slices, plain local
+    :class:`Expert` modules, so ``dispatch`` (their weighted sum, local) takes the fast version as in
+    :func:`install_moe`; its ``forward`` (the all-reduce) stays the parallel layer's."""
+    if not install_moe(moe):
+        return False
+    for name in ("forward", "experts_forward"):
+        del moe.__dict__[name]
+        moe.__dict__[OVERRIDES].discard(name)
     return True
 
 
