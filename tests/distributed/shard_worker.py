@@ -23,6 +23,7 @@ import torch
 from deepseek_v41.config import tiny_config
 from deepseek_v41.distributed.comm import ParallelState, init_distributed
 from deepseek_v41.distributed.config import ParallelConfig
+from deepseek_v41.distributed.loader import load_sharded
 from deepseek_v41.distributed.shard import shard_bytes, shard_model
 from deepseek_v41.engine import EngineArgs, LLMEngine, SamplingParams
 from deepseek_v41.kernels import fast
@@ -34,6 +35,8 @@ LAYOUTS = {
     "tp2ep": ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True),
 }
 EXTRA_LAYOUTS = {"ep4": ParallelConfig(expert_parallel_size=4)}  # 4 ranks on the test machine's 2 cores: slow
+
+BUNDLED = Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny"
 
 # Engine cases: EngineArgs of each (greedy requests below). Small max_num_batched_tokens: chunked prefill.
 ENGINE_CASES = {
@@ -86,10 +89,6 @@ def run_case(case: str, state: ParallelState) -> tuple[dict, torch.Tensor | None
             for n, seed in ((3, 3), (21, 4)):
                 out.append(model(torch.tensor([prompt_ids(n, seed)])).double().flatten())
         return {"installed": fast.installed(model).modules}, torch.cat(out)
-    if case == "bytes":
-        model = shard_model(tiny_model(torch.float64), state)
-        planned = shard_model(tiny_model(torch.float64, device="meta"), state)
-        return {"measured": shard_bytes(model), "planned": shard_bytes(planned)}, None
     if case in ENGINE_CASES:  # float64 (engine_fp32: fp32, the fast backend's kernels serving decode)
         model = shard_model(tiny_model(torch.float32 if case == "engine_fp32" else torch.float64), state)
         engine = LLMEngine(model, EngineArgs(**ENGINE_CASES[case]))
@@ -105,6 +104,17 @@ def run_case(case: str, state: ParallelState) -> tuple[dict, torch.Tensor | None
             steps += 1
         spec = engine.speculator.stats.as_dict() if engine.speculator is not None else {}
         return {"tokens": tokens, "steps": steps, "spec": spec}, None
+    if case == "bundled":  # the bundled checkpoint, each rank reading its slices (fp32), DSpark on, CED
+        model = load_sharded(BUNDLED, state, torch.float32)
+        engine = LLMEngine(model, EngineArgs(block_size=16, max_num_batched_tokens=32, speculative="dspark",
+                                             speculative_cost_table="fixed"))
+        tokens = {}
+        for rid, ids in (("a", prompt_ids(50, 10)), ("b", prompt_ids(23, 11))):
+            engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
+        return {"tokens": tokens, "bytes": shard_bytes(model), "spec": engine.speculator.stats.as_dict()}, None
     if case == "engine_disk":  # KV pages written to this rank's cache_dir, read back by a new engine (replay)
         model = shard_model(tiny_model(torch.float64), state)
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

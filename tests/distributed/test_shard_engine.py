@@ -57,3 +57,17 @@ def test_tp2_ep_engine_equal_one_process(oracle, tmp_path):
 def test_engine_equal_one_process(layout, oracle, tmp_path):
     check(layout, oracle, tmp_path)
 
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", ["tp2", "tp2ep"])
+def test_bundled_checkpoint_loaded_by_slices(layout, tmp_path):
+    """checkpoints/v41-tiny read slice by slice on each rank (load_sharded, fp32), DSpark on: the same greedy
+    tokens as one process, and each rank holds less than the whole model."""
+    ref = run_case("bundled", ParallelState.single())[0]
+    assert ref["spec"]["spec_decode_num_draft_tokens"] > 0
+    for got in spawn(layout, ["bundled"], tmp_path, timeout=360):
+        data = got["bundled"][0]
+        assert data["tokens"] == ref["tokens"]
+        assert data["bytes"]["total"] < ref["bytes"]["total"]
