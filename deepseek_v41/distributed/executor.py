@@ -40,6 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -278,15 +279,21 @@ class MultiprocExecutor(Executor):
             self._procs[rank] = spawn_worker(rank, self.control, self._key, threads)
 
     def _accept(self, count: int, arrived: queue.Queue) -> None:
-        for _ in range(count):
+        accepted = 0
+        while accepted < count:
             try:
                 conn = self._listener.accept()
                 header, _ = protocol.recv(conn)
-                arrived.put((conn, header))
+            except AuthenticationError:  # not one of ours (another engine's key, a port scan): keep listening
+                log.warning("a connection to %s without this engine's key was refused (set the same %s on every "
+                            "node)", self.control, AUTHKEY_ENV)
+                continue
             except (OSError, EOFError, ValueError) as exc:  # the listener closed, or a bad peer
                 if not self._stop.is_set():
                     arrived.put(exc)
                 return
+            arrived.put((conn, header))
+            accepted += 1
 
     def _check_spawned(self, phase: str) -> None:
         for rank, proc in self._procs.items():
