@@ -1,6 +1,8 @@
 """Oracles and comparison helpers for the engine tests: a tiny model, the exact-forward argmax loop, the
 project's comparison rule, and teacher-forced engine logits."""
 
+import contextlib
+
 import torch
 
 from deepseek_v41.config import tiny_config
@@ -41,16 +43,29 @@ def assert_comparison_rule(tokens: list[int], ref_tokens: list[int], ref_logits:
         assert tok == ref, f"step {step}: engine {tok}, exact forward {ref}"
 
 
-@torch.no_grad()
-def engine_logits(engine, prompt: list[int], forced: list[int]) -> list[torch.Tensor]:
-    """Drive ``engine`` over ``prompt`` (in its own chunking) and then decode ``forced`` tokens one by one
-    (teacher forcing); returns the logits after the prompt and after each forced token but the last."""
+def engine_logits(engine, prompt: list[int], forced: list[int], multi_modal_data: dict | None = None,
+                  own_threads: bool = False) -> list[torch.Tensor]:
+    """Drive ``engine`` over ``prompt`` (in its own chunking; with ``multi_modal_data``, the engine's encode stage
+    too) and then decode ``forced`` tokens one by one (teacher forcing); returns the logits after the prompt and
+    after each forced token but the last. ``own_threads``: run on the threads an engine step would take
+    (``step_threads``: the cores other processes leave free) instead of torch's defaults."""
+    from deepseek_v41.engine.model_runner import step_threads
+
+    threads = step_threads(engine.runner.device) if own_threads else contextlib.nullcontext()
+    with torch.no_grad(), threads:
+        return _engine_logits(engine, prompt, forced, multi_modal_data)
+
+
+def _engine_logits(engine, prompt: list[int], forced: list[int], multi_modal_data: dict | None
+                   ) -> list[torch.Tensor]:
     from deepseek_v41.engine import SamplingParams
 
-    engine.add_request("forced", prompt, SamplingParams(temperature=0, max_tokens=len(forced) + 1, ignore_eos=True))
+    engine.add_request("forced", prompt, SamplingParams(temperature=0, max_tokens=len(forced) + 1, ignore_eos=True),
+                       multi_modal_data=multi_modal_data)
     seq = engine.requests["forced"][0]
+    n = len(seq.prompt_token_ids)  # (image placeholders expanded)
     out = []
-    while True:
+    while seq.num_computed < n:
         plan = engine.scheduler.schedule()
         for s, start, end in plan.prefills:
             logits = engine.runner.prefill(s, start, end)
@@ -60,8 +75,8 @@ def engine_logits(engine, prompt: list[int], forced: list[int]) -> list[torch.Te
         if plan.decodes:  # the last prompt token of a chunked prefill may run as a one-token decode
             out.append(engine.runner.decode(plan.decodes)[0])
             seq.num_computed += 1
-        if seq.num_computed == len(prompt):
-            break
+        if engine.vision is not None:
+            engine.vision.release()
     for token in forced[:-1]:
         seq.detokenizer.output_token_ids.append(token)
         engine.scheduler.blocks.grow(seq.block_table, seq.num_computed + 1)

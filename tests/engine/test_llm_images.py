@@ -6,13 +6,12 @@ The model is the bundled checkpoint's config (its tokenizer knows ``<｜deepseek
 with a small random vision tower, random weights."""
 
 import base64
-import io
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from image_helpers import png, text_image
 from typer.testing import CliRunner
 
 from deepseek_v41.cli import app
@@ -48,18 +47,6 @@ def vlm_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(vlm_dir):
     return LLM(vlm_dir, dtype="float32", max_model_len=512, max_num_seqs=4)
-
-
-def text_image(text: str, size=(126, 42)) -> Image.Image:
-    image = Image.new("RGB", size, "white")
-    ImageDraw.Draw(image).text((4, 12), text, fill="black")
-    return image
-
-
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
 
 
 A, B = text_image("HELLO"), text_image("WORLD", (84, 84))

@@ -11,12 +11,12 @@ import math
 
 import pytest
 import torch
+from engine_oracles import engine_logits
 
 from deepseek_v41.cache.prefix_cache import chain_hashes, image_block_keys, span_safe_pages
 from deepseek_v41.config import VisionConfig, tiny_config
 from deepseek_v41.engine import LLM, SamplingParams
 from deepseek_v41.engine.encoder_cache import EncoderCache, VisionEncoder
-from deepseek_v41.engine.model_runner import step_threads
 from deepseek_v41.engine.scheduler import image_safe_end
 from deepseek_v41.model.image_processor import ImageGrid, ProcessedImage, expand_image_placeholders
 from deepseek_v41.model.transformer import Transformer
@@ -123,38 +123,8 @@ def assert_same_logprobs(out, ref, tol=1e-9):
 
 
 def forced_logits(engine, prompt, images, forced) -> list[torch.Tensor]:
-    """Drive ``engine`` over the prompt (its own chunking, the engine's encode stage) and then teacher-force
-    ``forced``; the logits after the prompt and after each forced token but the last. Runs on the threads an
-    engine step would take (``step_threads``: the cores other processes leave free)."""
-    with torch.no_grad(), step_threads(engine.runner.device):
-        return _forced_logits(engine, prompt, images, forced)
-
-
-def _forced_logits(engine, prompt, images, forced) -> list[torch.Tensor]:
-    engine.add_request("forced", prompt, SamplingParams(temperature=0, max_tokens=len(forced) + 1, ignore_eos=True),
-                       multi_modal_data={"image": images})
-    seq = engine.requests["forced"][0]
-    n = len(seq.prompt_token_ids)
-    out = []
-    while seq.num_computed < n:
-        plan = engine.scheduler.schedule()
-        for s, start, end in plan.prefills:
-            logits = engine.runner.prefill(s, start, end)
-            s.num_computed = end
-            if logits is not None:
-                out.append(logits)
-        if plan.decodes:
-            out.append(engine.runner.decode(plan.decodes)[0])
-            seq.num_computed += 1
-        engine.vision.release()
-    for token in forced[:-1]:
-        seq.detokenizer.output_token_ids.append(token)
-        engine.scheduler.blocks.grow(seq.block_table, seq.num_computed + 1)
-        out.append(engine.runner.decode([seq])[0])
-        seq.num_computed += 1
-    engine.abort_request("forced")
-    engine.release("forced")
-    return out
+    """:func:`engine_oracles.engine_logits` with ``images``, on the threads an engine step would take."""
+    return engine_logits(engine, prompt, forced, {"image": images}, own_threads=True)
 
 
 def assert_no_split(chunks, spans):

@@ -6,7 +6,11 @@ modules of different test folders collide under ``from conftest import``."""
 
 import contextlib
 import json
+import os
 import random
+import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -14,8 +18,10 @@ from dataclasses import dataclass
 import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
 
 from deepseek_v41.chat import tokens as T
+from deepseek_v41.cli import app
 from deepseek_v41.config import tiny_config
 from deepseek_v41.engine import LLM
 from deepseek_v41.engine.async_engine import AsyncLLMEngine
@@ -227,3 +233,55 @@ def wait_until_healthy(process, url: str, log, timeout: float = 120.0) -> None:
             pass
         assert time.monotonic() < deadline, "dsv41 serve did not come up"
         time.sleep(0.2)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_serve(*flags: str):
+    """``dsv41 serve FLAGS`` in this process (for settings refused or read before the server starts)."""
+    return CliRunner().invoke(app, ["serve", *flags])
+
+
+def serve_setting(monkeypatch, name: str, *flags: str):
+    """The value of ``ServerConfig``'s field ``name`` that ``dsv41 serve FLAGS`` (in this process) builds; the
+    command stops there, before any server starts."""
+    import deepseek_v41.cli.serve as serve_cli
+
+    seen = []
+
+    def stop(**settings):
+        seen.append(settings[name])
+        raise ValueError("stopped at the server config")
+
+    monkeypatch.setattr(serve_cli, "ServerConfig", stop)  # where `dsv41 serve` looks it up
+    result = run_serve(*flags)
+    assert "stopped at the server config" in str(result.exception), (result.output, result.exception)
+    assert len(seen) == 1
+    return seen[0]
+
+
+@contextlib.contextmanager
+def serve_process(args: list[str], log, launcher: list[str] | None = None, wait: bool = True):
+    """``dsv41 serve ARGS --port P`` as a subprocess on a free port with one OpenMP thread, its output in the file
+    ``log``; yields ``(process, url)`` once it answers /health (``wait``); kills and reaps it on leaving.
+    ``launcher``: the command before ``serve`` (default ``python -m deepseek_v41.cli``)."""
+    port = free_port()
+    command = [*(launcher or [sys.executable, "-m", "deepseek_v41.cli"]), "serve", *args, "--port", str(port)]
+    with open(log, "wb") as out:
+        # One OpenMP thread: on a shared 2-core machine spinning OpenMP workers slow a tiny model 10x.
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if wait:
+            wait_until_healthy(process, url, log)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

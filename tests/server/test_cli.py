@@ -11,39 +11,26 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serving_helpers import wait_until_healthy
+from serving_helpers import run_serve, serve_process, serve_setting
 from typer.testing import CliRunner
 
 from deepseek_v41.cli import app
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_drains_on_sigterm(model_dir, tmp_path):
-    port = free_port()
     log = tmp_path / "serve.log"
     generation = tmp_path / "generation"
     generation.mkdir()
     (generation / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 7}')
     # The vLLM flags a script may pass are accepted (positional MODEL as `vllm serve MODEL`).
-    command = [sys.executable, "-m", "deepseek_v41.cli", "serve", str(model_dir), "--port", str(port),
+    command = [str(model_dir),
                "--api-key", "k1", "--api-key", "k2", "--served-model-name", "tiny", "--max-model-len", "256",
                "--max-num-seqs", "4", "--log-stats-interval", "0.3", "--cache-dir", str(tmp_path / "cache"),
                "--threads", "1", "--generation-config", str(generation), "--enforce-eager", "--disable-log-requests",
                "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v41", "--kv-cache-dtype", "auto",
                "--gpu-memory-utilization", "0.01", "--uvicorn-log-level", "warning",
                "--allowed-origins", '["http://localhost:3000"]', "--trust-remote-code", "--tensor-parallel-size", "1"]
-    with open(log, "wb") as out:
-        # One OpenMP thread: on a shared 2-core machine spinning OpenMP workers slow a tiny model 10x.
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                      "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(process, url, log)
+    with serve_process(command, log) as (process, url):
         preflight = httpx.options(url + "/v1/chat/completions", timeout=10, headers={
             "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "authorization, content-type"})
@@ -65,10 +52,6 @@ def test_serve_drains_on_sigterm(model_dir, tmp_path):
         assert lines[-1] == "data: [DONE]" and sum('"finish_reason":"length"' in x for x in lines) == 1
         # uvicorn re-raises the signal once the drain is done, so the process ends "killed by SIGTERM".
         assert process.wait(60) in (0, -signal.SIGTERM)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     text = log.read_text()
     assert "draining" in text and "Avg generation throughput" in text
     assert "sampling defaults temperature=0.0, max_tokens=7 (from" in text
@@ -91,11 +74,6 @@ def test_serve_rejects_bad_engine_settings(model_dir, tmp_path):
                                  "--cache-dir", str(tmp_path / "cache"), *flags],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (flags, result.stderr[-500:])
-
-
-def run_serve(*flags: str):
-    """``dsv41 serve FLAGS`` in this process (for settings refused before the server starts)."""
-    return CliRunner().invoke(app, ["serve", *flags])
 
 
 def bad_device() -> str:
@@ -278,22 +256,12 @@ def test_serve_accepts_vllm_sizes_and_parallel_one(tmp_path):
 ])
 def test_serve_takes_the_api_key_from_the_environment(model_dir, tmp_path, monkeypatch, env, flags, keys):
     """``VLLM_API_KEY`` (vLLM's) and ``DSV41_API_KEY`` guard the server when ``--api-key`` is not given."""
-    import deepseek_v41.cli.serve as serve_cli
-
     for name in ("DSV41_API_KEY", "VLLM_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    seen = []
-
-    def stop(**settings):
-        seen.append(settings["api_keys"])
-        raise ValueError("stopped at the server config")
-
-    monkeypatch.setattr(serve_cli, "ServerConfig", stop)  # where `dsv41 serve` looks it up
-    result = run_serve(str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--max-model-len", "64", *flags)
-    assert "stopped at the server config" in str(result.exception), (result.output, result.exception)
-    assert seen == [keys]
+    assert serve_setting(monkeypatch, "api_keys", str(model_dir), "--cache-dir", str(tmp_path / "cache"),
+                         "--max-model-len", "64", *flags) == keys
 
 
 def test_gpu_memory_utilization_logs_the_pool_allocated(model_dir, tmp_path, monkeypatch, caplog):

@@ -3,16 +3,13 @@ completions, one prompt or several, gets the same 503 ``engine_dead`` (never a 5
 shuts down by itself, and ``dsv41 serve`` exits non-zero within seconds so that a supervisor restarts it."""
 
 import json
-import os
-import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from serving_helpers import KEYS, MODEL, auth, start_server, wait_until_healthy
-from test_cli import free_port
+from serving_helpers import KEYS, MODEL, auth, serve_process, start_server
 
 HELLO = [{"role": "user", "content": "Hello world"}]
 LONG = {"model": MODEL, "max_tokens": 400, "ignore_eos": True}
@@ -91,17 +88,10 @@ runpy.run_module("deepseek_v41.cli", run_name="__main__")
 
 
 def test_serve_exits_nonzero_after_engine_failure(model_dir, tmp_path):
-    port = free_port()
     log = tmp_path / "serve.log"
-    command = [sys.executable, "-c", FAILING_SERVE, "serve", "--model", str(model_dir), "--port", str(port),
-               "--served-model-name", MODEL, "--max-model-len", "256", "--max-num-seqs", "4", "--log-stats-interval",
-               "0", "--cache-dir", str(tmp_path / "cache"), "--threads", "1"]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(process, url, log)
+    with serve_process(["--model", str(model_dir), "--served-model-name", MODEL, "--max-model-len", "256",
+                        "--max-num-seqs", "4", "--log-stats-interval", "0", "--cache-dir", str(tmp_path / "cache"),
+                        "--threads", "1"], log, launcher=[sys.executable, "-c", FAILING_SERVE]) as (process, url):
         status, error = _answer(url + "/v1", "/completions", {**LONG, "max_tokens": 200, "prompt": "Hello",
                                                                  "stream": True})
         assert status == 503 and "simulated engine failure" in error["message"]
@@ -109,10 +99,6 @@ def test_serve_exits_nonzero_after_engine_failure(model_dir, tmp_path):
         code = process.wait(60)
         assert code == 1, log.read_text()[-3000:]
         assert time.monotonic() - failed_at < 30
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     text = log.read_text()
     assert "simulated engine failure" in text and "exiting with status 1" in text
 

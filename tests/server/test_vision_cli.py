@@ -2,14 +2,9 @@
 values refused before anything loads (exit 2 naming the flag)."""
 
 import pytest
-from typer.testing import CliRunner
+from serving_helpers import run_serve, serve_setting
 
-from deepseek_v41.cli import app
 from deepseek_v41.server.media import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_LIMIT_IMAGES, MediaConfig
-
-
-def run_serve(*flags: str):
-    return CliRunner().invoke(app, ["serve", *flags])
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -46,34 +41,20 @@ def test_bad_fetch_timeout_in_the_environment_is_refused(model_dir, tmp_path, mo
      MediaConfig(allowed_media_domains=["*"], fetch_timeout_s=1.5)),
 ])
 def test_media_flags_reach_the_server_config(model_dir, tmp_path, monkeypatch, env, flags, expected):
-    import deepseek_v41.cli.serve as serve_cli
-
     for name in ("VLLM_IMAGE_FETCH_TIMEOUT", "VLLM_MEDIA_URL_ALLOW_REDIRECTS"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    seen = []
-
-    def stop(**settings):
-        seen.append(settings["media"])
-        raise ValueError("stopped at the server config")
-
-    monkeypatch.setattr(serve_cli, "ServerConfig", stop)  # where `dsv41 serve` looks it up
-    result = run_serve(str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--max-model-len", "64", *flags)
-    assert "stopped at the server config" in str(result.exception), (result.output, result.exception)
-    assert seen == [expected]
+    assert serve_setting(monkeypatch, "media", str(model_dir), "--cache-dir", str(tmp_path / "cache"),
+                         "--max-model-len", "64", *flags) == expected
 
 
 def test_local_media_path_is_resolved(model_dir, tmp_path, monkeypatch):
-    import deepseek_v41.cli.serve as serve_cli
-
     (tmp_path / "media").mkdir()
-    seen = []
-    monkeypatch.setattr(serve_cli, "ServerConfig", lambda **s: seen.append(s["media"]) or 1 / 0)
     monkeypatch.chdir(tmp_path)
-    run_serve(str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--max-model-len", "64",
-              "--allowed-local-media-path", "media")
-    assert seen[0].allowed_local_media_path == str((tmp_path / "media").resolve())
+    media = serve_setting(monkeypatch, "media", str(model_dir), "--cache-dir", str(tmp_path / "cache"),
+                          "--max-model-len", "64", "--allowed-local-media-path", "media")
+    assert media.allowed_local_media_path == str((tmp_path / "media").resolve())
 
 
 def test_defaults_are_the_documented_ones():

@@ -8,26 +8,17 @@ train-vlm``), failing under CI=true."""
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
-from serving_helpers import wait_until_healthy
+from serving_helpers import serve_process
 from vision_helpers import data_url
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny-vl"
 WORDS = ["hello world", "open door", "blue river", "quiet night", "seven apples", "paper kite", "green field",
          "north wind"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # Issue 27 is open: the shipped checkpoint does not read yet (held-out character accuracy 0.021 with the image,
@@ -44,17 +35,10 @@ def test_tiny_vl_reads_rendered_text_back(tmp_path):
 
     fonts = find_fonts()
     renders = [render_text(text, np.random.default_rng([7, i]), fonts)[0] for i, text in enumerate(WORDS)]
-    port = free_port()
     log = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "deepseek_v41.cli", "serve", str(CHECKPOINT), "--port", str(port),
-               "--served-model-name", "tiny-vl", "--max-model-len", "1024", "--cache-dir", str(tmp_path / "cache"),
-               "--threads", "1", "--log-stats-interval", "0", "--generation-config", "vllm"]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(process, url, log)
+    with serve_process([str(CHECKPOINT), "--served-model-name", "tiny-vl", "--max-model-len", "1024",
+                        "--cache-dir", str(tmp_path / "cache"), "--threads", "1", "--log-stats-interval", "0",
+                        "--generation-config", "vllm"], log) as (process, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
         def ask(content) -> str:
@@ -71,7 +55,3 @@ def test_tiny_vl_reads_rendered_text_back(tmp_path):
         assert with_image >= without + 0.2, (with_image, without, seen)
         process.send_signal(signal.SIGTERM)
         process.wait(60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()

@@ -4,13 +4,13 @@ thread of the test process; nothing leaves the machine)."""
 
 import base64
 import contextlib
-import io
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
-from PIL import Image, ImageDraw
+from image_helpers import png, text_image  # noqa: F401 (re-exported to the server tests)
+from PIL import Image
 from serving_helpers import train_tokenizer
 
 from deepseek_v41.chat import tokens as T
@@ -35,19 +35,6 @@ def save_tiny_vlm(path) -> None:
         engram_compressed_vocab_size=int(build_token_map(path / "tokenizer.json").max()) + 1)
     torch.manual_seed(0)
     Transformer(config).save_pretrained(path)
-
-
-def text_image(text: str, size=(126, 42)) -> Image.Image:
-    """Black text on white (Pillow's default font)."""
-    image = Image.new("RGB", size, "white")
-    ImageDraw.Draw(image).text((4, 12), text, fill="black")
-    return image
-
-
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
 
 
 def data_url(image: Image.Image) -> str:
