@@ -33,6 +33,7 @@ import functools
 import hashlib
 import logging
 import queue
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -150,6 +151,16 @@ class PrefixCache:
             self._stop_writer = weakref.finalize(self, stop_thread, functools.partial(self._writes.put, None),
                                                  self._writer)
             self._writer.start()
+
+    def make_read_only(self) -> None:
+        """Read the persistent tiers, never write them: a worker rank of a parallel engine, whose rank 0 writes the
+        pages every rank computes alike (issue 28). The page-writer thread stops and the disk store never evicts
+        (rank 0's store keeps the budget)."""
+        if self._writer is not None:
+            self._stop_writer()
+            self._writer = None
+        if self.page_store is not None:
+            self.page_store.max_bytes = sys.maxsize
 
     def root(self, salt: str | None) -> str:
         """The chain's root: the model fingerprint and the request's cache salt."""

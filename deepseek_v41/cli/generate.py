@@ -49,6 +49,7 @@ import typer
 
 from deepseek_v41.chat import IMAGE, assistant_message, encode_messages
 from deepseek_v41.chat.tokens import IMAGE_NAMES
+from deepseek_v41.cli import parallel
 from deepseek_v41.cli.serve import DTYPES, check_device, choose_model, fail, resolve_dtype
 from deepseek_v41.config import ConfigError
 from deepseek_v41.engine import LLM, SamplingParams
@@ -107,11 +108,28 @@ def generate(
     image: list[Path] = typer.Option([], "--image", help="An image file for the prompt (repeatable, in order; a "
                                      "model with a vision tower). Chat mode: image parts of the user message before "
                                      "its text; raw mode: one <｜deepseek_image｜> in the prompt per image."),
+    tensor_parallel_size: int = parallel.tensor_parallel_size_option(),
+    enable_expert_parallel: bool = parallel.enable_expert_parallel_option(),
+    expert_parallel_size: int | None = parallel.expert_parallel_size_option(),
+    distributed_executor_backend: str | None = parallel.backend_option(),
+    nnodes: int = parallel.nnodes_option(),
+    node_rank: int = parallel.node_rank_option(),
+    master_addr: str = parallel.master_addr_option(),
+    master_port: int = parallel.master_port_option(),
+    headless: bool = parallel.headless_option(),
+    distributed_timeout_s: float = parallel.timeout_option(),
 ) -> None:
     """Generate a continuation, streaming it to stdout, then print the stats on stderr (prompt and cached tokens,
     TTFT, tokens/s, peak memory, KV cache bytes)."""
 
     model = choose_model(model_tag, model, "dsv41 generate MODEL")
+    parallel_config = parallel.parallel_config(fail, tensor_parallel_size, enable_expert_parallel,
+                                               expert_parallel_size, distributed_executor_backend, nnodes, node_rank,
+                                               master_addr, master_port, headless, distributed_timeout_s)
+    if parallel_config.headless:
+        if not model.is_dir():
+            fail(f"model directory {model} not found")
+        parallel.run_headless(parallel_config, model)
     if (prompt is None) == (prompt_file is None):
         fail("give exactly one of --prompt and --prompt-file")
     if speculative_max_len is not None and speculative is None:
@@ -136,12 +154,14 @@ def generate(
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     sampling.update({name: value for name, value in given.items() if value is not None})
     write = None if as_json else write_text
+    llm = None
     try:
         params = SamplingParams(**sampling, seed=seed)
         if tag is not None:
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(structural_tag=tag))
         llm = LLM(model, dtype=torch_dtype, device=str(torch_device), prefill_mode=prefill_mode,
-                  speculative=speculative, speculative_max_len=speculative_max_len)
+                  speculative=speculative, speculative_max_len=speculative_max_len,
+                  **parallel.llm_kwargs(parallel_config))
         if llm.tokenizer is None:
             fail(f"{model} has no tokenizer.json: dsv41 generate takes a text prompt")
         if images and llm.engine.config.vision_config is None:
@@ -185,6 +205,12 @@ def generate(
             context += result["text"]
     except (FileNotFoundError, ValueError, ConfigError, CheckpointError) as exc:
         fail(str(exc))
+    except RuntimeError as exc:  # a worker rank of a parallel engine failed (named in the message)
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    finally:
+        if llm is not None:
+            llm.shutdown()
     if as_json:
         typer.echo(json.dumps(json_result(results), indent=2))
 

@@ -20,6 +20,7 @@ import torch
 import typer
 
 from deepseek_v41 import __version__
+from deepseek_v41.cli import parallel
 from deepseek_v41.config import ConfigError
 from deepseek_v41.dtypes import DTYPES
 from deepseek_v41.dtypes import resolve_dtype as resolve
@@ -266,10 +267,18 @@ def serve(
                                              "not a Jinja template."),
     disable_log_stats: bool = typer.Option(False, "--disable-log-stats", help="Same as --log-stats-interval 0 (no "
                                            "throughput log lines)."),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="Only 1: the engine runs "
-                                             "on one device."),
-    pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", "-pp", help="Only 1: the engine "
-                                               "runs on one device."),
+    tensor_parallel_size: int = parallel.tensor_parallel_size_option(),
+    enable_expert_parallel: bool = parallel.enable_expert_parallel_option(),
+    expert_parallel_size: int | None = parallel.expert_parallel_size_option(),
+    distributed_executor_backend: str | None = parallel.backend_option(),
+    nnodes: int = parallel.nnodes_option(),
+    node_rank: int = parallel.node_rank_option(),
+    master_addr: str = parallel.master_addr_option(),
+    master_port: int = parallel.master_port_option(),
+    headless: bool = parallel.headless_option(),
+    distributed_timeout_s: float = parallel.timeout_option(),
+    pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", "-pp", help="Only 1 (no pipeline "
+                                               "parallelism)."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Accepted for vLLM scripts: no "
                                            "code from the model directory is ever run."),
 ) -> None:
@@ -300,11 +309,12 @@ def serve(
         fail(str(exc))
     if enable_log_requests and disable_log_requests:
         fail("--enable-log-requests and --disable-log-requests contradict each other; give one")
-    for flag, size in (("--tensor-parallel-size", tensor_parallel_size),
-                       ("--pipeline-parallel-size", pipeline_parallel_size)):
-        why = engine_options.check_parallel_size(flag, size)
-        if why is not None:
-            fail(why)
+    why = engine_options.check_parallel_size("--pipeline-parallel-size", pipeline_parallel_size)
+    if why is not None:
+        fail(why)
+    parallel_config = parallel.parallel_config(fail, tensor_parallel_size, enable_expert_parallel,
+                                               expert_parallel_size, distributed_executor_backend, nnodes, node_rank,
+                                               master_addr, master_port, headless, distributed_timeout_s)
     if disable_log_stats:
         log_stats_interval = 0.0
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
@@ -346,6 +356,10 @@ def serve(
     logging.basicConfig(level=log_level.upper() if log_level.lower() != "trace" else 5,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     log = logging.getLogger("deepseek_v41.server")
+    if parallel_config.headless:
+        log.info("headless node %d of %d: running ranks for the engine at %s:%d", node_rank, nnodes, master_addr,
+                 master_port)
+        parallel.run_headless(parallel_config, model)
     if threads is not None:
         torch.set_num_threads(threads)
     cache_path = (cache_dir or DEFAULT_CACHE_DIR).expanduser()
@@ -358,16 +372,20 @@ def serve(
                        speculative=speculative, speculative_max_len=speculative_max_len,
                        structured_outputs_config=structured, encoder_cache_size=encoder_cache_size)
     # LLM turns the fraction into the pool's budget (engine.options) and logs the budget and the pool allocated.
-    vllm_options = dict(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                        pipeline_parallel_size=pipeline_parallel_size, kv_cache_dtype=kv_cache_dtype,
-                        trust_remote_code=trust_remote_code)
+    vllm_options = dict(gpu_memory_utilization=gpu_memory_utilization, pipeline_parallel_size=pipeline_parallel_size,
+                        kv_cache_dtype=kv_cache_dtype, trust_remote_code=trust_remote_code,
+                        **parallel.llm_kwargs(parallel_config))
     created = _missing_dirs(cache_path)  # what the engine's persistent store will create
     started = False
+    llm = None
     try:
         try:
             llm = LLM(model, dtype=torch_dtype, device=str(torch_device), **vllm_options, **engine_args)
         except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as exc:
             fail(str(exc))
+        except RuntimeError as exc:  # a worker rank failed to start (named in the message)
+            log.error("%s", exc)
+            raise typer.Exit(1) from exc
         engine = AsyncLLMEngine(llm.engine)
         config = ServerConfig(served_model_names=served_model_name or [default_model_name(model)],
                               model_aliases=[] if served_model_name else model_path_aliases(model),
@@ -400,6 +418,8 @@ def serve(
             log.error("exiting with status %d after the engine failure above", server.exit_code)
             raise typer.Exit(server.exit_code)
     finally:
+        if llm is not None:
+            llm.shutdown()  # a parallel engine's workers: stopped and reaped before the process exits
         if not started:
             _remove_created(created)
 

@@ -111,6 +111,7 @@ class AsyncLLMEngine:
         self._task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._draining = False
+        self._watching = False
         self.stats: dict[str, Any] = self._snapshot()
 
     # ------------------------------------------------------------------ lifecycle
@@ -132,7 +133,21 @@ class AsyncLLMEngine:
         if self.is_running:
             return
         self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="dsv41-engine-loop")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._loop(), name="dsv41-engine-loop")
+        executor = getattr(self.engine, "executor", None)
+        if executor is not None and not self._watching:  # a parallel engine: a worker may die between steps
+            self._watching = True
+            executor.watch(lambda exc: loop.call_soon_threadsafe(self._worker_failed, exc))
+
+    def _worker_failed(self, exc: BaseException) -> None:
+        """A worker rank of a parallel engine died or failed (its executor's watchdog, on the event loop): every
+        request fails now, even while the engine is idle or a step waits on the dead rank."""
+        if self._dead is None:
+            logger.error("the engine is stopped: %s", exc)
+            self._fail_all(exc)
+            if self._wake is not None:
+                self._wake.set()
 
     async def shutdown(self, timeout_s: float = 0.0) -> None:
         """Stop taking requests, let running ones finish for up to ``timeout_s`` seconds, abort the rest, stop."""
@@ -151,6 +166,9 @@ class AsyncLLMEngine:
         self._executor.shutdown(wait=True)
         # Persistent pages reach the disk before exit.
         await asyncio.to_thread(self.engine.kv_cache_manager.flush)
+        stop_workers = getattr(self.engine, "shutdown", None)  # a parallel engine (DriverEngine): its workers
+        if stop_workers is not None:
+            await asyncio.to_thread(stop_workers)
 
     def add_observer(self, observer: Observer) -> None:
         """Call ``observer(step_outputs, stats)`` on the event loop after every step that produced outputs."""
@@ -227,13 +245,16 @@ class AsyncLLMEngine:
             if not (self._adds or self._aborts or self.stats["num_running"] or self.stats["num_waiting"]):
                 self._wake.clear()
                 await self._wake.wait()
+            if self._dead is not None:  # failed from outside the loop (a parallel engine's worker died)
+                return
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
             try:
                 outputs, errors, stats = await loop.run_in_executor(self._executor, self._work, adds, aborts)
             except Exception as exc:  # the model or the engine failed: fail every request, loudly, once
-                logger.exception("engine step failed; the engine is stopped")
-                self._fail_all(exc)
+                if self._dead is None:
+                    logger.exception("engine step failed; the engine is stopped")
+                    self._fail_all(exc)
                 return
             self.stats = stats
             for request_id, exc in errors:

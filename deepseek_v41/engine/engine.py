@@ -92,6 +92,13 @@ class LLMEngine:
         # the grammar engines; an engine that never gets one pays nothing).
         self.structured_outputs_config = StructuredOutputsConfig.of(args.structured_outputs_config)
         self._structured: StructuredOutputManager | None = None
+        # Lockstep (issue 28: several ranks, each running this engine over its shard, must make the same decisions):
+        # a fixed thread count instead of the cores found free per step, and DSpark's policy fed rank 0's step-time
+        # measurement one step late (``pending_observation``, set before each step) instead of this process's own
+        # (``last_observation``: this step's, for rank 0 to send). distributed/driver.py and worker.py set them.
+        self.lockstep_threads: int | None = None
+        self.pending_observation: list | None = None
+        self.last_observation: list | None = None
 
     @staticmethod
     def _vision_encoder(model, args: EngineArgs) -> VisionEncoder | None:
@@ -282,11 +289,18 @@ class LLMEngine:
         The step runs under ``torch.inference_mode`` (no autograd bookkeeping: a few µs less per op, and an
         engine step is thousands of small ops) on the cores other processes leave free (``step_threads``); nothing
         it returns holds a tensor."""
+        if self.lockstep_threads is not None:
+            with torch.inference_mode():
+                return self._step()
         with torch.inference_mode(), step_threads(self.runner.device):
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        if self.lockstep_threads is not None:
+            observed, self.pending_observation, self.last_observation = self.pending_observation, None, None
+            if observed is not None and self.speculator is not None:
+                self.speculator.observe_measurement(observed)
         fast.still_valid(self.model)  # a global module hook registered since install: back to the reference
         plan = self.scheduler.schedule()
         if plan.prefills:
@@ -296,7 +310,10 @@ class LLMEngine:
         with few_token_kernels(self.runner.dtype, self.runner.device):
             outputs = self._run(plan)
         if self.speculator is not None and plan.decodes:  # the speculation policy's measurement of this step
-            self.speculator.observe_step(time.perf_counter() - started)
+            if self.lockstep_threads is None:
+                self.speculator.observe_step(time.perf_counter() - started)
+            else:
+                self.last_observation = self.speculator.measurement(time.perf_counter() - started)
         return outputs
 
     def _run(self, plan) -> list[RequestOutput]:

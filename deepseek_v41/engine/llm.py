@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from tokenizers import Tokenizer
 
 from deepseek_v41.chat import assistant_message, render_messages
 from deepseek_v41.chat.images import read_offline, split_at_placeholders
+from deepseek_v41.distributed.config import ParallelConfig
+from deepseek_v41.distributed.driver import build_driver_engine
 from deepseek_v41.dtypes import resolve_dtype
 from deepseek_v41.engine import options
 from deepseek_v41.engine.engine import EngineArgs, LLMEngine, load_tokenizer
@@ -55,8 +58,20 @@ class LLM:
     left free once the weights are loaded (device memory; RAM on CPU), unless ``num_kv_pages`` or
     ``kv_cache_memory_bytes`` is given (an explicit size wins, with a warning); the budget is an upper bound, the
     pool never holding more than ``max_num_seqs`` sequences of ``max_model_len`` tokens.
-    ``tensor_parallel_size`` / ``pipeline_parallel_size``: only 1. ``kv_cache_dtype``: only ``"auto"`` (the KV
+    ``pipeline_parallel_size``: only 1. ``kv_cache_dtype``: only ``"auto"`` (the KV
     format is fixed by the model). ``trust_remote_code``: accepted; no code from the model directory ever runs.
+
+    Parallelism (issue 28; vLLM's names, :class:`~deepseek_v41.distributed.config.ParallelConfig`):
+    ``tensor_parallel_size`` ranks split attention heads, dense / shared-expert / routed-expert intermediate dims and
+    the vocabulary; ``enable_expert_parallel`` splits the routed experts whole over them instead
+    (``expert_parallel_size``: SGLang's ``--ep-size``, experts over that many ranks with attention replicated);
+    ``distributed_executor_backend``: "uni" (one process, the default for one rank), "mp" (worker processes
+    spawned here, the default for several; rank 0 runs in this process), "ray" (not yet); ``nnodes`` /
+    ``node_rank`` / ``master_addr`` / ``master_port``: several nodes (the other nodes run ``dsv41 serve MODEL
+    --headless ...``); ``distributed_timeout_s``: how long a collective may wait for a rank. Several ranks need a
+    model path (the workers load it themselves); a worker that dies makes the next step raise RuntimeError naming
+    its rank; :meth:`shutdown` (or the LLM's collection, or interpreter exit) stops the workers.
+    ``data_parallel_size``: only 1 here.
 
     At start the settings in force (dtype, device, max_model_len, the KV pool allocated and its budget) are logged
     at INFO on the ``deepseek_v41`` logger, as vLLM logs its config. Raises ValueError for a dtype that is none of
@@ -69,17 +84,29 @@ class LLM:
                  tokenizer: Any | None = None, enforce_eager: bool = True, generation_config: str = "auto",
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, kv_cache_dtype: str = "auto", trust_remote_code: bool = False,
-                 **engine_args: Any):
-        for why in (options.check_parallel_size("tensor_parallel_size", tensor_parallel_size),
-                    options.check_parallel_size("pipeline_parallel_size", pipeline_parallel_size),
+                 enable_expert_parallel: bool = False, expert_parallel_size: int | None = None,
+                 data_parallel_size: int = 1, distributed_executor_backend: str | None = None, nnodes: int = 1,
+                 node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int = 0,
+                 distributed_timeout_s: float = 60.0, **engine_args: Any):
+        for why in (options.check_parallel_size("pipeline_parallel_size", pipeline_parallel_size),
                     options.check_kv_cache_dtype(kv_cache_dtype)):
             if why is not None:
                 raise ValueError(why)
+        parallel = ParallelConfig(tensor_parallel_size, enable_expert_parallel, expert_parallel_size,
+                                  data_parallel_size, distributed_executor_backend, nnodes, node_rank, master_addr,
+                                  master_port, False, distributed_timeout_s).validate()
+        if parallel.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size {parallel.data_parallel_size}: LLM runs one engine replica; "
+                             "give 1 (several replicas are served by dsv41 serve --data-parallel-size)")
+        self.parallel_config = parallel
         unknown = set(engine_args) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: "
                             f"{sorted(EngineArgs.__dataclass_fields__)}")
         path = Path(model) if isinstance(model, str | Path) else None
+        if parallel.backend != "uni" and path is None:
+            raise ValueError(f"distributed_executor_backend {parallel.backend!r} needs a model path (each worker "
+                             "loads the checkpoint itself), got a model object")
         budget = None  # (the fraction, the budget, free bytes, weight bytes) of gpu_memory_utilization
         if gpu_memory_utilization is not None:
             options.kv_budget_bytes(gpu_memory_utilization, 0, 0)  # the range, before anything is loaded
@@ -109,17 +136,21 @@ class LLM:
                 raise ValueError(f"tokenizer={str(where)!r}: no tokenizer.json there (give a folder holding "
                                  "tokenizer.json, the file itself, or a tokenizers.Tokenizer)")
         if path is not None:
-            self.model = load_model(path, dtype=dtype, device=device)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
-        else:
-            self.model = model.eval()
         # "auto" reads the model directory's file; a model object has no directory, so no file, as a directory
         # without one.
         self._sampling_defaults = {} if path is None and generation_config == "auto" else \
             load_sampling_defaults(generation_config, path or Path())[0]
         self.tokenizer = tokenizer
         try:
-            self.engine = LLMEngine(self.model, EngineArgs(**engine_args), tokenizer, model_path=path)
+            if parallel.backend != "uni":  # rank 0 of several: the workers load and build their own ranks
+                self.engine = build_driver_engine(path, parallel, resolve_dtype(dtype, device, path), device,
+                                                  engine_args, tokenizer)
+                self.model = self.engine.model
+                self._finalizer = weakref.finalize(self, self.engine.shutdown)
+            else:
+                self.model = load_model(path, dtype=dtype, device=device) if path is not None else model.eval()
+                self.engine = LLMEngine(self.model, EngineArgs(**engine_args), tokenizer, model_path=path)
         except ValueError as exc:
             if budget is None or "kv_cache_memory_bytes=" not in str(exc):
                 raise
@@ -414,6 +445,13 @@ class LLM:
     @property
     def stats(self) -> dict[str, Any]:
         return self.engine.stats
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel engine (also done when the LLM is collected and at interpreter
+        exit); the LLM cannot generate afterwards. One process: nothing to do."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:

@@ -1,6 +1,6 @@
 """vLLM's engine options that have one meaning here, checked once for ``LLM(...)`` and ``dsv41 serve`` alike.
 
-- ``tensor_parallel_size`` / ``pipeline_parallel_size``: only 1 (the engine runs on one device).
+- ``pipeline_parallel_size``: only 1 (tensor / expert parallelism: :mod:`deepseek_v41.distributed.config`).
 - ``kv_cache_dtype``: only ``auto``; the KV format (packed MXFP4 main KV, FP4 index keys, FP8 window) is fixed by
   the model (SPEC.md §4.1).
 - ``gpu_memory_utilization``: the fraction of the memory left free once the weights are loaded (device memory;
@@ -28,12 +28,12 @@ KV_CACHE_DTYPES = ("auto",)
 
 
 def check_parallel_size(option: str, size: int) -> str | None:
-    """Why ``option`` (``tensor_parallel_size``, ``--pipeline-parallel-size``, ...) ``= size`` is refused, or None
-    for 1."""
+    """Why ``option`` (``pipeline_parallel_size`` / ``--pipeline-parallel-size``) ``= size`` is refused, or None for
+    1. Tensor and expert parallelism are checked by :meth:`~deepseek_v41.distributed.config.ParallelConfig.validate`.
+    """
     if size == 1:
         return None
-    kind = "tensor" if "tensor" in option else "pipeline"
-    return f"{option} {size}: this engine runs on one device (no {kind} parallelism); give 1 or leave it out"
+    return f"{option} {size}: no pipeline parallelism (split the model with tensor / expert parallelism); give 1"
 
 
 def check_kv_cache_dtype(dtype: str, option: str = "kv_cache_dtype") -> str | None:

@@ -388,10 +388,26 @@ class DSparkSpeculator:
 
     def observe_step(self, seconds: float) -> None:
         """The engine's wall time of the decode-only step that just ended (plain or speculative)."""
+        measurement = self.measurement(seconds)
+        if measurement is not None:
+            self.observe_measurement(measurement)
+
+    def measurement(self, seconds: float) -> list | None:
+        """The step that just ended as ``[kind, batch, width, seconds, forward_s, flush_s]`` (what
+        :meth:`observe_measurement` takes; JSON-able), or None when the policy has nothing to learn from it. Several
+        ranks in lockstep (issue 28) all observe rank 0's measurement, one step late, so that their adaptive
+        policies stay identical."""
         last, self._last = self._last, None
         if self.policy is None or last is None:
-            return
+            return None
         kind, batch, width, forward, flush = last
+        return [kind, batch, width, float(seconds), float(forward), float(flush)]
+
+    def observe_measurement(self, measurement: list) -> None:
+        """Feed one :meth:`measurement` (this process's or rank 0's) to the adaptive policy."""
+        if self.policy is None:
+            return
+        kind, batch, width, seconds, forward, flush = measurement
         if kind == PLAIN:
             self.policy.costs.observe_plain(batch, seconds)
         else:

@@ -9,9 +9,10 @@ with its meaning here or refused with the reason (never silently ignored when it
 - ``--chat-template``: refused; V4.1 prompts come from the official encoder, which no Jinja template reproduces.
 - ``--max-model-len``: an integer with vLLM's suffixes (:func:`human_readable_int`).
 
-The engine options ``--tensor-parallel-size`` / ``--pipeline-parallel-size``, ``--kv-cache-dtype``,
+The engine options ``--pipeline-parallel-size``, ``--kv-cache-dtype``,
 ``--gpu-memory-utilization`` and ``--trust-remote-code`` mean what they mean for ``LLM(...)``: their checks live in
-:mod:`deepseek_v41.engine.options` (the engine never imports the server).
+:mod:`deepseek_v41.engine.options` (the engine never imports the server); the parallel flags
+(``--tensor-parallel-size``, ``--enable-expert-parallel``, ...) are checked by ``ParallelConfig.validate``.
 
 Source: vLLM ``vllm/entrypoints/openai/cli_args.py``, ``vllm/engine/arg_utils.py``.
 """

@@ -38,8 +38,9 @@ def llm(model_dir):
 
 
 @pytest.mark.parametrize(("option", "message"), [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size 2: this engine runs on one device (no tensor parallelism)"),
-    ({"pipeline_parallel_size": 4}, "pipeline_parallel_size 4: this engine runs on one device (no pipeline"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
+     "distributed_executor_backend 'uni' runs one process; 2 ranks need 'mp' or 'ray'"),
+    ({"pipeline_parallel_size": 4}, "pipeline_parallel_size 4: no pipeline parallelism"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8' is not available: the KV cache format is fixed by the model"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),
     ({"gpu_memory_utilization": 0}, "gpu_memory_utilization must be in (0, 1], got 0"),

@@ -1,0 +1,90 @@
+"""The parallel flags ``dsv41 serve`` and ``dsv41 generate`` share (vLLM's names; issue 28).
+
+``--tensor-parallel-size N``, ``--enable-expert-parallel``, ``--expert-parallel-size N`` (SGLang's ``--ep-size``),
+``--distributed-executor-backend uni|mp|ray``, multi-node ``--nnodes``, ``--node-rank``, ``--master-addr``,
+``--master-port``, ``--headless`` (a worker node: runs its ranks, serves nothing) and
+``--distributed-timeout-s``. Checked once by :meth:`~deepseek_v41.distributed.config.ParallelConfig.validate`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+
+from deepseek_v41.distributed.config import EXECUTOR_BACKENDS, ParallelConfig
+from deepseek_v41.distributed.worker import run_node
+
+
+def tensor_parallel_size_option() -> Any:
+    return typer.Option(1, "--tensor-parallel-size", "-tp", help="Ranks splitting attention heads, dense / expert "
+                        "intermediate dims and the vocabulary (worker processes; needs the mp backend).")
+
+
+def enable_expert_parallel_option() -> Any:
+    return typer.Option(False, "--enable-expert-parallel", help="Split the routed experts whole over the "
+                        "tensor-parallel ranks (all-to-all dispatch) instead of slicing each.")
+
+
+def expert_parallel_size_option() -> Any:
+    return typer.Option(None, "--expert-parallel-size", help="Experts over this many ranks, attention replicated "
+                        "(SGLang's --ep-size; with --tensor-parallel-size 1).")
+
+
+def backend_option() -> Any:
+    return typer.Option(None, "--distributed-executor-backend", help=f"{' | '.join(EXECUTOR_BACKENDS)} (default: "
+                        "uni for one rank, mp for several).")
+
+
+def nnodes_option() -> Any:
+    return typer.Option(1, "--nnodes", help="Nodes the ranks are spread over (mp backend).")
+
+
+def node_rank_option() -> Any:
+    return typer.Option(0, "--node-rank", help="This node's index; node 0 runs the engine's rank 0 and serves.")
+
+
+def master_addr_option() -> Any:
+    return typer.Option("127.0.0.1", "--master-addr", help="Node 0's address (the collectives' store and the "
+                        "workers' control connections).")
+
+
+def master_port_option() -> Any:
+    return typer.Option(0, "--master-port", help="Node 0's port P for the collectives' store (P + 1: control); 0 "
+                        "picks free ports (one node only).")
+
+
+def headless_option() -> Any:
+    return typer.Option(False, "--headless", help="A worker node (--node-rank > 0): run this node's ranks, serve "
+                        "nothing.")
+
+
+def timeout_option() -> Any:
+    return typer.Option(60.0, "--distributed-timeout-s", help="Seconds a collective may wait for a rank before "
+                        "the engine fails naming it.")
+
+
+def parallel_config(fail: Any, tensor_parallel_size: int, enable_expert_parallel: bool,
+                    expert_parallel_size: int | None, backend: str | None, nnodes: int, node_rank: int,
+                    master_addr: str, master_port: int, headless: bool, timeout_s: float) -> ParallelConfig:
+    """The flags as a validated :class:`ParallelConfig`; ``fail(message)`` (exit 2) for a bad combination."""
+    config = ParallelConfig(tensor_parallel_size, enable_expert_parallel, expert_parallel_size, 1, backend, nnodes,
+                            node_rank, master_addr, master_port, headless, timeout_s)
+    try:
+        return config.validate()
+    except ValueError as exc:
+        fail(str(exc).replace("distributed_executor_backend", "--distributed-executor-backend"))
+    raise AssertionError("fail() returned")
+
+
+def llm_kwargs(config: ParallelConfig) -> dict[str, Any]:
+    """``LLM(...)``'s keyword arguments of ``config``."""
+    return {name: getattr(config, name) for name in (
+        "tensor_parallel_size", "enable_expert_parallel", "expert_parallel_size", "distributed_executor_backend",
+        "nnodes", "node_rank", "master_addr", "master_port", "distributed_timeout_s")}
+
+
+def run_headless(config: ParallelConfig, model: Path) -> NoReturn:
+    """Run this worker node's ranks until the engine ends (``--headless``); exits with their status."""
+    raise typer.Exit(run_node(config, str(model)))
