@@ -21,6 +21,8 @@ activation dtype, so a float64 sharded model equals one process to rounding (tes
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -180,10 +182,14 @@ class ExpertParallelMoE(MoE):
         rows = slice(start, start + sizes[self.state.ep_rank])
         chunk = flat[rows]
         mask = None if image_mask is None else image_mask.reshape(-1)[rows]
-        indices, weights = self.gate(chunk, mask)
+        # An empty chunk (fewer rows than ranks, e.g. a batch-1 decode step) runs the reference gate and shared
+        # expert, which take empty tensors (the fast backend's kernels refuse them).
+        gate, shared = (self.gate, self.shared_experts) if chunk.shape[0] else (_reference(self.gate),
+                                                                               _reference(self.shared_experts))
+        indices, weights = gate(chunk, mask)
         out = self.dispatch(chunk, indices, weights)
-        if self.shared_experts is not None:
-            out = out + cast(self.shared_experts(chunk), out.dtype)
+        if shared is not None:
+            out = out + cast(shared(chunk), out.dtype)
         return self.state.all_gather(cast(out, flat.dtype), dim=0, sizes=sizes).reshape(x.shape)
 
     def dispatch(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -221,6 +227,12 @@ class ExpertParallelMoE(MoE):
                 out[at] = self.experts[e](rows[at])
                 start += count
         return out
+
+
+def _reference(module: nn.Module | None):
+    """``module``'s reference forward (its class's, whatever the fast backend installed on the instance); None
+    for None."""
+    return None if module is None else functools.partial(type(module).forward, module)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
