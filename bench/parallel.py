@@ -9,7 +9,7 @@ layouts (which goes first rotates) so that every layout meets the same machine. 
 - ``decode bB``: B requests of ``--context`` prompt tokens in steady-state decode, ``--steps`` timed engine steps,
   tokens/s (B tokens a step), and the bytes rank 0 handed to the collectives per decode step (its
   ``ParallelState`` counters), beside the figure ``dsv41 report --tensor-parallel-size`` plans for that batch
-  (:func:`deepseek_v41.distributed.planning.parallel_plan`, the model sharded on meta).
+  (:func:`deepseek_v41.analysis.parallel.parallel_plan`, the model sharded on meta).
 
 ``--busy 1`` repeats every measurement beside one busy process (a CPU spinner in its own session, stopped while
 quiet rounds run), printing loaded / quiet speed per layout.
@@ -110,9 +110,9 @@ def planned_bytes(model: Path, layout: str, dtype: str, batches: list[int]) -> d
     """``dsv41 report``'s decode-step bytes of ``layout`` per batch (0 for one process)."""
     import torch
 
+    from deepseek_v41.analysis.parallel import parallel_plan
     from deepseek_v41.config import load_config
     from deepseek_v41.distributed.config import ParallelConfig
-    from deepseek_v41.distributed.planning import parallel_plan
 
     config = ParallelConfig(**LAYOUTS[layout], distributed_executor_backend="mp")
     if config.world_size == 1:

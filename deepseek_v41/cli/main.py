@@ -11,13 +11,13 @@ import torch
 import typer
 
 from deepseek_v41 import __version__
+from deepseek_v41.analysis.parallel import parallel_plan, print_plan
 from deepseek_v41.analysis.report import build_report, plot_report, print_report
 from deepseek_v41.cli.eval_chat import eval_chat, eval_chat_table
 from deepseek_v41.cli.generate import generate
 from deepseek_v41.cli.serve import serve
 from deepseek_v41.config import ConfigError, load_config
 from deepseek_v41.distributed.config import ParallelConfig
-from deepseek_v41.distributed.planning import parallel_plan, print_plan
 from deepseek_v41.distributed.shard import check_shardable
 from deepseek_v41.progress import Progress
 from deepseek_v41.train.chat_data import build_chat_data

@@ -7,10 +7,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from deepseek_v41.analysis.parallel import meta_model_as_loaded, parallel_plan
 from deepseek_v41.cli import app
 from deepseek_v41.config import tiny_config
 from deepseek_v41.distributed.config import ParallelConfig
-from deepseek_v41.distributed.planning import meta_model_as_loaded, parallel_plan
 from deepseek_v41.distributed.shard import shard_bytes
 
 
