@@ -40,7 +40,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # What is installed on or built around a loaded model: the fast paths (they install on model classes, so they
     # sit above model/ although they live under kernels/) and the paged KV cache / prefix cache (its attention
     # context calls the fast paths).
-    ("fast paths and cache", ("deepseek_v41/kernels/fast/", "deepseek_v41/cache/")),
+    # Tensor / expert parallel sharding (issue 28): parallel layers (subclasses of the model's) and the collectives
+    # they call, sharding, sharded loading; the fast backend installs on them (kernels/fast/moe.py).
+    ("fast paths and cache", ("deepseek_v41/kernels/fast/", "deepseek_v41/cache/",
+                              "deepseek_v41/distributed/__init__.py", "deepseek_v41/distributed/config.py",
+                              "deepseek_v41/distributed/comm.py", "deepseek_v41/distributed/layers.py",
+                              "deepseek_v41/distributed/shard.py", "deepseek_v41/distributed/loader.py")),
     # Constrained decoding: grammars (xgrammar / llguidance, the DSML tool-call tags) and token bitmasks; the engine
     # masks its logits with them.
     ("structured", ("deepseek_v41/structured/",)),

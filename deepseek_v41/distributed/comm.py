@@ -117,7 +117,7 @@ class ParallelState:
         if rows.device.type == "meta":
             self._count("all_to_all", sent_elsewhere * row_bytes)
             return rows, list(send_counts)
-        counts = torch.tensor(send_counts, dtype=torch.long)
+        counts = torch.tensor(send_counts, dtype=torch.long, device=rows.device)  # (NCCL: CUDA tensors only)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
         recv_counts = received.tolist()

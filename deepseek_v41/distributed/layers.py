@@ -21,8 +21,6 @@ activation dtype, so a float64 sharded model equals one process to rounding (tes
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +30,7 @@ from deepseek_v41.model.dspark import SharedVocab
 from deepseek_v41.model.engram import EngramTable
 from deepseek_v41.model.linear import Linear, LMHead
 from deepseek_v41.model.moe import Expert, MoE, expert_segments
-from deepseek_v41.model.norm import cast
+from deepseek_v41.model.norm import cast, upcast
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -182,14 +180,15 @@ class ExpertParallelMoE(MoE):
         rows = slice(start, start + sizes[self.state.ep_rank])
         chunk = flat[rows]
         mask = None if image_mask is None else image_mask.reshape(-1)[rows]
-        # An empty chunk (fewer rows than ranks, e.g. a batch-1 decode step) runs the reference gate and shared
-        # expert, which take empty tensors (the fast backend's kernels refuse them).
-        gate, shared = (self.gate, self.shared_experts) if chunk.shape[0] else (_reference(self.gate),
-                                                                               _reference(self.shared_experts))
-        indices, weights = gate(chunk, mask)
+        if chunk.shape[0]:
+            indices, weights = self.gate(chunk, mask)
+        else:  # (a decode batch smaller than ep) no routing to do; the fast kernels take no empty input
+            k = self.gate.topk
+            indices = torch.empty((0, k), dtype=torch.long, device=flat.device)
+            weights = torch.empty((0, k), dtype=upcast(chunk).dtype, device=flat.device)
         out = self.dispatch(chunk, indices, weights)
-        if shared is not None:
-            out = out + cast(shared(chunk), out.dtype)
+        if self.shared_experts is not None and chunk.shape[0]:
+            out = out + cast(self.shared_experts(chunk), out.dtype)
         return self.state.all_gather(cast(out, flat.dtype), dim=0, sizes=sizes).reshape(x.shape)
 
     def dispatch(self, flat: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -227,12 +226,6 @@ class ExpertParallelMoE(MoE):
                 out[at] = self.experts[e](rows[at])
                 start += count
         return out
-
-
-def _reference(module: nn.Module | None):
-    """``module``'s reference forward (its class's, whatever the fast backend installed on the instance); None
-    for None."""
-    return None if module is None else functools.partial(type(module).forward, module)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

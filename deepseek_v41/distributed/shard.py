@@ -45,6 +45,7 @@ from deepseek_v41.distributed.layers import (
     expert_parallel_moe,
     tensor_parallel_moe,
 )
+from deepseek_v41.kernels import fast as fast_backend
 from deepseek_v41.model.attention import Attention, GroupedLinear
 from deepseek_v41.model.block import Block
 from deepseek_v41.model.linear import Linear
@@ -77,15 +78,18 @@ def check_shardable(cfg: ModelConfig, tp: int, ep: int) -> None:
         rules.append(("n_routed_experts", cfg.n_routed_experts, 1, "expert parallel size"))
         if cfg.num_nextn_predict_layers:
             rules.append(("dspark_n_routed_experts", cfg.dspark_n_routed_experts, 1, "expert parallel size"))
-    problems = []
+    problems, fits = [], {}
     for what, size, step, flag in rules:
         n = tp if flag == "tensor_parallel_size" else ep
+        allowed = [d for d in _divisors(size) if (size // d) % step == 0]
+        fits[flag] = set(allowed) if flag not in fits else fits[flag] & set(allowed)
         if size % (n * step):
-            allowed = [d for d in _divisors(size) if (size // d) % step == 0] if step > 1 else _divisors(size)
             problems.append(f"{what} = {size} does not split over {flag} {n}; allowed {flag} values for it: "
                             f"{', '.join(map(str, allowed))}")
     if problems:
-        raise ValueError("cannot shard this model: " + "; ".join(problems))
+        every = "; ".join(f"{flag} values that fit every size: {', '.join(map(str, sorted(v)))}"
+                          for flag, v in fits.items())
+        raise ValueError("cannot shard this model: " + "; ".join(problems) + f" ({every})")
 
 
 def _rows(t: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tensor:
@@ -136,16 +140,17 @@ def shard_model(model: nn.Module, state: ParallelState, shard_engram: bool = Fal
     Engram layer) instead of keeping it whole on every rank (no effect without tensor parallelism).
 
     Raises ValueError when a size does not divide (heads, output groups, vocabulary, intermediate dims, experts),
-    naming it and the parallel sizes that would fit. Source: issue 28; PARALLEL_DESIGN.md.
+    naming it and the parallel sizes that would fit, and for a model sharded already. Source: issue 28;
+    PARALLEL_DESIGN.md.
     """
     tp, ep = state.tp_size, state.ep_size
     if tp == 1 and ep == 1:
         return model
+    if getattr(model, "parallel_state", None) is not None:
+        raise ValueError("this model is sharded already (model.parallel_state is set); shard an unsharded model")
     check_shardable(model.config, tp, ep)
     fast = model.__dict__.get("_fast_installed") is not None
     if fast:
-        from deepseek_v41.kernels import fast as fast_backend  # (the C library: only for a model that had it)
-
         fast_backend.uninstall(model)
     for block in _blocks(model):
         if tp > 1:

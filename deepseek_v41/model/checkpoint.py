@@ -86,11 +86,16 @@ class _Reader:
             self._open[file] = safe_open(file, framework="pt")
         return self._open[file].get_tensor(name)
 
-    def shape(self, name: str) -> list[int]:
+    def slice(self, name: str):
+        """The lazily sliceable view of one tensor (``safe_open(...).get_slice``): nothing read until indexed
+        (tensor-parallel loading reads a rank's rows / columns only, deepseek_v41/distributed/loader.py)."""
         file = self.files[name]
         if file not in self._open:
             self._open[file] = safe_open(file, framework="pt")
-        return self._open[file].get_slice(name).get_shape()
+        return self._open[file].get_slice(name)
+
+    def shape(self, name: str) -> list[int]:
+        return self.slice(name).get_shape()
 
 
 def _decode(name: str, reader: _Reader, dtype: torch.dtype, block: tuple[int, int]) -> torch.Tensor:

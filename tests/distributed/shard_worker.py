@@ -1,7 +1,7 @@
 """One rank of the sharding tests (tests/distributed/test_shard*.py), and the one-process oracle they compare with.
 
-``python shard_worker.py --rank R --port P --layout tp2|ep2|tp2ep --out DIR --cases forward,fast,engine,...``
-joins a 2-rank gloo group on 127.0.0.1:P, builds the tiny random model (the same seed as the oracle), shards it and
+``python shard_worker.py --rank R --port P --layout tp2|ep2|tp2ep|ep4 --out DIR --cases forward,fast,engine,...``
+joins the layout's gloo group on 127.0.0.1:P, builds the tiny random model (the same seed as the oracle), shards it and
 writes, per case, ``DIR/<case>.rank<R>.json`` (tokens, shapes) and ``DIR/<case>.rank<R>.bin`` (raw float64 logits):
 JSON and raw bytes, no pickle. The test process runs :func:`run_case` with one rank for the oracle.
 """
@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 from deepseek_v41.config import tiny_config
 from deepseek_v41.distributed.comm import ParallelState, init_distributed
 from deepseek_v41.distributed.config import ParallelConfig
+from deepseek_v41.distributed.loader import load_sharded
 from deepseek_v41.distributed.shard import shard_bytes, shard_model
 from deepseek_v41.engine import EngineArgs, LLMEngine, SamplingParams
 from deepseek_v41.kernels import fast
@@ -32,11 +34,15 @@ LAYOUTS = {
     "ep2": ParallelConfig(expert_parallel_size=2),
     "tp2ep": ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True),
 }
+EXTRA_LAYOUTS = {"ep4": ParallelConfig(expert_parallel_size=4)}  # 4 ranks on the test machine's 2 cores: slow
+
+BUNDLED = Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny"
 
 # Engine cases: EngineArgs of each (greedy requests below). Small max_num_batched_tokens: chunked prefill.
 ENGINE_CASES = {
     "engine_exact": dict(prefill_mode="exact", max_num_batched_tokens=16, block_size=4),
     "engine_ced": dict(prefill_mode="ced", max_num_batched_tokens=16, block_size=4),
+    "engine_fp32": dict(prefill_mode="ced", max_num_batched_tokens=16, block_size=4),
     "engine_dspark": dict(prefill_mode="exact", max_num_batched_tokens=16, block_size=4, speculative="dspark",
                           speculative_cost_table="fixed", window_slack_rows=16),
 }
@@ -57,12 +63,18 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 def run_case(case: str, state: ParallelState) -> tuple[dict, torch.Tensor | None]:
     """Run ``case`` on a model sharded for ``state``; returns (JSON-able result, float64 logits or None)."""
-    if case == "forward":  # float64 exact forward of a batch of 2
+    if case == "forward":  # float64 exact forward of a batch of 2, then with some image positions
         model = shard_model(tiny_model(torch.float64), state)
         ids = torch.tensor([prompt_ids(37, 1), prompt_ids(37, 2)])
+        mask = torch.zeros(ids.shape, dtype=torch.bool)
+        mask[0, 5:9] = mask[1, 30:] = True
         with torch.no_grad():
-            logits = model(ids)
-        return {"argmax": logits.argmax(-1).tolist(), "bytes": shard_bytes(model)}, logits
+            logits, masked = model(ids), model(ids, image_mask=mask)
+        return {"argmax": logits.argmax(-1).tolist(), "bytes": shard_bytes(model)}, torch.cat((logits, masked))
+    if case == "bf16":  # bf16 weights: sums of bf16 partials (a tolerance, not bits)
+        model = shard_model(tiny_model(torch.bfloat16), state)
+        with torch.no_grad():
+            return {}, model(torch.tensor([prompt_ids(37, 1)]))
     if case == "forward_engram":  # the same, the Engram tables split by rows
         model = shard_model(tiny_model(torch.float64), state, shard_engram=True)
         with torch.no_grad():
@@ -77,12 +89,8 @@ def run_case(case: str, state: ParallelState) -> tuple[dict, torch.Tensor | None
             for n, seed in ((3, 3), (21, 4)):
                 out.append(model(torch.tensor([prompt_ids(n, seed)])).double().flatten())
         return {"installed": fast.installed(model).modules}, torch.cat(out)
-    if case == "bytes":
-        model = shard_model(tiny_model(torch.float64), state)
-        planned = shard_model(tiny_model(torch.float64, device="meta"), state)
-        return {"measured": shard_bytes(model), "planned": shard_bytes(planned)}, None
-    if case in ENGINE_CASES:
-        model = shard_model(tiny_model(torch.float64), state)
+    if case in ENGINE_CASES:  # float64 (engine_fp32: fp32, the fast backend's kernels serving decode)
+        model = shard_model(tiny_model(torch.float32 if case == "engine_fp32" else torch.float64), state)
         engine = LLMEngine(model, EngineArgs(**ENGINE_CASES[case]))
         prompts = {"a": prompt_ids(29, 5), "b": prompt_ids(11, 6), "c": prompt_ids(29, 5)[:20] + prompt_ids(6, 7)}
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -96,6 +104,31 @@ def run_case(case: str, state: ParallelState) -> tuple[dict, torch.Tensor | None
             steps += 1
         spec = engine.speculator.stats.as_dict() if engine.speculator is not None else {}
         return {"tokens": tokens, "steps": steps, "spec": spec}, None
+    if case == "bundled":  # the bundled checkpoint, each rank reading its slices (fp32), DSpark on, CED
+        model = load_sharded(BUNDLED, state, torch.float32)
+        engine = LLMEngine(model, EngineArgs(block_size=16, max_num_batched_tokens=32, speculative="dspark",
+                                             speculative_cost_table="fixed"))
+        tokens = {}
+        for rid, ids in (("a", prompt_ids(50, 10)), ("b", prompt_ids(23, 11))):
+            engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
+        return {"tokens": tokens, "bytes": shard_bytes(model), "spec": engine.speculator.stats.as_dict()}, None
+    if case == "engine_disk":  # KV pages written to this rank's cache_dir, read back by a new engine (replay)
+        model = shard_model(tiny_model(torch.float64), state)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        with tempfile.TemporaryDirectory() as cache_dir:
+            out = {}
+            for name, prompt in (("writer", prompt_ids(40, 8)), ("reader", prompt_ids(40, 8) + prompt_ids(5, 9))):
+                engine = LLMEngine(model, EngineArgs(block_size=4, cache_dir=cache_dir, swa_pool_bytes=0,
+                                                     replay="exact"))
+                engine.add_request(name, prompt, params)
+                while engine.has_unfinished_requests():
+                    for o in engine.step():
+                        out[name] = (list(o.outputs[0].token_ids), o.num_cached_tokens)
+                engine.prefix_cache.flush()
+        return {"tokens": {k: v[0] for k, v in out.items()}, "cached": {k: v[1] for k, v in out.items()}}, None
     raise ValueError(f"unknown case {case!r}")
 
 
@@ -110,13 +143,13 @@ def free_port() -> int:
 
 
 def spawn(layout: str, cases: list[str], out: Path, timeout: float = 120.0) -> list[dict]:
-    """Run ``cases`` on the 2 ranks of ``layout`` (two worker processes, killed if they outlive ``timeout``
+    """Run ``cases`` on the ranks of ``layout`` (one worker process each, killed if they outlive ``timeout``
     seconds); returns each rank's results by case: [{case: (json, float64 array or None)}]."""
-    port = free_port()
+    port, world = free_port(), EXTRA_LAYOUTS.get(layout, LAYOUTS.get(layout)).world_size
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--port", str(port), "--layout", layout,
                                "--out", str(out), "--cases", ",".join(cases)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
     logs = []
     try:
         for p in procs:
@@ -131,7 +164,7 @@ def spawn(layout: str, cases: list[str], out: Path, timeout: float = 120.0) -> l
                           for r, p in enumerate(procs))
         raise AssertionError(f"{layout} ranks failed:\n{tails}")
     results = []
-    for r in range(2):
+    for r in range(world):
         ranked = {}
         for case in cases:
             data = json.loads((out / f"{case}.rank{r}.json").read_text())
@@ -145,12 +178,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    parser.add_argument("--layout", choices=sorted({**LAYOUTS, **EXTRA_LAYOUTS}), required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cases", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    config = LAYOUTS[args.layout]
+    config = {**LAYOUTS, **EXTRA_LAYOUTS}[args.layout]
     state = init_distributed(config, args.rank, f"tcp://127.0.0.1:{args.port}")
     for case in args.cases.split(","):
         result, logits = run_case(case, state)
