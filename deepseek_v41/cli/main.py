@@ -11,11 +11,14 @@ import torch
 import typer
 
 from deepseek_v41 import __version__
+from deepseek_v41.analysis.parallel import parallel_plan, print_plan
 from deepseek_v41.analysis.report import build_report, plot_report, print_report
 from deepseek_v41.cli.eval_chat import eval_chat, eval_chat_table
 from deepseek_v41.cli.generate import generate
 from deepseek_v41.cli.serve import serve
 from deepseek_v41.config import ConfigError, load_config
+from deepseek_v41.distributed.config import ParallelConfig
+from deepseek_v41.distributed.shard import check_shardable
 from deepseek_v41.progress import Progress
 from deepseek_v41.train.chat_data import build_chat_data
 from deepseek_v41.train.data import prepare, read_documents
@@ -53,19 +56,39 @@ def report(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     plot: Path | None = typer.Option(None, help="Directory to write PNG plots into."),
     flops: bool = typer.Option(True, help="Count FLOPs by running the model on meta (about 30 s for flash)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="Plan for this many tensor-"
+                                             "parallel ranks: per-rank weights, KV and decode-step communication."),
+    enable_expert_parallel: bool = typer.Option(False, "--enable-expert-parallel", help="Plan with the routed "
+                                                "experts split whole over the tensor-parallel ranks."),
+    expert_parallel_size: int | None = typer.Option(None, "--expert-parallel-size", "-ep", help="Plan with the "
+                                                    "experts split over this many ranks (attention replicated)."),
+    shard_engram: bool = typer.Option(False, "--shard-engram", help="Plan with the Engram tables split by rows "
+                                      "over the tensor-parallel ranks (default: whole on every rank)."),
 ) -> None:
-    """KV bytes per token, window bytes, generations table: computed from the code."""
+    """KV bytes per token, window bytes, generations table: computed from the code. With parallel sizes, also the
+    per-rank plan (weights, KV, bytes a decode step moves between ranks) from the model sharded on meta."""
     try:
         cfg = load_config(config)
-    except (ConfigError, FileNotFoundError) as exc:
+        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                  enable_expert_parallel=enable_expert_parallel,
+                                  expert_parallel_size=expert_parallel_size, distributed_executor_backend="mp")
+        parallel.validate()
+        if parallel.world_size > 1:
+            check_shardable(cfg, parallel.tensor_parallel_size, parallel.ep_size)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     with Progress(f"dsv41 report {config}") as progress:  # stderr: a bar on a terminal, else a line every 5 s
         data = build_report(cfg, name=config, flops=flops, progress=progress)
+        if parallel.world_size > 1:
+            progress(0, 1, "sharding on meta for the parallel plan")
+            data["parallel"] = parallel_plan(cfg, parallel, shard_engram=shard_engram)
     if as_json:
         typer.echo(json.dumps(data, indent=2))
     else:
         print_report(data)
+        if "parallel" in data:
+            print_plan(data["parallel"])
     if plot is not None:
         for path in plot_report(data, plot):
             typer.echo(f"wrote {path}", err=as_json)
