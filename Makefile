@@ -36,8 +36,13 @@ test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow"
 
+# The slow tests add the Ray executor's test, so they install the ray extra (about 260 MB: not for `make test`).
+$(VENV)/.installed-slow: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e '.[dev,ray]'
+	touch $@ $(VENV)/.installed-dev $(VENV)/.installed-run
+
 # pytest exits 5 when no test carries the mark; that is not a failure.
-test-slow: $(VENV)/.installed-dev
+test-slow: $(VENV)/.installed-slow
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m slow || [ $$? -eq 5 ]
 
 lint: $(VENV)/.installed-dev

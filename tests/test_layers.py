@@ -49,7 +49,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Constrained decoding: grammars (xgrammar / llguidance, the DSML tool-call tags) and token bitmasks; the engine
     # masks its logits with them.
     ("structured", ("deepseek_v41/structured/",)),
-    ("engine", ("deepseek_v41/engine/",)),
+    # The engine, and the executors that run one over several processes (issue 28): rank 0's DriverEngine is an
+    # LLMEngine, ``LLM`` builds it, and the workers run engines (the sharding files above stay in their layer: the
+    # longest prefix wins).
+    ("engine", ("deepseek_v41/engine/", "deepseek_v41/distributed/")),
     # Accounting from the code (KV bytes, FLOPs, parameters); a model card (train/) uses it.
     ("analysis", ("deepseek_v41/analysis/",)),
     ("train", ("deepseek_v41/train/",)),

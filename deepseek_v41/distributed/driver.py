@@ -20,68 +20,27 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from deepseek_v41.distributed import executor as executors  # (a module: executor.py's imports reach back here)
+from deepseek_v41.distributed import executor as executors
 from deepseek_v41.distributed import protocol
-from deepseek_v41.distributed.comm import ParallelState, init_distributed
+from deepseek_v41.distributed.comm import ParallelState
 from deepseek_v41.distributed.config import ParallelConfig
-from deepseek_v41.distributed.loader import load_sharded
+from deepseek_v41.distributed.rank import (
+    check_engine_args,
+    join,
+    load_rank,
+    rank_device,
+    set_threads,
+    worker_threads,
+)
 from deepseek_v41.engine.args import EngineArgs
 from deepseek_v41.engine.engine import LLMEngine
 from deepseek_v41.engine.multimodal import process_images
 from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.engine.sequence import RequestOutput
-from deepseek_v41.kernels import pool
 
 log = logging.getLogger(__name__)
-
-
-def set_threads(threads: int) -> None:
-    """This rank's fixed thread count: torch's intra-op threads and the kernels' pool."""
-    torch.set_num_threads(threads)
-    pool.set_threads(threads)
-
-
-def engine_args_from_json(data: dict[str, Any]) -> EngineArgs:
-    """EngineArgs from their JSON form (a cost table's dict keys come back as strings)."""
-    data = dict(data)
-    table = data.get("speculative_cost_table")
-    if isinstance(table, dict):
-        data["speculative_cost_table"] = {int(k): v for k, v in table.items()}
-    return EngineArgs(**data)
-
-
-def check_engine_args(args: dict[str, Any]) -> None:
-    """ValueError for settings a parallel engine does not serve yet (Redis: its asynchronous writes could reach
-    the ranks' lookups at different steps)."""
-    if args.get("redis_url"):
-        raise ValueError("redis_url is not served with several ranks yet (rank 0 is the only cache writer and "
-                         "Redis writes are asynchronous); use cache_dir")
-
-
-def rank_device(device: str, rank: int, config: ParallelConfig) -> str:
-    """The device of ``rank``: a bare ``"cuda"`` becomes ``"cuda:<local rank>"`` (one GPU per rank, as vLLM);
-    anything else as given (CPU ranks share the host)."""
-    return f"cuda:{rank % config.local_world_size}" if device == "cuda" else device
-
-
-def load_rank(model_path: str | Path, config: ParallelConfig, rank: int, dtype: Any, device: str
-              ) -> tuple[Any, ParallelState]:
-    """Rank ``rank``'s shard of the checkpoint, reading only its slices of each tensor
-    (:func:`~deepseek_v41.distributed.loader.load_sharded`), and its :class:`ParallelState`, which the sharded
-    modules hold: its process group is set by :func:`join` (no collective runs before a forward). Raises what
-    ``load_sharded`` raises (FileNotFoundError, ConfigError, ValueError, CheckpointError)."""
-    state = ParallelState.of(config, rank)
-    return load_sharded(model_path, state, dtype=dtype, device=device), state
-
-
-def join(state: ParallelState, config: ParallelConfig, init_method: str | None, device: str) -> None:
-    """Join the engine's process group as ``state.rank`` (gloo on CPU, NCCL on CUDA); ``state`` gets the group."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.set_device(torch.device(device))  # NCCL binds each rank's communicator to its current GPU
-    state.group = init_distributed(config, state.rank, init_method or "", device).group
 
 
 class DriverEngine(LLMEngine):
@@ -168,7 +127,7 @@ def build_driver_engine(model_path: str | Path, config: ParallelConfig, dtype: A
     not serve, RuntimeError naming a worker that failed; the workers are stopped on any failure."""
     check_engine_args(engine_args)
     executor = executors.make_executor(config)
-    threads = executors.worker_threads(config)
+    threads = worker_threads(config)
     try:
         executor.start({"model": str(model_path), "dtype": str(dtype).removeprefix("torch."), "device": device,
                         "engine_args": engine_args}, (tokenizer.to_str().encode(),) if tokenizer is not None else ())

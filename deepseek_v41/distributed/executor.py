@@ -26,16 +26,11 @@ waits ``SHUTDOWN_WAIT_S`` and kills what is left.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
 import logging
 import os
 import queue
-import secrets
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -46,63 +41,22 @@ from pathlib import Path
 from typing import Any
 
 from deepseek_v41.distributed import protocol
+from deepseek_v41.distributed import worker as worker_main
 from deepseek_v41.distributed.config import ParallelConfig
+from deepseek_v41.distributed.rank import (
+    AUTHKEY_ENV,
+    START_TIMEOUT_S,
+    authkey,
+    describe_exit,
+    free_port,
+    spawn_worker,
+    worker_threads,
+)
 
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.1
 SHUTDOWN_WAIT_S = 5.0
-START_TIMEOUT_S = 600.0  # the workers' hello / load / build, per phase (loading a large checkpoint is slow)
-AUTHKEY_ENV = "DSV41_DIST_AUTHKEY"
-PARENT_PID_ENV = "DSV41_PARENT_PID"  # a worker whose parent is not this pid any more exits at once
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def authkey(config: ParallelConfig) -> bytes:
-    """The control connections' key: ``DSV41_DIST_AUTHKEY`` when set, else random (one node) or derived from the
-    master address and port (several nodes: the same on every node)."""
-    given = os.environ.get(AUTHKEY_ENV)
-    if given:
-        return given.encode()
-    if config.nnodes == 1:
-        return secrets.token_hex(32).encode()
-    return hashlib.sha256(f"deepseek_v41:{config.master_addr}:{config.master_port}".encode()).hexdigest().encode()
-
-
-def worker_threads(config: ParallelConfig) -> int:
-    """Threads of every rank: the cores of this process divided by the ranks per node, at least 1 (the same count on
-    every rank, so that the replicated computations are bitwise identical)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // config.local_world_size)
-
-
-def describe_exit(returncode: int) -> str:
-    """``"killed by SIGKILL"`` / ``"exited with code 1"`` for a ``Popen.returncode``."""
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
-def spawn_worker(rank: int, control: str, key: bytes, threads: int, model: str | None = None) -> subprocess.Popen:
-    """Start ``python -m deepseek_v41.distributed.worker`` for ``rank``, connecting to ``control`` (HOST:PORT) with
-    ``key`` (passed in its environment, not on its command line); ``model``: a local path overriding the driver's
-    (a headless node whose copy lives elsewhere)."""
-    env = {**os.environ, AUTHKEY_ENV: key.decode(), PARENT_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, "-m", "deepseek_v41.distributed.worker", "--rank", str(rank), "--control", control]
-    if model is not None:
-        cmd += ["--model", str(model)]
-    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-
-
 class Executor:
     """Where the ranks of one engine run (see the module docstring). The driver calls, in order: :meth:`start`
     (workers spawned or awaited, each sent ``init``), :meth:`wait` ("loaded", then "ready"), then per step
@@ -378,8 +332,7 @@ class RayWorker:
     def run(self, rank: int, control: str, key: str, threads: int) -> int:
         os.environ[AUTHKEY_ENV] = key
         os.environ["OMP_NUM_THREADS"] = str(threads)
-        worker = importlib.import_module("deepseek_v41.distributed.worker")  # the worker side, in the actor
-        return worker.main(["--rank", str(rank), "--control", control])
+        return worker_main.main(["--rank", str(rank), "--control", control])
 
 
 class _RayState:

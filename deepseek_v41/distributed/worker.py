@@ -36,13 +36,17 @@ from tokenizers import Tokenizer
 
 from deepseek_v41.distributed import protocol
 from deepseek_v41.distributed.config import ParallelConfig
-from deepseek_v41.distributed.driver import engine_args_from_json, join, load_rank, rank_device, set_threads
-from deepseek_v41.distributed.executor import (
+from deepseek_v41.distributed.rank import (
     AUTHKEY_ENV,
     PARENT_PID_ENV,
     START_TIMEOUT_S,
     authkey,
     describe_exit,
+    engine_args_from_json,
+    join,
+    load_rank,
+    rank_device,
+    set_threads,
     spawn_worker,
     worker_threads,
 )
