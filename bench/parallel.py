@@ -1,9 +1,11 @@
 """Tensor and expert parallelism on this machine (issue 28): ``python bench/parallel.py``.
 
 For each layout — ``tp1`` (one process, the baseline measured in the same run), ``tp2`` (tensor parallel over 2
-processes, gloo), ``ep2`` (experts split over 2 processes, attention replicated) and ``tp2ep`` (both) — one
-``LLM`` is built on the bundled checkpoint and kept for the whole run; the rounds then alternate between the
-layouts (which goes first rotates) so that every layout meets the same machine. Per round and layout:
+processes, gloo), ``ep2`` (experts split over 2 processes, attention replicated), ``tp2ep`` (both) and
+``tp2-whole-engram`` (``tp2`` with the Engram tables whole on every rank instead of split by rows: the measured
+side of that choice) — one ``LLM`` is built on the bundled checkpoint, in a process of its own, and kept for the
+whole run; the rounds then alternate between the layouts (which goes first rotates) so that every layout meets
+the same machine. Per round and layout:
 
 - ``prefill``: one prompt of ``--prompt-len`` tokens (prefix caching off), tokens/s of the prompt;
 - ``decode bB``: B requests of ``--context`` prompt tokens in steady-state decode, ``--steps`` timed engine steps,
@@ -41,6 +43,7 @@ LAYOUTS = {
     "tp2": {"tensor_parallel_size": 2},
     "ep2": {"expert_parallel_size": 2},
     "tp2ep": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    "tp2-whole-engram": {"tensor_parallel_size": 2, "shard_engram": False},
 }
 SPINNER = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
 

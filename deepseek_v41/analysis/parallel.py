@@ -54,7 +54,7 @@ def meta_model_as_loaded(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) 
 
 
 def parallel_plan(cfg: ModelConfig, config: ParallelConfig, dtype: torch.dtype = torch.bfloat16,
-                  batches: tuple[int, ...] = (1, 8), shard_engram: bool = False) -> dict[str, Any]:
+                  batches: tuple[int, ...] = (1, 8)) -> dict[str, Any]:
     """The plan of serving ``cfg`` under ``config`` with ``dtype`` weights (all units bytes), as a JSON-ready dict:
 
     - ``weights_per_rank``: rank 0's weight bytes by part (``attention``, ``experts``, ``shared``, ``embed``,
@@ -65,12 +65,14 @@ def parallel_plan(cfg: ModelConfig, config: ParallelConfig, dtype: torch.dtype =
     - ``kv_tokens_fit``: per device memory in :data:`DEVICE_MEMORIES`, the tokens of global KV that fit on a rank
       beside its weights (0 when the weights alone do not fit).
 
+    The Engram tables are split by rows or kept whole as ``config.shard_engram`` says.
     Raises ValueError for a config that does not validate or sizes that do not divide (naming them)."""
     config.validate()
     check_shardable(cfg, config.tensor_parallel_size, config.ep_size)
     model = meta_model_as_loaded(cfg, dtype)
     whole = shard_bytes(model)
     state = ParallelState.of(config, 0)  # no group: on meta the collectives count and move nothing
+    shard_engram = config.shard_engram
     shard_model(model, state, shard_engram=shard_engram)
     weights = shard_bytes(model)
     comm = {}

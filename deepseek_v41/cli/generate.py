@@ -118,6 +118,7 @@ def generate(
     master_port: int = parallel.master_port_option(),
     headless: bool = parallel.headless_option(),
     distributed_timeout_s: float = parallel.timeout_option(),
+    shard_engram: bool = parallel.shard_engram_option(),
 ) -> None:
     """Generate a continuation, streaming it to stdout, then print the stats on stderr (prompt and cached tokens,
     TTFT, tokens/s, peak memory, KV cache bytes)."""
@@ -125,7 +126,8 @@ def generate(
     model = choose_model(model_tag, model, "dsv41 generate MODEL")
     parallel_config = parallel.parallel_config(fail, tensor_parallel_size, enable_expert_parallel,
                                                expert_parallel_size, distributed_executor_backend, nnodes, node_rank,
-                                               master_addr, master_port, headless, distributed_timeout_s)
+                                               master_addr, master_port, headless, distributed_timeout_s,
+                                               shard_engram)
     if parallel_config.headless:
         if not model.is_dir():
             fail(f"model directory {model} not found")

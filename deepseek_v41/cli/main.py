@@ -62,8 +62,9 @@ def report(
                                                 "experts split whole over the tensor-parallel ranks."),
     expert_parallel_size: int | None = typer.Option(None, "--expert-parallel-size", "-ep", help="Plan with the "
                                                     "experts split over this many ranks (attention replicated)."),
-    shard_engram: bool = typer.Option(False, "--shard-engram", help="Plan with the Engram tables split by rows "
-                                      "over the tensor-parallel ranks (default: whole on every rank)."),
+    shard_engram: bool = typer.Option(True, "--shard-engram/--no-shard-engram", help="Plan with the Engram tables "
+                                      "split by rows over the tensor-parallel ranks (default, as served), or whole "
+                                      "on every rank."),
 ) -> None:
     """KV bytes per token, window bytes, generations table: computed from the code. With parallel sizes, also the
     per-rank plan (weights, KV, bytes a decode step moves between ranks) from the model sharded on meta."""
@@ -71,7 +72,8 @@ def report(
         cfg = load_config(config)
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   enable_expert_parallel=enable_expert_parallel,
-                                  expert_parallel_size=expert_parallel_size, distributed_executor_backend="mp")
+                                  expert_parallel_size=expert_parallel_size, distributed_executor_backend="mp",
+                                  shard_engram=shard_engram)
         parallel.validate()
         if parallel.world_size > 1:
             check_shardable(cfg, parallel.tensor_parallel_size, parallel.ep_size)
@@ -82,7 +84,7 @@ def report(
         data = build_report(cfg, name=config, flops=flops, progress=progress)
         if parallel.world_size > 1:
             progress(0, 1, "sharding on meta for the parallel plan")
-            data["parallel"] = parallel_plan(cfg, parallel, shard_engram=shard_engram)
+            data["parallel"] = parallel_plan(cfg, parallel)
     if as_json:
         typer.echo(json.dumps(data, indent=2))
     else:

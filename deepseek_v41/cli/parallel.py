@@ -19,7 +19,7 @@ from deepseek_v41.distributed.worker import run_node
 
 # ParallelConfig's field names, written as their flags in the CLI's messages.
 FIELDS = ("tensor_parallel_size", "enable_expert_parallel", "expert_parallel_size", "distributed_executor_backend",
-          "nnodes", "node_rank", "master_addr", "master_port", "distributed_timeout_s")
+          "nnodes", "node_rank", "master_addr", "master_port", "distributed_timeout_s", "shard_engram")
 
 
 def tensor_parallel_size_option() -> Any:
@@ -70,12 +70,18 @@ def timeout_option() -> Any:
                         "the engine fails naming it.")
 
 
+def shard_engram_option() -> Any:
+    return typer.Option(True, "--shard-engram/--no-shard-engram", help="Split the Engram tables by rows over the "
+                        "tensor-parallel ranks (default), or keep them whole on every rank.")
+
+
 def parallel_config(fail: Any, tensor_parallel_size: int, enable_expert_parallel: bool,
                     expert_parallel_size: int | None, backend: str | None, nnodes: int, node_rank: int,
-                    master_addr: str, master_port: int, headless: bool, timeout_s: float) -> ParallelConfig:
+                    master_addr: str, master_port: int, headless: bool, timeout_s: float,
+                    shard_engram: bool = True) -> ParallelConfig:
     """The flags as a validated :class:`ParallelConfig`; ``fail(message)`` (exit 2) for a bad combination."""
     config = ParallelConfig(tensor_parallel_size, enable_expert_parallel, expert_parallel_size, 1, backend, nnodes,
-                            node_rank, master_addr, master_port, headless, timeout_s)
+                            node_rank, master_addr, master_port, headless, timeout_s, shard_engram)
     try:
         return config.validate()
     except ValueError as exc:

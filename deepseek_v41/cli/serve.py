@@ -277,6 +277,7 @@ def serve(
     master_port: int = parallel.master_port_option(),
     headless: bool = parallel.headless_option(),
     distributed_timeout_s: float = parallel.timeout_option(),
+    shard_engram: bool = parallel.shard_engram_option(),
     pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", "-pp", help="Only 1 (no pipeline "
                                                "parallelism)."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Accepted for vLLM scripts: no "
@@ -314,7 +315,8 @@ def serve(
         fail(why)
     parallel_config = parallel.parallel_config(fail, tensor_parallel_size, enable_expert_parallel,
                                                expert_parallel_size, distributed_executor_backend, nnodes, node_rank,
-                                               master_addr, master_port, headless, distributed_timeout_s)
+                                               master_addr, master_port, headless, distributed_timeout_s,
+                                               shard_engram)
     if disable_log_stats:
         log_stats_interval = 0.0
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:

@@ -115,7 +115,7 @@ def load_rank(model_path: str | Path, config: ParallelConfig, rank: int, dtype: 
     modules hold: its process group is set by :func:`join` (no collective runs before a forward). Raises what
     ``load_sharded`` raises (FileNotFoundError, ConfigError, ValueError, CheckpointError)."""
     state = ParallelState.of(config, rank)
-    return load_sharded(model_path, state, dtype=dtype, device=device), state
+    return load_sharded(model_path, state, dtype=dtype, device=device, shard_engram=config.shard_engram), state
 
 
 def join(state: ParallelState, config: ParallelConfig, init_method: str | None, device: str) -> None:

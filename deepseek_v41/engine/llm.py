@@ -88,14 +88,14 @@ class LLM:
                  enable_expert_parallel: bool = False, expert_parallel_size: int | None = None,
                  data_parallel_size: int = 1, distributed_executor_backend: str | None = None, nnodes: int = 1,
                  node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int = 0,
-                 distributed_timeout_s: float = 60.0, **engine_args: Any):
+                 distributed_timeout_s: float = 60.0, shard_engram: bool = True, **engine_args: Any):
         for why in (options.check_parallel_size("pipeline_parallel_size", pipeline_parallel_size),
                     options.check_kv_cache_dtype(kv_cache_dtype)):
             if why is not None:
                 raise ValueError(why)
         parallel = ParallelConfig(tensor_parallel_size, enable_expert_parallel, expert_parallel_size,
                                   data_parallel_size, distributed_executor_backend, nnodes, node_rank, master_addr,
-                                  master_port, False, distributed_timeout_s).validate()
+                                  master_port, False, distributed_timeout_s, shard_engram).validate()
         if parallel.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size {parallel.data_parallel_size}: LLM runs one engine replica; "
                              "give 1 (several replicas are served by dsv41 serve --data-parallel-size)")

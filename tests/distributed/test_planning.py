@@ -17,14 +17,23 @@ from deepseek_v41.distributed.shard import shard_bytes
 def test_tensor_parallel_decode_step_moves_what_the_layout_says():
     """TP=2 without expert parallelism: per decode step, one all-reduce of [B, 1, D] for the embedding and two per
     layer (attention output in the weights' dtype; MoE output in fp32, the dtype the MoE sums its experts in), one
-    all-gather of each rank's half of the vocabulary's logits."""
+    all-gather of each rank's half of the vocabulary's logits; split Engram tables add one all-reduce of the rows
+    looked up (fp32) per Engram layer."""
     cfg = tiny_config()
-    plan = parallel_plan(cfg, ParallelConfig(tensor_parallel_size=2), dtype=torch.bfloat16, batches=(1, 3))
+    whole = parallel_plan(cfg, ParallelConfig(tensor_parallel_size=2, shard_engram=False), dtype=torch.bfloat16,
+                          batches=(1, 3))
+    split = parallel_plan(cfg, ParallelConfig(tensor_parallel_size=2), dtype=torch.bfloat16, batches=(1, 3))
     D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    model = meta_model_as_loaded(cfg)
+    engram = [b.engram for b in model.layers if b.engram is not None]
+    assert engram
     for batch in (1, 3):
-        step = plan["decode_step_comm"][batch]
+        step = whole["decode_step_comm"][batch]
         assert step["calls"] == {"all_reduce": 1 + 2 * L, "all_gather": 1}
         assert step["all_reduce"] == (1 + L) * batch * D * 2 + L * batch * D * 4
+        rows = sum(batch * e.embed.head_dim * model.hasher.layout.n_cols * 4 for e in engram)
+        assert split["decode_step_comm"][batch]["all_reduce"] == step["all_reduce"] + rows
+        assert split["decode_step_comm"][batch]["calls"]["all_reduce"] == 1 + 2 * L + len(engram)
         assert step["all_gather"] == batch * (V // 2) * 4  # fp32 logits (the final norm computes in fp32)
         assert step["all_to_all"] == 0
         assert step["total"] == step["all_reduce"] + step["all_gather"]
@@ -33,12 +42,14 @@ def test_tensor_parallel_decode_step_moves_what_the_layout_says():
 def test_weights_per_rank_split_as_the_layout_says():
     cfg = tiny_config()
     whole = shard_bytes(meta_model_as_loaded(cfg, torch.bfloat16))
-    tp = parallel_plan(cfg, ParallelConfig(tensor_parallel_size=2), batches=(1,))
+    tp = parallel_plan(cfg, ParallelConfig(tensor_parallel_size=2, shard_engram=False), batches=(1,))
+    split = parallel_plan(cfg, ParallelConfig(tensor_parallel_size=2), batches=(1,))
     ep = parallel_plan(cfg, ParallelConfig(expert_parallel_size=2), batches=(1,))
     assert tp["weights_one_process"] == whole
     for part in ("embed", "head", "experts", "shared"):  # split in two by TP
         assert tp["weights_per_rank"][part] * 2 == whole[part], part
-    assert tp["weights_per_rank"]["engram"] == whole["engram"]  # whole on every rank unless --shard-engram
+    assert tp["weights_per_rank"]["engram"] == whole["engram"]  # whole on every rank with --no-shard-engram
+    assert split["weights_per_rank"]["engram"] < whole["engram"]  # split by rows (the default)
     assert ep["weights_per_rank"]["experts"] * 2 == whole["experts"]
     for part in ("embed", "head", "shared", "attention"):  # EP alone: everything else replicated
         assert ep["weights_per_rank"][part] == whole[part], part
@@ -77,9 +88,9 @@ def test_flash_plan_engram_dominates_unless_split():
     from deepseek_v41.config import load_config
 
     cfg = load_config("flash")
-    whole = parallel_plan(cfg, ParallelConfig(tensor_parallel_size=8, enable_expert_parallel=True), batches=(1,))
-    split = parallel_plan(cfg, ParallelConfig(tensor_parallel_size=8, enable_expert_parallel=True), batches=(1,),
-                          shard_engram=True)
+    whole = parallel_plan(cfg, ParallelConfig(tensor_parallel_size=8, enable_expert_parallel=True,
+                                              shard_engram=False), batches=(1,))
+    split = parallel_plan(cfg, ParallelConfig(tensor_parallel_size=8, enable_expert_parallel=True), batches=(1,))
     w, s = whole["weights_per_rank"], split["weights_per_rank"]
     assert w["engram"] > 0.5 * w["total"]
     # The tables split in eight; the Engram projections (a few hundred MB) stay whole on every rank.
