@@ -76,6 +76,7 @@ def test_worker_stops_when_its_outputs_differ_from_rank_0():
         follow(worker, engine, 1)
 
 
+@pytest.mark.slow  # ~6 s: .ci/run's slow tests
 def test_interpreter_exit_without_shutdown_leaves_no_worker(tmp_path):
     script = ("from deepseek_v41 import LLM, SamplingParams\n"
               f"llm = LLM({str(CKPT)!r}, tensor_parallel_size=2, dtype='float32', max_model_len=128)\n"

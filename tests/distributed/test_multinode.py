@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from deepseek_v41 import LLM, SamplingParams
 
 CKPT = Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny"
@@ -29,6 +31,7 @@ def free_port_pair() -> int:
     raise AssertionError("no free port pair")
 
 
+@pytest.mark.slow  # two launches of dsv41 generate, ~8 s: .ci/run's slow tests
 def test_two_launches_give_one_process_tokens(tmp_path):
     expected = LLM(CKPT, dtype="float64", max_model_len=256).generate(
         "Hello there", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0].token_ids
