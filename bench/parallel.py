@@ -120,7 +120,8 @@ def planned_bytes(model: Path, layout: str, dtype: str, batches: list[int]) -> d
     config = ParallelConfig(**LAYOUTS[layout], distributed_executor_backend="mp")
     if config.world_size == 1:
         return dict.fromkeys(batches, 0)
-    plan = parallel_plan(load_config(model), config, dtype=getattr(torch, dtype), batches=tuple(batches))
+    plan = parallel_plan(load_config(model), config, dtype=getattr(torch, dtype), batches=tuple(batches),
+                         model_path=model)
     return {b: plan["decode_step_comm"][b]["total"] for b in batches}
 
 

@@ -17,9 +17,11 @@ window per sequence, whatever the parallel sizes.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from deepseek_v41.analysis.params import build_on_meta
@@ -28,7 +30,7 @@ from deepseek_v41.config import ModelConfig
 from deepseek_v41.distributed.comm import ParallelState
 from deepseek_v41.distributed.config import ParallelConfig
 from deepseek_v41.distributed.shard import check_shardable, shard_bytes, shard_model
-from deepseek_v41.model.checkpoint import keeps_fp32
+from deepseek_v41.model.checkpoint import keeps_fp32, weight_files
 from deepseek_v41.model.engram import EngramTable
 
 GiB = 1024**3
@@ -37,24 +39,38 @@ GiB = 1024**3
 DEVICE_MEMORIES = {"80 GiB": 80 * GiB, "141 GB": 141 * 10**9, "192 GB": 192 * 10**9}
 
 
-def meta_model_as_loaded(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def meta_model_as_loaded(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                         model_path: str | Path | None = None) -> nn.Module:
     """The model on ``meta`` with the dtypes :func:`~deepseek_v41.model.checkpoint.load_model` gives: ``dtype``,
-    fp32 for the names the checkpoint keeps in fp32 (mHC, sinks, router biases), FP8 Engram tables (E4M3 values +
-    UE8M0 scales per 32 columns, MODEL_REFERENCE.md §5)."""
+    fp32 for the names the checkpoint keeps in fp32 (mHC, sinks, router biases), and Engram tables as the
+    checkpoint stores them: FP8 (E4M3 values + UE8M0 scales per 32 columns, MODEL_REFERENCE.md §5, the official
+    format and the default without ``model_path``) or, for a checkpoint directory storing a table unquantized, that
+    table's stored dtype (the loader keeps it)."""
     model = build_on_meta(cfg)
     for name, p in model.named_parameters():
         if not keeps_fp32(name):
             p.data = p.data.to(dtype)
+    files = weight_files(Path(model_path)) if model_path is not None else {}
     for name, module in list(model.named_modules()):
-        if isinstance(module, EngramTable) and module.table_format == "float":
-            parent_name, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), leaf,
-                    EngramTable(module.num_rows, module.head_dim, "fp8", device="meta"))
+        if not isinstance(module, EngramTable) or module.table_format != "float":
+            continue
+        weight = f"{name}.weight"
+        if weight in files and f"{name}.scale" not in files:  # stored unquantized: kept in its stored dtype
+            with safe_open(files[weight], framework="pt") as f:
+                stored = _SAFETENSORS_DTYPES[f.get_slice(weight).get_dtype()]
+            module.weight.data = module.weight.data.to(stored)
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), leaf, EngramTable(module.num_rows, module.head_dim, "fp8",
+                                                                   device="meta"))
     return model
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
 def parallel_plan(cfg: ModelConfig, config: ParallelConfig, dtype: torch.dtype = torch.bfloat16,
-                  batches: tuple[int, ...] = (1, 8)) -> dict[str, Any]:
+                  batches: tuple[int, ...] = (1, 8), model_path: str | Path | None = None) -> dict[str, Any]:
     """The plan of serving ``cfg`` under ``config`` with ``dtype`` weights (all units bytes), as a JSON-ready dict:
 
     - ``weights_per_rank``: rank 0's weight bytes by part (``attention``, ``experts``, ``shared``, ``embed``,
@@ -65,11 +81,12 @@ def parallel_plan(cfg: ModelConfig, config: ParallelConfig, dtype: torch.dtype =
     - ``kv_tokens_fit``: per device memory in :data:`DEVICE_MEMORIES`, the tokens of global KV that fit on a rank
       beside its weights (0 when the weights alone do not fit).
 
-    The Engram tables are split by rows or kept whole as ``config.shard_engram`` says.
+    The Engram tables are split by rows or kept whole as ``config.shard_engram`` says; ``model_path``: a checkpoint
+    directory whose Engram table formats the plan takes (:func:`meta_model_as_loaded`).
     Raises ValueError for a config that does not validate or sizes that do not divide (naming them)."""
     config.validate()
     check_shardable(cfg, config.tensor_parallel_size, config.ep_size)
-    model = meta_model_as_loaded(cfg, dtype)
+    model = meta_model_as_loaded(cfg, dtype, model_path)
     whole = shard_bytes(model)
     state = ParallelState.of(config, 0)  # no group: on meta the collectives count and move nothing
     shard_engram = config.shard_engram

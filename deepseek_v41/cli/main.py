@@ -84,7 +84,8 @@ def report(
         data = build_report(cfg, name=config, flops=flops, progress=progress)
         if parallel.world_size > 1:
             progress(0, 1, "sharding on meta for the parallel plan")
-            data["parallel"] = parallel_plan(cfg, parallel)
+            directory = Path(config) if Path(config).is_dir() else None  # its Engram table formats
+            data["parallel"] = parallel_plan(cfg, parallel, model_path=directory)
     if as_json:
         typer.echo(json.dumps(data, indent=2))
     else:

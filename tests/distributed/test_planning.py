@@ -96,3 +96,18 @@ def test_flash_plan_engram_dominates_unless_split():
     # The tables split in eight; the Engram projections (a few hundred MB) stay whole on every rank.
     assert w["engram"] / 8 < s["engram"] < w["engram"] / 7
     assert whole["kv_bytes_per_token_per_rank"] == 890
+
+
+def test_a_checkpoint_directorys_engram_tables_keep_their_stored_format():
+    """The bundled checkpoint stores its Engram tables unquantized: the plan of that directory holds them as the
+    loader does (so bench/parallel.py's measured bytes can equal the plan's)."""
+    from pathlib import Path
+
+    from deepseek_v41.config import load_config
+    from deepseek_v41.model.checkpoint import load_model
+
+    path = Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny"
+    state = load_model(path, dtype=torch.float32).state_dict()
+    loaded = {n: t.dtype for n, t in state.items() if ".engram.embed." in n}
+    planned = meta_model_as_loaded(load_config(path), torch.float32, model_path=path).state_dict()
+    assert loaded and {n: planned[n].dtype for n in loaded} == loaded
