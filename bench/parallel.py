@@ -82,7 +82,8 @@ def prefill_speed(llm, prompt_len: int, seed: int) -> float:
 
 def decode_speed(llm, batch: int, context: int, steps: int, seed: int) -> tuple[float, float]:
     """(tokens/s, bytes rank 0 handed to collectives per step) of ``steps`` decode steps of ``batch`` requests of
-    ``context`` prompt tokens (their prefill untimed)."""
+    ``context`` prompt tokens (their prefill untimed; every request decodes through the timed steps: their
+    ``max_tokens`` leaves room for the tokens the first ones make while the last ones still prefill)."""
     from deepseek_v41.engine import SamplingParams
 
     engine = llm.engine
@@ -90,27 +91,30 @@ def decode_speed(llm, batch: int, context: int, steps: int, seed: int) -> tuple[
     rids = [f"decode-{seed}-{i}-{time.monotonic_ns()}" for i in range(batch)]
     for i, rid in enumerate(rids):
         engine.add_request(rid, ids(context, seed * 1000 + i, vocab),
-                           SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+                           SamplingParams(temperature=0, max_tokens=context + steps + 2, ignore_eos=True))
     seqs = [engine.requests[rid][0] for rid in rids]
     while any(not s.output_token_ids for s in seqs):  # prefill (and the first token), untimed
         engine.step()
     state = getattr(llm.model, "parallel_state", None)
     if state is not None:
         state.reset_counts()
+    made = sum(len(s.output_token_ids) for s in seqs)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     elapsed = time.perf_counter() - start
+    made = sum(len(s.output_token_ids) for s in seqs) - made
+    if made != batch * steps:
+        raise RuntimeError(f"decode b{batch}: {made} tokens in {steps} steps, expected {batch * steps}")
     moved = sum(state.comm_bytes.values()) / steps if state is not None else 0.0
-    while engine.has_unfinished_requests():
-        engine.step()
     for rid in rids:
+        engine.abort_request(rid)
         engine.release(rid)
-    return batch * steps / elapsed, moved
+    return made / elapsed, moved
 
 
-def planned_bytes(model: Path, layout: str, dtype: str, batches: list[int]) -> dict[int, int]:
-    """``dsv41 report``'s decode-step bytes of ``layout`` per batch (0 for one process)."""
+def planned_bytes(model: Path, layout: str, dtype: str, batches: list[int]) -> dict[int, tuple[int, int]]:
+    """``dsv41 report``'s decode-step (bytes, collective calls) of ``layout`` per batch (0s for one process)."""
     import torch
 
     from deepseek_v41.analysis.parallel import parallel_plan
@@ -119,10 +123,48 @@ def planned_bytes(model: Path, layout: str, dtype: str, batches: list[int]) -> d
 
     config = ParallelConfig(**LAYOUTS[layout], distributed_executor_backend="mp")
     if config.world_size == 1:
-        return dict.fromkeys(batches, 0)
+        return dict.fromkeys(batches, (0, 0))
     plan = parallel_plan(load_config(model), config, dtype=getattr(torch, dtype), batches=tuple(batches),
                          model_path=model)
-    return {b: plan["decode_step_comm"][b]["total"] for b in batches}
+    return {b: (plan["decode_step_comm"][b]["total"], sum(plan["decode_step_comm"][b]["calls"].values()))
+            for b in batches}
+
+
+def _latency_rank(rank: int, port: int, sizes: list[int], out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    times = {}
+    for n in sizes:
+        t = torch.zeros(n // 4)
+        for _ in range(20):
+            dist.all_reduce(t)
+        start = time.perf_counter()
+        for _ in range(200):
+            dist.all_reduce(t)
+        times[n] = (time.perf_counter() - start) / 200
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+
+
+def collective_latency(sizes: list[int]) -> dict[str, float]:
+    """Seconds one gloo all-reduce of each size (bytes, fp32) takes between 2 processes on 127.0.0.1 here: the
+    price of each of a parallel step's collectives."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "latency.json")
+        mp.spawn(_latency_rank, args=(port, sizes, out), nprocs=2, join=True)
+        return json.loads(Path(out).read_text())
 
 
 @contextlib.contextmanager
@@ -232,7 +274,8 @@ def summarize(results: dict, planned: dict, args) -> dict:
             if not key.startswith("bytes") and "tp1" in quiet:
                 out[f"{key} / tp1"] = out[key] / statistics.median(quiet["tp1"][key])
         for b in args.batch:
-            out[f"planned bytes/step b{b}"] = planned[name][b]
+            out[f"planned bytes/step b{b}"] = planned[name][b][0]
+        out["collectives/step"] = planned[name][args.batch[0]][1]
         for condition, rows in results.items():
             if condition == "quiet":
                 continue
@@ -300,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for child in children.values():
             child.close()
+    latency = collective_latency([768, 6144, 262144])
     table = summarize(results, planned, args)
     cores = os.cpu_count()
     print(f"bench/parallel.py on {args.model.name}, {args.dtype}, {cores} cores, medians of {args.rounds} rounds "
@@ -313,10 +357,13 @@ def main(argv: list[str] | None = None) -> int:
             value = table[name].get(key)
             cells.append(f"{value:>12,.2f}" if isinstance(value, float) and value < 100 else f"{value:>12,.0f}")
         print(f"{key:{width}}  " + "  ".join(cells))
+    print("one gloo all-reduce between 2 processes here: " + ", ".join(
+        f"{int(n):,} B {t * 1e6:,.0f} us" for n, t in latency.items()))
     if args.verbose:
         print(json.dumps(results, indent=1))
     if args.json is not None:
-        args.json.write_text(json.dumps({"rounds": results, "medians": table}, indent=1))
+        args.json.write_text(json.dumps({"rounds": results, "medians": table, "all_reduce_seconds": latency},
+                                        indent=1))
     if args.plot:
         plot(table, args.batch, args.plot)
         print(f"wrote {args.plot}")
