@@ -298,6 +298,7 @@ def plot(table: dict, batches: list[int], path: Path) -> None:
     for ax, key in zip(axes, measures, strict=True):
         ax.bar(names, [table[n][key] for n in names], color=["#555"] + ["#4c72b0"] * (len(names) - 1))
         ax.set_title(f"{key} (tokens/s)")
+        ax.tick_params(axis="x", labelrotation=30)
     fig.suptitle("bench/parallel.py: layouts on this machine (tp1 = one process)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
