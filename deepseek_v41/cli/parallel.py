@@ -18,7 +18,8 @@ from deepseek_v41.distributed.config import EXECUTOR_BACKENDS, ParallelConfig
 from deepseek_v41.distributed.worker import run_node
 
 # ParallelConfig's field names, written as their flags in the CLI's messages.
-FIELDS = ("tensor_parallel_size", "enable_expert_parallel", "expert_parallel_size", "distributed_executor_backend",
+FIELDS = ("tensor_parallel_size", "enable_expert_parallel", "expert_parallel_size", "data_parallel_size",
+          "distributed_executor_backend",
           "nnodes", "node_rank", "master_addr", "master_port", "distributed_timeout_s", "shard_engram")
 
 
@@ -75,15 +76,26 @@ def shard_engram_option() -> Any:
                         "tensor-parallel ranks (default), or keep them whole on every rank.")
 
 
+def data_parallel_size_option() -> Any:
+    return typer.Option(1, "--data-parallel-size", "-dp", help="Engine replicas behind this server, each with its "
+                        "own KV pool, sharing --cache-dir (one rank each).")
+
+
 def parallel_config(fail: Any, tensor_parallel_size: int, enable_expert_parallel: bool,
                     expert_parallel_size: int | None, backend: str | None, nnodes: int, node_rank: int,
                     master_addr: str, master_port: int, headless: bool, timeout_s: float,
-                    shard_engram: bool = True) -> ParallelConfig:
-    """The flags as a validated :class:`ParallelConfig`; ``fail(message)`` (exit 2) for a bad combination."""
-    config = ParallelConfig(tensor_parallel_size, enable_expert_parallel, expert_parallel_size, 1, backend, nnodes,
-                            node_rank, master_addr, master_port, headless, timeout_s, shard_engram)
+                    shard_engram: bool = True, data_parallel_size: int = 1) -> ParallelConfig:
+    """The flags as a validated :class:`ParallelConfig`; ``fail(message)`` (exit 2) for a bad combination, and for
+    data parallelism over several ranks per replica (one process holds one torch.distributed world: not yet)."""
+    config = ParallelConfig(tensor_parallel_size, enable_expert_parallel, expert_parallel_size, data_parallel_size,
+                            backend, nnodes, node_rank, master_addr, master_port, headless, timeout_s, shard_engram)
     try:
-        return config.validate()
+        config.validate()
+        if config.data_parallel_size > 1 and config.world_size > 1:
+            raise ValueError(f"data_parallel_size {config.data_parallel_size} with {config.world_size} ranks per "
+                             "replica is not served yet (one process holds one torch.distributed world); give "
+                             "data_parallel_size 1 or one rank per replica")
+        return config
     except ValueError as exc:
         fail(re.sub(r"(?<![\w-])(" + "|".join(FIELDS) + r")(?!\w)", lambda m: "--" + m[1].replace("_", "-"),
                     str(exc)))
@@ -91,8 +103,9 @@ def parallel_config(fail: Any, tensor_parallel_size: int, enable_expert_parallel
 
 
 def llm_kwargs(config: ParallelConfig) -> dict[str, Any]:
-    """``LLM(...)``'s keyword arguments of ``config``."""
-    return {name: getattr(config, name) for name in FIELDS}
+    """``LLM(...)``'s keyword arguments of ``config`` for one engine replica (``data_parallel_size`` is the
+    server's: each replica is an ``LLM`` of its own)."""
+    return {name: getattr(config, name) for name in FIELDS if name != "data_parallel_size"}
 
 
 def run_headless(config: ParallelConfig, model: Path) -> NoReturn:

@@ -27,6 +27,7 @@ from deepseek_v41.dtypes import resolve_dtype as resolve
 from deepseek_v41.engine import LLM
 from deepseek_v41.engine import options as engine_options
 from deepseek_v41.engine.async_engine import AsyncLLMEngine
+from deepseek_v41.engine.data_parallel import DataParallelEngine
 from deepseek_v41.model.checkpoint import CheckpointError
 from deepseek_v41.server import options
 from deepseek_v41.server.app import build_app
@@ -278,6 +279,7 @@ def serve(
     headless: bool = parallel.headless_option(),
     distributed_timeout_s: float = parallel.timeout_option(),
     shard_engram: bool = parallel.shard_engram_option(),
+    data_parallel_size: int = parallel.data_parallel_size_option(),
     pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", "-pp", help="Only 1 (no pipeline "
                                                "parallelism)."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Accepted for vLLM scripts: no "
@@ -316,7 +318,7 @@ def serve(
     parallel_config = parallel.parallel_config(fail, tensor_parallel_size, enable_expert_parallel,
                                                expert_parallel_size, distributed_executor_backend, nnodes, node_rank,
                                                master_addr, master_port, headless, distributed_timeout_s,
-                                               shard_engram)
+                                               shard_engram, data_parallel_size)
     if disable_log_stats:
         log_stats_interval = 0.0
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
@@ -379,16 +381,22 @@ def serve(
                         **parallel.llm_kwargs(parallel_config))
     created = _missing_dirs(cache_path)  # what the engine's persistent store will create
     started = False
-    llm = None
+    llms: list[LLM] = []
     try:
         try:
-            llm = LLM(model, dtype=torch_dtype, device=str(torch_device), **vllm_options, **engine_args)
+            for _ in range(parallel_config.data_parallel_size):  # each replica its own engine and KV pool
+                llms.append(LLM(model, dtype=torch_dtype, device=str(torch_device), **vllm_options, **engine_args))
         except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as exc:
             fail(str(exc))
         except RuntimeError as exc:  # a worker rank failed to start (named in the message)
             log.error("%s", exc)
             raise typer.Exit(1) from exc
-        engine = AsyncLLMEngine(llm.engine)
+        llm = llms[0]
+        engine = AsyncLLMEngine(llm.engine) if len(llms) == 1 else \
+            DataParallelEngine([AsyncLLMEngine(replica.engine) for replica in llms])
+        if len(llms) > 1:
+            log.info("data parallel: %d engine replicas, each its own KV pool, sharing %s; requests routed by "
+                     "prefix affinity, else to the least loaded replica", len(llms), cache_path)
         config = ServerConfig(served_model_names=served_model_name or [default_model_name(model)],
                               model_aliases=[] if served_model_name else model_path_aliases(model),
                               model_path=str(model), api_keys=api_key, sampling_defaults_origin=defaults_origin,
@@ -420,8 +428,8 @@ def serve(
             log.error("exiting with status %d after the engine failure above", server.exit_code)
             raise typer.Exit(server.exit_code)
     finally:
-        if llm is not None:
-            llm.shutdown()  # a parallel engine's workers: stopped and reaped before the process exits
+        for replica in llms:
+            replica.shutdown()  # a parallel engine's workers: stopped and reaped before the process exits
         if not started:
             _remove_created(created)
 
