@@ -3,11 +3,11 @@
 prefix hits read from disk by every rank; shutdown leaves no process. The protocol carries JSON and raw bytes
 only. (Faults: test_executor_faults.py.)"""
 
-import os
 import signal
 from pathlib import Path
 
 import pytest
+from process_helpers import alive
 
 from deepseek_v41 import LLM, SamplingParams
 from deepseek_v41.distributed import protocol
@@ -26,14 +26,6 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=6),
 
 def tokens(outputs):
     return [[list(c.token_ids) for c in o.outputs] for o in outputs]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def worker_pids(llm) -> list[int]:
