@@ -383,8 +383,11 @@ def serve(
     started = False
     llms: list[LLM] = []
     try:
+        replicas = parallel_config.data_parallel_size
+        if replicas > 1 and vllm_options["gpu_memory_utilization"] is not None:  # the device's share, split
+            vllm_options["gpu_memory_utilization"] /= replicas
         try:
-            for _ in range(parallel_config.data_parallel_size):  # each replica its own engine and KV pool
+            for _ in range(replicas):  # each replica its own engine and KV pool
                 llms.append(LLM(model, dtype=torch_dtype, device=str(torch_device), **vllm_options, **engine_args))
         except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as exc:
             fail(str(exc))

@@ -23,6 +23,7 @@ def plain():
     return tokens(LLM(CKPT, **KW).generate(PROMPTS, PARAMS, use_tqdm=False))
 
 
+@pytest.mark.slow  # ~5 s each: .ci/run's slow tests
 @pytest.mark.parametrize("parallel", [
     {"tensor_parallel_size": 2},
     pytest.param({"tensor_parallel_size": 2, "enable_expert_parallel": True}, marks=pytest.mark.slow),

@@ -5,6 +5,7 @@ same pixels, so TP=2 gives one process's float64 tokens, and the encoder cache h
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from deepseek_v41 import LLM, SamplingParams
@@ -14,6 +15,7 @@ KW = dict(dtype="float64", max_model_len=512, max_num_batched_tokens=64)
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
+@pytest.mark.slow  # ~5 s: .ci/run's slow tests
 def test_image_prompt_on_two_ranks_matches_one_process():
     image = Image.fromarray((np.random.default_rng(0).random((40, 56, 3)) * 255).astype("uint8"))
     prompts = [{"prompt": "Look <｜deepseek_image｜> here", "multi_modal_data": {"image": [image]}}, "plain text"]

@@ -44,6 +44,7 @@ def check(layout: str, oracle: dict, tmp_path) -> None:
     assert oracle["engine_dspark"]["spec"]["spec_decode_num_draft_tokens"] > 0
 
 
+@pytest.mark.slow  # ~12 s: .ci/run's slow tests (test_executor.py covers TP=2 lockstep in make test)
 @pytest.mark.timeout(300)
 def test_tp2_ep_engine_equal_one_process(oracle, tmp_path):
     """TP=2 + EP: vocab-parallel embed / head / draft, head-split attention, expert-parallel MoE (decode batches
