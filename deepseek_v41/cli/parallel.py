@@ -109,5 +109,11 @@ def llm_kwargs(config: ParallelConfig) -> dict[str, Any]:
 
 
 def run_headless(config: ParallelConfig, model: Path) -> NoReturn:
-    """Run this worker node's ranks until the engine ends (``--headless``); exits with their status."""
-    raise typer.Exit(run_node(config, str(model)))
+    """Run this worker node's ranks until the engine ends (``--headless``); exits with their status (2 for a
+    setting refused before any rank starts, e.g. no ``DSV41_DIST_AUTHKEY``)."""
+    try:
+        status = run_node(config, str(model))
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    raise typer.Exit(status)

@@ -9,7 +9,6 @@ the worker's ``main``): no import cycle.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import signal
@@ -40,14 +39,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def authkey(config: ParallelConfig) -> bytes:
-    """The control connections' key: ``DSV41_DIST_AUTHKEY`` when set, else random (one node) or derived from the
-    master address and port (several nodes: the same on every node)."""
+    """The control connections' key: ``DSV41_DIST_AUTHKEY`` when set, else a random one (one node: handed to its
+    workers in their environment). Raises ValueError for several nodes without ``DSV41_DIST_AUTHKEY`` (a key every
+    node could work out alone, anyone reaching the port could too)."""
     given = os.environ.get(AUTHKEY_ENV)
     if given:
         return given.encode()
     if config.nnodes == 1:
         return secrets.token_hex(32).encode()
-    return hashlib.sha256(f"deepseek_v41:{config.master_addr}:{config.master_port}".encode()).hexdigest().encode()
+    raise ValueError(f"--nnodes {config.nnodes}: set {AUTHKEY_ENV} to the same secret on every node (it "
+                     "authenticates the workers' control connections to node 0)")
 
 
 def worker_threads(config: ParallelConfig) -> int:

@@ -99,18 +99,18 @@ def apply_event(engine: LLMEngine, event: dict[str, Any], blobs: list[bytes]) ->
         raise ValueError(f"unknown event {op!r}")
 
 
-def follow(conn, engine: LLMEngine, rank: int) -> None:
-    """Step with the driver until ``shutdown`` or EOF. Raises RuntimeError when this rank's outputs differ from
-    rank 0's."""
+def follow(conn, engine: LLMEngine, rank: int) -> bool:
+    """Step with the driver until ``shutdown`` (returns True) or EOF: the driver went away without one (returns
+    False). Raises RuntimeError when this rank's outputs differ from rank 0's."""
     digest = None
     while True:
         try:
             header, blobs = protocol.recv(conn)
         except (EOFError, OSError):
-            return  # the driver is gone
+            return False  # the driver is gone
         kind = header["type"]
         if kind == "shutdown":
-            return
+            return True
         if kind != "step":
             raise ValueError(f"unexpected control message {kind!r}")
         if header["digest"] is not None and header["digest"] != digest:
@@ -137,8 +137,9 @@ def driver_gone(conn) -> bool:
     return header.get("type") == "shutdown"
 
 
-def run_rank(conn, rank: int, model_override: str | None) -> None:
-    """Build this rank's engine from the driver's ``init`` and follow the driver."""
+def run_rank(conn, rank: int, model_override: str | None) -> bool:
+    """Build this rank's engine from the driver's ``init`` and follow the driver; True when it ended with a
+    ``shutdown``, False when the driver went away without one."""
     init, blobs = protocol.recv(conn)
     if init["type"] != "init":
         raise ValueError(f"expected 'init', got {init['type']!r}")
@@ -155,7 +156,7 @@ def run_rank(conn, rank: int, model_override: str | None) -> None:
     if engine.prefix_cache is not None:
         engine.prefix_cache.make_read_only()
     protocol.send(conn, {"type": "ready", "rank": rank})
-    follow(conn, engine, rank)
+    return follow(conn, engine, rank)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     conn = connect(args.control, os.environ[AUTHKEY_ENV].encode())
     protocol.send(conn, {"type": "hello", "rank": args.rank, "pid": os.getpid(), "host": socket.gethostname()})
     try:
-        run_rank(conn, args.rank, args.model)
-        return 0
+        if run_rank(conn, args.rank, args.model):
+            return 0
+        log.error("the engine's rank 0 (%s) went away without shutting down this rank", args.control)
+        return 1
     except BaseException as exc:
         if driver_gone(conn):  # the driver shut down under a step (its collectives then fail here): not an error
             return 0

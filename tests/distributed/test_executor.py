@@ -83,3 +83,31 @@ def test_protocol_is_json_and_bytes():
     with pytest.raises(ValueError, match="bad magic"):
         protocol.decode(b"\x80\x04pickled")
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL" and describe_exit(3) == "exited with code 3"
+
+
+def test_several_nodes_need_the_shared_secret(monkeypatch):
+    """A key every node could work out alone, anyone reaching the port could too: several nodes need
+    DSV41_DIST_AUTHKEY (one node gets a random key)."""
+    from deepseek_v41.distributed.rank import AUTHKEY_ENV, authkey
+
+    monkeypatch.delenv(AUTHKEY_ENV, raising=False)
+    config = ParallelConfig(tensor_parallel_size=2, nnodes=2, master_port=29500)
+    with pytest.raises(ValueError, match=AUTHKEY_ENV):
+        authkey(config)
+    assert authkey(ParallelConfig(tensor_parallel_size=2)) != authkey(ParallelConfig(tensor_parallel_size=2))
+    monkeypatch.setenv(AUTHKEY_ENV, "s3cret")
+    assert authkey(config) == b"s3cret"
+
+
+def test_a_worker_tells_a_shutdown_from_a_driver_that_went_away():
+    """``follow`` returns True after the driver's shutdown and False when the connection just closes (the worker
+    then exits 1, so a headless node's supervisor sees the failure)."""
+    from multiprocessing import Pipe
+
+    from deepseek_v41.distributed.worker import follow
+
+    ours, theirs = Pipe()
+    protocol.send(theirs, {"type": "shutdown"})
+    assert follow(ours, None, 1) is True
+    theirs.close()
+    assert follow(ours, None, 1) is False

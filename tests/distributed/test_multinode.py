@@ -39,7 +39,7 @@ def test_two_launches_give_one_process_tokens(tmp_path):
     common = [sys.executable, "-m", "deepseek_v41.cli", "generate", str(CKPT), "--dtype", "float64",
               "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port",
               str(port)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DSV41_DIST_AUTHKEY": "test-secret"}
     with open(tmp_path / "node1.log", "wb") as log:
         node1 = subprocess.Popen([*common, "--node-rank", "1", "--headless"], stdout=log, stderr=subprocess.STDOUT,
                                  env=env)
