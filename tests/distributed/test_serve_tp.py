@@ -17,6 +17,7 @@ from deepseek_v41 import LLM, SamplingParams
 CKPT = Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny"
 
 
+@pytest.mark.slow  # ~8 s: .ci/run's slow tests
 def test_serve_tp2_answers_openai_and_exits_when_a_worker_is_killed(tmp_path):
     expected = LLM(CKPT, dtype="float32", max_model_len=256, max_num_seqs=4).generate(
         "Hello there", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
