@@ -16,21 +16,17 @@ from pathlib import Path
 
 import torch
 
-from deepseek_v41.config import ModelConfig
 from deepseek_v41.distributed.comm import ParallelState
 from deepseek_v41.distributed.layers import ExpertParallelMoE, RowParallelEngramTable
 from deepseek_v41.distributed.shard import shard_model
-from deepseek_v41.dtypes import resolve_dtype
 from deepseek_v41.model.checkpoint import (
     CheckpointError,
     _decode,
-    _engram_fp8_layers,
     _install_token_map,
     _Reader,
-    weight_files,
+    skeleton,
 )
 from deepseek_v41.model.save import ENGRAM_TABLE, keeps_fp32
-from deepseek_v41.model.transformer import Transformer
 from deepseek_v41.model.vision import checkpoint_name_candidates
 from deepseek_v41.quant import dequantize_fp4_expert_weight, dequantize_fp8_weight
 
@@ -114,16 +110,9 @@ def load_sharded(path: str | Path, state: ParallelState, dtype: torch.dtype | st
     Source: issue 28; MODEL_REFERENCE.md §4, §8 (formats).
     """
     path = Path(path)
-    cfg = ModelConfig.from_pretrained(path)
-    dtype = resolve_dtype(dtype, device, path)
-    files = weight_files(path)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    _engram_fp8_layers(model, files)
+    cfg, dtype, files, model, block = skeleton(path, dtype, device)
     whole = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     shard_model(model, state, shard_engram=shard_engram)
-    block = tuple(cfg.quantization_config.weight_block_size) if (
-        cfg.quantization_config and cfg.quantization_config.weight_block_size) else (BLOCK, BLOCK)
     reader = _Reader(files)
     problems, tensors = [], {}
     for name, like in model.state_dict().items():

@@ -8,6 +8,7 @@ snapshots), samples, detokenizes, frees finished sequences and returns the outpu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -289,10 +290,8 @@ class LLMEngine:
         The step runs under ``torch.inference_mode`` (no autograd bookkeeping: a few µs less per op, and an
         engine step is thousands of small ops) on the cores other processes leave free (``step_threads``); nothing
         it returns holds a tensor."""
-        if self.lockstep_threads is not None:
-            with torch.inference_mode():
-                return self._step()
-        with torch.inference_mode(), step_threads(self.runner.device):
+        threads = step_threads(self.runner.device) if self.lockstep_threads is None else contextlib.nullcontext()
+        with torch.inference_mode(), threads:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:

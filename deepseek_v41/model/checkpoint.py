@@ -125,6 +125,22 @@ def _engram_fp8_layers(model: torch.nn.Module, files: dict[str, Path]) -> None:
             setattr(parent, leaf, EngramTable(module.num_rows, module.head_dim, "fp8", device="meta"))
 
 
+def skeleton(path: Path, dtype: torch.dtype | str, device: torch.device | str
+             ) -> tuple[ModelConfig, torch.dtype, dict[str, Path], Transformer, tuple[int, int]]:
+    """What loading the directory ``path`` starts from: its config, ``dtype`` resolved, its tensor files by name,
+    the model on ``meta`` (Engram tables in the format the checkpoint stores) and the FP8 weight block size.
+    Raises what :func:`load_model` raises for a missing or bad config / weights / dtype."""
+    cfg = ModelConfig.from_pretrained(path)
+    dtype = resolve_dtype(dtype, device, path)
+    files = weight_files(path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    _engram_fp8_layers(model, files)
+    block = tuple(cfg.quantization_config.weight_block_size) if (
+        cfg.quantization_config and cfg.quantization_config.weight_block_size) else (32, 32)
+    return cfg, dtype, files, model, block
+
+
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                fake_quant: bool = True):
     """Load a model directory (``config.json`` + safetensors) into a :class:`~deepseek_v41.model.transformer.
@@ -139,15 +155,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     ones) and CheckpointError listing every missing, unexpected, mis-shaped or undecodable tensor.
     """
     path = Path(path)
-    cfg = ModelConfig.from_pretrained(path)
-    dtype = resolve_dtype(dtype, device, path)
-    files = weight_files(path)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    _engram_fp8_layers(model, files)
+    cfg, dtype, files, model, block = skeleton(path, dtype, device)
     expected = model.state_dict()
-    block = tuple(cfg.quantization_config.weight_block_size) if (
-        cfg.quantization_config and cfg.quantization_config.weight_block_size) else (32, 32)
     reader = _Reader(files)
     problems, tensors = [], {}
     aliases = {}
