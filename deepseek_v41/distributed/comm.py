@@ -114,15 +114,14 @@ class ParallelState:
             return rows, list(send_counts)
         sent_elsewhere = sum(n for r, n in enumerate(send_counts) if r != self.rank)
         row_bytes = rows[0:1].numel() * rows.element_size() if rows.dim() else 0
+        self._count("all_to_all", sent_elsewhere * row_bytes)
         if rows.device.type == "meta":
-            self._count("all_to_all", sent_elsewhere * row_bytes)
             return rows, list(send_counts)
         counts = torch.tensor(send_counts, dtype=torch.long, device=rows.device)  # (NCCL: CUDA tensors only)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
         recv_counts = received.tolist()
         out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
-        self._count("all_to_all", sent_elsewhere * row_bytes)
         dist.all_to_all_single(out, rows.contiguous(), recv_counts, list(send_counts), group=self.group)
         return out, recv_counts
 
