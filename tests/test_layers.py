@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # it validates, the chat format, and the C kernels' loader and wrappers (plain tensors in, tensors out).
     ("base", ("deepseek_v41/__init__.py", "deepseek_v41/progress.py", "deepseek_v41/dtypes.py",
               "deepseek_v41/config.py", "deepseek_v41/engram_sizes.py", "deepseek_v41/chat/",
-              "deepseek_v41/kernels/")),
+              "deepseek_v41/kernels/", "deepseek_v41/disagg/__init__.py", "deepseek_v41/disagg/config.py")),
     # Number formats (FP8 / FP4 / UE8M0) and the layer plan: functions of the config and of tensors.
     ("numerics", ("deepseek_v41/quant/", "deepseek_v41/plan.py")),
     # The reference model: one module per concept, and its checkpoints.
@@ -45,7 +45,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("fast paths and cache", ("deepseek_v41/kernels/fast/", "deepseek_v41/cache/",
                               "deepseek_v41/distributed/__init__.py", "deepseek_v41/distributed/config.py",
                               "deepseek_v41/distributed/comm.py", "deepseek_v41/distributed/layers.py",
-                              "deepseek_v41/distributed/shard.py", "deepseek_v41/distributed/loader.py")),
+                              "deepseek_v41/distributed/shard.py", "deepseek_v41/distributed/loader.py",
+                              "deepseek_v41/disagg/connector.py")),
     # Constrained decoding: grammars (xgrammar / llguidance, the DSML tool-call tags) and token bitmasks; the engine
     # masks its logits with them.
     ("structured", ("deepseek_v41/structured/",)),
@@ -64,6 +65,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # Function-level imports of the package's own modules that stay: (importing file, imported module, or "*" for
 # every import of that file) -> why.
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
+    ("deepseek_v41/disagg/connector.py", "deepseek_v41.disagg"):
+        "NixlConnector needs the optional nixl extra: imported only when a server asks for it (issue 29)",
     ("deepseek_v41/__init__.py", "deepseek_v41.engine"):
         "PEP 562 __getattr__ re-exports LLM, SamplingParams...: `import deepseek_v41` imports no torch "
         "(tests/test_package_api.py)",

@@ -22,6 +22,7 @@ import typer
 from deepseek_v41 import __version__
 from deepseek_v41.cli import parallel
 from deepseek_v41.config import ConfigError
+from deepseek_v41.disagg.config import ECTransferConfig, KVTransferConfig
 from deepseek_v41.dtypes import DTYPES
 from deepseek_v41.dtypes import resolve_dtype as resolve
 from deepseek_v41.engine import LLM
@@ -268,6 +269,16 @@ def serve(
                                              "not a Jinja template."),
     disable_log_stats: bool = typer.Option(False, "--disable-log-stats", help="Same as --log-stats-interval 0 (no "
                                            "throughput log lines)."),
+    kv_transfer_config: str | None = typer.Option(None, help="Disaggregated prefill / decode (vLLM's): a JSON "
+                                                  "object '{\"kv_connector\": \"SharedStorageConnector\" | "
+                                                  "\"RedisConnector\" | \"NixlConnector\", \"kv_role\": "
+                                                  "\"kv_producer\" | \"kv_consumer\" | \"kv_both\", "
+                                                  "\"kv_connector_extra_config\": {...}}' (README: Disaggregated "
+                                                  "serving)."),
+    ec_transfer_config: str | None = typer.Option(None, help="Disaggregated vision encoding: '{\"ec_connector\": "
+                                                  "\"SharedStorageConnector\", \"ec_role\": \"ec_producer\" | "
+                                                  "\"ec_consumer\" | \"ec_both\", \"ec_connector_extra_config\": "
+                                                  "{\"shared_storage_path\": DIR}}'."),
     tensor_parallel_size: int = parallel.tensor_parallel_size_option(),
     enable_expert_parallel: bool = parallel.enable_expert_parallel_option(),
     expert_parallel_size: int | None = parallel.expert_parallel_size_option(),
@@ -335,6 +346,11 @@ def serve(
         fail("--speculative-max-len needs --speculative dspark (speculative decoding is off)")
     if not model.is_dir():
         fail(f"model directory {model} not found")
+    try:
+        kv_transfer = None if kv_transfer_config is None else KVTransferConfig.from_cli(kv_transfer_config)
+        ec_transfer = None if ec_transfer_config is None else ECTransferConfig.from_cli(ec_transfer_config)
+    except ValueError as exc:
+        fail(str(exc))
     media = _media_config(allowed_media_domains, allowed_local_media_path, limit_mm_per_prompt, media_fetch_timeout,
                           max_image_bytes)
 
@@ -374,7 +390,8 @@ def serve(
                        enable_prefix_caching=enable_prefix_caching, swa_pool_bytes=swa_pool_bytes, replay=replay,
                        redis_url=redis_url,
                        speculative=speculative, speculative_max_len=speculative_max_len,
-                       structured_outputs_config=structured, encoder_cache_size=encoder_cache_size)
+                       structured_outputs_config=structured, encoder_cache_size=encoder_cache_size,
+                       kv_transfer_config=kv_transfer)
     # LLM turns the fraction into the pool's budget (engine.options) and logs the budget and the pool allocated.
     vllm_options = dict(gpu_memory_utilization=gpu_memory_utilization, pipeline_parallel_size=pipeline_parallel_size,
                         kv_cache_dtype=kv_cache_dtype, trust_remote_code=trust_remote_code,
@@ -420,6 +437,8 @@ def serve(
         log.info("%s; CORS origins %s", describe(defaults, defaults_origin), cors["allow_origins"])
         if llm.engine.config.vision_config is not None:
             log.info("%s", describe_media(media))
+        if kv_transfer is not None:
+            log.info("%s", describe_kv_transfer(llm, kv_transfer))
         if config.model_aliases:
             log.info("requests may also name the model by its path: %s (vLLM's default served name)",
                      ", ".join(config.model_aliases))
@@ -435,6 +454,21 @@ def serve(
             replica.shutdown()  # a parallel engine's workers: stopped and reaped before the process exits
         if not started:
             _remove_created(created)
+
+
+def describe_kv_transfer(llm: LLM, transfer: KVTransferConfig) -> str:
+    """The start line of a disaggregated server: its role, connector, and for a producer what it loaded."""
+    connector = llm.engine.prefix_cache.connector
+    where = getattr(connector, "directory", None) or transfer.kv_connector_extra_config.get("url", "")
+    line = f"{transfer.kv_role} over {transfer.kv_connector}{f' at {where}' if where else ''}"
+    if transfer.prefill_only:
+        line += ("; every request is prefill-only: its global KV pages go to the connector, nothing is sampled, "
+                 "the decoder never runs")
+    loaded = getattr(llm.model, "loaded_weight_bytes", None)
+    if loaded is not None:
+        kind = "encoder-only prefill model" if getattr(llm.model, "encoder_only", False) else "model"
+        line += f"; {kind}: {loaded / 2**20:,.1f} MiB of weights loaded"
+    return line
 
 
 def _media_config(domains: list[str], local_path: Path | None, limit: str | None, timeout: float | None,

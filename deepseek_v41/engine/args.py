@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from deepseek_v41.cache.kv_cache_manager import CacheConfig
+from deepseek_v41.disagg.config import KVTransferConfig
 
 
 @dataclass
@@ -39,6 +40,11 @@ class EngineArgs:
     The cache keeps the rows of images by content hash, so an image seen again is not encoded again
     (engine/encoder_cache.py).
 
+    Disaggregated serving (issue 29): ``kv_transfer_config`` (vLLM's name), a
+    :class:`~deepseek_v41.disagg.config.KVTransferConfig`, its dict or its JSON: the server's role (kv_producer:
+    every request prefill-only, pages written to the connector; kv_consumer: prefixes read from it; kv_both) and
+    connector. Needs prefix caching and the CED prefill. None (default): a colocated engine.
+
     Structured outputs: ``structured_outputs_config`` (vLLM's name), a dict of
     :class:`~deepseek_v41.structured.StructuredOutputsConfig` fields: ``backend`` ("auto", "xgrammar",
     "guidance") and ``disable_any_whitespace`` (default True here, False in vLLM); None = the defaults.
@@ -64,6 +70,11 @@ class EngineArgs:
     speculative_cost_table: dict[int, float] | list[float] | str | None = None
     structured_outputs_config: dict[str, Any] | None = None
     encoder_cache_size: int | None = None
+    kv_transfer_config: Any = None
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, KVTransferConfig):
+            self.kv_transfer_config = KVTransferConfig.from_cli(self.kv_transfer_config)
 
     def cache_config(self, max_model_len: int) -> CacheConfig:
         """The cache settings of these arguments, for an engine of ``max_model_len`` tokens per sequence."""
