@@ -132,17 +132,25 @@ def _keep_only(module: nn.Module, path: str, keep: tuple[str, ...], prefix: str 
             delattr(module, name)
 
 
-def prune_to_encoder(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype, bool]]:
+    """name -> (shape, dtype, is a parameter) of every parameter and buffer (non-persistent ones included)."""
+    out = {name: (tuple(t.shape), t.dtype, True) for name, t in model.named_parameters()}
+    out.update((name, (tuple(t.shape), t.dtype, False)) for name, t in model.named_buffers())
+    return out
+
+
+def prune_to_encoder(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype, bool]]:
     """Turn the full ``model`` (in place; any device, ``meta`` included) into the encoder-only prefill model of a
     ``kv_producer``: the output side and the decoder layers after the boundary become :class:`Dropped`, the boundary
     an :class:`EncoderBoundary`, the DSpark draft ``None``; afterwards ``model.state_dict()`` holds exactly
     :func:`encoder_only_names`. Sets ``model.encoder_only = True`` and ``model.dropped_weights``. Returns the
-    dropped state-dict entries, name -> (shape, dtype as held before pruning). Raises ValueError (with the plan's
-    ``ced_reason``) without a CED layout, and for a model pruned already. Source: issue 29."""
+    dropped parameters and buffers (non-persistent ones included), name -> (shape, dtype as held before pruning,
+    is a parameter). Raises ValueError (with the plan's ``ced_reason``) without a CED layout, and for a model pruned
+    already. Source: issue 29."""
     _check_ced(model)
     if getattr(model, "encoder_only", False):
         raise ValueError("this model is an encoder-only prefill model already")
-    before = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    before = _tensors(model)
     plan = model.plan
     boundary = plan.decoder_layers[0]
     for name in OUTPUT_SIDE:
@@ -155,7 +163,7 @@ def prune_to_encoder(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch
     kept = EncoderBoundary(model.layers[boundary], path)
     _keep_only(kept, path, BOUNDARY_KEEP)
     model.layers[boundary] = kept
-    after = model.state_dict()
+    after = _tensors(model)
     dropped = {name: meta for name, meta in before.items() if name not in after}
     model.encoder_only = True
     model.dropped_weights = dropped
@@ -168,13 +176,13 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def dropped_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
-    """Bytes the tensors :func:`prune_to_encoder` dropped would take loaded: each at ``dtype`` (the load dtype;
-    fp32 where the loader keeps fp32: mHC, sinks, router biases) when given, else at the dtype they had. 0 for a
-    model that was not pruned."""
+    """Bytes the parameters and buffers :func:`prune_to_encoder` dropped would take loaded: floating parameters
+    at ``dtype`` (the load dtype; fp32 where the loader keeps fp32: mHC, sinks, router biases) when given, the rest
+    (buffers, FP8 tables) at the dtype they had. 0 for a model that was not pruned."""
     total = 0
-    for name, (shape, held) in getattr(model, "dropped_weights", {}).items():
+    for name, (shape, held, param) in getattr(model, "dropped_weights", {}).items():
         numel = int(torch.Size(shape).numel())
-        if dtype is not None and held.is_floating_point and held.itemsize >= 2:
+        if dtype is not None and param and held.is_floating_point and held.itemsize >= 2:
             held = torch.float32 if keeps_fp32(name) else dtype
         total += numel * held.itemsize
     return total
