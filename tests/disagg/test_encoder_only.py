@@ -2,13 +2,15 @@
 it holds (from the layer plan), that it writes exactly the global KV of the full model, and that what it does not
 hold fails loudly."""
 
+import math
+
 import pytest
 import torch
 
 from deepseek_v41 import kernels
 from deepseek_v41.analysis.params import build_on_meta, count_params, loaded_bytes
 from deepseek_v41.cache.fingerprint import model_fingerprint
-from deepseek_v41.config import flash_config, tiny_config
+from deepseek_v41.config import VisionConfig, flash_config, tiny_config
 from deepseek_v41.disagg.encoder_only import (
     BOUNDARY_KEEP,
     Dropped,
@@ -23,8 +25,12 @@ from deepseek_v41.engine.sampling_params import SamplingParams
 from deepseek_v41.kernels import fast
 from deepseek_v41.model.checkpoint import CheckpointError, load_model
 from deepseek_v41.model.context import DenseContext
+from deepseek_v41.model.image_processor import ImageGrid, ProcessedImage
 from deepseek_v41.model.transformer import Transformer
 
+IMG = 509  # image_token_id of the tiny VLM (511 is the DSpark noise token)
+VISION = VisionConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=12, patch_size=2,
+                      rope_theta=100.0, downsample_ratio=3, max_image_tokens=64, min_pixels=16)
 NOT_CED = {"kv_source_layer_ids": [2, 4, 5], "index_source_layer_ids": [2, 4, 5, 6]}  # layer 5 a kv source
 
 
@@ -185,17 +191,21 @@ def test_the_fast_backend_serves_the_producer(model_dir):
         fast.uninstall(producer)
 
 
-def _prefill_pages(model, model_dir, ids: list[int], prefill_only: bool) -> dict[str, torch.Tensor]:
-    """The global KV pages an engine over ``model`` writes for prompt ``ids``, the decoder skipped when
-    ``prefill_only`` (decoder_start = N, as the lead's prefill-only request sets it)."""
+def _prefill_pages(model, model_dir, ids: list[int], prefill_only: bool,
+                   images: list | None = None) -> dict[str, torch.Tensor]:
+    """The global KV pages an engine over ``model`` writes for prompt ``ids`` (with ``images`` for its image
+    placeholders), the decoder skipped when ``prefill_only`` (decoder_start = N, as the lead's prefill-only request
+    sets it)."""
     engine = LLMEngine(model, EngineArgs(max_model_len=128, max_num_seqs=2, block_size=16,
                                          enable_prefix_caching=False), model_path=model_dir)
-    engine.add_request("p", ids, SamplingParams(temperature=0, max_tokens=1))
+    engine.add_request("p", ids, SamplingParams(temperature=0, max_tokens=1),
+                       multi_modal_data={"image": images} if images else None)
     seq = engine.requests["p"][0]
+    n = seq.num_tokens
     if prefill_only:
-        seq.decoder_start = len(ids)
+        seq.decoder_start = n
     (s, start, end), = engine.scheduler.schedule().prefills
-    assert s is seq and (start, end) == (0, len(ids))
+    assert s is seq and (start, end) == (0, n)
     logits = engine.runner.prefill(seq, start, end)
     assert (logits is None) == prefill_only
     decoded = engine.runner.layer_tokens[model.plan.decoder_layers[-1]]
@@ -216,6 +226,39 @@ def test_an_engine_over_the_producer_prefills_the_same_pages(model_dir):
         assert torch.equal(got[key], want[key]), key
     with pytest.raises(ValueError, match="DSpark draft"):
         LLMEngine(producer, EngineArgs(max_model_len=128, speculative="dspark"))
+
+
+def test_a_producer_with_a_vision_tower_prefills_the_same_pages_for_an_image_prompt(tmp_path):
+    """The producer keeps the vision tower and aligner: an image prompt's pages are the full model's (float64)."""
+    cfg = tiny_config().replace(max_position_embeddings=4096, vision_config=VISION, image_token_id=IMG)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():  # vision weights large enough that the image changes the KV
+        for name, p in model.named_parameters():
+            if name.startswith(("vision.", "aligner.")):
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path)
+    full = load_model(tmp_path, torch.float64)
+    producer = load_model(tmp_path, torch.float64, encoder_only=True)
+    assert producer.vision is not None and describe_load(producer).endswith("vision tower and aligner")
+    ids = prompt(20, 3) + [IMG] + prompt(9, 4)
+    images = [_image(6, 6)]
+    want = _prefill_pages(full, tmp_path, ids, False, images)
+    got = _prefill_pages(producer, tmp_path, ids, True, images)
+    assert set(got) == set(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert not torch.equal(_prefill_pages(full, tmp_path, ids, False, [_image(6, 6, seed=2)])["1.4.main_codes"],
+                           want["1.4.main_codes"])  # the image reaches the boundary's entries
+
+
+def _image(n_vit_h: int, n_vit_w: int, seed: int = 1) -> ProcessedImage:
+    """A preprocessed image of random patches on an n_vit_h x n_vit_w patch grid (tests/engine's helper)."""
+    g = torch.Generator().manual_seed(seed)
+    p, r = VISION.patch_size, VISION.downsample_ratio
+    patches = torch.randn(n_vit_h * n_vit_w, 3 * p ** 2, generator=g)
+    return ProcessedImage(patches, ImageGrid(n_vit_h * p, n_vit_w * p, n_vit_h, n_vit_w, math.ceil(n_vit_h / r),
+                                             math.ceil(n_vit_w / r)))
 
 
 # ------------------------------------------------------------------------------------------------ errors
