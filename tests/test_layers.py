@@ -36,7 +36,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Number formats (FP8 / FP4 / UE8M0) and the layer plan: functions of the config and of tensors.
     ("numerics", ("deepseek_v41/quant/", "deepseek_v41/plan.py")),
     # The reference model: one module per concept, and its checkpoints.
-    ("model", ("deepseek_v41/model/",)),
+    # (and the encoder-only prefill model of a kv_producer, which load_model prunes: issue 29)
+    ("model", ("deepseek_v41/model/", "deepseek_v41/disagg/encoder_only.py")),
     # What is installed on or built around a loaded model: the fast paths (they install on model classes, so they
     # sit above model/ although they live under kernels/) and the paged KV cache / prefix cache (its attention
     # context calls the fast paths).

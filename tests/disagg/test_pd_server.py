@@ -29,7 +29,7 @@ def connector(tmp_path, role, **extra):
 def test_prefill_then_decode_equals_colocated(model_dir, tmp_path):
     common = dict(dtype=torch.float64, swa_pool_bytes=0)
     servers = [start_server(model_dir, **common),
-               start_server(model_dir, **common, kv_transfer_config=connector(tmp_path, "kv_producer", encoder_only=False)),
+               start_server(model_dir, **common, kv_transfer_config=connector(tmp_path, "kv_producer")),
                start_server(model_dir, **common, replay="exact", kv_transfer_config=connector(tmp_path, "kv_consumer"))]
     colocated, prefill, decode = servers
     try:
