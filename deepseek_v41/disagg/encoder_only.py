@@ -153,10 +153,8 @@ def prune_to_encoder(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch
     before = _tensors(model)
     plan = model.plan
     boundary = plan.decoder_layers[0]
-    for name in OUTPUT_SIDE:
-        if getattr(model, name, None) is not None:
-            setattr(model, name, Dropped(name))
-    model.mtp = None  # no draft: a producer samples nothing (engine: speculative decoding unavailable)
+    model.norm, model.head = Dropped("norm"), Dropped("head")
+    model.mtp = None  # no draft: a producer samples nothing (the engine then offers no speculative decoding)
     for j in plan.decoder_layers[1:]:
         model.layers[j] = Dropped(f"layers.{j}")
     path = f"layers.{boundary}"
