@@ -205,7 +205,8 @@ def describe_load(model: nn.Module) -> str:
     full = loaded + dropped_bytes(model) if full is None else full
     plan = model.plan
     enc, boundary = plan.encoder_layers, plan.decoder_layers[0]
-    parts = ["embedding", f"layers {enc.start}-{enc.stop - 1}", f"layer {boundary}'s compressor and index keys"]
+    layers = f"layers {enc.start}-{enc.stop - 1}" if len(enc) > 1 else f"layer {enc.start}"
+    parts = ["embedding", layers, f"layer {boundary}'s compressor and index keys"]
     if getattr(model, "vision", None) is not None:
         parts.append("vision tower and aligner")
     share = 100 * loaded / full if full else 100.0
