@@ -153,10 +153,8 @@ def prune_to_encoder(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch
     before = _tensors(model)
     plan = model.plan
     boundary = plan.decoder_layers[0]
-    for name in OUTPUT_SIDE:
-        if getattr(model, name, None) is not None:
-            setattr(model, name, Dropped(name))
-    model.mtp = None  # no draft: a producer samples nothing (engine: speculative decoding unavailable)
+    model.norm, model.head = Dropped("norm"), Dropped("head")
+    model.mtp = None  # no draft: a producer samples nothing (the engine then offers no speculative decoding)
     for j in plan.decoder_layers[1:]:
         model.layers[j] = Dropped(f"layers.{j}")
     path = f"layers.{boundary}"
@@ -207,7 +205,8 @@ def describe_load(model: nn.Module) -> str:
     full = loaded + dropped_bytes(model) if full is None else full
     plan = model.plan
     enc, boundary = plan.encoder_layers, plan.decoder_layers[0]
-    parts = ["embedding", f"layers {enc.start}-{enc.stop - 1}", f"layer {boundary}'s compressor and index keys"]
+    layers = f"layers {enc.start}-{enc.stop - 1}" if len(enc) > 1 else f"layer {enc.start}"
+    parts = ["embedding", layers, f"layer {boundary}'s compressor and index keys"]
     if getattr(model, "vision", None) is not None:
         parts.append("vision tower and aligner")
     share = 100 * loaded / full if full else 100.0
