@@ -23,6 +23,7 @@ from deepseek_v41 import __version__
 from deepseek_v41.cli import parallel
 from deepseek_v41.config import ConfigError
 from deepseek_v41.disagg.config import ECTransferConfig, KVTransferConfig
+from deepseek_v41.disagg.encoder_only import describe_load
 from deepseek_v41.dtypes import DTYPES
 from deepseek_v41.dtypes import resolve_dtype as resolve
 from deepseek_v41.engine import LLM
@@ -464,11 +465,7 @@ def describe_kv_transfer(llm: LLM, transfer: KVTransferConfig) -> str:
     if transfer.prefill_only:
         line += ("; every request is prefill-only: its global KV pages go to the connector, nothing is sampled, "
                  "the decoder never runs")
-    loaded = getattr(llm.model, "loaded_weight_bytes", None)
-    if loaded is not None:
-        kind = "encoder-only prefill model" if getattr(llm.model, "encoder_only", False) else "model"
-        line += f"; {kind}: {loaded / 2**20:,.1f} MiB of weights loaded"
-    return line
+    return f"{line}; {describe_load(llm.model)}"
 
 
 def _media_config(domains: list[str], local_path: Path | None, limit: str | None, timeout: float | None,

@@ -103,3 +103,16 @@ def test_roles_are_checked(model_dir, tmp_path):
     both = engine(model_dir, kv_transfer_config=shared(tmp_path, "kv_both"))
     assert both.generate({"prompt_token_ids": tokens(40, 5)}, remote)[0].outputs[0].token_ids == []
     assert len(both.generate({"prompt_token_ids": tokens(40, 5)}, GREEDY)[0].outputs[0].token_ids) == 6
+
+
+def test_redis_connector_moves_the_pages(model_dir, redis_url):
+    prompt = tokens(130, 6)
+    colocated = engine(model_dir).generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    redis = {"kv_connector": "RedisConnector", "kv_connector_extra_config": {"url": redis_url}}
+    producer = engine(model_dir, kv_transfer_config={**redis, "kv_role": "kv_producer"})
+    params = producer.generate({"prompt_token_ids": prompt}, GREEDY)[0].kv_transfer_params
+    assert params["num_pages"] == len(prompt) // producer.engine.kv_cache_manager.block_size
+    consumer = engine(model_dir, replay="exact", kv_transfer_config={**redis, "kv_role": "kv_consumer"})
+    out = consumer.generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    assert out.kv_transfer_params["transfer_pages"] == (len(prompt) - 1) // 16 > 0
+    assert out.outputs[0].token_ids == colocated.outputs[0].token_ids
