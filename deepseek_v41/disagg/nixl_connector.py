@@ -306,10 +306,10 @@ class NixlPages:
     def _get_remote(self, peer: _Peer, block_hash: str) -> dict[str, torch.Tensor] | None:
         if peer.down_until > time.monotonic():
             return None
-        start = time.perf_counter()
         try:
             if peer.sock is None:
                 self._handshake(peer)
+            start = time.perf_counter()  # after the one-time handshake: read_bytes / read_seconds is a bandwidth
             answer = peer.request({"op": "lookup", "block_hashes": [block_hash]})
             if answer.get("agent_name") != peer.agent_name:
                 raise _PeerError(f"{peer.host}:{peer.port} restarted (now agent {answer.get('agent_name')!r})")

@@ -2,11 +2,13 @@
 
 The producer runs in a child process (PRODUCER below) and puts pages whose bytes are a function of their hash
 (``page_for``); the consumer, here, NIXL-READs them and must get exactly ``page_for(hash)`` back — an oracle
-independent of the transfer. Skipped when nixl is not installed (the ``nixl`` extra), failed under CI=true."""
+independent of the transfer. The tests that need nixl are slow tests (`make test-slow` installs the ``nixl``
+extra): skipped when nixl is not installed, failed under CI=true; each starts torch in a child (4-8 s here)."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -123,6 +125,7 @@ def test_missing_nixl_says_how_to_install(codec, monkeypatch):
         NixlPages(codec, {}, "kv_consumer")
 
 
+@pytest.mark.slow
 def test_buffer_is_lru_and_roles_are_kept(codec):
     require("nixl")
     slot = codec.size("0" * 128)
@@ -148,6 +151,33 @@ def test_buffer_is_lru_and_roles_are_kept(codec):
         assert consumer.side_channel_port == 0 and consumer.get(HASHES[0]) is None
 
 
+@pytest.mark.slow
+def test_side_channel_answers_json_and_a_stale_index_is_a_miss(codec):
+    require("nixl")
+    extra = {"side_channel_port": 0, "buffer_bytes": codec.size("0" * 128)}  # one slot
+    with NixlPages(codec, extra, "kv_producer") as producer:
+        producer.put(HASHES[0], page_for(HASHES[0]))
+        with socket.create_connection(("127.0.0.1", producer.side_channel_port), timeout=10) as sock:
+            reader = sock.makefile("rb")
+            for line in (b"not json\n", b'{"op": "lookup", "block_hashes": ["../etc"]}\n', b'{"op": "pickle"}\n'):
+                sock.sendall(line)
+                assert "error" in json.loads(reader.readline())
+            sock.sendall(b'{"op": "lookup", "block_hashes": ["%s", "%s"]}\n' % (HASHES[0].encode(),
+                                                                               HASHES[1].encode()))
+            assert json.loads(reader.readline())["pages"] == {HASHES[0]: [0, codec.size(HASHES[0])]}
+            sock.sendall(b'{"op": "metadata"}\n')
+            meta = json.loads(reader.readline())
+            assert meta["fingerprint"] == FINGERPRINT and meta["agent_name"] == producer.agent_name
+        with NixlPages(codec, {"peers": [f"127.0.0.1:{producer.side_channel_port}"]}, "kv_consumer") as consumer:
+            assert_page(consumer.get(HASHES[0]), HASHES[0])
+            stale = producer._lookup([HASHES[0]])
+            producer.put(HASHES[1], page_for(HASHES[1]))  # evicts HASHES[0]: its slot now holds HASHES[1]
+            producer._lookup = lambda hashes: stale  # a consumer that looked up just before the eviction
+            assert consumer.get(HASHES[0]) is None  # the bytes name another hash: a miss, never used
+            assert consumer.stats["rejected"] == 1 and consumer.stats["pages_read"] == 1
+
+
+@pytest.mark.slow
 def test_consumer_reads_producer_pages_across_processes(codec):
     require("nixl")
     # 4 slots for 6 pages: the first two are evicted; HASHES[3] gets a flipped byte.
@@ -174,6 +204,7 @@ def test_consumer_reads_producer_pages_across_processes(codec):
         assert stop(proc) == 0
 
 
+@pytest.mark.slow
 def test_killed_producer_is_a_miss_and_a_restarted_one_rejoins(codec):
     require("nixl")
     proc, params = start_producer(0, HASHES[:2], slots=4)
