@@ -146,6 +146,8 @@ def test_buffer_is_lru_and_roles_are_kept(codec):
         with pytest.raises(ValueError, match="differ from the layout"):
             both.put(HASHES[4], {"x": torch.zeros(1)})
         assert both.flush() is True
+    with pytest.raises(ValueError, match=r"backends \['NO_SUCH'\] are not available in this nixl; it has"):
+        NixlPages(codec, {"backends": ["NO_SUCH"]}, "kv_consumer")
     with NixlPages(codec, {}, "kv_consumer") as consumer:
         assert consumer.put(HASHES[0], page_for(HASHES[0])) is False  # a consumer serves nothing
         assert consumer.side_channel_port == 0 and consumer.get(HASHES[0]) is None
