@@ -9,10 +9,11 @@ agent (DRAM_SEG), cut into equal slots (``buffer_bytes`` of them, LRU) and serve
 (``side_channel_host`` / ``side_channel_port``), its agent metadata and an index ``block_hash -> (offset,
 length)``. A **consumer** (``kv_consumer`` / ``kv_both``) knows producers from ``peers`` ``["host:port", ...]`` or
 from the ``kv_transfer_params`` of a prefill response (:meth:`NixlPages.add_peer`), fetches their metadata once,
-looks a page up, NIXL-READs its bytes into its own registered buffer (one-sided: the producer's CPU is not
-involved) and decodes them. As vLLM's NixlConnector: the side channel carries only metadata, the KV bytes go
-through NIXL; unlike it, whole checksummed pages move, not raw KV blocks, so the decode side never trusts them
-unverified.
+looks a page up, NIXL-READs its bytes into its own registered buffer (one-sided for the producer's Python: on
+RDMA hardware no producer CPU is involved; on a host without it, as here, UCX emulates the read over TCP in the
+producer's UCX progress thread) and decodes them. As vLLM's NixlConnector: the side channel carries only
+metadata, the KV bytes go through NIXL; unlike it, whole checksummed pages move, not raw KV blocks, so the decode
+side never trusts them unverified.
 
 Side channel: one JSON object per line, UTF-8, never pickle; a connection may carry many requests::
 
