@@ -224,6 +224,10 @@ class LLMEngine:
             raise ValueError(f"kv_transfer_params must be a JSON object or null, got {transfer!r}")
         remote_decode = bool((transfer or {}).get("do_remote_decode", False))
         config = self.kv_transfer
+        connector = self.prefix_cache.connector if config is not None else None
+        if transfer and config is not None and config.is_consumer and "remote_host" in transfer and hasattr(
+                connector, "add_peer"):  # NixlConnector: pull from the producer that prefilled this prompt
+            connector.add_peer(str(transfer["remote_host"]), transfer.get("remote_port"))
         if remote_decode and (config is None or not config.is_producer):
             role = "no --kv-transfer-config" if config is None else f"kv_role {config.kv_role}"
             raise ValueError(f"kv_transfer_params asks for a remote decode (do_remote_decode), but this engine has "
@@ -484,7 +488,9 @@ class LLMEngine:
         if seq.prefill_only:
             pages = len(seq.prompt_token_ids) // P
             return {"do_remote_prefill": True, "num_prompt_tokens": len(seq.prompt_token_ids), "num_pages": pages,
-                    "block_size": P, "transfer_bytes": pages * self.prefix_cache.page_payload_bytes}
+                    "block_size": P, "transfer_bytes": pages * self.prefix_cache.page_payload_bytes,
+                    # where a pulling connector (Nixl) reads them: remote_host, remote_port, remote_engine_id
+                    **getattr(self.prefix_cache.connector, "kv_transfer_params", {})}
         pages, nbytes, seconds = seq.kv_transfer
         if not self.kv_transfer.is_consumer:
             return None
