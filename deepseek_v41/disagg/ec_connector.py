@@ -125,10 +125,10 @@ class SharedStorageECConnector:
         """Writes are synchronous: always True (the KV connectors' interface)."""
         return True
 
-    @staticmethod
-    def payload_bytes(num_rows: int, hidden_size: int, dtype: torch.dtype) -> int:
-        """Bytes of an image's rows: ``num_rows * hidden_size * itemsize`` (no header)."""
-        return num_rows * hidden_size * dtype.itemsize
+    def file_bytes(self, image_hash: str, num_rows: int) -> int:
+        """The size of a valid file of ``image_hash`` with ``num_rows`` rows: the rows' bytes
+        (``num_rows * hidden_size * itemsize``) plus the header."""
+        return self._codec(num_rows).size(image_hash)
 
     @property
     def stats(self) -> dict[str, Any]:
