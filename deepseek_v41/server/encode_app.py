@@ -92,9 +92,10 @@ class EncodeServer:
     that encodes and the request counters. ``encode(images)`` is what a request runs (module docstring)."""
 
     def __init__(self, encoder: VisionEncoder, served_model_names: list[str], media: MediaConfig,
-                 model_path: str | None = None, vision_config=None):
+                 model_path: str | None = None, vision_config=None, model_aliases: list[str] | None = None):
         self.encoder, self.media, self.model_path = encoder, media, model_path
         self.served_model_names, self.vision_config = served_model_names, vision_config
+        self.model_aliases = list(model_aliases or [])
         self.connector = encoder.ec_connector
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-encode")
         self.requests = {"ok": 0, "error": 0}
@@ -144,7 +145,7 @@ async def _images(server: EncodeServer, body: dict[str, Any]) -> list[ImageItem]
         req = ChatCompletionRequest.model_validate(known)
     except ValidationError as exc:
         raise validation_error(exc) from exc
-    if req.model and req.model not in server.served_model_names:
+    if req.model and req.model not in server.served_model_names and req.model not in server.model_aliases:
         raise APIError(f"The model '{req.model}' does not exist", "model", "model_not_found", 404)
     thinking, effort, drop = resolve_thinking(req)
     try:
@@ -192,13 +193,15 @@ def _collector(server: EncodeServer, name: str):
 
 def build_encode_app(model_dir: str | Path, ec_config: ECTransferConfig | dict | str, dtype: torch.dtype | str = "auto",
                      device: torch.device | str = "cpu", *, served_model_names: list[str] | None = None,
-                     media: MediaConfig | None = None, encoder_cache_size: int | None = None,
-                     api_keys: list[str] | None = None, max_body_bytes: int = 32 * 1024 * 1024) -> FastAPI:
+                     model_aliases: list[str] | None = None, media: MediaConfig | None = None,
+                     encoder_cache_size: int | None = None, api_keys: list[str] | None = None,
+                     max_body_bytes: int = 32 * 1024 * 1024) -> FastAPI:
     """The encode server's FastAPI app (module docstring) for the model directory ``model_dir``: its vision tower
     and aligner loaded alone in ``dtype`` on ``device``, an encoder cache of ``encoder_cache_size`` rows (as
     ``EngineArgs``), the EC connector of ``ec_config`` (``--ec-transfer-config``; role ``ec_producer`` or
-    ``ec_both``). ``served_model_names`` (default ``[str(model_dir)]``), ``media`` (default
-    :class:`~deepseek_v41.server.media.MediaConfig`), ``api_keys`` and ``max_body_bytes`` as the OpenAI server.
+    ``ec_both``). ``served_model_names`` (default ``[str(model_dir)]``), ``model_aliases``, ``media`` (default
+    :class:`~deepseek_v41.server.media.MediaConfig`), ``api_keys`` and ``max_body_bytes`` as the OpenAI server's
+    :class:`~deepseek_v41.server.common.ServerConfig`.
     Raises ValueError for a consumer-only role or a bad config, and what :func:`load_vision_only` raises."""
     cfg = ec_config if isinstance(ec_config, ECTransferConfig) else ECTransferConfig.from_cli(ec_config)
     if not cfg.is_producer:
@@ -207,7 +210,8 @@ def build_encode_app(model_dir: str | Path, ec_config: ECTransferConfig | dict |
     model = load_vision_only(model_dir, dtype, device)
     encoder = build_vision_encoder(model, encoder_cache_size, cfg, model_dir)
     names = list(served_model_names or [str(model_dir)])
-    server = EncodeServer(encoder, names, media or MediaConfig(), str(model_dir), model.config.vision_config)
+    server = EncodeServer(encoder, names, media or MediaConfig(), str(model_dir), model.config.vision_config,
+                          model_aliases)
     registry = CollectorRegistry()
     registry.register(_collector(server, names[0]))
     logger.info("encode server: %s, writing aligner rows to %s", cfg.ec_role, encoder.ec_connector.directory)
