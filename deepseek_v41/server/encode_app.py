@@ -113,6 +113,7 @@ class EncodeServer:
                 encoded = encoder.run()
                 rows = {h: encoder.ready[h] for h in unique}
             finally:
+                encoder.queue.clear()  # a failed encode leaves nothing queued for the next request
                 encoder.release()
         failed = [h for h in unique if h not in queued and not self.connector.put(h, rows[h])]
         # The encoded ones were written by the stage; their files must be there too.

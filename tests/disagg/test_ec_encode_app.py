@@ -117,6 +117,11 @@ def test_bad_requests_are_clear_400s(model_dir, tmp_path):
         assert r.status_code == 400 and "messages[0].content[1]" in r.json()["error"]["message"]
         r = client.post("/v1/chat/completions", json={"messages": []})
         assert r.status_code == 400
+        # A directory that stopped taking writes (the store turns writes off): 503s, so a router falls back.
+        app.state.encode_server.connector.store._stats["disabled"] = True
+        r = client.post("/v1/chat/completions", json=chat(text_image("y")))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "ec_transfer_failed"
+        assert client.get("/health").status_code == 503
     with pytest.raises(ValueError, match="ec_producer"):
         build_encode_app(model_dir, ec_config(tmp_path, "ec_consumer"))
 
