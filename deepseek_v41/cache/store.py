@@ -366,11 +366,11 @@ class PageStore:
             raise ValueError("a page codec given to a PageStore must have the store's fingerprint and format version")
         return codec
 
-    def _read_file(self, path: Path, block_hash: str, codec: PageCodec) -> tuple[bytes, os.stat_result | None, str]:
-        """(bytes, stat, "") of the regular file at ``path``, at most the size of a valid page of ``block_hash``
-        in ``codec``'s layout;
-        else (b"", stat, kind) with kind "missing" (gone, unreadable), "symlink", "not a regular file" or
-        "oversize" — without reading the file or opening what it is not.
+    def _read_file(self, path: Path, block_hash: str, codec: PageCodec | None = None
+                   ) -> tuple[bytes, os.stat_result | None, str]:
+        """(bytes, stat, "") of the regular file at ``path``, at most the size of a valid page of ``block_hash`` in
+        ``codec``'s layout (default the store's); else (b"", stat, kind) with kind "missing" (gone, unreadable),
+        "symlink", "not a regular file" or "oversize" — without reading the file or opening what it is not.
 
         The file is opened without following a symlink and without blocking (a FIFO would block ``open`` until a
         writer comes), and checked again through ``fstat`` (it may have been replaced since ``lstat``).
@@ -383,7 +383,7 @@ class PageStore:
             return b"", st, "symlink"
         if not stat.S_ISREG(st.st_mode):
             return b"", st, "not a regular file"
-        expected = codec.size(block_hash)
+        expected = (codec or self.codec).size(block_hash)
         if st.st_size > expected:
             return b"", st, "oversize"
         try:
