@@ -211,9 +211,11 @@ def build_vision_encoder(model, encoder_cache_size: int | None = None,
     transfer): the stage reads and / or writes the rows through the connector of
     :func:`~deepseek_v41.disagg.ec_connector.build_ec_connector`, keyed by
     :func:`~deepseek_v41.disagg.ec_connector.ec_fingerprint` of ``model`` and ``model_path`` (the directory it was
-    loaded from; None for a model built in memory). Raises ValueError for a negative ``encoder_cache_size`` or a
-    bad ``ec_transfer_config``.
+    loaded from; None for a model built in memory; a text-only model has no stage and no transfer). Raises ValueError
+    for a negative ``encoder_cache_size`` or a bad ``ec_transfer_config``.
     """
+    if ec_transfer_config is not None and not isinstance(ec_transfer_config, ECTransferConfig):
+        ec_transfer_config = ECTransferConfig.from_cli(ec_transfer_config)  # checked even for a text-only model
     vision = model.config.vision_config
     if vision is None or getattr(model, "vision", None) is None:
         return None
@@ -224,8 +226,6 @@ def build_vision_encoder(model, encoder_cache_size: int | None = None,
     cache = EncoderCache(size * model.config.hidden_size * weight.element_size())
     if ec_transfer_config is None:
         return VisionEncoder(functools.partial(encode_images, model), cache)
-    if not isinstance(ec_transfer_config, ECTransferConfig):
-        ec_transfer_config = ECTransferConfig.from_cli(ec_transfer_config)
     connector = build_ec_connector(ec_transfer_config, ec_fingerprint(model, model_path), model.config.hidden_size,
                                    weight.dtype)
     return VisionEncoder(functools.partial(encode_images, model), cache, connector, ec_transfer_config.ec_role,

@@ -14,8 +14,8 @@ positions of the image spans, "transfer_bytes": bytes of the distinct images' fi
 consumer reads, headers included), "encoded": distinct images encoded now, "cached": distinct images already in
 the encoder cache}}``, sent once every file is in the connector; a request without images is a 400
 (``no_images``), rows that cannot be written a 503 (``ec_transfer_failed``). ``POST /v1/completions``: a 400 (a
-completions body carries no images). ``GET /health`` (503 once the connector's directory is not writable),
-``GET /metrics`` (``dsv41:ec_transfer_bytes{direction}``, ``dsv41:ec_transfer_images{direction}``,
+completions body carries no images). ``GET /version``, ``GET /health`` (503 once the connector's directory is not
+writable), ``GET /metrics`` (``dsv41:ec_transfer_bytes{direction}``, ``dsv41:ec_transfer_images{direction}``,
 ``dsv41:ec_transfer_seconds{direction}``, ``dsv41:ec_transfer_hits`` / ``_misses``,
 ``dsv41:encoder_cache_hits`` / ``_misses``, ``dsv41:ec_requests{status}``), ``GET /v1/models``.
 
@@ -254,6 +254,10 @@ def build_encode_app(model_dir: str | Path, ec_config: ECTransferConfig | dict |
         return {"object": "list", "data": [{"id": name, "object": "model", "created": server.created,
                                             "owned_by": "dsv41", "root": server.model_path, "parent": None}
                                            for name in names]}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/health")
     async def health():

@@ -86,6 +86,7 @@ def test_encode_server_writes_the_rows_a_consumer_reads(model_dir, tmp_path):
         assert 'dsv41:ec_requests_total{model_name="tiny",status="ok"} 2.0' in metrics
         assert client.get("/health").status_code == 200
         assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        assert "version" in client.get("/version").json()
 
     # The prefill side: the full model from the same directory, an ec_consumer: it encodes nothing and gets the
     # rows it would have computed (the producer batched the two images apart, as the consumer would).

@@ -135,3 +135,9 @@ def test_fingerprint_and_roles(vlm, tmp_path):
         VisionEncoder(lambda ims: [], cache, connector, "kv_consumer")
     with pytest.raises(ValueError, match="ec_role"):
         LLM(vlm, max_model_len=64, ec_transfer_config=ec_config(tmp_path, "consumer"))
+    text_only = Transformer(tiny_config()).to(torch.float64)
+    with pytest.raises(ValueError, match="shared_storage_path"):  # checked on a text-only model too
+        LLM(text_only, max_model_len=64, ec_transfer_config={"ec_connector": "SharedStorageConnector",
+                                                              "ec_role": "ec_consumer"})
+    assert LLM(text_only, max_model_len=64, ec_transfer_config=ec_config(tmp_path, "ec_consumer")).engine.vision \
+        is None
