@@ -38,6 +38,7 @@ class Fake:
         self.healthy, self.status = True, 200
         self.release = threading.Event()
         self.release.set()
+        self.stream_closed = threading.Event()
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -76,10 +77,13 @@ class Fake:
                         "choices": [{"index": 0, "text": "ab", "finish_reason": "length"}], "usage": usage}
 
             async def events():
-                yield b'data: {"choices":[{"text":"a"}]}\n\n'
-                await asyncio.to_thread(self.release.wait, 10)
-                yield b'data: {"choices":[{"text":"b"}],"usage":' + json.dumps(usage).encode() + b"}\n\n"
-                yield b"data: [DONE]\n\n"
+                try:
+                    yield b'data: {"choices":[{"text":"a"}]}\n\n'
+                    await asyncio.to_thread(self.release.wait, 10)
+                    yield b'data: {"choices":[{"text":"b"}],"usage":' + json.dumps(usage).encode() + b"}\n\n"
+                    yield b"data: [DONE]\n\n"
+                finally:
+                    self.stream_closed.set()
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -247,6 +251,21 @@ def test_stream_is_relayed_chunk_by_chunk(stack):
     assert lines[-1] == "data: [DONE]" and '"cached_tokens": 8' in lines[1]
     assert prefill.received[0][1]["stream"] is False and "stream_options" not in prefill.received[0][1]
     assert decode.received[0][1]["stream"] is True and decode.received[0][1]["stream_options"]
+
+
+def test_a_client_that_leaves_closes_the_decode_stream(stack):
+    decode = Fake("decode")
+    decode.release.clear()
+    router = stack(decode=[decode])
+    state = router.server.config.app.state.router
+    with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "Hi", "stream": True},
+                      timeout=5) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+        assert state.num_requests == 1 and state.backends["decode"][0].outstanding == 1
+    decode.stream_closed.wait(5)  # the router closed its connection: the decode server aborts the request
+    assert decode.stream_closed.is_set()
+    wait_for(lambda: state.num_requests == 0 and state.backends["decode"][0].outstanding == 0)
+    decode.release.set()
 
 
 def test_prefill_4xx_is_returned_as_is(stack):
