@@ -53,6 +53,8 @@ def router(
         fail(str(exc))
     logging.basicConfig(level=log_level.upper() if log_level.lower() != "trace" else 5,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    if log_level.lower() not in ("debug", "trace"):  # httpx logs every request (each health poll) at info
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     log = logging.getLogger("deepseek_v41.router")
     server = make_server(build_router_app(config), host, port, drain_timeout, log_level.lower(), ConnectionLimits())
     log.info("routing on http://%s:%d: encode %s, prefill %s, decode %s; %s", host, port, config.encode or "none",
