@@ -59,7 +59,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Accounting from the code (KV bytes, FLOPs, parameters); a model card (train/) uses it.
     ("analysis", ("deepseek_v41/analysis/",)),
     ("train", ("deepseek_v41/train/",)),
-    ("server", ("deepseek_v41/server/",)),
+    # (and the disaggregated-serving router: an OpenAI front over servers, issue 29)
+    ("server", ("deepseek_v41/server/", "deepseek_v41/disagg/router.py")),
     # The command line (dsv41 and its subcommands): the top; nothing imports it.
     ("cli", ("deepseek_v41/cli/",)),
 ]
