@@ -38,7 +38,7 @@ def engine(model_dir, **args):
     return LLM(str(model_dir), dtype=torch.float64, max_model_len=1024, swa_pool_bytes=0, **args)
 
 
-@pytest.mark.parametrize("encoder_only", [False, True])
+@pytest.mark.parametrize("encoder_only", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_decode_side_equals_one_colocated_engine_with_exact_replay(model_dir, tmp_path, encoder_only):
     prompt = tokens(150, 1)
     colocated = engine(model_dir).generate({"prompt_token_ids": prompt}, GREEDY)[0]
