@@ -16,8 +16,8 @@ import torch
 
 from deepseek_v41.config import ModelConfig
 from deepseek_v41.dtypes import resolve_dtype
-from deepseek_v41.model.checkpoint import CheckpointError, _decode, _Reader, weight_files
-from deepseek_v41.model.vision import VisionModel, checkpoint_name_candidates
+from deepseek_v41.model.checkpoint import CheckpointError, read_tensors, weight_files
+from deepseek_v41.model.vision import VisionModel
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +45,7 @@ def load_vision_only(path: str | Path, dtype: torch.dtype | str = "auto", device
         config.quantization_config and config.quantization_config.weight_block_size) else (32, 32)
     with torch.device("meta"):
         model = VisionModel(config)
-    reader, problems, tensors = _Reader(files), [], {}
-    for name, like in model.state_dict().items():
-        stored = next((n for n in checkpoint_name_candidates(name) if n in files), None)
-        if stored is None:
-            problems.append(f"missing tensor {name} (expected shape {list(like.shape)})")
-            continue
-        try:
-            value = _decode(stored, reader, dtype, block)
-        except ValueError as exc:
-            problems.append(f"tensor {name} {exc}")
-            continue
-        if tuple(value.shape) != tuple(like.shape):
-            problems.append(f"tensor {name} has shape {list(value.shape)}, the model expects {list(like.shape)}")
-            continue
-        tensors[name] = value.to(device)
+    tensors, problems, _ = read_tensors(files, model.state_dict(), dtype, block, device)
     if problems:
         raise CheckpointError(path, problems)
     model.load_state_dict(tensors, assign=True, strict=True)

@@ -142,6 +142,33 @@ def skeleton(path: Path, dtype: torch.dtype | str, device: torch.device | str
     return cfg, dtype, files, model, block
 
 
+def read_tensors(files: dict[str, Path], expected: dict[str, torch.Tensor], dtype: torch.dtype,
+                 block: tuple[int, int], device: torch.device | str
+                 ) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
+    """Read and decode every tensor of ``expected`` (name -> a tensor of its shape, e.g. a meta model's state dict)
+    from ``files`` (:func:`weight_files`), FP8 / FP4 decoded to ``dtype`` (``block``: the FP8 weight block), on
+    ``device``. Returns (tensors by name, problems: one line per missing, undecodable or mis-shaped tensor,
+    aliases: stored name -> model name). Shared by :func:`load_model` and the encode server's vision-only load."""
+    reader = _Reader(files)
+    problems, tensors, aliases = [], {}, {}
+    for name, like in expected.items():
+        stored = next((n for n in checkpoint_name_candidates(name) if n in files), None)
+        if stored is None:
+            problems.append(f"missing tensor {name} (expected shape {list(like.shape)})")
+            continue
+        aliases[stored] = name
+        try:
+            value = _decode(stored, reader, dtype, block)
+        except ValueError as exc:
+            problems.append(f"tensor {name} {exc}")
+            continue
+        if tuple(value.shape) != tuple(like.shape):
+            problems.append(f"tensor {name} has shape {list(value.shape)}, the model expects {list(like.shape)}")
+            continue
+        tensors[name] = value.to(device)
+    return tensors, problems, aliases
+
+
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                fake_quant: bool = True, encoder_only: bool = False):
     """Load a model directory (``config.json`` + safetensors) into a :class:`~deepseek_v41.model.transformer.
@@ -168,25 +195,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     known = list(model.state_dict())  # every tensor name of the full model: none of them is "unexpected"
     if encoder_only:
         prune_to_encoder(model)
-    expected = model.state_dict()
-    reader = _Reader(files)
-    problems, tensors = [], {}
-    aliases = {}
-    for name, like in expected.items():
-        stored = next((n for n in checkpoint_name_candidates(name) if n in files), None)
-        if stored is None:
-            problems.append(f"missing tensor {name} (expected shape {list(like.shape)})")
-            continue
-        aliases[stored] = name
-        try:
-            value = _decode(stored, reader, dtype, block)
-        except ValueError as exc:
-            problems.append(f"tensor {name} {exc}")
-            continue
-        if tuple(value.shape) != tuple(like.shape):
-            problems.append(f"tensor {name} has shape {list(value.shape)}, the model expects {list(like.shape)}")
-            continue
-        tensors[name] = value.to(device)
+    tensors, problems, aliases = read_tensors(files, model.state_dict(), dtype, block, device)
     # The .scale of a weight that is missing or mis-shaped is not "unexpected": the weight's problem says it all.
     named = set(aliases) | {c for name in known for c in checkpoint_name_candidates(name)}
     consumed = named | {n[: -len("weight")] + "scale" for n in named if n.endswith(".weight")}

@@ -7,10 +7,11 @@ import math
 
 import pytest
 import torch
+from engine_oracles import engine_logits
 
 from deepseek_v41.config import VisionConfig, tiny_config
 from deepseek_v41.disagg.ec_connector import SharedStorageECConnector, ec_fingerprint
-from deepseek_v41.engine import LLM, SamplingParams
+from deepseek_v41.engine import LLM
 from deepseek_v41.engine.encoder_cache import EncoderCache, VisionEncoder, build_vision_encoder
 from deepseek_v41.model.image_processor import ImageGrid, ProcessedImage
 from deepseek_v41.model.transformer import Transformer
@@ -49,19 +50,7 @@ def ec_config(path, role):
 @torch.no_grad()
 def prefill_logits(engine, prompt, images):
     """The logits of every prefill chunk's last position (the engine's own chunking and encode stage)."""
-    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=1), multi_modal_data={"image": images})
-    seq, out = engine.requests["r"][0], []
-    while seq.num_computed < len(seq.prompt_token_ids):
-        plan = engine.scheduler.schedule()
-        for s, start, end in plan.prefills:
-            logits = engine.runner.prefill(s, start, end)
-            s.num_computed = end
-            if logits is not None:
-                out.append(logits)
-        engine.vision.release()
-    engine.abort_request("r")
-    engine.release("r")
-    return out
+    return engine_logits(engine, prompt, [], {"image": images})
 
 
 def test_consumer_takes_rows_from_the_connector_and_computes_the_same_logits(vlm, tmp_path):
