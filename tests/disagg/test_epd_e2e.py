@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from image_helpers import png, text_image
-from serving_helpers import free_port, metrics, serve_process, wait_until_healthy
+from serving_helpers import metrics, serve_process, wait_until_healthy
 
 from deepseek_v41.analysis.kv import generations_bytes_per_token
 from deepseek_v41.config import ModelConfig
@@ -34,22 +34,9 @@ COMMON = ["--dtype", "float64", "--max-model-len", "2048", "--max-num-seqs", "4"
 LONG = "Hello world! The city is Paris, 123. Tell me about the weather there in the spring. " * 12
 
 
-@contextlib.contextmanager
 def router_process(args: list[str], log):
     """``dsv41 router ARGS`` on a free port; yields (process, url) once its /health answers 200; killed after."""
-    port = free_port()
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "deepseek_v41.cli", "router", *args, "--port", str(port),
-                                    "--health-interval-s", "0.3"], stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(process, url, log)
-        yield process, url
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    return serve_process([*args, "--health-interval-s", "0.3"], log, command="router")
 
 
 def kv(tmp_path, role):

@@ -266,12 +266,14 @@ def serve_setting(monkeypatch, name: str, *flags: str):
 
 
 @contextlib.contextmanager
-def serve_process(args: list[str], log, launcher: list[str] | None = None, wait: bool = True):
+def serve_process(args: list[str], log, launcher: list[str] | None = None, wait: bool = True,
+                  command: str = "serve"):
     """``dsv41 serve ARGS --port P`` as a subprocess on a free port with one OpenMP thread, its output in the file
     ``log``; yields ``(process, url)`` once it answers /health (``wait``); kills and reaps it on leaving.
-    ``launcher``: the command before ``serve`` (default ``python -m deepseek_v41.cli``)."""
+    ``launcher``: the command before ``serve`` (default ``python -m deepseek_v41.cli``); ``command``: the
+    subcommand (``router`` for ``dsv41 router``)."""
     port = free_port()
-    command = [*(launcher or [sys.executable, "-m", "deepseek_v41.cli"]), "serve", *args, "--port", str(port)]
+    command = [*(launcher or [sys.executable, "-m", "deepseek_v41.cli"]), command, *args, "--port", str(port)]
     with open(log, "wb") as out:
         # One OpenMP thread: on a shared 2-core machine spinning OpenMP workers slow a tiny model 10x.
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
