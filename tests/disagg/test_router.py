@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
-from deepseek_v41.disagg.router import RouterConfig, build_router_app, prefix_hashes
+from deepseek_v41.disagg.router import build_router_app
+from deepseek_v41.disagg.routing import RouterConfig, prefix_hashes
 from deepseek_v41.server.launch import bound_port, make_server
 
 HEALTH_S = 0.1
@@ -262,10 +263,10 @@ def test_a_client_that_leaves_closes_the_decode_stream(stack):
                       timeout=5) as response:
         lines = response.iter_lines()  # kept: a dropped iterator closes the connection
         assert next(lines).startswith("data: ")
-        assert state.num_requests == 1 and state.backends["decode"][0].outstanding == 1
+        assert state.num_requests == 1 and state.pool.backends["decode"][0].outstanding == 1
     decode.stream_closed.wait(5)  # the router closed its connection: the decode server aborts the request
     assert decode.stream_closed.is_set()
-    wait_for(lambda: state.num_requests == 0 and state.backends["decode"][0].outstanding == 0)
+    wait_for(lambda: state.num_requests == 0 and state.pool.backends["decode"][0].outstanding == 0)
     decode.release.set()
 
 
