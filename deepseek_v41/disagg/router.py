@@ -67,7 +67,7 @@ from deepseek_v41.disagg.routing import (
     prefix_hashes,
 )
 from deepseek_v41.server.errors import error_body
-from deepseek_v41.server.streaming import ClientDisconnected, until_disconnect
+from deepseek_v41.server.streaming import DONE, ClientDisconnected, sse_event, until_disconnect
 
 logger = logging.getLogger("deepseek_v41.router")
 
@@ -140,10 +140,9 @@ class RelayResponse(Response):
             except httpx.HTTPError as exc:  # the decode server died mid-response: the client sees the cut
                 logger.warning("the decode response from %s broke off: %r", self.upstream.url, exc)
                 if self.upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                    error = error_body(f"the decode server failed mid-stream ({type(exc).__name__})", 502, None,
-                                       "backend_failed")
-                    await send({"type": "http.response.body", "body": b"data: " + json.dumps(error).encode()
-                                + b"\n\n", "more_body": True})
+                    error = error_body(f"the decode server failed mid-stream ({type(exc).__name__})", 500, None,
+                                       "backend_failed")  # then [DONE], as the server ends a failed stream
+                    await send({"type": "http.response.body", "body": sse_event(error) + DONE, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def disconnected() -> None:

@@ -40,6 +40,7 @@ class Fake:
         self.release = threading.Event()
         self.release.set()
         self.stream_closed = threading.Event()
+        self.die_mid_stream = False
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -80,6 +81,8 @@ class Fake:
             async def events():
                 try:
                     yield b'data: {"choices":[{"text":"a"}]}\n\n'
+                    if self.die_mid_stream:
+                        raise RuntimeError("the decode server died")  # uvicorn cuts the connection
                     await asyncio.to_thread(self.release.wait, 10)
                     yield b'data: {"choices":[{"text":"b"}],"usage":' + json.dumps(usage).encode() + b"}\n\n"
                     yield b"data: [DONE]\n\n"
@@ -268,6 +271,17 @@ def test_a_client_that_leaves_closes_the_decode_stream(stack):
     assert decode.stream_closed.is_set()
     wait_for(lambda: state.num_requests == 0 and state.pool.backends["decode"][0].outstanding == 0)
     decode.release.set()
+
+
+def test_a_decode_server_dying_mid_stream_ends_the_stream_with_an_error(stack):
+    decode = Fake("decode")
+    decode.die_mid_stream = True
+    router = stack(decode=[decode])
+    with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "Hi", "stream": True},
+                      timeout=5) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[0] == 'data: {"choices":[{"text":"a"}]}' and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[1][len("data: "):])["error"]["code"] == "backend_failed"
 
 
 def test_prefill_4xx_is_returned_as_is(stack):
