@@ -32,11 +32,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # it validates, the chat format, and the C kernels' loader and wrappers (plain tensors in, tensors out).
     ("base", ("deepseek_v41/__init__.py", "deepseek_v41/progress.py", "deepseek_v41/dtypes.py",
               "deepseek_v41/config.py", "deepseek_v41/engram_sizes.py", "deepseek_v41/chat/",
-              "deepseek_v41/kernels/")),
+              "deepseek_v41/kernels/", "deepseek_v41/disagg/__init__.py", "deepseek_v41/disagg/config.py")),
     # Number formats (FP8 / FP4 / UE8M0) and the layer plan: functions of the config and of tensors.
     ("numerics", ("deepseek_v41/quant/", "deepseek_v41/plan.py")),
     # The reference model: one module per concept, and its checkpoints.
-    ("model", ("deepseek_v41/model/",)),
+    # (and the encoder-only prefill model of a kv_producer, which load_model prunes: issue 29)
+    ("model", ("deepseek_v41/model/", "deepseek_v41/disagg/encoder_only.py")),
     # What is installed on or built around a loaded model: the fast paths (they install on model classes, so they
     # sit above model/ although they live under kernels/) and the paged KV cache / prefix cache (its attention
     # context calls the fast paths).
@@ -45,7 +46,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("fast paths and cache", ("deepseek_v41/kernels/fast/", "deepseek_v41/cache/",
                               "deepseek_v41/distributed/__init__.py", "deepseek_v41/distributed/config.py",
                               "deepseek_v41/distributed/comm.py", "deepseek_v41/distributed/layers.py",
-                              "deepseek_v41/distributed/shard.py", "deepseek_v41/distributed/loader.py")),
+                              "deepseek_v41/distributed/shard.py", "deepseek_v41/distributed/loader.py",
+                              "deepseek_v41/disagg/connector.py", "deepseek_v41/disagg/ec_connector.py",
+                              "deepseek_v41/disagg/nixl_connector.py", "deepseek_v41/disagg/vision_only.py")),
     # Constrained decoding: grammars (xgrammar / llguidance, the DSML tool-call tags) and token bitmasks; the engine
     # masks its logits with them.
     ("structured", ("deepseek_v41/structured/",)),
@@ -56,7 +59,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Accounting from the code (KV bytes, FLOPs, parameters); a model card (train/) uses it.
     ("analysis", ("deepseek_v41/analysis/",)),
     ("train", ("deepseek_v41/train/",)),
-    ("server", ("deepseek_v41/server/",)),
+    # (and the disaggregated-serving router: an OpenAI front over servers, issue 29)
+    ("server", ("deepseek_v41/server/", "deepseek_v41/disagg/router.py")),
     # The command line (dsv41 and its subcommands): the top; nothing imports it.
     ("cli", ("deepseek_v41/cli/",)),
 ]

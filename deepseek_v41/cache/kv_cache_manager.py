@@ -32,6 +32,7 @@ from deepseek_v41.cache.prefix_cache import PrefixCache, chain_hashes, image_blo
 from deepseek_v41.cache.redis_store import RedisPages, RedisStore
 from deepseek_v41.cache.store import PageCodec, PageStore
 from deepseek_v41.cache.swa_pool import SwaPool, default_swa_pool_bytes
+from deepseek_v41.disagg.connector import build_kv_connector
 
 DEFAULT_KV_POOL_BYTES = 1 << 30  # the default KV pool's cap, unless one sequence of max_model_len needs more
 
@@ -53,6 +54,7 @@ class CacheConfig:
     swa_pool_bytes: int | None = None
     replay: str = "bounded"
     redis_url: str | None = None
+    kv_transfer_config: Any = None  # a deepseek_v41.disagg.config.KVTransferConfig (issue 29) or None
 
 
 class KVCacheManager:
@@ -106,6 +108,7 @@ class KVCacheManager:
         seq.num_computed, seq.write_from = hit.start, hit.cached
         if seq.num_cached_tokens == 0:  # a preempted sequence keeps what its first admission reported
             seq.num_cached_tokens, seq.num_replayed_tokens = hit.cached, hit.replayed
+            seq.kv_transfer = (hit.transfer_pages, hit.transfer_bytes, hit.transfer_seconds)
         pc.counters["cached_tokens"] += hit.cached
         pc.counters["replayed_tokens"] += hit.replayed
         pc.restore(seq.slot, hit)
@@ -264,7 +267,10 @@ def _prefix_cache(model, cache: PagedKVCache, settings: CacheConfig, swa_bytes: 
                          f"got {settings.window_slack_rows}: the rings must still hold the window before the last "
                          f"page boundary (or set swa_pool_bytes=0)")
     fingerprint = model_fingerprint(model, model_path)
-    page_store = swa_pool = remote_pages = None
+    page_store = swa_pool = remote_pages = connector = None
+    transfer = settings.kv_transfer_config
+    if transfer is not None:
+        connector = build_kv_connector(transfer, fingerprint, cache.page_layout())
     if settings.cache_dir is not None:
         page_store = PageStore(Path(settings.cache_dir).expanduser() / fingerprint[:16], fingerprint,
                                cache.page_layout(), settings.cache_max_bytes)
@@ -275,4 +281,6 @@ def _prefix_cache(model, cache: PagedKVCache, settings: CacheConfig, swa_bytes: 
         swa_pool = redis_store if swa_bytes else None
     elif swa_bytes:
         swa_pool = SwaPool(swa_bytes)
-    return PrefixCache(cache, fingerprint, exact_prefill, settings.replay, page_store, swa_pool, remote_pages)
+    return PrefixCache(cache, fingerprint, exact_prefill, settings.replay, page_store, swa_pool, remote_pages,
+                       connector, connector_read=transfer is not None and transfer.is_consumer,
+                       connector_write=transfer is not None and transfer.is_producer)

@@ -35,6 +35,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 
 from deepseek_v41.cache.kv_cache import PagedKVCache
+from deepseek_v41.cache.store import PageStore
 from deepseek_v41.cache.swa_pool import SwaPool
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,9 @@ class Hit:
     start: int
     pages: list[int]
     snapshot: dict[str, torch.Tensor] | None
+    transfer_pages: int = 0  # pages read from the KV connector (disaggregated prefill, issue 29)
+    transfer_bytes: int = 0  # their KV bytes (tensor payload, without file headers)
+    transfer_seconds: float = 0.0
 
     @property
     def replayed(self) -> int:
@@ -118,17 +123,27 @@ class PrefixCache:
     window). ``page_store``: a :class:`~deepseek_v41.cache.store.PageStore` (persistent tier) or None;
     ``swa_pool``: a :class:`~deepseek_v41.cache.swa_pool.SwaPool` / :class:`~deepseek_v41.cache.redis_store.
     RedisStore` or None; ``remote_pages``: a :class:`~deepseek_v41.cache.redis_store.RedisPages` (global KV pages
-    shared through Redis: read after the disk, written with it) or None. With a page store or remote pages, the
-    page-writer thread starts here, with the engine.
+    shared through Redis: read after the disk, written with it) or None. ``connector``: a KV connector of a
+    disaggregated server (:mod:`deepseek_v41.disagg.connector`; the same page-tier interface), read last when
+    ``connector_read`` (a kv_consumer) and written with the other tiers when ``connector_write`` (a kv_producer);
+    the pages it returns are counted per lookup (:class:`Hit` ``transfer_*``). With a page store, remote pages or
+    a connector written to, the page-writer thread starts here, with the engine.
     """
 
     def __init__(self, cache: PagedKVCache, fingerprint: str, exact_prefill: bool, replay: str = "bounded",
-                 page_store: Any | None = None, swa_pool: Any | None = None, remote_pages: Any | None = None):
+                 page_store: Any | None = None, swa_pool: Any | None = None, remote_pages: Any | None = None,
+                 connector: Any | None = None, connector_read: bool = False, connector_write: bool = False):
         if replay not in REPLAY_MODES:
             raise ValueError(f"replay must be one of {REPLAY_MODES}, got {replay!r}")
         self.cache, self.fingerprint = cache, fingerprint
         self.exact_prefill, self.replay = exact_prefill, replay
         self.page_store, self.swa_pool, self.remote_pages = page_store, swa_pool, remote_pages
+        self.connector = connector
+        self.connector_read = connector is not None and connector_read
+        self.connector_write = connector is not None and connector_write
+        self.page_payload_bytes = sum(torch.empty(0, dtype=_dtype(dt)).element_size() * int(np.prod(shape))
+                                      for shape, dt in cache.page_layout().values())
+        self._transfer = [0, 0, 0.0]  # pages, bytes, seconds read from the connector by the current lookup
         self.block_size = cache.block_size
         cfg, plan = cache.config, cache.plan
         self.window = cfg.sliding_window
@@ -136,14 +151,16 @@ class PrefixCache:
         self.snapshot_layers = list(range(n)) if exact_prefill or not plan.ced else list(plan.encoder_layers)
         self.receptive_field = len(self.snapshot_layers) * (self.window - 1)
         self.counters = {"device_pages_hit": 0, "disk_pages_read": 0, "disk_pages_written": 0,
-                         "remote_pages_read": 0, "snapshots_hit": 0, "snapshots_written": 0, "cached_tokens": 0,
+                         "remote_pages_read": 0, "connector_pages_read": 0,
+                         "connector_pages_written": 0, "connector_read_seconds": 0.0,
+                         "connector_write_seconds": 0.0, "snapshots_hit": 0, "snapshots_written": 0, "cached_tokens": 0,
                          "replayed_tokens": 0}
         # Page writes (an fsync each; encoding for Redis) run on a background thread started with the engine, off
         # the request path; the store is used under one lock from both threads.
         self._store_lock = threading.Lock()
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
-        if page_store is not None or remote_pages is not None:
+        if page_store is not None or remote_pages is not None or self.connector_write:
             self._writer = threading.Thread(target=_page_writer, args=(weakref.ref(self), self._writes),
                                             name="dsv41-page-writer", daemon=True)
             # The thread ends with the prefix cache, and at interpreter exit (finalize runs then too) before the
@@ -189,6 +206,7 @@ class PrefixCache:
         ends strictly inside one (:func:`span_safe_pages`; the replay start of a hit may).
         """
         blocks = self.cache.blocks
+        self._transfer = [0, 0, 0.0]
         n = len(tokens)
         D = self.cache.plan.decoder_start(n) if decoder_start is None else decoder_start
         N = n if prompt_len is None else prompt_len
@@ -221,7 +239,7 @@ class PrefixCache:
             blocks.release(pages[j:])
             self.counters["snapshots_hit"] += 1
             self.counters["device_pages_hit"] += sum(device[:j])
-            return Hit(j * self.block_size, j * self.block_size, pages[:j], snapshot)
+            return Hit(j * self.block_size, j * self.block_size, pages[:j], snapshot, *self._transfer)
         if self.exact_prefill:
             blocks.release(pages)  # exact prefill needs every layer's windows: without a snapshot, a miss
             return Hit(0, 0, [], None)
@@ -231,7 +249,7 @@ class PrefixCache:
             start = min(max(0, cached - self.window), D)  # (a new request's replay start is always <= D)
         else:
             start = max(0, min(cached, D) - self.receptive_field)
-        return Hit(cached, start, pages, None)
+        return Hit(cached, start, pages, None, *self._transfer)
 
     def _snapshot_boundaries(self, matched: int, decoder_start: int, prompt_len: int) -> list[int]:
         """Page counts whose snapshot a hit of ``matched`` pages may resume from, best first: the longest whose
@@ -255,7 +273,8 @@ class PrefixCache:
         """Load the page of ``block_hash`` into a new device page from the disk store, else from Redis (then it is
         also written to the disk store); None on a miss or without a free device page."""
         store, remote = self.page_store, self.remote_pages
-        if (store is None and remote is None) or not self.cache.blocks.free:
+        connector = self.connector if self.connector_read else None
+        if (store is None and remote is None and connector is None) or not self.cache.blocks.free:
             return None
         tensors = None
         if store is not None:
@@ -264,11 +283,19 @@ class PrefixCache:
             self.counters["disk_pages_read"] += tensors is not None
         if tensors is None and remote is not None:
             tensors = remote.get(block_hash)
-            if tensors is None:
-                return None
-            self.counters["remote_pages_read"] += 1
-            if store is not None:
-                self._writes.put((block_hash, tensors, False))
+            if tensors is not None:
+                self.counters["remote_pages_read"] += 1
+                if store is not None:
+                    self._writes.put((block_hash, tensors, False, False))
+        if tensors is None and connector is not None:
+            started = time.perf_counter()
+            tensors = connector.get(block_hash)
+            if tensors is not None:
+                self._transfer[0] += 1
+                self._transfer[1] += sum(t.numel() * t.element_size() for t in tensors.values())
+                self._transfer[2] += time.perf_counter() - started
+                self.counters["connector_pages_read"] += 1
+                self.counters["connector_read_seconds"] += time.perf_counter() - started
         if tensors is None:
             return None
         page = self.cache.blocks.allocate()
@@ -283,7 +310,10 @@ class PrefixCache:
         bandwidth. A store used in two roles (Redis as pages and pool) counts once; absent tiers are 0."""
         read_bytes = dict.fromkeys(READ_TIERS, 0)
         read_seconds = dict.fromkeys(READ_TIERS, 0.0)
-        stores = (self.page_store, self.swa_pool, getattr(self.remote_pages, "store", None))
+        connector = getattr(self.connector, "store", self.connector)
+        if isinstance(connector, PageStore):  # shared storage is a remote tier, not this server's own disk
+            connector = self.connector
+        stores = (self.page_store, self.swa_pool, getattr(self.remote_pages, "store", None), connector)
         for store in {id(s): s for s in stores if s is not None}.values():
             tier = getattr(store, "read_tier", None)
             if tier in read_bytes:
@@ -300,10 +330,11 @@ class PrefixCache:
             page = table[i]
             self.cache.blocks.register(page, hashes[i])
             if self._writer is not None:
-                self._writes.put((hashes[i], self.cache.read_page(page), True))
+                self._writes.put((hashes[i], self.cache.read_page(page), True, self.connector_write))
 
-    def _write(self, block_hash: str, tensors: dict[str, torch.Tensor], to_remote: bool) -> None:
-        """Write one page to the disk store and (``to_remote``) queue it for Redis; on the page-writer thread."""
+    def _write(self, block_hash: str, tensors: dict[str, torch.Tensor], to_remote: bool, to_connector: bool) -> None:
+        """Write one page to the disk store, (``to_remote``) queue it for Redis and (``to_connector``) put it in
+        the KV connector; on the page-writer thread."""
         if self.page_store is not None:
             with self._store_lock:
                 # Count files written, not pages found already stored (after a restart, or by another
@@ -313,11 +344,17 @@ class PrefixCache:
                 self.counters["disk_pages_written"] += self.page_store.stats["pages_written"] - before
         if to_remote and self.remote_pages is not None:
             self.remote_pages.put(block_hash, tensors)
+        if to_connector and self.connector is not None:
+            started = time.perf_counter()
+            self.counters["connector_pages_written"] += bool(self.connector.put(block_hash, tensors))
+            self.counters["connector_write_seconds"] += time.perf_counter() - started
 
     def flush(self) -> None:
         """Wait until every page queued for the persistent store is written, and (a bounded wait) until the pages
         and snapshots queued for Redis are sent."""
         self._writes.join()
+        if self.connector_write:
+            self.connector.flush()
         stores = (getattr(self.remote_pages, "store", None), self.swa_pool)
         for store in {id(s): s for s in stores if hasattr(s, "flush")}.values():
             store.flush()
@@ -365,6 +402,10 @@ class PrefixCache:
         """Put a hit's snapshot into the sequence's slot."""
         if hit.snapshot is not None:
             self.cache.restore(slot, hit.snapshot, self.snapshot_layers)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, str(name).removeprefix("torch."))
 
 
 def stop_thread(stop: Any, thread: threading.Thread, timeout: float = 10.0) -> None:

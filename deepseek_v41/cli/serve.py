@@ -22,6 +22,8 @@ import typer
 from deepseek_v41 import __version__
 from deepseek_v41.cli import parallel
 from deepseek_v41.config import ConfigError
+from deepseek_v41.disagg.config import ECTransferConfig, KVTransferConfig
+from deepseek_v41.disagg.encoder_only import describe_load
 from deepseek_v41.dtypes import DTYPES
 from deepseek_v41.dtypes import resolve_dtype as resolve
 from deepseek_v41.engine import LLM
@@ -32,6 +34,7 @@ from deepseek_v41.model.checkpoint import CheckpointError
 from deepseek_v41.server import options
 from deepseek_v41.server.app import build_app
 from deepseek_v41.server.common import ServerConfig
+from deepseek_v41.server.encode_app import build_encode_app
 from deepseek_v41.server.generation_config import GenerationConfigError, describe, load_sampling_defaults
 from deepseek_v41.server.launch import ConnectionLimits, make_server
 from deepseek_v41.server.media import (
@@ -268,6 +271,16 @@ def serve(
                                              "not a Jinja template."),
     disable_log_stats: bool = typer.Option(False, "--disable-log-stats", help="Same as --log-stats-interval 0 (no "
                                            "throughput log lines)."),
+    kv_transfer_config: str | None = typer.Option(None, help="Disaggregated prefill / decode (vLLM's): a JSON "
+                                                  "object '{\"kv_connector\": \"SharedStorageConnector\" | "
+                                                  "\"RedisConnector\" | \"NixlConnector\", \"kv_role\": "
+                                                  "\"kv_producer\" | \"kv_consumer\" | \"kv_both\", "
+                                                  "\"kv_connector_extra_config\": {...}}' (README: Disaggregated "
+                                                  "serving)."),
+    ec_transfer_config: str | None = typer.Option(None, help="Disaggregated vision encoding: '{\"ec_connector\": "
+                                                  "\"SharedStorageConnector\", \"ec_role\": \"ec_producer\" | "
+                                                  "\"ec_consumer\" | \"ec_both\", \"ec_connector_extra_config\": "
+                                                  "{\"shared_storage_path\": DIR}}'."),
     tensor_parallel_size: int = parallel.tensor_parallel_size_option(),
     enable_expert_parallel: bool = parallel.enable_expert_parallel_option(),
     expert_parallel_size: int | None = parallel.expert_parallel_size_option(),
@@ -335,6 +348,11 @@ def serve(
         fail("--speculative-max-len needs --speculative dspark (speculative decoding is off)")
     if not model.is_dir():
         fail(f"model directory {model} not found")
+    try:
+        kv_transfer = None if kv_transfer_config is None else KVTransferConfig.from_cli(kv_transfer_config)
+        ec_transfer = None if ec_transfer_config is None else ECTransferConfig.from_cli(ec_transfer_config)
+    except ValueError as exc:
+        fail(str(exc))
     media = _media_config(allowed_media_domains, allowed_local_media_path, limit_mm_per_prompt, media_fetch_timeout,
                           max_image_bytes)
 
@@ -374,11 +392,24 @@ def serve(
                        enable_prefix_caching=enable_prefix_caching, swa_pool_bytes=swa_pool_bytes, replay=replay,
                        redis_url=redis_url,
                        speculative=speculative, speculative_max_len=speculative_max_len,
-                       structured_outputs_config=structured, encoder_cache_size=encoder_cache_size)
+                       structured_outputs_config=structured, encoder_cache_size=encoder_cache_size,
+                       kv_transfer_config=kv_transfer,
+                       ec_transfer_config=None if ec_transfer is None else {
+                           "ec_connector": ec_transfer.ec_connector, "ec_role": ec_transfer.ec_role,
+                           "ec_connector_extra_config": ec_transfer.ec_connector_extra_config})
     # LLM turns the fraction into the pool's budget (engine.options) and logs the budget and the pool allocated.
     vllm_options = dict(gpu_memory_utilization=gpu_memory_utilization, pipeline_parallel_size=pipeline_parallel_size,
                         kv_cache_dtype=kv_cache_dtype, trust_remote_code=trust_remote_code,
                         **parallel.llm_kwargs(parallel_config))
+    if ec_transfer is not None and ec_transfer.encode_only:
+        if kv_transfer is not None:
+            fail("an encode server (ec_role ec_producer) runs the vision tower only: it takes no "
+                 "--kv-transfer-config")
+        _serve_encoder(model, ec_transfer, torch_dtype, torch_device, served_model_name, media, encoder_cache_size,
+                       api_key, max_body_mb, host, port, drain_timeout, (uvicorn_log_level or log_level).lower(),
+                       ConnectionLimits(timeout_keep_alive, timeout_header, timeout_body, limit_concurrency,
+                                        timeout_write), log)
+        return
     created = _missing_dirs(cache_path)  # what the engine's persistent store will create
     started = False
     llms: list[LLM] = []
@@ -420,6 +451,8 @@ def serve(
         log.info("%s; CORS origins %s", describe(defaults, defaults_origin), cors["allow_origins"])
         if llm.engine.config.vision_config is not None:
             log.info("%s", describe_media(media))
+        if kv_transfer is not None:
+            log.info("%s", describe_kv_transfer(llm, kv_transfer))
         if config.model_aliases:
             log.info("requests may also name the model by its path: %s (vLLM's default served name)",
                      ", ".join(config.model_aliases))
@@ -435,6 +468,38 @@ def serve(
             replica.shutdown()  # a parallel engine's workers: stopped and reaped before the process exits
         if not started:
             _remove_created(created)
+
+
+def _serve_encoder(model: Path, ec_transfer: ECTransferConfig, dtype, device, served_model_name: list[str], media,
+                   encoder_cache_size: int | None, api_key: list[str], max_body_mb: float, host: str, port: int,
+                   drain_timeout: float, log_level: str, limits: ConnectionLimits, log) -> None:
+    """Serve an encode server (``ec_role`` ec_producer: the vision tower and aligner only, issue 29) until SIGTERM;
+    exits 2 for a model it cannot load."""
+    try:
+        app = build_encode_app(model, ec_transfer, dtype, str(device),
+                               served_model_names=served_model_name or [default_model_name(model)],
+                               model_aliases=[] if served_model_name else model_path_aliases(model), media=media,
+                               encoder_cache_size=encoder_cache_size, api_keys=api_key,
+                               max_body_bytes=int(max_body_mb * 1024 * 1024))
+    except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as exc:
+        fail(str(exc))
+    server = make_server(app, host, port, drain_timeout, log_level, limits)
+    log.info("encode server (ec_producer over %s at %s): %s on http://%s:%d", ec_transfer.ec_connector,
+             ec_transfer.ec_connector_extra_config.get("shared_storage_path"), model, host, port)
+    server.run()
+    if server.exit_code:
+        raise typer.Exit(server.exit_code)
+
+
+def describe_kv_transfer(llm: LLM, transfer: KVTransferConfig) -> str:
+    """The start line of a disaggregated server: its role, connector, and for a producer what it loaded."""
+    connector = llm.engine.prefix_cache.connector
+    where = getattr(connector, "directory", None) or transfer.kv_connector_extra_config.get("url", "")
+    line = f"{transfer.kv_role} over {transfer.kv_connector}{f' at {where}' if where else ''}"
+    if transfer.prefill_only:
+        line += ("; every request is prefill-only: its global KV pages go to the connector, nothing is sampled, "
+                 "the decoder never runs")
+    return f"{line}; {describe_load(llm.model)}"
 
 
 def _media_config(domains: list[str], local_path: Path | None, limit: str | None, timeout: float | None,

@@ -245,6 +245,12 @@ class IncrementalDetokenizer:
         self._finish("stop", None)
         return self._flush()
 
+    def end(self, reason: FinishReason) -> None:
+        """Finish with ``reason`` without another token (a prefill-only request of a disaggregated prefill server,
+        which samples nothing: issue 29)."""
+        if not self.finished:
+            self._finish(reason, None)
+
     def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:
         self.finished = True
         self.finish_reason = reason

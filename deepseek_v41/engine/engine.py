@@ -9,7 +9,6 @@ snapshots), samples, detokenizes, frees finished sequences and returns the outpu
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import operator
@@ -24,7 +23,7 @@ from deepseek_v41.cache.kv_cache_manager import KVCacheManager, build_kv_cache_m
 from deepseek_v41.cache.swa_pool import SwaPool
 from deepseek_v41.engine.args import EngineArgs
 from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
-from deepseek_v41.engine.encoder_cache import EncoderCache, VisionEncoder
+from deepseek_v41.engine.encoder_cache import build_vision_encoder
 from deepseek_v41.engine.model_runner import ModelRunner, PrefillMode, few_token_kernels, step_threads
 from deepseek_v41.engine.multimodal import MultiModalInputs, build_multimodal_prompt, process_images
 from deepseek_v41.engine.sampler import Sampler, SamplingState
@@ -39,7 +38,6 @@ from deepseek_v41.engine.sequence import (
 )
 from deepseek_v41.engine.speculative import build_speculator, speculative_max_len
 from deepseek_v41.kernels import fast
-from deepseek_v41.model.vision import encode_images
 from deepseek_v41.structured import CompiledGrammar, StructuredOutputManager, StructuredOutputsConfig
 
 log = logging.getLogger(__name__)
@@ -68,6 +66,9 @@ class LLMEngine:
         if not 0 < self.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [1, {cfg.max_position_embeddings}] "
                              f"(max_position_embeddings), got {args.max_model_len}")
+        self.kv_transfer = args.kv_transfer_config
+        if self.kv_transfer is not None:
+            check_kv_transfer(model, args, self.prefill_mode)
         spec_len = speculative_max_len(model, args.speculative, args.speculative_max_len,
                                        args.speculative_cost_table, args.window_slack_rows)
         kv = build_kv_cache_manager(model, args.cache_config(self.max_model_len),
@@ -76,7 +77,7 @@ class LLMEngine:
         self.cache, self.prefix_cache = kv.cache, kv.prefix_cache
         self.scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens, num_lookahead_tokens=spec_len)
         self.runner = ModelRunner(model, self.cache, self.prefill_mode)
-        self.vision = self._vision_encoder(model, args)
+        self.vision = build_vision_encoder(model, args.encoder_cache_size, args.ec_transfer_config, model_path)
         self.runner.vision = self.vision
         self.sampler = Sampler()
         self.speculator = (build_speculator(model, self.cache, self.runner, self.sampler, spec_len,
@@ -100,19 +101,6 @@ class LLMEngine:
         self.lockstep_threads: int | None = None
         self.pending_observation: list | None = None
         self.last_observation: list | None = None
-
-    @staticmethod
-    def _vision_encoder(model, args: EngineArgs) -> VisionEncoder | None:
-        """The vision encode stage and its encoder cache (``encoder_cache_size`` aligner rows), for a model with a
-        vision tower; None for a text-only model. Raises ValueError for a negative ``encoder_cache_size``."""
-        vision = model.config.vision_config
-        if vision is None or getattr(model, "vision", None) is None:
-            return None
-        size = 16 * vision.max_image_tokens if args.encoder_cache_size is None else args.encoder_cache_size
-        if size < 0:
-            raise ValueError(f"encoder_cache_size must be >= 0 (encoder tokens; 0 keeps nothing), got {size}")
-        row_bytes = model.config.hidden_size * model.aligner.w2.weight.element_size()
-        return VisionEncoder(functools.partial(encode_images, model), EncoderCache(size * row_bytes))
 
     @property
     def structured_output_manager(self) -> StructuredOutputManager:
@@ -177,11 +165,14 @@ class LLMEngine:
         if n + 1 > capacity:
             raise ValueError(f"the prompt needs {n + 1} token positions but the KV pool holds {capacity}; "
                              f"raise num_kv_pages or kv_cache_memory_bytes")
+        prefill_only = self._prefill_only(params)
         grammar: CompiledGrammar | None = None
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and not prefill_only:
             grammar = self.structured_output_manager.compile(params.structured_outputs)
         arrival = arrival_time or time.time()
-        decoder_start = self.model.plan.decoder_start(n)
+        # A prefill-only sequence never runs the CED decoder: its pages hold the encoder's KV, all the decode side
+        # reads (MODEL_REFERENCE.md §3.16).
+        decoder_start = n if prefill_only else self.model.plan.decoder_start(n)
         seqs = []
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else self._seed + next(self._seq_ids) * 7919
@@ -197,12 +188,36 @@ class LLMEngine:
             if grammar is not None:
                 seq.grammar = self._structured.matcher(grammar)
             seq.mm_inputs = mm_inputs
+            seq.prefill_only = prefill_only
             seqs.append(seq)
         # Queue only once every sample was built: a failure above leaves nothing half-added.
         for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
         self._prompts[request_id] = (prompt, list(prompt_token_ids))
+
+    def _prefill_only(self, params: SamplingParams) -> bool:
+        """Whether a request with ``params`` is prefill-only: every request of a kv_producer, and on a kv_both
+        engine one whose ``extra_args["kv_transfer_params"]`` says ``{"do_remote_decode": true}`` (vLLM's words).
+        Raises ValueError for kv_transfer_params that are not a JSON object, or that ask for a remote decode of an
+        engine that writes no KV connector."""
+        extra = params.extra_args or {}
+        if not isinstance(extra, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(extra).__name__}")
+        transfer = extra.get("kv_transfer_params")
+        if transfer is not None and not isinstance(transfer, dict):
+            raise ValueError(f"kv_transfer_params must be a JSON object or null, got {transfer!r}")
+        remote_decode = bool((transfer or {}).get("do_remote_decode", False))
+        config = self.kv_transfer
+        connector = self.prefix_cache.connector if config is not None else None
+        if transfer and config is not None and config.is_consumer and "remote_host" in transfer and hasattr(
+                connector, "add_peer"):  # NixlConnector: pull from the producer that prefilled this prompt
+            connector.add_peer(str(transfer["remote_host"]), transfer.get("remote_port"))
+        if remote_decode and (config is None or not config.is_producer):
+            role = "no --kv-transfer-config" if config is None else f"kv_role {config.kv_role}"
+            raise ValueError(f"kv_transfer_params asks for a remote decode (do_remote_decode), but this engine has "
+                             f"{role}: only a kv_producer or kv_both engine prefills for another server")
+        return config is not None and (config.prefill_only or remote_decode)
 
     def _multimodal_prompt(self, prompt_token_ids: list[int], multi_modal_data: dict[str, Any] | None
                            ) -> tuple[list[int], MultiModalInputs | None]:
@@ -333,6 +348,7 @@ class LLMEngine:
         kv = self.kv_cache_manager
         sampled: list[tuple[Sequence, torch.Tensor]] = []
         spec = self.speculator
+        prefilled: list[Sequence] = []  # prefill-only sequences whose prompt is done
         for seq, start, end in plan.prefills:
             seq.first_scheduled_time = seq.first_scheduled_time or now
             taps = spec.prefill_taps() if spec is not None else None
@@ -341,8 +357,18 @@ class LLMEngine:
                 spec.add_context(seq, taps, end)
             seq.num_computed = end
             kv.on_computed(seq, prompt_done=end >= len(seq.prompt_token_ids))
-            if logits is not None:
+            if seq.prefill_only and end >= len(seq.prompt_token_ids):
+                prefilled.append(seq)
+            elif logits is not None:
                 sampled.append((seq, logits))
+        if prefilled:
+            # The response of a prefill-only request leaves only once its pages are in the KV connector, where the
+            # decode server will look for them: wait for the page writer (a producer's steps are prefills only).
+            kv.flush()
+            for seq in prefilled:
+                seq.detokenizer.end("length")
+                self.scheduler.finish(seq)
+                seq.finished_time = time.time()
         verdicts = []
         if plan.decodes and spec is not None and spec.speculate(plan.decodes):
             verdicts = list(zip(plan.decodes, spec.step(plan.decodes), strict=True))
@@ -358,7 +384,8 @@ class LLMEngine:
                 seq.num_computed += 1
                 kv.on_computed(seq, prompt_done=True)
                 sampled.append((seq, logits[row]))
-        touched = {seq.request_id for seq, _ in sampled} | {seq.request_id for seq, _ in verdicts}
+        touched = ({seq.request_id for seq, _ in sampled} | {seq.request_id for seq, _ in verdicts}
+                   | {seq.request_id for seq in prefilled})
         if sampled:
             logits = torch.stack([l for _, l in sampled])
             if any(seq.grammar is not None for seq, _ in sampled):
@@ -435,7 +462,25 @@ class LLMEngine:
         prompt, prompt_token_ids = self._prompts[request_id]
         return RequestOutput(request_id, prompt, prompt_token_ids, outputs,
                              finished, first.num_cached_tokens, metrics, first.num_replayed_tokens,
-                             sum(s.spec_accepted_tokens for s in seqs), sum(s.spec_verify_steps for s in seqs))
+                             sum(s.spec_accepted_tokens for s in seqs), sum(s.spec_verify_steps for s in seqs),
+                             self._kv_transfer_params(first) if finished else None)
+
+    def _kv_transfer_params(self, seq: Sequence) -> dict | None:
+        """The ``kv_transfer_params`` of a finished request (:class:`RequestOutput`), None without a transfer."""
+        if self.kv_transfer is None:
+            return None
+        P = self.kv_cache_manager.block_size
+        if seq.prefill_only:
+            pages = len(seq.prompt_token_ids) // P
+            return {"do_remote_prefill": True, "num_prompt_tokens": len(seq.prompt_token_ids), "num_pages": pages,
+                    "block_size": P, "transfer_bytes": pages * self.prefix_cache.page_payload_bytes,
+                    # where a pulling connector (Nixl) reads them: remote_host, remote_port, remote_engine_id
+                    **getattr(self.prefix_cache.connector, "kv_transfer_params", {})}
+        pages, nbytes, seconds = seq.kv_transfer
+        if not self.kv_transfer.is_consumer:
+            return None
+        return {"cached_tokens": seq.num_cached_tokens, "replayed_tokens": seq.num_replayed_tokens,
+                "transfer_pages": pages, "transfer_bytes": nbytes, "transfer_seconds": seconds}
 
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
@@ -443,6 +488,20 @@ class LLMEngine:
         self._prompts.pop(request_id, None)
 
     # ------------------------------------------------------------------ stats
+    def kv_transfer_stats(self) -> dict[str, Any]:
+        """What moved through the KV connector, by direction ("sent": pages this producer wrote, "received": pages
+        prefix lookups read): ``pages``, ``bytes`` (KV payload), ``tokens`` (pages x block size: the prompt
+        tokens those pages hold, so bytes / tokens is the KV bytes per token) and ``seconds`` (writes: put calls
+        on the page writer; reads: get calls)."""
+        pc = self.prefix_cache
+        counters, payload, P = pc.counters, pc.page_payload_bytes, pc.block_size
+        out = {}
+        for direction, pages, seconds in (("sent", "connector_pages_written", "connector_write_seconds"),
+                                          ("received", "connector_pages_read", "connector_read_seconds")):
+            n = counters[pages]
+            out[direction] = {"pages": n, "bytes": n * payload, "tokens": n * P, "seconds": counters[seconds]}
+        return out
+
     @property
     def stats(self) -> dict[str, Any]:
         """Engine counters: per-layer processed tokens, the largest decode batch, preemptions, KV bytes and the
@@ -464,10 +523,31 @@ class LLMEngine:
             "entries_written": dict(self.runner.entries_written),
             **self.kv_cache_manager.stats(),
             **({"encoder_cache": self.vision.stats()} if self.vision is not None else {}),
+            **({"kv_transfer": self.kv_transfer_stats()} if self.kv_transfer is not None else {}),
             **({**spec.stats.as_dict(), "spec_decode_max_len": spec.max_len, "spec_decode_cost_table": spec.cost,
                 "spec_decode_step_costs": spec.policy.costs.summary(spec.max_len) if spec.policy is not None else None}
                if spec is not None else {}),
         }
+
+
+def check_kv_transfer(model, args: EngineArgs, prefill_mode: PrefillMode) -> None:
+    """Refuse a disaggregated engine that cannot move a prompt's KV as pages (issue 29): the decode side rebuilds the
+    window state by replaying the encoder (CED prefill, prefix caching on); a producer samples nothing, so it drafts
+    nothing either. ValueError naming the setting otherwise."""
+    config = args.kv_transfer_config
+    if prefill_mode is not PrefillMode.CED:
+        raise ValueError(f"--kv-transfer-config needs the CED prefill (prefill_mode 'ced'; this engine prefills "
+                         f"{prefill_mode.value!r}{'' if model.plan.ced else ': ' + model.plan.ced_reason}): only "
+                         f"then can the decode side rebuild the window state from the global KV pages")
+    if not args.enable_prefix_caching:
+        raise ValueError("--kv-transfer-config needs prefix caching (the pages move through the prefix cache's "
+                         "tiers); drop --no-enable-prefix-caching")
+    if config.prefill_only and args.speculative is not None:
+        raise ValueError("a kv_producer samples nothing, so speculative decoding has nothing to draft; drop "
+                         "--speculative-config on the prefill server")
+    if getattr(model, "encoder_only", False) and not config.prefill_only:
+        raise ValueError(f"an encoder-only model (loaded for a kv_producer) cannot serve a {config.kv_role}: load "
+                         f"the whole model")
 
 
 def load_tokenizer(path: str | Path):

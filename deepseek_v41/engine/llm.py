@@ -105,6 +105,9 @@ class LLM:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: "
                             f"{sorted(EngineArgs.__dataclass_fields__)}")
         path = Path(model) if isinstance(model, str | Path) else None
+        if parallel.backend != "uni" and engine_args.get("kv_transfer_config") is not None:
+            raise ValueError("kv_transfer_config with several ranks is not supported yet: run the prefill and decode "
+                             "servers with one rank each (tensor_parallel_size 1)")
         if parallel.backend != "uni" and path is None:
             raise ValueError(f"distributed_executor_backend {parallel.backend!r} needs a model path (each worker "
                              "loads the checkpoint itself), got a model object")
@@ -150,8 +153,13 @@ class LLM:
                 self.model = self.engine.model
                 self._finalizer = weakref.finalize(self, self.engine.shutdown)
             else:
-                self.model = load_model(path, dtype=dtype, device=device) if path is not None else model.eval()
-                self.engine = LLMEngine(self.model, EngineArgs(**engine_args), tokenizer, model_path=path)
+                args = EngineArgs(**engine_args)
+                transfer = args.kv_transfer_config
+                # A kv_producer in encoder-only mode loads what the global KV needs only (issue 29).
+                only = {"encoder_only": True} if transfer is not None and transfer.encoder_only else {}
+                self.model = (load_model(path, dtype=dtype, device=device, **only) if path is not None
+                              else model.eval())
+                self.engine = LLMEngine(self.model, args, tokenizer, model_path=path)
         except ValueError as exc:
             if budget is None or "kv_cache_memory_bytes=" not in str(exc):
                 raise

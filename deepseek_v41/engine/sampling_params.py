@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from deepseek_v41.structured.params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams  # noqa: F401
 
@@ -61,6 +62,9 @@ class SamplingParams:
     # Constrained decoding (vLLM's name): the output must match this schema / regex / choice / grammar / structural
     # tag; None = free text. The engine masks every token the constraint does not allow (deepseek_v41.structured).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's extra_args: JSON values for the engine's plugins; here ``{"kv_transfer_params": {...}}`` of a
+    # disaggregated request (deepseek_v41.disagg.config: {"do_remote_decode": true} = prefill only).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:

@@ -72,6 +72,11 @@ class Sequence:
     decoder_done: int = 0
     prompt_snapshot_taken: bool = False
     rebuild_engram_history: bool = False
+    # Disaggregated serving (issue 29): a prefill-only sequence (a kv_producer's) ends when its prompt's pages are
+    # in the KV connector, sampling nothing; kv_transfer = (pages, bytes, seconds) its prefix lookup read from the
+    # connector (a kv_consumer's).
+    prefill_only: bool = False
+    kv_transfer: tuple[int, int, float] = (0, 0, 0.0)
     # Speculative decoding (DSPARK.md §6): drafts accepted (bonus tokens not counted) and steps that verified drafts.
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
@@ -220,3 +225,7 @@ class RequestOutput:
     num_replayed_tokens: int = 0  # cached prompt tokens recomputed to rebuild window state (bounded replay)
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
+    # Disaggregated serving (vLLM's name): a prefill-only request's {"do_remote_prefill": true, "num_prompt_tokens",
+    # "num_pages", "block_size", "transfer_bytes"}; a request whose prefix came through the KV connector
+    # {"cached_tokens", "replayed_tokens", "transfer_pages", "transfer_bytes", "transfer_seconds"}; else None.
+    kv_transfer_params: dict | None = None

@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from deepseek_v41.config import ModelConfig
+from deepseek_v41.disagg.encoder_only import dropped_bytes, prune_to_encoder, weight_bytes
 from deepseek_v41.dtypes import resolve_dtype
 from deepseek_v41.model.engram import EngramTable
 from deepseek_v41.model.engram_hash import build_token_map
@@ -142,7 +143,7 @@ def skeleton(path: Path, dtype: torch.dtype | str, device: torch.device | str
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-               fake_quant: bool = True):
+               fake_quant: bool = True, encoder_only: bool = False):
     """Load a model directory (``config.json`` + safetensors) into a :class:`~deepseek_v41.model.transformer.
     Transformer` with weights of ``dtype`` on ``device`` (see the module docstring for the formats).
 
@@ -153,9 +154,20 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     directory's ``tokenizer.json`` (or ``tokenizer/tokenizer.json``) when present. Raises FileNotFoundError (no
     config / weights), ConfigError (bad config), ValueError (a dtype that is none of those, naming the allowed
     ones) and CheckpointError listing every missing, unexpected, mis-shaped or undecodable tensor.
+
+    ``encoder_only``: the encoder-only prefill model of a ``kv_producer`` (issue 29,
+    :mod:`deepseek_v41.disagg.encoder_only`): the skeleton is pruned before reading, only the tensors it keeps are
+    read (the checkpoint's tensors of the dropped modules are expected, not "unexpected"); ValueError with the
+    plan's ``ced_reason`` for a config without a CED layout. Either way the model records ``encoder_only``,
+    ``loaded_weight_bytes`` (bytes of its parameters and buffers as held in memory) and ``full_weight_bytes``
+    (what the full model takes loaded: the same for a full load), which
+    :func:`~deepseek_v41.disagg.encoder_only.describe_load` prints.
     """
     path = Path(path)
     cfg, dtype, files, model, block = skeleton(path, dtype, device)
+    known = list(model.state_dict())  # every tensor name of the full model: none of them is "unexpected"
+    if encoder_only:
+        prune_to_encoder(model)
     expected = model.state_dict()
     reader = _Reader(files)
     problems, tensors = [], {}
@@ -176,7 +188,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
             continue
         tensors[name] = value.to(device)
     # The .scale of a weight that is missing or mis-shaped is not "unexpected": the weight's problem says it all.
-    named = set(aliases) | {c for name in expected for c in checkpoint_name_candidates(name)}
+    named = set(aliases) | {c for name in known for c in checkpoint_name_candidates(name)}
     consumed = named | {n[: -len("weight")] + "scale" for n in named if n.endswith(".weight")}
     for name in sorted(set(files) - consumed):
         problems.append(f"unexpected tensor {name} in {files[name].name}")
@@ -187,6 +199,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
         if hasattr(module, "reset_buffers"):
             module.reset_buffers(device)
     model.fake_quant = fake_quant
+    model.encoder_only = encoder_only
+    model.loaded_weight_bytes = weight_bytes(model)
+    model.full_weight_bytes = model.loaded_weight_bytes + dropped_bytes(model, dtype)
     model.name_or_path = str(path)  # Hugging Face's name: save_pretrained copies the tokenizer files from here
     _install_token_map(model, path)
     return model.eval()

@@ -310,6 +310,8 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
                                                out.num_cached_tokens)}
     if req.return_token_ids:
         body["prompt_token_ids"] = out.prompt_token_ids
+    if out.kv_transfer_params is not None:
+        body["kv_transfer_params"] = out.kv_transfer_params
     return body
 
 

@@ -224,7 +224,8 @@ def sampling_params(state: ServerState, req: Any, prompt_len: int, *, max_tokens
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             max_tokens=requested, min_tokens=req.min_tokens, logprobs=logprobs,
             skip_special_tokens=skip_special_tokens,
-            spaces_between_special_tokens=req.spaces_between_special_tokens)
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            extra_args=None if req.kv_transfer_params is None else {"kv_transfer_params": req.kv_transfer_params})
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0]
         raise APIError(str(exc), names.get(field_name, field_name), "invalid_value") from exc

@@ -165,7 +165,11 @@ class _Run:
                     entry["prompt_token_ids"] = self.prompts[index].ids
                 choices.append(entry)
         generated = sum(len(c.token_ids) for out in finals.values() for c in out.output.outputs)
-        return {**self.base, "choices": choices, "usage": self._usage(finals, generated)}
+        body = {**self.base, "choices": choices, "usage": self._usage(finals, generated)}
+        transfers = [finals[i].output.kv_transfer_params for i in range(len(self.prompts))]
+        if any(t is not None for t in transfers):  # (one dict per prompt when the request has several)
+            body["kv_transfer_params"] = transfers[0] if len(transfers) == 1 else transfers
+        return body
 
     async def chunks(self, outputs: AsyncIterator[tuple[int, StepOutput]]) -> AsyncIterator[dict[str, Any]]:
         """SSE chunks: echo first, deltas, exactly one finish chunk per choice, then the usage chunk."""

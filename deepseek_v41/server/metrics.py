@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -109,6 +110,10 @@ class ServerMetrics:
         self.prefix_hits = {path: hits.labels(model_name, path) for path in PREFIX_HIT_PATHS}
         self.replays = Counter("dsv41:prefix_cache_replays", "Prefix-cache hits whose window state was rebuilt by "
                                "replay (no SWA snapshot), one per request.", labels, registry=reg).labels(model_name)
+        self.transfer_request_bytes = Histogram(
+            "dsv41:kv_transfer_request_bytes", "KV bytes a request moved through the KV connector (disaggregated "
+            "serving: written by a prefill server, read by a decode server).", labels,
+            buckets=[float(2**k) for k in range(10, 36, 2)], registry=reg).labels(model_name)
         self.replay_tokens = Histogram("dsv41:prefix_cache_replay_tokens", "Tokens recomputed by replay per "
                                        "prefix-cache hit that replayed (bounded by the window with bounded replay).",
                                        labels, buckets=_powers_of_two(engine.max_model_len),
@@ -181,6 +186,13 @@ class ServerMetrics:
             self.decode_time.observe(max(0.0, last - m.first_token_time))
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
         self.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
+        transfer = out.kv_transfer_params
+        if isinstance(transfer, dict) and transfer.get("transfer_bytes"):
+            self.transfer_request_bytes.observe(transfer["transfer_bytes"])
+            if transfer.get("do_remote_prefill"):  # a prefill-only request: its prompt counts, no token follows
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.cached_tokens.inc(out.num_cached_tokens)
+                self.interval.prompt_tokens += len(out.prompt_token_ids) - out.num_cached_tokens
 
     def observe(self, outputs: list[StepOutput], stats: dict[str, Any]) -> None:
         """Update counters and histograms from one step's outputs (called by the engine loop)."""
@@ -324,12 +336,14 @@ class _EngineCollector:
                                           labels=["model_name"])
         preemptions.add_metric([name], stats["num_preemptions"])
         yield preemptions
+        yield from self._kv_transfer(stats, name)
         encoder = stats.get("encoder_cache") or {}
         for key, doc in (("hits", "Images whose aligner rows came from the encoder cache (not encoded again)."),
                          ("misses", "Images the encoder cache did not hold, encoded by the vision tower.")):
             family = CounterMetricFamily(f"dsv41:encoder_cache_{key}", doc, labels=["model_name"])
             family.add_metric([name], encoder.get(key, 0))
             yield family
+        yield from ec_metric_families(name, encoder.get("ec_transfer"))
         for key, doc in (("num_drafts", "Speculative draft blocks verified (one per sequence and step)."),
                          ("num_draft_tokens", "Draft tokens verified by the target."),
                          ("num_accepted_tokens", "Draft tokens accepted (bonus tokens not counted)."),
@@ -352,6 +366,22 @@ class _EngineCollector:
         for pos in range(max(m.spec_positions, len(per_pos))):
             accepted.add_metric([name, str(pos)], per_pos[pos] if pos < len(per_pos) else 0)
         yield accepted
+
+    @staticmethod
+    def _kv_transfer(stats: dict[str, Any], name: str):
+        """``dsv41:kv_transfer_*`` by direction (sent = pages a prefill server wrote to its KV connector, received =
+        pages a decode server read): KV payload bytes, pages, the prompt tokens those pages hold (bytes / tokens =
+        KV bytes per token) and seconds in the connector's calls. Zero without a --kv-transfer-config."""
+        transfer = stats.get("kv_transfer") or {}
+        for key, doc in (("bytes", "KV bytes (page payload, without file headers) moved through the KV connector."),
+                         ("pages", "KV pages moved through the KV connector."),
+                         ("prompt_tokens", "Prompt tokens whose KV pages moved through the KV connector."),
+                         ("seconds", "Seconds spent in the KV connector's put (sent) and get (received) calls.")):
+            family = CounterMetricFamily(f"dsv41:kv_transfer_{key}", doc, labels=["model_name", "direction"])
+            for direction in ("sent", "received"):
+                values = transfer.get(direction) or {}
+                family.add_metric([name, direction], values.get("tokens" if key == "prompt_tokens" else key, 0))
+            yield family
 
     def _prefix_cache(self, stats: dict[str, Any], gauge):
         """The engine-owned prefix-cache metrics (all 0 with prefix caching off)."""
@@ -414,3 +444,25 @@ class _EngineCollector:
         prefix_cache = getattr(self.metrics.engine.engine, "prefix_cache", None)
         pool = getattr(prefix_cache, "swa_pool", None)
         return int(getattr(pool, "capacity_bytes", 0) or 0)
+
+
+def ec_metric_families(model_name: str, ec: dict[str, Any] | None) -> Iterator[CounterMetricFamily]:
+    """Prometheus counters of one :meth:`~deepseek_v41.engine.encoder_cache.VisionEncoder.stats` ``"ec_transfer"``
+    dict (None: all 0), for every role: ``dsv41:ec_transfer_bytes{direction="sent"|"received"}`` (file bytes
+    written / read, headers included), ``dsv41:ec_transfer_images{direction}``,
+    ``dsv41:ec_transfer_seconds{direction}`` (writing / reading and decoding), and the consumer's lookups
+    ``dsv41:ec_transfer_hits`` / ``dsv41:ec_transfer_misses``. Source: DISAGG_DESIGN.md (metric names)."""
+    ec = ec or {}
+    for metric, doc in (
+            ("bytes", "Encoder-cache transfer bytes (aligner rows' files, headers included) by direction."),
+            ("images", "Images whose aligner rows moved through the EC connector, by direction."),
+            ("seconds", "Seconds spent writing (sent) or reading and decoding (received) EC files.")):
+        family = CounterMetricFamily(f"dsv41:ec_transfer_{metric}", doc, labels=["model_name", "direction"])
+        for direction in ("sent", "received"):
+            family.add_metric([model_name, direction], ec.get(f"{direction}_{metric}", 0))
+        yield family
+    for key, doc in (("hits", "Encoder-cache misses answered by the EC connector (rows read, not encoded)."),
+                     ("misses", "Encoder-cache misses the EC connector did not hold (encoded here).")):
+        family = CounterMetricFamily(f"dsv41:ec_transfer_{key}", doc, labels=["model_name"])
+        family.add_metric([model_name], ec.get(key, 0))
+        yield family

@@ -68,6 +68,9 @@ class _Sampling(_Strict):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     cache_salt: str | None = None
+    # vLLM's disaggregated-serving field (issue 29): {"do_remote_decode": true} asks a kv_producer / kv_both server
+    # for the prompt's KV only; a decode server gets the prefill response's params back.
+    kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False
     request_id: Annotated[str, Field(max_length=256)] | None = None  # vLLM: the response id is {prefix}-{request_id}
     priority: int = 0

@@ -10,7 +10,8 @@ block shares no fp32 copy of them (:func:`_wide`); collapse fuses the sub-layer'
 
 Installed on a :class:`~deepseek_v41.model.block.Block` (and the draft's
 :class:`~deepseek_v41.model.dspark.DSparkBlock`, whose forward is the block's): ``forward`` and
-``attention_input``. On a :class:`~deepseek_v41.model.transformer.Transformer`: ``run_layers`` (the same loop,
+``attention_input``; on the :class:`~deepseek_v41.disagg.encoder_only.EncoderBoundary` of an encoder-only prefill
+model, ``attention_input``. On a :class:`~deepseek_v41.model.transformer.Transformer`: ``run_layers`` (the same loop,
 with :func:`~deepseek_v41.kernels.fast.warm.warm` before each block of a few-token step) and ``lm_head`` (the GEMV
 kernel for a few tokens of a plain :class:`~deepseek_v41.model.linear.LMHead`,
 :func:`~deepseek_v41.kernels.fast.dense.few_token_gemv`; a vocab-parallel head is called as a module).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from deepseek_v41 import kernels
+from deepseek_v41.disagg.encoder_only import EncoderBoundary
 from deepseek_v41.kernels.fast.dense import few_token_gemv
 from deepseek_v41.kernels.fast.registry import fused, global_hooks, override, plain, register
 from deepseek_v41.kernels.fast.warm import warm
@@ -100,6 +102,16 @@ def install_block(m: Block) -> bool:
 
 register(Block)(install_block)
 register(DSparkBlock)(install_block)  # the draft's stages: a Block with more parameters, the same forward
+
+
+@register(EncoderBoundary)
+def install_encoder_boundary(m: EncoderBoundary) -> bool:
+    """What an encoder-only prefill model keeps of the first decoder layer (issue 29) runs only
+    ``attention_input``: the block's fused collapse + norm, so that its compressor reads the same bits as in the
+    full model."""
+    m.__dict__["_fast_norms"] = (plain(m._modules["attn_norm"], RMSNorm), False)
+    override(m, "attention_input", _attention_input)
+    return True
 
 
 def _site_input(block: Block, name: str, fuse: bool, streams: torch.Tensor, weights: torch.Tensor,
