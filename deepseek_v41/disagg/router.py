@@ -34,8 +34,10 @@ is the first healthy decode server's.
 ``dsv41:router_requests{route,status}``, ``dsv41:router_fallbacks{reason}``, ``dsv41:router_backend_up{role,url}``,
 ``dsv41:router_stage_seconds{stage}`` (decode: to the first body byte of the decode response),
 ``dsv41:router_kv_transfer_bytes`` and ``dsv41:router_prompt_tokens`` (the prefill responses' ``transfer_bytes`` and
-prompt tokens, so their ratio is the KV bytes moved per prompt token), ``dsv41:router_affinity_hits`` (decode
-servers chosen by prefix) and ``dsv41:router_prefill_affinity_hits``.
+``num_prompt_tokens``: their ratio is the bytes moved per prompt token, a little under the KV bytes per token of
+``dsv41 report`` because a prompt's last, partial page is not moved; the servers' ``kv_transfer_prompt_tokens``
+count the moved tokens exactly), ``dsv41:router_affinity_hits`` (decode servers chosen by prefix) and
+``dsv41:router_prefill_affinity_hits``.
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ class RouterMetrics:
         self.kv_transfer_bytes = Counter("dsv41:router_kv_transfer_bytes", "KV payload bytes the prefill servers "
                                          "wrote for the router's requests (their transfer_bytes).", m, registry=r)
         self.prompt_tokens = Counter("dsv41:router_prompt_tokens", "Prompt tokens of the requests prefilled on a "
-                                     "prefill server (router_kv_transfer_bytes / this = KV bytes per token).", m,
-                                     registry=r)
+                                     "prefill server (router_kv_transfer_bytes / this = bytes moved per prompt "
+                                     "token).", m, registry=r)
         self.affinity_hits = Counter("dsv41:router_affinity_hits", "Requests sent to a decode server that served "
                                      "a prefix of their prompt before.", m, registry=r)
         self.prefill_affinity_hits = Counter("dsv41:router_prefill_affinity_hits", "Requests sent to a prefill "
