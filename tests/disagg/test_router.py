@@ -284,6 +284,26 @@ def test_a_decode_server_dying_mid_stream_ends_the_stream_with_an_error(stack):
     assert json.loads(lines[1][len("data: "):])["error"]["code"] == "backend_failed"
 
 
+def test_shutdown_drains_a_running_stream(stack, caplog):
+    decode = Fake("decode")
+    decode.release.clear()
+    router = stack(decode=[decode])
+    state = router.server.config.app.state.router
+    with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "Hi", "stream": True},
+                      timeout=5) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        with caplog.at_level("INFO", logger="deepseek_v41.server"):
+            router.server.should_exit = True  # what SIGTERM does
+            wait_for(lambda: state.draining)
+        assert "draining: 1 requests running" in caplog.text
+        decode.release.set()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and '"cached_tokens": 8' in rest[0]  # the running stream finished
+    router.thread.join(10)
+    assert not router.thread.is_alive() and state.num_requests == 0
+
+
 def test_prefill_4xx_is_returned_as_is(stack):
     prefill, decode = Fake("prefill"), Fake("decode")
     prefill.status = 400
