@@ -81,9 +81,10 @@ class RouterConfig:
             if dup:
                 raise ValueError(f"--{role} {dup[0]} is given twice")
             setattr(self, role, urls)
-        for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "connect_timeout_s"):
+        for name in ("health_interval_s", "request_timeout_s", "health_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+                what = f"--{name.replace('_', '-')}" if name in ("health_interval_s", "request_timeout_s") else name
+                raise ValueError(f"{what} must be > 0 seconds, got {getattr(self, name)}")
         for name in ("max_body_bytes", "affinity_chunk_chars", "affinity_max_entries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
