@@ -28,7 +28,7 @@ busier than the least loaded one; otherwise to the least loaded.
 **Health**: every ``health_interval_s`` each backend's ``GET /health`` is polled; a failing one is not chosen until
 it answers 200 again, and a backend whose connection is refused during a request is marked down at once. The
 router's ``GET /health`` is 200 while a decode server is up (503 otherwise and while draining); ``GET /v1/models``
-is the first healthy decode server's.
+and ``/v1/models/{id}`` are the first healthy decode server's. Unknown routes get OpenAI-shaped 404 / 405.
 
 **Metrics** (own registry, ``model_name`` = the decode servers' first served model once known):
 ``dsv41:router_requests{route,status}``, ``dsv41:router_fallbacks{reason}``, ``dsv41:router_backend_up{role,url}``,
@@ -68,7 +68,7 @@ from deepseek_v41.disagg.routing import (
     prefill_request,
     prefix_hashes,
 )
-from deepseek_v41.server.errors import error_body
+from deepseek_v41.server.errors import error_body, install_error_handlers
 from deepseek_v41.server.streaming import DONE, ClientDisconnected, sse_event, until_disconnect
 
 logger = logging.getLogger("deepseek_v41.router")
@@ -473,6 +473,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="dsv41 router", lifespan=lifespan)
     app.state.router = app.state.server = router
+    install_error_handlers(app)  # 404 / 405 in the OpenAI error shape, as the servers answer them
     if config.api_keys:
         app.add_middleware(_KeyGuard, keys=config.api_keys)
 
@@ -501,17 +502,24 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     async def completions(request: Request):
         return await generate(request, COMPLETIONS)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
+    async def from_decode(request: Request) -> Response:
         auth = request.headers.get("authorization")
         for backend in router.pool.backends["decode"]:
             if backend.up:
                 try:
-                    return _passthrough(await router.client.get(backend.url + "/v1/models",
+                    return _passthrough(await router.client.get(backend.url + request.url.path,
                                                                 headers={"Authorization": auth} if auth else {}))
                 except httpx.HTTPError as exc:
-                    router._stage_failed(backend, "/v1/models", exc)
+                    router._stage_failed(backend, request.url.path, exc)
         return _error(503, "no decode server is up", "no_backend")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await from_decode(request)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        return await from_decode(request)
 
     @app.get("/health")
     async def health():

@@ -54,6 +54,10 @@ class Fake:
             return {"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": self.name,
                                                 "auth": request.headers.get("authorization")}]}
 
+        @app.get("/v1/models/{model_id}")
+        async def model(model_id: str):
+            return {"id": model_id, "object": "model", "owned_by": self.name}
+
         @app.post("/v1/chat/completions")
         @app.post("/v1/completions")
         async def generate(request: Request):
@@ -450,6 +454,9 @@ def test_router_api_key_and_models(stack):
     assert decode.received == []
     models = httpx.get(router.url + "/v1/models", headers=AUTH, timeout=10).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["auth"] == "Bearer k1"
+    assert httpx.get(router.url + "/v1/models/tiny", headers=AUTH, timeout=10).json()["owned_by"] == "decode"
+    response = httpx.get(router.url + "/v1/nothing", headers=AUTH, timeout=10)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
     assert httpx.get(router.url + "/health", timeout=5).status_code == 200  # not a /v1 route
     assert httpx.post(router.url + "/v1/completions", json={"prompt": "x"}, headers=AUTH, timeout=10).status_code \
         == 200
