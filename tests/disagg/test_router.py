@@ -417,6 +417,29 @@ def test_prefix_affinity_keeps_a_conversation_on_its_decode_server(stack):
     assert metrics(router.url)[("dsv41:router_affinity_hits_total", ())] == 2
 
 
+def test_concurrent_requests_spread_and_leave_no_count_behind(stack):
+    prefill, d1, d2 = Fake("prefill"), Fake("decode", "d1"), Fake("decode", "d2")
+    router = stack(prefill=[prefill], decode=[d1, d2])
+    state = router.server.config.app.state.router
+
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        body = {"model": "tiny", "prompt": f"distinct prompt {i}", "stream": i % 2 == 0}
+        response = await client.post(router.url + "/v1/completions", json=body)
+        assert response.status_code == 200
+        return response.text
+
+    async def all_of_them() -> list[str]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    texts = asyncio.run(all_of_them())
+    assert sum("[DONE]" in text for text in texts) == 8
+    assert len(d1.received) + len(d2.received) == 16 and d1.received and d2.received
+    # (a response's last byte reaches the client just before the router's bookkeeping of its end)
+    wait_for(lambda: state.num_requests == 0 and
+             all(b.outstanding == 0 for backends in state.pool.backends.values() for b in backends))
+
+
 def test_completion_prompt_chunks_share_a_prefix():
     long = "word " * 300
     a = prefix_hashes("/v1/completions", {"prompt": long}, "", 512)
