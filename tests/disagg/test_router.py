@@ -244,8 +244,8 @@ def test_stream_is_relayed_chunk_by_chunk(stack):
     decode.release.clear()  # the decode server holds its second chunk until the client has the first
     router = stack(prefill=[prefill], decode=[decode])
     lines = []
-    # Buffering would hold the first chunk until the decode server's 10 s wait ran out: past the 3 s read timeout.
-    with httpx.stream("POST", router.url + "/v1/completions", timeout=3,
+    # Buffering would hold the first chunk until the decode server's 10 s wait ran out: past the 5 s read timeout.
+    with httpx.stream("POST", router.url + "/v1/completions", timeout=5,
                       json={"model": "tiny", "prompt": "Hi", "stream": True,
                             "stream_options": {"include_usage": True}}) as response:
         assert response.status_code == 200
