@@ -41,6 +41,7 @@ class Fake:
         self.release.set()
         self.stream_closed = threading.Event()
         self.die_mid_stream = False
+        self.delay_s = 0.0
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -63,6 +64,7 @@ class Fake:
         async def generate(request: Request):
             body = await request.json()
             self.received.append((request.url.path, body, dict(request.headers)))
+            await asyncio.sleep(self.delay_s)
             if self.status != 200:
                 return JSONResponse({"error": {"message": f"{self.name} says no", "type": "invalid_request_error",
                                                "param": "messages", "code": "invalid_value"}},
@@ -327,12 +329,13 @@ def test_decode_errors_pass_through(stack):
     assert m[("dsv41:router_requests_total", (("route", "/v1/chat/completions"), ("status", "400")))] == 1
 
 
-@pytest.mark.parametrize("failure", ["5xx", "dies mid-request", "refused"])
+@pytest.mark.parametrize("failure", ["5xx", "timeout", "dies mid-request", "refused"])
 def test_no_prefill_answer_falls_back_to_the_decode_server(stack, failure):
     decode = Fake("decode")
-    if failure == "5xx":
+    if failure in ("5xx", "timeout"):
         prefill = Fake("prefill")
-        prefill.status = 500
+        prefill.status = 500 if failure == "5xx" else 200
+        prefill.delay_s = 0 if failure == "5xx" else 3.0  # past --request-timeout-s below
     elif failure == "dies mid-request":
         prefill = Dying()
     else:
@@ -340,7 +343,7 @@ def test_no_prefill_answer_falls_back_to_the_decode_server(stack, failure):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]  # nothing listens there once closed
         prefill = type("Gone", (), {"url": f"http://127.0.0.1:{port}", "stop": lambda self: None})()
-    router = stack(prefill=[prefill], decode=[decode], health_interval_s=30.0)
+    router = stack(prefill=[prefill], decode=[decode], health_interval_s=30.0, request_timeout_s=1.0)
     if failure == "refused":  # marked down by the first health poll: straight to the decode server
         assert metrics(router.url)[("dsv41:router_backend_up", (("role", "prefill"), ("url", prefill.url)))] == 0
     response = httpx.post(router.url + "/v1/chat/completions", json={**CHAT, "kv_transfer_params": {"x": 1}},
@@ -350,6 +353,8 @@ def test_no_prefill_answer_falls_back_to_the_decode_server(stack, failure):
     assert "kv_transfer_params" not in sent and sent["max_tokens"] == 5  # the client's request, plain prefill
     if failure == "dies mid-request":
         assert prefill.requests == 1
+    if failure == "timeout":
+        assert len(prefill.received) == 1
     assert metrics(router.url)[("dsv41:router_fallbacks_total", (("reason", "prefill"),))] == 1
 
 
