@@ -279,7 +279,7 @@ def test_what_the_producer_does_not_hold_fails_clearly(model_dir):
     assert not list(Dropped("x").parameters())
 
 
-def test_a_model_without_the_ced_layout_is_refused(tmp_path):
+def test_a_model_without_the_ced_layout_is_refused():
     config = tiny_config().replace(**NOT_CED)
     with torch.device("meta"):
         model = Transformer(config)
@@ -287,6 +287,11 @@ def test_a_model_without_the_ced_layout_is_refused(tmp_path):
         encoder_only_names(model)
     with pytest.raises(ValueError, match="needs the CED layout"):
         prune_to_encoder(model)
+
+
+@pytest.mark.slow
+def test_loading_a_model_without_the_ced_layout_encoder_only_is_refused(tmp_path):
+    config = tiny_config().replace(**NOT_CED)
     torch.manual_seed(0)
     Transformer(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="needs the CED layout"):

@@ -38,7 +38,7 @@ def engine(model_dir, **args):
     return LLM(str(model_dir), dtype=torch.float64, max_model_len=1024, swa_pool_bytes=0, **args)
 
 
-@pytest.mark.parametrize("encoder_only", [False, True])
+@pytest.mark.parametrize("encoder_only", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_decode_side_equals_one_colocated_engine_with_exact_replay(model_dir, tmp_path, encoder_only):
     prompt = tokens(150, 1)
     colocated = engine(model_dir).generate({"prompt_token_ids": prompt}, GREEDY)[0]
@@ -115,4 +115,28 @@ def test_redis_connector_moves_the_pages(model_dir, redis_url):
     consumer = engine(model_dir, replay="exact", kv_transfer_config={**redis, "kv_role": "kv_consumer"})
     out = consumer.generate({"prompt_token_ids": prompt}, GREEDY)[0]
     assert out.kv_transfer_params["transfer_pages"] == (len(prompt) - 1) // 16 > 0
+    assert out.outputs[0].token_ids == colocated.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_nixl_connector_pulls_the_pages_from_the_producer_named_in_kv_transfer_params(model_dir):
+    """NixlConnector end to end through two engines: the producer's prefill output names its side channel, the
+    consumer's request carries it (as the router forwards it) and NIXL-READs the pages (UCX, DRAM to DRAM)."""
+    from optional_deps import require
+
+    require("nixl")
+    prompt = tokens(140, 7)
+    colocated = engine(model_dir).generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    producer = engine(model_dir, kv_transfer_config={
+        "kv_connector": "NixlConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"side_channel_port": 0, "buffer_bytes": 8 << 20}})
+    params = producer.generate({"prompt_token_ids": prompt}, GREEDY)[0].kv_transfer_params
+    assert params["remote_port"] > 0 and params["num_pages"] == len(prompt) // 16
+    consumer = engine(model_dir, replay="exact", kv_transfer_config={
+        "kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"side_channel_port": 0, "buffer_bytes": 8 << 20}})
+    decode = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            extra_args={"kv_transfer_params": params})
+    out = consumer.generate({"prompt_token_ids": prompt}, decode)[0]
+    assert out.kv_transfer_params["transfer_pages"] == (len(prompt) - 1) // 16
     assert out.outputs[0].token_ids == colocated.outputs[0].token_ids

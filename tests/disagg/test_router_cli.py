@@ -34,6 +34,7 @@ def test_bad_flags_exit_2(args, message):
     assert result.exit_code == 2 and f"error: {message}" in result.output, result.output
 
 
+@pytest.mark.slow
 def test_router_process_serves_and_drains(tmp_path):
     decode = Fake("decode")
     decode.live = Live(decode.app())
