@@ -60,7 +60,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("analysis", ("deepseek_v41/analysis/",)),
     ("train", ("deepseek_v41/train/",)),
     # (and the disaggregated-serving router: an OpenAI front over servers, issue 29)
-    ("server", ("deepseek_v41/server/", "deepseek_v41/disagg/router.py")),
+    ("server", ("deepseek_v41/server/", "deepseek_v41/disagg/router.py", "deepseek_v41/disagg/routing.py")),
     # The command line (dsv41 and its subcommands): the top; nothing imports it.
     ("cli", ("deepseek_v41/cli/",)),
 ]

@@ -21,41 +21,36 @@ The client's ``Authorization`` header goes to every backend unchanged (the serve
 API key, so prefill and decode must see the same key) with one ``X-Request-Id`` for all stages. ``--api-key``
 guards the router's own ``/v1`` routes.
 
-**Prefix affinity**: the request's prompt material is cut into chunks (chat: the canonical JSON of each message in
-order; completions: the prompt in ``affinity_chunk_chars`` characters, or ``affinity_chunk_chars // 4`` token ids)
-and chain-hashed from a root of the route, model, ``cache_salt``, tools and the ``Authorization`` value. A bounded
-LRU map per role sends a request to the healthy server that served the longest matching chain (it holds those
-pages on its device tier), unless that server has ``affinity_max_imbalance`` more requests in flight than the least
-loaded one; otherwise the least loaded (fewest in flight, then fewest served) is chosen.
+**Prefix affinity** (:mod:`deepseek_v41.disagg.routing`): a request goes to the prefill and the decode server that
+served the longest prefix of its prompt before (their device tiers hold its pages), unless that server is much
+busier than the least loaded one; otherwise to the least loaded.
 
 **Health**: every ``health_interval_s`` each backend's ``GET /health`` is polled; a failing one is not chosen until
 it answers 200 again, and a backend whose connection is refused during a request is marked down at once. The
 router's ``GET /health`` is 200 while a decode server is up (503 otherwise and while draining); ``GET /v1/models``
-is the first healthy decode server's.
+and ``/v1/models/{id}`` are the first healthy decode server's. Unknown routes get OpenAI-shaped 404 / 405.
 
 **Metrics** (own registry, ``model_name`` = the decode servers' first served model once known):
 ``dsv41:router_requests{route,status}``, ``dsv41:router_fallbacks{reason}``, ``dsv41:router_backend_up{role,url}``,
 ``dsv41:router_stage_seconds{stage}`` (decode: to the first body byte of the decode response),
 ``dsv41:router_kv_transfer_bytes`` and ``dsv41:router_prompt_tokens`` (the prefill responses' ``transfer_bytes`` and
-prompt tokens, so their ratio is the KV bytes moved per prompt token), ``dsv41:router_affinity_hits`` (decode
-servers chosen by prefix) and ``dsv41:router_prefill_affinity_hits``.
+``num_prompt_tokens``: their ratio is the bytes moved per prompt token, a little under the KV bytes per token of
+``dsv41 report`` because a prompt's last, partial page is not moved; the servers' ``kv_transfer_prompt_tokens``
+count the moved tokens exactly), ``dsv41:router_affinity_hits`` (decode servers chosen by prefix) and
+``dsv41:router_prefill_affinity_hits``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -63,174 +58,24 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from deepseek_v41.chat.images import IMAGE_PART_TYPES
-from deepseek_v41.server.errors import error_body
-from deepseek_v41.server.streaming import ClientDisconnected, until_disconnect
+from deepseek_v41.disagg.routing import (
+    CHAT,
+    COMPLETIONS,
+    Backend,
+    BackendPool,
+    RouterConfig,
+    has_images,
+    prefill_request,
+    prefix_hashes,
+)
+from deepseek_v41.server.errors import error_body, install_error_handlers
+from deepseek_v41.server.streaming import DONE, ClientDisconnected, sse_event, until_disconnect
 
 logger = logging.getLogger("deepseek_v41.router")
 
-Role = Literal["encode", "prefill", "decode"]
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 _STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-# Fields the prefill request drops: it samples one token it does not return, as one sequence.
-_PREFILL_DROPPED = ("stream_options", "n", "best_of", "min_tokens")
 # Upstream response headers relayed to the client (hop-by-hop and length headers are the router's own).
 _RELAYED_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "x-request-id")
-
-
-def backend_url(url: str, flag: str) -> str:
-    """``url`` checked as a backend's base URL (``http://host:port``, an optional trailing ``/``) and returned
-    without the trailing slash. ValueError naming ``flag`` for another scheme, a missing host, a bad port, or a path,
-    query or credentials (the router appends ``/v1/...`` itself)."""
-    example = f"{flag} http://127.0.0.1:8100"
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"{flag} {url!r} is not a valid URL ({exc}); e.g. {example}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{flag} {url!r} is not an http(s) URL with a host; e.g. {example}")
-    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
-        raise ValueError(f"{flag} {url!r}: give the server's base URL only (no path such as /v1, query or "
-                         f"credentials); e.g. {example}")
-    if port == 0:
-        raise ValueError(f"{flag} {url!r}: port 0 is not a server's port")
-    return url.rstrip("/")
-
-
-@dataclass
-class RouterConfig:
-    """Settings of :func:`build_router_app` (the ``dsv41 router`` flags).
-
-    ``decode`` / ``prefill`` / ``encode``: backend base URLs (at least one decode server; no prefill server = every
-    request prefills on its decode server, no encode server = prefill servers encode images themselves); checked and
-    normalised by :func:`backend_url`. ``api_keys``: bearer keys the router's ``/v1`` routes accept (none = open).
-    Times in seconds; ``request_timeout_s`` bounds a backend's silence (connect, a whole prefill, the wait between
-    two decode chunks). ValueError for a bad value, naming the flag.
-    """
-
-    decode: list[str]
-    prefill: list[str] = field(default_factory=list)
-    encode: list[str] = field(default_factory=list)
-    api_keys: list[str] = field(default_factory=list)
-    health_interval_s: float = 2.0      # seconds between two polls of every backend's /health
-    health_timeout_s: float = 5.0       # a /health answer slower than this counts as down
-    request_timeout_s: float = 600.0    # read / write / pool timeout of a backend request
-    connect_timeout_s: float = 5.0      # TCP connect timeout of a backend request
-    max_body_bytes: int = 32 * 2**20    # largest client body (413 beyond)
-    affinity_chunk_chars: int = 512     # completions prompt chunk (characters; token-id prompts: a quarter of it)
-    affinity_max_entries: int = 200_000  # chain hashes remembered per role (LRU)
-    affinity_max_imbalance: int = 16    # in-flight requests over the least loaded beyond which affinity yields
-
-    def __post_init__(self) -> None:
-        if not self.decode:
-            raise ValueError("at least one --decode URL is required (the decode servers relay the answers)")
-        for role in ("decode", "prefill", "encode"):
-            urls = [backend_url(u, f"--{role}") for u in getattr(self, role)]
-            dup = sorted({u for u in urls if urls.count(u) > 1})
-            if dup:
-                raise ValueError(f"--{role} {dup[0]} is given twice")
-            setattr(self, role, urls)
-        for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "connect_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
-        for name in ("max_body_bytes", "affinity_chunk_chars", "affinity_max_entries"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.affinity_max_imbalance < 0:
-            raise ValueError(f"affinity_max_imbalance must be >= 0, got {self.affinity_max_imbalance}")
-
-
-@dataclass
-class Backend:
-    """One backend server: its ``role``, base ``url``, health, requests in flight and requests sent so far."""
-
-    role: Role
-    url: str
-    up: bool = True
-    outstanding: int = 0
-    served: int = 0
-    asked_model: bool = False  # its /v1/models was read since it last came up
-
-
-class PrefixAffinity:
-    """Bounded LRU map chain-hash -> backend URL: which server last served each prompt prefix.
-
-    ``match(hashes, urls)``: the URL among ``urls`` mapped from the longest prefix of ``hashes`` and that prefix's
-    length in chunks, or ``(None, 0)``. ``record(hashes, url)``: every prefix of the request now points to ``url``.
-    """
-
-    def __init__(self, max_entries: int):
-        self.max_entries = max_entries
-        self._map: OrderedDict[bytes, str] = OrderedDict()
-
-    def match(self, hashes: list[bytes], urls: set[str]) -> tuple[str | None, int]:
-        for depth in range(len(hashes), 0, -1):
-            url = self._map.get(hashes[depth - 1])
-            if url in urls:
-                self._map.move_to_end(hashes[depth - 1])
-                return url, depth
-        return None, 0
-
-    def record(self, hashes: list[bytes], url: str) -> None:
-        for h in hashes:
-            self._map[h] = url
-            self._map.move_to_end(h)
-        while len(self._map) > self.max_entries:
-            self._map.popitem(last=False)
-
-
-def _canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def prefix_hashes(route: str, body: dict[str, Any], authorization: str, chunk_chars: int) -> list[bytes]:
-    """The chain hashes of a request's prompt material, one per chunk (module docstring): a request whose prompt
-    extends another's shares its hashes as a prefix. Empty when the body has no prompt the router can read (the
-    backend then reports the error)."""
-    root = _canonical([route, body.get("model"), body.get("cache_salt"), body.get("tools"),
-                       body.get("chat_template_kwargs"), authorization])
-    pieces: list[bytes] = []
-    if route == CHAT:
-        messages = body.get("messages")
-        pieces = [_canonical(m) for m in messages] if isinstance(messages, list) else []
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            prompt = prompt[0]  # a batch of prompts: the first one's prefix
-        if isinstance(prompt, str):
-            pieces = [prompt[i:i + chunk_chars].encode() for i in range(0, len(prompt), chunk_chars)]
-        elif isinstance(prompt, list):
-            step = max(1, chunk_chars // 4)
-            pieces = [_canonical(prompt[i:i + step]) for i in range(0, len(prompt), step)]
-    out, h = [], hashlib.blake2b(root, digest_size=16).digest()
-    for piece in pieces:
-        h = hashlib.blake2b(h + piece, digest_size=16).digest()
-        out.append(h)
-    return out
-
-
-def has_images(body: dict[str, Any]) -> bool:
-    """Whether a chat body has an image content part (``image_url``, ``input_image``, ``image``)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return False
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
-                                             for p in content):
-            return True
-    return False
-
-
-def prefill_request(route: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill stage's body: ``body`` without :data:`_PREFILL_DROPPED`, not streamed, one token, and
-    ``kv_transfer_params: {"do_remote_decode": true}`` (prefill-only on a kv_producer / kv_both server)."""
-    out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
-    out.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    if route == CHAT:
-        out["max_completion_tokens"] = 1
-    return out
 
 
 class RouterMetrics:
@@ -252,8 +97,8 @@ class RouterMetrics:
         self.kv_transfer_bytes = Counter("dsv41:router_kv_transfer_bytes", "KV payload bytes the prefill servers "
                                          "wrote for the router's requests (their transfer_bytes).", m, registry=r)
         self.prompt_tokens = Counter("dsv41:router_prompt_tokens", "Prompt tokens of the requests prefilled on a "
-                                     "prefill server (router_kv_transfer_bytes / this = KV bytes per token).", m,
-                                     registry=r)
+                                     "prefill server (router_kv_transfer_bytes / this = bytes moved per prompt "
+                                     "token).", m, registry=r)
         self.affinity_hits = Counter("dsv41:router_affinity_hits", "Requests sent to a decode server that served "
                                      "a prefix of their prompt before.", m, registry=r)
         self.prefill_affinity_hits = Counter("dsv41:router_prefill_affinity_hits", "Requests sent to a prefill "
@@ -297,10 +142,9 @@ class RelayResponse(Response):
             except httpx.HTTPError as exc:  # the decode server died mid-response: the client sees the cut
                 logger.warning("the decode response from %s broke off: %r", self.upstream.url, exc)
                 if self.upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                    error = error_body(f"the decode server failed mid-stream ({type(exc).__name__})", 502, None,
-                                       "backend_failed")
-                    await send({"type": "http.response.body", "body": b"data: " + json.dumps(error).encode()
-                                + b"\n\n", "more_body": True})
+                    error = error_body(f"the decode server failed mid-stream ({type(exc).__name__})", 500, None,
+                                       "backend_failed")  # then [DONE], as the server ends a failed stream
+                    await send({"type": "http.response.body", "body": sse_event(error) + DONE, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def disconnected() -> None:
@@ -329,9 +173,7 @@ class Router:
 
     def __init__(self, config: RouterConfig):
         self.config = config
-        self.backends = {role: [Backend(role, url) for url in getattr(config, role)]
-                         for role in ("encode", "prefill", "decode")}
-        self.affinity = {role: PrefixAffinity(config.affinity_max_entries) for role in ("prefill", "decode")}
+        self.pool = BackendPool(config)
         self.metrics = RouterMetrics()
         self.model_name = ""
         self.draining = False
@@ -340,7 +182,7 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self._health_client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
-        for role, backends in self.backends.items():
+        for role, backends in self.pool.backends.items():
             for b in backends:
                 self.metrics.backend_up.labels(role, b.url).set(1)
 
@@ -376,7 +218,7 @@ class Router:
 
     async def check_health(self) -> None:
         """One poll of every backend's ``GET /health`` (200 = up); learns the model name from a decode server."""
-        await asyncio.gather(*(self._check(b) for backends in self.backends.values() for b in backends))
+        await asyncio.gather(*(self._check(b) for backends in self.pool.backends.values() for b in backends))
 
     async def _check(self, backend: Backend) -> None:
         try:
@@ -403,22 +245,6 @@ class Router:
         self.metrics.backend_up.labels(backend.role, backend.url).set(int(up))
 
     # choosing -------------------------------------------------------------------------------------------------
-    def choose(self, role: Role, hashes: list[bytes], exclude: set[str]) -> tuple[Backend | None, bool]:
-        """The backend of ``role`` for a request with prefix ``hashes`` (module docstring: affinity within
-        ``affinity_max_imbalance``, else the least loaded), skipping ``exclude``; and whether affinity chose it.
-        ``(None, False)`` when no healthy backend is left."""
-        healthy = [b for b in self.backends[role] if b.up and b.url not in exclude]
-        if not healthy:
-            return None, False
-        least = min(healthy, key=lambda b: (b.outstanding, b.served))
-        if role in self.affinity and hashes:
-            url, _ = self.affinity[role].match(hashes, {b.url for b in healthy})
-            if url is not None:
-                best = next(b for b in healthy if b.url == url)
-                if best.outstanding - least.outstanding <= self.config.affinity_max_imbalance:
-                    return best, True
-        return least, False
-
     def _stage_failed(self, backend: Backend, what: str, exc: Exception | None = None) -> None:
         logger.warning("%s server %s failed %s: %s", backend.role, backend.url, what,
                        repr(exc) if exc is not None else "")
@@ -448,7 +274,7 @@ class Router:
         tried: set[str] = set()
         start = time.monotonic()
         try:
-            while (backend := self.choose("encode", [], tried)[0]) is not None:
+            while (backend := self.pool.choose("encode", [], tried)[0]) is not None:
                 tried.add(backend.url)
                 try:
                     response = await self._post(backend, route, body, headers)
@@ -471,7 +297,7 @@ class Router:
         request = prefill_request(route, body)
         start = time.monotonic()
         while True:
-            backend, hit = self.choose("prefill", hashes, tried)
+            backend, hit = self.pool.choose("prefill", hashes, tried)
             if backend is None:
                 return None
             tried.add(backend.url)
@@ -496,8 +322,7 @@ class Router:
                 _number(params.get("num_prompt_tokens", usage.get("prompt_tokens"))))
             if hit:
                 m.prefill_affinity_hits.labels(self.model_name).inc()
-            if hashes:
-                self.affinity["prefill"].record(hashes, backend.url)
+            self.pool.record("prefill", hashes, backend)
             return params
 
     async def decode(self, route: str, body: dict[str, Any], headers: dict[str, str], hashes: list[bytes],
@@ -508,7 +333,7 @@ class Router:
         start = time.monotonic()
         m = self.metrics
         while True:
-            backend, hit = self.choose("decode", hashes, tried)
+            backend, hit = self.pool.choose("decode", hashes, tried)
             if backend is None:
                 return _error(503, f"no decode server answered (tried {sorted(tried) or 'none: all are down'})",
                               "no_backend")
@@ -535,8 +360,7 @@ class Router:
             if upstream.status_code == 200:
                 if hit:
                     m.affinity_hits.labels(self.model_name).inc()
-                if hashes:
-                    self.affinity["decode"].record(hashes, backend.url)
+                self.pool.record("decode", hashes, backend)
 
             def first_byte() -> None:
                 m.stage_seconds.labels(self.model_name, "decode").observe(time.monotonic() - start)
@@ -554,11 +378,11 @@ class Router:
         if authorization:
             headers["Authorization"] = authorization
         hashes = prefix_hashes(route, body, authorization, self.config.affinity_chunk_chars)
-        if self.backends["encode"] and route == CHAT and has_images(body) and \
+        if self.pool.backends["encode"] and route == CHAT and has_images(body) and \
                 not await self.encode(route, body, headers):
             self.metrics.fallbacks.labels(self.model_name, "encode").inc()
         params = None
-        if self.backends["prefill"]:
+        if self.pool.backends["prefill"]:
             params = await self.prefill(route, body, headers, hashes)
             if isinstance(params, Response):
                 return params
@@ -649,6 +473,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="dsv41 router", lifespan=lifespan)
     app.state.router = app.state.server = router
+    install_error_handlers(app)  # 404 / 405 in the OpenAI error shape, as the servers answer them
     if config.api_keys:
         app.add_middleware(_KeyGuard, keys=config.api_keys)
 
@@ -677,23 +502,30 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     async def completions(request: Request):
         return await generate(request, COMPLETIONS)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
+    async def from_decode(request: Request) -> Response:
         auth = request.headers.get("authorization")
-        for backend in router.backends["decode"]:
+        for backend in router.pool.backends["decode"]:
             if backend.up:
                 try:
-                    return _passthrough(await router.client.get(backend.url + "/v1/models",
+                    return _passthrough(await router.client.get(backend.url + request.url.path,
                                                                 headers={"Authorization": auth} if auth else {}))
                 except httpx.HTTPError as exc:
-                    router._stage_failed(backend, "/v1/models", exc)
+                    router._stage_failed(backend, request.url.path, exc)
         return _error(503, "no decode server is up", "no_backend")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await from_decode(request)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        return await from_decode(request)
 
     @app.get("/health")
     async def health():
         if router.draining:
             return _error(503, "the router is shutting down", "shutting_down")
-        if not any(b.up for b in router.backends["decode"]):
+        if not any(b.up for b in router.pool.backends["decode"]):
             return _error(503, "no decode server is up", "no_backend")
         return Response(status_code=200)
 

@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
-from deepseek_v41.disagg.router import RouterConfig, build_router_app, prefix_hashes
+from deepseek_v41.disagg.router import build_router_app
+from deepseek_v41.disagg.routing import RouterConfig, prefix_hashes
 from deepseek_v41.server.launch import bound_port, make_server
 
 HEALTH_S = 0.1
@@ -39,6 +40,8 @@ class Fake:
         self.release = threading.Event()
         self.release.set()
         self.stream_closed = threading.Event()
+        self.die_mid_stream = False
+        self.delay_s = 0.0
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -52,11 +55,16 @@ class Fake:
             return {"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": self.name,
                                                 "auth": request.headers.get("authorization")}]}
 
+        @app.get("/v1/models/{model_id}")
+        async def model(model_id: str):
+            return {"id": model_id, "object": "model", "owned_by": self.name}
+
         @app.post("/v1/chat/completions")
         @app.post("/v1/completions")
         async def generate(request: Request):
             body = await request.json()
             self.received.append((request.url.path, body, dict(request.headers)))
+            await asyncio.sleep(self.delay_s)
             if self.status != 200:
                 return JSONResponse({"error": {"message": f"{self.name} says no", "type": "invalid_request_error",
                                                "param": "messages", "code": "invalid_value"}},
@@ -79,6 +87,8 @@ class Fake:
             async def events():
                 try:
                     yield b'data: {"choices":[{"text":"a"}]}\n\n'
+                    if self.die_mid_stream:
+                        raise RuntimeError("the decode server died")  # uvicorn cuts the connection
                     await asyncio.to_thread(self.release.wait, 10)
                     yield b'data: {"choices":[{"text":"b"}],"usage":' + json.dumps(usage).encode() + b"}\n\n"
                     yield b"data: [DONE]\n\n"
@@ -236,8 +246,8 @@ def test_stream_is_relayed_chunk_by_chunk(stack):
     decode.release.clear()  # the decode server holds its second chunk until the client has the first
     router = stack(prefill=[prefill], decode=[decode])
     lines = []
-    # Buffering would hold the first chunk until the decode server's 10 s wait ran out: past the 3 s read timeout.
-    with httpx.stream("POST", router.url + "/v1/completions", timeout=3,
+    # Buffering would hold the first chunk until the decode server's 10 s wait ran out: past the 5 s read timeout.
+    with httpx.stream("POST", router.url + "/v1/completions", timeout=5,
                       json={"model": "tiny", "prompt": "Hi", "stream": True,
                             "stream_options": {"include_usage": True}}) as response:
         assert response.status_code == 200
@@ -262,11 +272,42 @@ def test_a_client_that_leaves_closes_the_decode_stream(stack):
                       timeout=5) as response:
         lines = response.iter_lines()  # kept: a dropped iterator closes the connection
         assert next(lines).startswith("data: ")
-        assert state.num_requests == 1 and state.backends["decode"][0].outstanding == 1
+        assert state.num_requests == 1 and state.pool.backends["decode"][0].outstanding == 1
     decode.stream_closed.wait(5)  # the router closed its connection: the decode server aborts the request
     assert decode.stream_closed.is_set()
-    wait_for(lambda: state.num_requests == 0 and state.backends["decode"][0].outstanding == 0)
+    wait_for(lambda: state.num_requests == 0 and state.pool.backends["decode"][0].outstanding == 0)
     decode.release.set()
+
+
+def test_a_decode_server_dying_mid_stream_ends_the_stream_with_an_error(stack):
+    decode = Fake("decode")
+    decode.die_mid_stream = True
+    router = stack(decode=[decode])
+    with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "Hi", "stream": True},
+                      timeout=5) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[0] == 'data: {"choices":[{"text":"a"}]}' and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[1][len("data: "):])["error"]["code"] == "backend_failed"
+
+
+def test_shutdown_drains_a_running_stream(stack, caplog):
+    decode = Fake("decode")
+    decode.release.clear()
+    router = stack(decode=[decode])
+    state = router.server.config.app.state.router
+    with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "Hi", "stream": True},
+                      timeout=5) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        with caplog.at_level("INFO", logger="deepseek_v41.server"):
+            router.server.should_exit = True  # what SIGTERM does
+            wait_for(lambda: state.draining)
+        assert "draining: 1 requests running" in caplog.text
+        decode.release.set()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and '"cached_tokens": 8' in rest[0]  # the running stream finished
+    router.thread.join(10)
+    assert not router.thread.is_alive() and state.num_requests == 0
 
 
 def test_prefill_4xx_is_returned_as_is(stack):
@@ -288,12 +329,13 @@ def test_decode_errors_pass_through(stack):
     assert m[("dsv41:router_requests_total", (("route", "/v1/chat/completions"), ("status", "400")))] == 1
 
 
-@pytest.mark.parametrize("failure", ["5xx", "dies mid-request", "refused"])
+@pytest.mark.parametrize("failure", ["5xx", "timeout", "dies mid-request", "refused"])
 def test_no_prefill_answer_falls_back_to_the_decode_server(stack, failure):
     decode = Fake("decode")
-    if failure == "5xx":
+    if failure in ("5xx", "timeout"):
         prefill = Fake("prefill")
-        prefill.status = 500
+        prefill.status = 500 if failure == "5xx" else 200
+        prefill.delay_s = 0 if failure == "5xx" else 3.0  # past --request-timeout-s below
     elif failure == "dies mid-request":
         prefill = Dying()
     else:
@@ -301,7 +343,7 @@ def test_no_prefill_answer_falls_back_to_the_decode_server(stack, failure):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]  # nothing listens there once closed
         prefill = type("Gone", (), {"url": f"http://127.0.0.1:{port}", "stop": lambda self: None})()
-    router = stack(prefill=[prefill], decode=[decode], health_interval_s=30.0)
+    router = stack(prefill=[prefill], decode=[decode], health_interval_s=30.0, request_timeout_s=1.0)
     if failure == "refused":  # marked down by the first health poll: straight to the decode server
         assert metrics(router.url)[("dsv41:router_backend_up", (("role", "prefill"), ("url", prefill.url)))] == 0
     response = httpx.post(router.url + "/v1/chat/completions", json={**CHAT, "kv_transfer_params": {"x": 1}},
@@ -311,6 +353,8 @@ def test_no_prefill_answer_falls_back_to_the_decode_server(stack, failure):
     assert "kv_transfer_params" not in sent and sent["max_tokens"] == 5  # the client's request, plain prefill
     if failure == "dies mid-request":
         assert prefill.requests == 1
+    if failure == "timeout":
+        assert len(prefill.received) == 1
     assert metrics(router.url)[("dsv41:router_fallbacks_total", (("reason", "prefill"),))] == 1
 
 
@@ -378,6 +422,29 @@ def test_prefix_affinity_keeps_a_conversation_on_its_decode_server(stack):
     assert metrics(router.url)[("dsv41:router_affinity_hits_total", ())] == 2
 
 
+def test_concurrent_requests_spread_and_leave_no_count_behind(stack):
+    prefill, d1, d2 = Fake("prefill"), Fake("decode", "d1"), Fake("decode", "d2")
+    router = stack(prefill=[prefill], decode=[d1, d2])
+    state = router.server.config.app.state.router
+
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        body = {"model": "tiny", "prompt": f"distinct prompt {i}", "stream": i % 2 == 0}
+        response = await client.post(router.url + "/v1/completions", json=body)
+        assert response.status_code == 200
+        return response.text
+
+    async def all_of_them() -> list[str]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    texts = asyncio.run(all_of_them())
+    assert sum("[DONE]" in text for text in texts) == 8
+    assert len(d1.received) + len(d2.received) == 16 and d1.received and d2.received
+    # (a response's last byte reaches the client just before the router's bookkeeping of its end)
+    wait_for(lambda: state.num_requests == 0 and
+             all(b.outstanding == 0 for backends in state.pool.backends.values() for b in backends))
+
+
 def test_completion_prompt_chunks_share_a_prefix():
     long = "word " * 300
     a = prefix_hashes("/v1/completions", {"prompt": long}, "", 512)
@@ -415,6 +482,9 @@ def test_router_api_key_and_models(stack):
     assert decode.received == []
     models = httpx.get(router.url + "/v1/models", headers=AUTH, timeout=10).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["auth"] == "Bearer k1"
+    assert httpx.get(router.url + "/v1/models/tiny", headers=AUTH, timeout=10).json()["owned_by"] == "decode"
+    response = httpx.get(router.url + "/v1/nothing", headers=AUTH, timeout=10)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
     assert httpx.get(router.url + "/health", timeout=5).status_code == 200  # not a /v1 route
     assert httpx.post(router.url + "/v1/completions", json={"prompt": "x"}, headers=AUTH, timeout=10).status_code \
         == 200
