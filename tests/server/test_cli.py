@@ -174,7 +174,7 @@ def test_version_and_short_help():
         assert result.exit_code == 0 and "Usage:" in result.stdout, args
 
 
-@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("command", ["serve", "generate", "router"])
 def test_help_at_80_columns_shows_every_flag_whole(command):
     """No flag name is cut (rich's panels cut them: '--max-num-batch…'), no line is wider than the terminal."""
     import re
@@ -187,7 +187,7 @@ def test_help_at_80_columns_shows_every_flag_whole(command):
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80, text
     params = typer.main.get_command(app).commands[command].params
     flags = [opt for p in params for opt in (*p.opts, *p.secondary_opts) if opt.startswith("-")]
-    assert "--max-num-batched-tokens" in flags or command == "generate"
+    assert "--max-num-batched-tokens" in flags or command in ("generate", "router")
     joined = re.sub(r"-\n\s+", "-", text)  # a flag named in a help text must not be split at a line end either
     for flag in flags:
         pattern = rf"(?<![\w-]){re.escape(flag)}(?![\w-])"
