@@ -180,3 +180,6 @@ def test_bounded_replay_equals_one_server_bounded_and_replays_at_most_one_window
         window = ModelConfig.from_pretrained(CKPT).sliding_window
         replayed = metrics(decode)[("dsv41:prompt_tokens_replayed_total", ())]
         assert 0 < replayed <= window
+        image = image_message("BOUNDED 7")  # an image in the prefix: the decode server encodes it for its replay
+        chat(one, image)
+        assert answer(chat(router, image)) == answer(chat(one, image))
