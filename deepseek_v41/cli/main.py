@@ -15,6 +15,7 @@ from deepseek_v41.analysis.parallel import parallel_plan, print_plan
 from deepseek_v41.analysis.report import build_report, plot_report, print_report
 from deepseek_v41.cli.eval_chat import eval_chat, eval_chat_table
 from deepseek_v41.cli.generate import generate
+from deepseek_v41.cli.router import router
 from deepseek_v41.cli.serve import serve
 from deepseek_v41.config import ConfigError, load_config
 from deepseek_v41.distributed.config import ParallelConfig
@@ -101,6 +102,7 @@ app.command()(serve)
 app.command()(generate)
 app.command("eval-chat")(eval_chat)
 app.command("eval-chat-table")(eval_chat_table)
+app.command()(router)
 
 
 data_app = typer.Typer(no_args_is_help=True, help="Training corpus.")
