@@ -103,8 +103,8 @@ class Fleet:
     """The subprocesses of a run: each in a session (process group) of its own, its output in ``dir/NAME.log``.
     :meth:`close` stops every group (SIGTERM, then SIGKILL after ``grace`` s) and reaps every process."""
 
-    def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
+    def __init__(self, log_dir: Path, progress):
+        self.log_dir, self.progress = log_dir, progress
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, argv: list[str]) -> None:
@@ -112,6 +112,7 @@ class Fleet:
         with open(self.log_dir / f"{name}.log", "wb") as out:
             self.procs[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                                 start_new_session=True, preexec_fn=_die_with_parent)
+        self.progress(f"started {name}: pid {self.procs[name].pid}")
 
     def log_tail(self, name: str, lines: int = 25) -> str:
         text = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
@@ -224,6 +225,9 @@ def server_counters(before: dict, after: dict, setup: str) -> dict[str, float]:
            "kv_received_pages": delta("decode", "dsv41:kv_transfer_pages_total" + received),
            "kv_received_seconds": delta("decode", "dsv41:kv_transfer_seconds_total" + received),
            "kv_sent_bytes": delta("prefill", "dsv41:kv_transfer_bytes_total{direction=sent}"),
+           "kv_sent_seconds": delta("prefill", "dsv41:kv_transfer_seconds_total{direction=sent}"),
+           "prefill_server_cached_tokens": delta("prefill", "dsv41:prompt_tokens_cached_total"),
+           "prefill_server_prompt_tokens": delta("prefill", "dsv41:prompt_tokens_total"),
            "replayed_tokens": delta("decode", "dsv41:prompt_tokens_replayed_total"),
            "server_cached_tokens": delta("decode", "dsv41:prompt_tokens_cached_total"),
            "router_fallbacks": sum(after["router"].get(k, 0.0) - before["router"].get(k, 0.0)
@@ -445,6 +449,7 @@ def plot(rounds: dict, result: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     colors = {"colocated": "#555555", "1P1D": "#4c72b0"}
@@ -459,6 +464,7 @@ def plot(rounds: dict, result: dict, path: Path) -> None:
                             color=colors[setup], label=f"{setup}, {condition}")
     for ax, title in ((axes[0], "TTFT (ms)"), (axes[1], "inter-token latency (ms)")):
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"{title}, CDF over every round")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -478,13 +484,17 @@ def run(args, log: Log) -> dict:
 
     text = Text()
     with tempfile.TemporaryDirectory(prefix="bench-disagg-") as tmp:
-        fleet = Fleet(Path(tmp))
+        fleet = Fleet(Path(tmp), log.progress)
         try:
             with spinners(1 if args.busy else 0) as procs:
                 start = time.monotonic()
                 log.progress(f"starting the colocated server, the prefill and decode servers and the router "
                              f"(logs in {tmp}) ...")
                 urls = start_setups(fleet, args, Path(tmp))
+                processes = {name: proc.pid for name, proc in fleet.procs.items()}
+                processes.update({f"busy neighbour {i}": proc.pid for i, proc in enumerate(procs)})
+                if procs:
+                    log.progress(f"busy neighbour: pid {procs[0].pid}")
                 log.progress(f"all healthy after {time.monotonic() - start:.1f} s; warming up ...")
                 warm_up(urls, text)
                 conditions = {"quiet": []}
@@ -515,6 +525,7 @@ def run(args, log: Log) -> dict:
     result = {
         "settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                      "cpu_count": os.cpu_count(), "threads_per_process": 1},
+        "processes": processes,  # pid of every process this run started (all ended when it returns)
         "rounds": rounds,
         "medians": {c: {s: medians(rounds, c, s) for s in SETUPS} for c in rounds},
         "ratios": {c: ratios(rounds, c) for c in rounds},
@@ -529,13 +540,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="model directory (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="weights dtype of every server")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per condition (>= 1)")
-    parser.add_argument("--clients", type=int, default=4, help="concurrent conversations")
-    parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
-    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per turn")
-    parser.add_argument("--prefix-words", type=int, default=700, help="words of the shared system prompt")
-    parser.add_argument("--tool-words", type=int, default=200, help="words of each tool result")
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per condition (>= 1)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent conversations")
+    parser.add_argument("--turns", type=int, default=5, help="turns per conversation")
+    parser.add_argument("--max-tokens", type=int, default=48, help="output tokens per turn")
+    parser.add_argument("--prefix-words", type=int, default=1200, help="words of the shared system prompt")
+    parser.add_argument("--tool-words", type=int, default=250, help="words of each tool result")
+    parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--no-busy", dest="busy", action="store_false",
                         help="skip the measurements beside a busy neighbour")
     parser.add_argument("--quick", action="store_true",
