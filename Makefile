@@ -36,9 +36,10 @@ test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow"
 
-# The slow tests add the Ray executor's test, so they install the ray extra (about 260 MB: not for `make test`).
+# The slow tests add the Ray executor's test and the NixlConnector's, so they install the ray and nixl extras (about
+# 260 MB and 130 MB: not for `make test`).
 $(VENV)/.installed-slow: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -e '.[dev,ray]'
+	$(BIN)/pip install -e '.[dev,ray,nixl]'
 	touch $@ $(VENV)/.installed-dev $(VENV)/.installed-run
 
 # pytest exits 5 when no test carries the mark; that is not a failure.

@@ -47,7 +47,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                               "deepseek_v41/distributed/__init__.py", "deepseek_v41/distributed/config.py",
                               "deepseek_v41/distributed/comm.py", "deepseek_v41/distributed/layers.py",
                               "deepseek_v41/distributed/shard.py", "deepseek_v41/distributed/loader.py",
-                              "deepseek_v41/disagg/connector.py")),
+                              "deepseek_v41/disagg/connector.py", "deepseek_v41/disagg/ec_connector.py",
+                              "deepseek_v41/disagg/nixl_connector.py", "deepseek_v41/disagg/vision_only.py")),
     # Constrained decoding: grammars (xgrammar / llguidance, the DSML tool-call tags) and token bitmasks; the engine
     # masks its logits with them.
     ("structured", ("deepseek_v41/structured/",)),
@@ -58,7 +59,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Accounting from the code (KV bytes, FLOPs, parameters); a model card (train/) uses it.
     ("analysis", ("deepseek_v41/analysis/",)),
     ("train", ("deepseek_v41/train/",)),
-    ("server", ("deepseek_v41/server/",)),
+    # (and the disaggregated-serving router: an OpenAI front over servers, issue 29)
+    ("server", ("deepseek_v41/server/", "deepseek_v41/disagg/router.py")),
     # The command line (dsv41 and its subcommands): the top; nothing imports it.
     ("cli", ("deepseek_v41/cli/",)),
 ]
@@ -66,8 +68,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # Function-level imports of the package's own modules that stay: (importing file, imported module, or "*" for
 # every import of that file) -> why.
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
-    ("deepseek_v41/disagg/connector.py", "deepseek_v41.disagg"):
-        "NixlConnector needs the optional nixl extra: imported only when a server asks for it (issue 29)",
     ("deepseek_v41/__init__.py", "deepseek_v41.engine"):
         "PEP 562 __getattr__ re-exports LLM, SamplingParams...: `import deepseek_v41` imports no torch "
         "(tests/test_package_api.py)",

@@ -227,8 +227,12 @@ class PageStore:
 
     # ----------------------------------------------------------------------------------------- public API
 
-    def put(self, block_hash: str, page: dict[str, torch.Tensor]) -> bool:
+    def put(self, block_hash: str, page: dict[str, torch.Tensor], codec: PageCodec | None = None) -> bool:
         """Persist ``page`` under ``block_hash``; True when it is on disk afterwards.
+
+        ``codec``: the layout of this page when the store holds pages of several layouts (the encoder-cache
+        transfer: one image's rows, their count set by its grid; deepseek_v41/disagg/ec_connector.py); default
+        the store's own. It must have the store's fingerprint and format version.
 
         A valid page already stored (here or by another process) is only marked as recently used: pages are
         content-addressed. A file there that fails the checks of ``get`` (corrupt, truncated, expired, not a
@@ -236,16 +240,17 @@ class PageStore:
         hex, the page alone exceeds ``max_bytes`` or the write fails. Raises ValueError when the page's names,
         shapes or dtypes differ from the layout.
         """
-        self.codec.check_page(page)
+        codec = self._codec(codec)
+        codec.check_page(page)
         if not self._valid_hash(block_hash):
             return False
         with self._lock:
             if self._stats["disabled"]:
                 return False
             path = self._path(block_hash)
-            data, st, kind = self._read_file(path, block_hash)
+            data, st, kind = self._read_file(path, block_hash, codec)
             if not kind:
-                kind = "expired" if self._expired(st.st_mtime_ns) else self.codec.verify(block_hash, data)
+                kind = "expired" if self._expired(st.st_mtime_ns) else codec.verify(block_hash, data)
                 if not kind:
                     if not self._touch(path):
                         self._forget(block_hash)
@@ -256,7 +261,7 @@ class PageStore:
                 self._stats["expired"] += 1
             elif kind != "missing":
                 self._quarantine(path, st.st_ino, block_hash, kind)
-            data = self.codec.encode(block_hash, page)
+            data = codec.encode(block_hash, page)
             if len(data) > self.max_bytes:
                 self._forget(block_hash)
                 return False
@@ -269,18 +274,20 @@ class PageStore:
             self._stats["pages_written"] += 1
             return block_hash in self._index
 
-    def get(self, block_hash: str) -> dict[str, torch.Tensor] | None:
+    def get(self, block_hash: str, codec: PageCodec | None = None) -> dict[str, torch.Tensor] | None:
         """The page stored under ``block_hash`` (fresh CPU tensors of the layout), or None on a miss.
 
         Misses: no file, an expired file (deleted), a file that is not a regular file, is larger than a valid page
-        or fails validation (quarantined, one warning per kind), an I/O error.
+        or fails validation (quarantined, one warning per kind), an I/O error. ``codec``: the layout demanded of
+        this page (as in :meth:`put`; a file of another layout is rejected), default the store's own.
         """
         if not self._valid_hash(block_hash):
             return None
+        codec = self._codec(codec)
         with self._lock:
             start = time.perf_counter()
             path = self._path(block_hash)
-            data, st, kind = self._read_file(path, block_hash)
+            data, st, kind = self._read_file(path, block_hash, codec)
             if kind == "missing":
                 self._forget(block_hash)
                 return None
@@ -289,7 +296,7 @@ class PageStore:
                 self._forget(block_hash)
                 self._stats["expired"] += 1
                 return None
-            page, kind = (None, kind) if kind else self.codec.decode(block_hash, data)
+            page, kind = (None, kind) if kind else codec.decode(block_hash, data)
             if page is None:
                 self._quarantine(path, st.st_ino, block_hash, kind)
                 return None
@@ -351,10 +358,19 @@ class PageStore:
     def _path(self, block_hash: str) -> Path:
         return self.directory / f"{block_hash}{PAGE_SUFFIX}"
 
-    def _read_file(self, path: Path, block_hash: str) -> tuple[bytes, os.stat_result | None, str]:
-        """(bytes, stat, "") of the regular file at ``path``, at most the size of a valid page of ``block_hash``;
-        else (b"", stat, kind) with kind "missing" (gone, unreadable), "symlink", "not a regular file" or
-        "oversize" — without reading the file or opening what it is not.
+    def _codec(self, codec: PageCodec | None) -> PageCodec:
+        """``codec`` (checked to be of this store's model and format) or the store's own."""
+        if codec is None:
+            return self.codec
+        if codec.fingerprint != self.fingerprint or codec.format_version != self.format_version:
+            raise ValueError("a page codec given to a PageStore must have the store's fingerprint and format version")
+        return codec
+
+    def _read_file(self, path: Path, block_hash: str, codec: PageCodec | None = None
+                   ) -> tuple[bytes, os.stat_result | None, str]:
+        """(bytes, stat, "") of the regular file at ``path``, at most the size of a valid page of ``block_hash`` in
+        ``codec``'s layout (default the store's); else (b"", stat, kind) with kind "missing" (gone, unreadable),
+        "symlink", "not a regular file" or "oversize" — without reading the file or opening what it is not.
 
         The file is opened without following a symlink and without blocking (a FIFO would block ``open`` until a
         writer comes), and checked again through ``fstat`` (it may have been replaced since ``lstat``).
@@ -367,7 +383,7 @@ class PageStore:
             return b"", st, "symlink"
         if not stat.S_ISREG(st.st_mode):
             return b"", st, "not a regular file"
-        expected = self.codec.size(block_hash)
+        expected = (codec or self.codec).size(block_hash)
         if st.st_size > expected:
             return b"", st, "oversize"
         try:

@@ -34,6 +34,7 @@ from deepseek_v41.model.checkpoint import CheckpointError
 from deepseek_v41.server import options
 from deepseek_v41.server.app import build_app
 from deepseek_v41.server.common import ServerConfig
+from deepseek_v41.server.encode_app import build_encode_app
 from deepseek_v41.server.generation_config import GenerationConfigError, describe, load_sampling_defaults
 from deepseek_v41.server.launch import ConnectionLimits, make_server
 from deepseek_v41.server.media import (
@@ -392,11 +393,23 @@ def serve(
                        redis_url=redis_url,
                        speculative=speculative, speculative_max_len=speculative_max_len,
                        structured_outputs_config=structured, encoder_cache_size=encoder_cache_size,
-                       kv_transfer_config=kv_transfer)
+                       kv_transfer_config=kv_transfer,
+                       ec_transfer_config=None if ec_transfer is None else {
+                           "ec_connector": ec_transfer.ec_connector, "ec_role": ec_transfer.ec_role,
+                           "ec_connector_extra_config": ec_transfer.ec_connector_extra_config})
     # LLM turns the fraction into the pool's budget (engine.options) and logs the budget and the pool allocated.
     vllm_options = dict(gpu_memory_utilization=gpu_memory_utilization, pipeline_parallel_size=pipeline_parallel_size,
                         kv_cache_dtype=kv_cache_dtype, trust_remote_code=trust_remote_code,
                         **parallel.llm_kwargs(parallel_config))
+    if ec_transfer is not None and ec_transfer.encode_only:
+        if kv_transfer is not None:
+            fail("an encode server (ec_role ec_producer) runs the vision tower only: it takes no "
+                 "--kv-transfer-config")
+        _serve_encoder(model, ec_transfer, torch_dtype, torch_device, served_model_name, media, encoder_cache_size,
+                       api_key, max_body_mb, host, port, drain_timeout, (uvicorn_log_level or log_level).lower(),
+                       ConnectionLimits(timeout_keep_alive, timeout_header, timeout_body, limit_concurrency,
+                                        timeout_write), log)
+        return
     created = _missing_dirs(cache_path)  # what the engine's persistent store will create
     started = False
     llms: list[LLM] = []
@@ -455,6 +468,27 @@ def serve(
             replica.shutdown()  # a parallel engine's workers: stopped and reaped before the process exits
         if not started:
             _remove_created(created)
+
+
+def _serve_encoder(model: Path, ec_transfer: ECTransferConfig, dtype, device, served_model_name: list[str], media,
+                   encoder_cache_size: int | None, api_key: list[str], max_body_mb: float, host: str, port: int,
+                   drain_timeout: float, log_level: str, limits: ConnectionLimits, log) -> None:
+    """Serve an encode server (``ec_role`` ec_producer: the vision tower and aligner only, issue 29) until SIGTERM;
+    exits 2 for a model it cannot load."""
+    try:
+        app = build_encode_app(model, ec_transfer, dtype, str(device),
+                               served_model_names=served_model_name or [default_model_name(model)],
+                               model_aliases=[] if served_model_name else model_path_aliases(model), media=media,
+                               encoder_cache_size=encoder_cache_size, api_keys=api_key,
+                               max_body_bytes=int(max_body_mb * 1024 * 1024))
+    except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as exc:
+        fail(str(exc))
+    server = make_server(app, host, port, drain_timeout, log_level, limits)
+    log.info("encode server (ec_producer over %s at %s): %s on http://%s:%d", ec_transfer.ec_connector,
+             ec_transfer.ec_connector_extra_config.get("shared_storage_path"), model, host, port)
+    server.run()
+    if server.exit_code:
+        raise typer.Exit(server.exit_code)
 
 
 def describe_kv_transfer(llm: LLM, transfer: KVTransferConfig) -> str:

@@ -23,6 +23,7 @@ import torch
 from deepseek_v41.cache.redis_store import RedisPages, RedisStore
 from deepseek_v41.cache.store import Layout, PageCodec, PageStore
 from deepseek_v41.disagg.config import KVTransferConfig
+from deepseek_v41.disagg.nixl_connector import NixlPages  # (imports without nixl; NixlPages() says what to install)
 
 DEFAULT_SHARED_STORAGE_BYTES = 64 * 1024**3
 
@@ -87,10 +88,6 @@ def build_kv_connector(cfg: KVTransferConfig, fingerprint: str, layout: Layout) 
     if cfg.kv_connector == "RedisConnector":
         store = RedisStore(str(extra["url"]), namespace=f"{fingerprint[:32]}-kvt")
         return RedisPages(store, PageCodec(fingerprint, layout))
-    try:
-        from deepseek_v41.disagg.nixl_connector import NixlPages
-    except ImportError as exc:
-        raise ImportError(f"NixlConnector needs the nixl extra (pip install 'deepseek-v41[nixl]'): {exc}") from exc
     return NixlPages(PageCodec(fingerprint, layout), extra, cfg.kv_role)
 
 

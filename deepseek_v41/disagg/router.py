@@ -150,6 +150,7 @@ class Backend:
     up: bool = True
     outstanding: int = 0
     served: int = 0
+    asked_model: bool = False  # its /v1/models was read since it last came up
 
 
 class PrefixAffinity:
@@ -383,7 +384,8 @@ class Router:
         except httpx.HTTPError:
             up = False
         self._set_up(backend, up, "its /health does not answer 200")
-        if up and backend.role == "decode" and not self.model_name:
+        if up and backend.role == "decode" and not self.model_name and not backend.asked_model:
+            backend.asked_model = True
             headers = {"Authorization": f"Bearer {self.config.api_keys[0]}"} if self.config.api_keys else {}
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
                 self.model_name = (await self._health_client.get(backend.url + "/v1/models", headers=headers)
@@ -397,6 +399,7 @@ class Router:
                 logger.warning("%s server %s is down (%s); not routing to it until /health answers 200",
                                backend.role, backend.url, why)
         backend.up = up
+        backend.asked_model &= up
         self.metrics.backend_up.labels(backend.role, backend.url).set(int(up))
 
     # choosing -------------------------------------------------------------------------------------------------
@@ -544,20 +547,10 @@ class Router:
 
             return RelayResponse(upstream, first_byte, closed)
 
-    async def generate(self, request: Request, route: str) -> Response:
-        """One client request through the stages (module docstring)."""
-        raw = await request.body()
-        if len(raw) > self.config.max_body_bytes:
-            return _error(413, f"the request body is larger than the {self.config.max_body_bytes} bytes this router "
-                          f"accepts", "request_too_large")
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            return _error(400, f"the body is not valid JSON: {exc}", "invalid_json")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object", "invalid_json")
-        authorization = request.headers.get("authorization", "")
-        headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
+    async def generate(self, route: str, body: dict[str, Any], authorization: str, request_id: str) -> Response:
+        """One client request (its JSON ``body``, ``Authorization`` header value or "", request id) through the
+        stages (module docstring)."""
+        headers = {"X-Request-Id": request_id}
         if authorization:
             headers["Authorization"] = authorization
         hashes = prefix_hashes(route, body, authorization, self.config.affinity_chunk_chars)
@@ -586,6 +579,28 @@ class Router:
 
     def _request_done(self) -> None:
         self.num_requests -= 1
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any] | Response:
+    """The request's body as a JSON object, or the 413 / 400 error response (the body is not read past
+    ``limit`` bytes)."""
+    too_large = _error(413, f"the request body is larger than the {limit} bytes this router accepts",
+                       "request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        return too_large
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            return too_large
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        return _error(400, f"the body is not valid JSON: {exc}", "invalid_json")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object", "invalid_json")
+    return body
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:
@@ -641,10 +656,16 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         if router.draining:
             response = _error(503, "the router is shutting down; retry on another replica", "shutting_down")
         else:
-            try:
-                response = await until_disconnect(request, router.generate(request, route))
-            except ClientDisconnected:
-                response = Response(status_code=499)
+            body = await _read_json(request, config.max_body_bytes)  # whole, before watching for a disconnect
+            if isinstance(body, Response):
+                response = body
+            else:
+                work = router.generate(route, body, request.headers.get("authorization", ""),
+                                       request.headers.get("x-request-id") or uuid.uuid4().hex)
+                try:
+                    response = await until_disconnect(request, work)
+                except ClientDisconnected:
+                    response = Response(status_code=499)
         router.metrics.requests.labels(router.model_name, route, str(response.status_code)).inc()
         return response
 

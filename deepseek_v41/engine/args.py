@@ -38,7 +38,9 @@ class EngineArgs:
     budget in encoder tokens, i.e. aligner rows of ``hidden_size`` values in the model's dtype (default None:
     16 images of ``max_image_tokens`` each; 0 keeps nothing, every image is encoded each time it is prefilled).
     The cache keeps the rows of images by content hash, so an image seen again is not encoded again
-    (engine/encoder_cache.py).
+    (engine/encoder_cache.py). ``ec_transfer_config`` (``--ec-transfer-config``, issue 29; None: off): the encoder
+    cache's rows read from (``ec_consumer``) and / or written to (``ec_producer``) an EC connector shared with an
+    encode server (deepseek_v41/disagg/ec_connector.py).
 
     Disaggregated serving (issue 29): ``kv_transfer_config`` (vLLM's name), a
     :class:`~deepseek_v41.disagg.config.KVTransferConfig`, its dict or its JSON: the server's role (kv_producer:
@@ -70,6 +72,7 @@ class EngineArgs:
     speculative_cost_table: dict[int, float] | list[float] | str | None = None
     structured_outputs_config: dict[str, Any] | None = None
     encoder_cache_size: int | None = None
+    ec_transfer_config: dict[str, Any] | None = None
     kv_transfer_config: Any = None
 
     def __post_init__(self) -> None:

@@ -11,19 +11,30 @@ encoded again.
 the engine asks it for the images those chunks hold (:meth:`VisionEncoder.request`); the cached ones are taken
 from the cache, the others are queued and :meth:`VisionEncoder.run` encodes all of them in one call (images of
 the same patch grid in one batch). The stage holds no engine state: it takes preprocessed images and their hashes
-and gives rows back, so it can later move to a process of its own (encode / prefill / decode disaggregation).
+and gives rows back.
+
+Encode / prefill / decode disaggregation (issue 29, ``--ec-transfer-config``): with an EC connector
+(deepseek_v41/disagg/ec_connector.py) an ``ec_consumer`` (or ``ec_both``) reads an image's rows from the connector
+on an encoder-cache miss before encoding it itself, and an ``ec_producer`` (or ``ec_both``) writes the rows of every
+image it encodes; the encode server (deepseek_v41/server/encode_app.py) is an ``ec_producer`` stage without a
+language model.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from deepseek_v41.disagg.config import ECTransferConfig
+from deepseek_v41.disagg.ec_connector import SharedStorageECConnector, build_ec_connector, ec_fingerprint
 from deepseek_v41.model.image_processor import ProcessedImage
+from deepseek_v41.model.vision import encode_images
 
 
 class EncoderCache:
@@ -93,11 +104,26 @@ class VisionEncoder:
     (e.g. :func:`deepseek_v41.model.vision.encode_images` on the model, which batches images of one grid).
     Rows handed out for the current engine step stay held (:attr:`ready`) until :meth:`release`, also when the
     cache is too small to keep them.
+
+    ``ec_connector`` (a :class:`~deepseek_v41.disagg.ec_connector.SharedStorageECConnector`) and ``ec_role`` (one
+    of ``"ec_producer"``, ``"ec_consumer"``, ``"ec_both"``; given together or not at all): a consumer looks an
+    encoder-cache miss up in the connector before queueing it (rows read are moved to ``device`` when given and
+    kept in the cache), a producer writes every image it encodes. Raises ValueError for a role without a
+    connector or the reverse, or an unknown role.
     """
 
-    def __init__(self, encode: Callable[[list[ProcessedImage]], Sequence[torch.Tensor]], cache: EncoderCache):
+    def __init__(self, encode: Callable[[list[ProcessedImage]], Sequence[torch.Tensor]], cache: EncoderCache,
+                 ec_connector: SharedStorageECConnector | None = None, ec_role: str | None = None,
+                 device: torch.device | str | None = None):
+        if (ec_connector is None) != (ec_role is None):
+            raise ValueError("a VisionEncoder takes an EC connector and its ec_role together (or neither)")
+        if ec_role is not None and ec_role not in ("ec_producer", "ec_consumer", "ec_both"):
+            raise ValueError(f"ec_role must be 'ec_producer', 'ec_consumer' or 'ec_both', got {ec_role!r}")
         self.encode = encode
         self.cache = cache
+        self.ec_connector, self.ec_role, self.device = ec_connector, ec_role, device
+        self.ec_reads = ec_role in ("ec_consumer", "ec_both")
+        self.ec_writes = ec_role in ("ec_producer", "ec_both")
         self.queue: OrderedDict[str, ProcessedImage] = OrderedDict()  # hash -> image, waiting to be encoded
         self.ready: dict[str, torch.Tensor] = {}
         self.encode_seconds = 0.0
@@ -106,20 +132,27 @@ class VisionEncoder:
     def request(self, items: Iterable[Any]) -> None:
         """Ask for the rows of ``items`` (anything with ``hash`` and ``image``: an
         :class:`~deepseek_v41.engine.multimodal.ImageItem`) for the coming forward. An image already held for this
-        step counts nothing; a cached one counts a hit; any other counts a miss and is queued once."""
+        step counts nothing; a cached one counts a hit; any other counts a miss and, unless a consumer's connector
+        has its rows (an EC hit: kept in the cache, not encoded), is queued once."""
         for item in items:
             if item.hash in self.ready or item.hash in self.queue:
                 continue
             rows = self.cache.get(item.hash)
+            if rows is None and self.ec_reads:
+                grid = item.image.grid
+                rows = self.ec_connector.get(item.hash, grid.n_llm_h * grid.n_llm_w)
+                if rows is not None:
+                    rows = rows.to(self.device) if self.device is not None else rows
+                    self.cache.put(item.hash, rows)
             if rows is not None:
                 self.ready[item.hash] = rows
             else:
                 self.queue[item.hash] = item.image
 
     def run(self) -> int:
-        """Encode every queued image in one call (same-grid images batched), keep the rows in the cache and hold
-        them for this step. Returns the number of images encoded. Raises what ``encode`` raises (the queue is
-        then left as it was)."""
+        """Encode every queued image in one call (same-grid images batched), keep the rows in the cache (and, for
+        a producer, write them to the EC connector) and hold them for this step. Returns the number of images
+        encoded. Raises what ``encode`` raises (the queue is then left as it was)."""
         if not self.queue:
             return 0
         hashes, images = list(self.queue), list(self.queue.values())
@@ -133,6 +166,8 @@ class VisionEncoder:
         for image_hash, r in zip(hashes, rows, strict=True):
             self.ready[image_hash] = r
             self.cache.put(image_hash, r)
+            if self.ec_writes:
+                self.ec_connector.put(image_hash, r)
         self.cache.encoded_images += len(images)
         return len(images)
 
@@ -149,5 +184,49 @@ class VisionEncoder:
         self.ready.clear()
 
     def stats(self) -> dict[str, Any]:
-        """The cache's counters and size, the encode calls and the seconds they took."""
-        return {**self.cache.stats(), "encode_calls": self.encode_calls, "encode_seconds": self.encode_seconds}
+        """The cache's counters and size, the encode calls and the seconds they took; with an EC connector also
+        ``ec_transfer``: the role, ``hits`` / ``misses`` (the connector's lookups), ``received_images`` /
+        ``received_bytes`` / ``received_seconds`` (files read and decoded for hits), ``sent_images`` /
+        ``sent_bytes`` / ``sent_seconds`` (files written), ``rejected`` (bad files quarantined); bytes are file
+        bytes, headers included."""
+        out = {**self.cache.stats(), "encode_calls": self.encode_calls, "encode_seconds": self.encode_seconds}
+        if self.ec_connector is not None:
+            ec = self.ec_connector.stats
+            out["ec_transfer"] = {
+                "role": self.ec_role, "hits": ec["hits"], "misses": ec["misses"],
+                "received_images": ec["hits"], "received_bytes": ec["read_bytes"],
+                "received_seconds": ec["read_seconds"], "sent_images": ec["images_written"],
+                "sent_bytes": ec["written_bytes"], "sent_seconds": ec["write_seconds"], "rejected": ec["rejected"]}
+        return out
+
+
+def build_vision_encoder(model, encoder_cache_size: int | None = None,
+                         ec_transfer_config: ECTransferConfig | dict | str | None = None,
+                         model_path: str | Path | None = None) -> VisionEncoder | None:
+    """The vision encode stage of ``model`` (anything with ``config``, ``vision`` and ``aligner``: the
+    ``Transformer`` or a :class:`~deepseek_v41.model.vision.VisionModel`), or None for a text-only model.
+
+    ``encoder_cache_size``: the encoder cache's budget in aligner rows (vLLM's "encoder tokens"; default 16 images
+    of ``max_image_tokens``; 0 keeps nothing). ``ec_transfer_config`` (``--ec-transfer-config``; None: no
+    transfer): the stage reads and / or writes the rows through the connector of
+    :func:`~deepseek_v41.disagg.ec_connector.build_ec_connector`, keyed by
+    :func:`~deepseek_v41.disagg.ec_connector.ec_fingerprint` of ``model`` and ``model_path`` (the directory it was
+    loaded from; None for a model built in memory; a text-only model has no stage and no transfer). Raises ValueError
+    for a negative ``encoder_cache_size`` or a bad ``ec_transfer_config``.
+    """
+    if ec_transfer_config is not None and not isinstance(ec_transfer_config, ECTransferConfig):
+        ec_transfer_config = ECTransferConfig.from_cli(ec_transfer_config)  # checked even for a text-only model
+    vision = model.config.vision_config
+    if vision is None or getattr(model, "vision", None) is None:
+        return None
+    size = 16 * vision.max_image_tokens if encoder_cache_size is None else encoder_cache_size
+    if size < 0:
+        raise ValueError(f"encoder_cache_size must be >= 0 (encoder tokens; 0 keeps nothing), got {size}")
+    weight = model.aligner.w2.weight
+    cache = EncoderCache(size * model.config.hidden_size * weight.element_size())
+    if ec_transfer_config is None:
+        return VisionEncoder(functools.partial(encode_images, model), cache)
+    connector = build_ec_connector(ec_transfer_config, ec_fingerprint(model, model_path), model.config.hidden_size,
+                                   weight.dtype)
+    return VisionEncoder(functools.partial(encode_images, model), cache, connector, ec_transfer_config.ec_role,
+                         weight.device)

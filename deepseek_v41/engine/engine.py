@@ -9,7 +9,6 @@ snapshots), samples, detokenizes, frees finished sequences and returns the outpu
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import operator
@@ -24,7 +23,7 @@ from deepseek_v41.cache.kv_cache_manager import KVCacheManager, build_kv_cache_m
 from deepseek_v41.cache.swa_pool import SwaPool
 from deepseek_v41.engine.args import EngineArgs
 from deepseek_v41.engine.detokenizer import IncrementalDetokenizer
-from deepseek_v41.engine.encoder_cache import EncoderCache, VisionEncoder
+from deepseek_v41.engine.encoder_cache import build_vision_encoder
 from deepseek_v41.engine.model_runner import ModelRunner, PrefillMode, few_token_kernels, step_threads
 from deepseek_v41.engine.multimodal import MultiModalInputs, build_multimodal_prompt, process_images
 from deepseek_v41.engine.sampler import Sampler, SamplingState
@@ -39,7 +38,6 @@ from deepseek_v41.engine.sequence import (
 )
 from deepseek_v41.engine.speculative import build_speculator, speculative_max_len
 from deepseek_v41.kernels import fast
-from deepseek_v41.model.vision import encode_images
 from deepseek_v41.structured import CompiledGrammar, StructuredOutputManager, StructuredOutputsConfig
 
 log = logging.getLogger(__name__)
@@ -79,7 +77,7 @@ class LLMEngine:
         self.cache, self.prefix_cache = kv.cache, kv.prefix_cache
         self.scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens, num_lookahead_tokens=spec_len)
         self.runner = ModelRunner(model, self.cache, self.prefill_mode)
-        self.vision = self._vision_encoder(model, args)
+        self.vision = build_vision_encoder(model, args.encoder_cache_size, args.ec_transfer_config, model_path)
         self.runner.vision = self.vision
         self.sampler = Sampler()
         self.speculator = (build_speculator(model, self.cache, self.runner, self.sampler, spec_len,
@@ -103,19 +101,6 @@ class LLMEngine:
         self.lockstep_threads: int | None = None
         self.pending_observation: list | None = None
         self.last_observation: list | None = None
-
-    @staticmethod
-    def _vision_encoder(model, args: EngineArgs) -> VisionEncoder | None:
-        """The vision encode stage and its encoder cache (``encoder_cache_size`` aligner rows), for a model with a
-        vision tower; None for a text-only model. Raises ValueError for a negative ``encoder_cache_size``."""
-        vision = model.config.vision_config
-        if vision is None or getattr(model, "vision", None) is None:
-            return None
-        size = 16 * vision.max_image_tokens if args.encoder_cache_size is None else args.encoder_cache_size
-        if size < 0:
-            raise ValueError(f"encoder_cache_size must be >= 0 (encoder tokens; 0 keeps nothing), got {size}")
-        row_bytes = model.config.hidden_size * model.aligner.w2.weight.element_size()
-        return VisionEncoder(functools.partial(encode_images, model), EncoderCache(size * row_bytes))
 
     @property
     def structured_output_manager(self) -> StructuredOutputManager:
@@ -224,6 +209,10 @@ class LLMEngine:
             raise ValueError(f"kv_transfer_params must be a JSON object or null, got {transfer!r}")
         remote_decode = bool((transfer or {}).get("do_remote_decode", False))
         config = self.kv_transfer
+        connector = self.prefix_cache.connector if config is not None else None
+        if transfer and config is not None and config.is_consumer and "remote_host" in transfer and hasattr(
+                connector, "add_peer"):  # NixlConnector: pull from the producer that prefilled this prompt
+            connector.add_peer(str(transfer["remote_host"]), transfer.get("remote_port"))
         if remote_decode and (config is None or not config.is_producer):
             role = "no --kv-transfer-config" if config is None else f"kv_role {config.kv_role}"
             raise ValueError(f"kv_transfer_params asks for a remote decode (do_remote_decode), but this engine has "
@@ -484,7 +473,9 @@ class LLMEngine:
         if seq.prefill_only:
             pages = len(seq.prompt_token_ids) // P
             return {"do_remote_prefill": True, "num_prompt_tokens": len(seq.prompt_token_ids), "num_pages": pages,
-                    "block_size": P, "transfer_bytes": pages * self.prefix_cache.page_payload_bytes}
+                    "block_size": P, "transfer_bytes": pages * self.prefix_cache.page_payload_bytes,
+                    # where a pulling connector (Nixl) reads them: remote_host, remote_port, remote_engine_id
+                    **getattr(self.prefix_cache.connector, "kv_transfer_params", {})}
         pages, nbytes, seconds = seq.kv_transfer
         if not self.kv_transfer.is_consumer:
             return None

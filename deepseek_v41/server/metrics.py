@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -342,6 +343,7 @@ class _EngineCollector:
             family = CounterMetricFamily(f"dsv41:encoder_cache_{key}", doc, labels=["model_name"])
             family.add_metric([name], encoder.get(key, 0))
             yield family
+        yield from ec_metric_families(name, encoder.get("ec_transfer"))
         for key, doc in (("num_drafts", "Speculative draft blocks verified (one per sequence and step)."),
                          ("num_draft_tokens", "Draft tokens verified by the target."),
                          ("num_accepted_tokens", "Draft tokens accepted (bonus tokens not counted)."),
@@ -442,3 +444,25 @@ class _EngineCollector:
         prefix_cache = getattr(self.metrics.engine.engine, "prefix_cache", None)
         pool = getattr(prefix_cache, "swa_pool", None)
         return int(getattr(pool, "capacity_bytes", 0) or 0)
+
+
+def ec_metric_families(model_name: str, ec: dict[str, Any] | None) -> Iterator[CounterMetricFamily]:
+    """Prometheus counters of one :meth:`~deepseek_v41.engine.encoder_cache.VisionEncoder.stats` ``"ec_transfer"``
+    dict (None: all 0), for every role: ``dsv41:ec_transfer_bytes{direction="sent"|"received"}`` (file bytes
+    written / read, headers included), ``dsv41:ec_transfer_images{direction}``,
+    ``dsv41:ec_transfer_seconds{direction}`` (writing / reading and decoding), and the consumer's lookups
+    ``dsv41:ec_transfer_hits`` / ``dsv41:ec_transfer_misses``. Source: DISAGG_DESIGN.md (metric names)."""
+    ec = ec or {}
+    for metric, doc in (
+            ("bytes", "Encoder-cache transfer bytes (aligner rows' files, headers included) by direction."),
+            ("images", "Images whose aligner rows moved through the EC connector, by direction."),
+            ("seconds", "Seconds spent writing (sent) or reading and decoding (received) EC files.")):
+        family = CounterMetricFamily(f"dsv41:ec_transfer_{metric}", doc, labels=["model_name", "direction"])
+        for direction in ("sent", "received"):
+            family.add_metric([model_name, direction], ec.get(f"{direction}_{metric}", 0))
+        yield family
+    for key, doc in (("hits", "Encoder-cache misses answered by the EC connector (rows read, not encoded)."),
+                     ("misses", "Encoder-cache misses the EC connector did not hold (encoded here).")):
+        family = CounterMetricFamily(f"dsv41:ec_transfer_{key}", doc, labels=["model_name"])
+        family.add_metric([model_name], ec.get(key, 0))
+        yield family

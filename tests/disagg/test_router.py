@@ -260,7 +260,8 @@ def test_a_client_that_leaves_closes_the_decode_stream(stack):
     state = router.server.config.app.state.router
     with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "Hi", "stream": True},
                       timeout=5) as response:
-        assert next(response.iter_lines()).startswith("data: ")
+        lines = response.iter_lines()  # kept: a dropped iterator closes the connection
+        assert next(lines).startswith("data: ")
         assert state.num_requests == 1 and state.backends["decode"][0].outstanding == 1
     decode.stream_closed.wait(5)  # the router closed its connection: the decode server aborts the request
     assert decode.stream_closed.is_set()
@@ -427,9 +428,20 @@ def test_bad_bodies_get_openai_errors(stack):
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
     response = httpx.post(router.url + "/v1/completions", json={"prompt": "x" * 2000}, timeout=10)
     assert response.status_code == 413
+    chunked = (b'{"prompt": "' + b"x" * 300 + b'"' if i == 0 else b" " * 300 for i in range(4))  # no content-length
+    response = httpx.post(router.url + "/v1/completions", content=chunked, timeout=10)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
     # No prefill server configured: the decode server prefills, and that is no fallback.
     assert httpx.post(router.url + "/v1/completions", json={"prompt": "x"}, timeout=10).status_code == 200
     assert ("dsv41:router_fallbacks_total", (("reason", "prefill"),)) not in metrics(router.url)
+
+
+def test_a_large_body_arrives_whole(stack):
+    prefill, decode = Fake("prefill"), Fake("decode")
+    router = stack(prefill=[prefill], decode=[decode])
+    prompt = "0123456789" * 300_000  # 3 MB, read by the router in many chunks
+    assert httpx.post(router.url + "/v1/completions", json={"prompt": prompt}, timeout=10).status_code == 200
+    assert prefill.received[0][1]["prompt"] == prompt and decode.received[0][1]["prompt"] == prompt
 
 
 @pytest.mark.parametrize("kwargs, message", [
