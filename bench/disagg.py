@@ -14,10 +14,12 @@ client (new text every round, so every round starts cold), the client's own task
 previous answer with a ``read_file`` tool call and that call's tool result (``--tool-words`` words: a few hundred
 tokens) appended to the previous context; each turn asks for ``--max-tokens`` tokens (greedy, EOS ignored) through
 streaming chat completions (``stream_options.include_usage``). Per request the client records the time to the first
-token (TTFT) and the gaps between tokens (ITL, from the arrival times of the SSE chunks, a chunk's gap shared among
-the token ids it carries); ``usage`` gives prompt and cached tokens. From the servers' ``/metrics`` (deltas over the
-measurement): KV bytes and prompt tokens the decode server received (their quotient is the KV bytes per prompt
-token, to compare with ``dsv41 report``), tokens it replayed, and the router's mean prefill / decode stage times.
+token (TTFT) and the gaps between tokens (ITL), from the arrival times of the SSE chunks: with
+``continuous_usage_stats`` every chunk says how many tokens exist so far, and a chunk's gap is shared among the
+tokens it brings (more than one when the chat stream held text back); ``usage`` gives prompt and cached tokens. From
+the servers' ``/metrics`` (deltas over the measurement): KV bytes and prompt tokens the decode server received (their
+quotient is the KV bytes per prompt token, to compare with ``dsv41 report``), the tokens it replayed, and the
+router's mean prefill / decode stage times.
 
 Rounds alternate the setups (colocated first in even rounds, 1P1D first in odd ones), each round once quiet and once
 beside a busy neighbour (a CPU spinner in its own session, stopped while the quiet measurements run, as in
@@ -287,7 +289,7 @@ def _clean(text: str) -> str:
 async def stream_turn(client, url: str, messages: list[dict], max_tokens: int, timing: Timing, t0: float) -> str:
     """One streaming chat completion; fills ``timing``; returns the answer's text."""
     body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     pieces = []
     start = last = time.perf_counter()
     timing.start = start - t0
@@ -300,14 +302,15 @@ async def stream_turn(client, url: str, messages: list[dict], max_tokens: int, t
             chunk = json.loads(line[len("data: "):])
             if "error" in chunk:
                 raise RuntimeError(f"{url}: error event {chunk['error']}")
-            if chunk.get("usage"):
-                timing.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                timing.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            new = 0
             for choice in chunk["choices"]:
-                new += len(choice.get("token_ids") or [])
                 pieces.append(choice.get("delta", {}).get("content") or "")
-            if not new:
+            usage = chunk.get("usage")
+            if not usage:
+                continue
+            timing.prompt_tokens = usage["prompt_tokens"]
+            timing.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            new = usage["completion_tokens"] - timing.tokens
+            if new <= 0:
                 continue
             now = time.perf_counter()
             if timing.ttft is None:
