@@ -424,7 +424,9 @@ def report(log: Log, rounds: dict, result: dict, args) -> None:
     log.result(f"bench/disagg.py on {args.model.name}, {args.dtype}, {os.cpu_count()} CPU cores shared by every "
                f"process (each server and the router: --threads 1, OMP_NUM_THREADS=1); {args.clients} clients x "
                f"{args.turns} turns, shared prefix ~{args.prefix_words} words, tool results ~{args.tool_words} words, "
-               f"{args.max_tokens} output tokens per turn; {args.rounds} rounds")
+               f"{args.max_tokens} output tokens per turn; {args.rounds} rounds; load average "
+               f"{result['settings']['load_average_start']:.2f} at the start, "
+               f"{result['settings']['load_average_end']:.2f} at the end")
     log.result("times in ms (rt = the router's mean stage time); KV = received by the decode server; every round:")
     log.result(f"{'condition':<9} {'setup':<9} {'round':>5} " + " ".join(f"{s:>10}" for s in short))
     for condition, setups in rounds.items():
@@ -486,6 +488,8 @@ def run(args, log: Log) -> dict:
     from deepseek_v41.config import load_config
 
     text = Text()
+    load_start = os.getloadavg()[0]
+    log.progress(f"load average at the start: {load_start:.2f} ({os.cpu_count()} CPU cores)")
     with tempfile.TemporaryDirectory(prefix="bench-disagg-") as tmp:
         fleet = Fleet(Path(tmp), log.progress)
         try:
@@ -527,7 +531,8 @@ def run(args, log: Log) -> dict:
     config = load_config(args.model)
     result = {
         "settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                     "cpu_count": os.cpu_count(), "threads_per_process": 1},
+                     "cpu_count": os.cpu_count(), "threads_per_process": 1,
+                     "load_average_start": load_start, "load_average_end": os.getloadavg()[0]},
         "processes": processes,  # pid of every process this run started (all ended when it returns)
         "rounds": rounds,
         "medians": {c: {s: medians(rounds, c, s) for s in SETUPS} for c in rounds},
