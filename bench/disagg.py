@@ -375,7 +375,14 @@ def measure(urls: dict[str, str], setup: str, args, seed: int, text: Text) -> di
                "prompt_tokens": sum(t.prompt_tokens for t in timings),
                "cached_tokens": sum(t.cached_tokens for t in timings),
                **server_counters(before, after, setup)}
-    return {"summary": summary, "requests": [asdict(t) for t in timings]}
+    return {"summary": summary, "requests": [_rounded(asdict(t)) for t in timings]}
+
+
+def _rounded(request: dict) -> dict:
+    """A request's times to the microsecond (the JSON keeps every gap of every request)."""
+    ttft = request["ttft"]
+    return {**request, "start": round(request["start"], 6), "ttft": None if ttft is None else round(ttft, 6),
+            "itl": [round(gap, 6) for gap in request["itl"]]}
 
 
 def warm_up(urls: dict[str, dict[str, str]], text: Text) -> None:
@@ -594,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(args, log)
         report(log, result["rounds"], result, args)
-        args.json.write_text(json.dumps(result, indent=1))
+        args.json.write_text(json.dumps(result))  # one line: every gap of every request (~0.5 MB by default)
         plot(result["rounds"], result, args.plot)
         log.progress(f"wrote {args.json}, {args.log}, {args.plot}")
     finally:
