@@ -27,7 +27,7 @@ beside a busy neighbour (a CPU spinner in its own session, stopped while the qui
 median of the per-round ratios, [min-max]). Written: ``--json`` (every request's timings, every round's values,
 medians, ratios), ``--log`` (what the terminal showed), ``--plot`` (TTFT and ITL CDFs, output tokens/s bars).
 
-    python bench/disagg.py [--rounds 3] [--clients 4] [--turns 4] [--max-tokens 32] [--quick]
+    python bench/disagg.py [--rounds 5] [--clients 8] [--turns 5] [--max-tokens 48] [--no-busy] [--quick]
 
 On this machine (2 CPU cores shared by every process) the setups do not get what a real deployment gives them: see
 bench/README.md for what the numbers can and cannot show. Every process this script starts is killed and reaped
