@@ -542,6 +542,10 @@ def run(args, log: Log) -> dict:
                                              f"p99 {s['ttft_p99_ms']:.0f} ms, ITL p50 {s['itl_p50_ms']:.1f} ms p99 "
                                              f"{s['itl_p99_ms']:.1f} ms, {s['output_tokens_per_s']:.1f} tok/s, "
                                              f"cached {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens")
+        except Exception:
+            for name in fleet.procs:  # before the temporary directory and the servers' logs go
+                log.progress(f"--- the end of {name}'s log:\n{fleet.log_tail(name, 10)}")
+            raise
         finally:
             fleet.close()
     measured = [row["summary"]["kv_received_bytes"] for c in rounds.values() for row in c["1P1D"]]
@@ -576,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-busy", dest="busy", action="store_false",
                         help="skip the measurements beside a busy neighbour")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run of about a minute: 1 round, 2 clients x 2 turns, short texts")
+                        help="a smoke run of under a minute: 1 round, 2 clients x 2 turns, short texts")
     parser.add_argument("--start-timeout", type=float, default=300, help="seconds for the servers to start")
     parser.add_argument("--request-timeout", type=float, default=600, help="seconds per request at most")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "disagg.json")
