@@ -21,6 +21,9 @@ the servers' ``/metrics`` (deltas over the measurement): KV bytes and prompt tok
 quotient is the KV bytes per prompt token, to compare with ``dsv41 report``), the tokens it replayed, and the
 router's mean prefill / decode stage times.
 
+``--pin`` pins the prefill server to the first CPU and the decode server and the router to the others (an
+approximation of separate machines that leaves the clients and the colocated server free).
+
 Rounds alternate the setups (colocated first in even rounds, 1P1D first in odd ones), each round once quiet and once
 beside a busy neighbour (a CPU spinner in its own session, stopped while the quiet measurements run, as in
 ``bench/parallel.py``). Printed: every round's values, medians over the rounds, and 1P1D / colocated ratios (the
@@ -109,12 +112,20 @@ class Fleet:
         self.log_dir, self.progress = log_dir, progress
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, argv: list[str]) -> None:
+    def start(self, name: str, argv: list[str], cpus: set[int] | None = None) -> None:
+        """Start ``argv`` as ``name``; ``cpus``: the CPUs it (and every thread it makes) may run on."""
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+        def setup() -> None:
+            _die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         with open(self.log_dir / f"{name}.log", "wb") as out:
             self.procs[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                                start_new_session=True, preexec_fn=_die_with_parent)
-        self.progress(f"started {name}: pid {self.procs[name].pid}")
+                                                start_new_session=True, preexec_fn=setup)
+        pinned = f" on CPU {sorted(cpus)}" if cpus else ""
+        self.progress(f"started {name}: pid {self.procs[name].pid}{pinned}")
 
     def log_tail(self, name: str, lines: int = 25) -> str:
         text = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
@@ -180,12 +191,16 @@ def start_setups(fleet: Fleet, args, tmp: Path) -> dict[str, dict[str, str]]:
             "kv_connector_extra_config": {"shared_storage_path": str(storage)}})]
 
     fleet.start("colocated", serve_argv(args, ports["colocated"], tmp / "cache-colocated", []))
-    fleet.start("prefill", serve_argv(args, ports["prefill"], tmp / "cache-prefill", kv("kv_producer")))
-    fleet.start("decode", serve_argv(args, ports["decode"], tmp / "cache-decode", kv("kv_consumer")))
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = args.pin and len(cpus) >= 2
+    fleet.start("prefill", serve_argv(args, ports["prefill"], tmp / "cache-prefill", kv("kv_producer")),
+                {cpus[0]} if pin else None)
+    fleet.start("decode", serve_argv(args, ports["decode"], tmp / "cache-decode", kv("kv_consumer")),
+                set(cpus[1:]) if pin else None)
     fleet.wait_healthy({name: url[name] for name in ("colocated", "prefill", "decode")}, args.start_timeout)
     fleet.start("router", [sys.executable, "-m", "deepseek_v41.cli", "router", "--prefill", url["prefill"],
                            "--decode", url["decode"], "--host", "127.0.0.1", "--port", str(ports["router"]),
-                           "--health-interval-s", "1", "--log-level", "warning"])
+                           "--health-interval-s", "1", "--log-level", "warning"], set(cpus[1:]) if pin else None)
     fleet.wait_healthy({"router": url["router"]}, args.start_timeout)
     return {"colocated": {"client": url["colocated"], "colocated": url["colocated"]},
             "1P1D": {"client": url["router"], "prefill": url["prefill"], "decode": url["decode"],
@@ -577,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-words", type=int, default=1200, help="words of the shared system prompt")
     parser.add_argument("--tool-words", type=int, default=250, help="words of each tool result")
     parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--pin", action="store_true",
+                        help="pin the prefill server to the first CPU, the decode server and the router to the others "
+                             "(the colocated server and the clients are not pinned)")
     parser.add_argument("--no-busy", dest="busy", action="store_false",
                         help="skip the measurements beside a busy neighbour")
     parser.add_argument("--quick", action="store_true",
