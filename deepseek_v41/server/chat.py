@@ -333,6 +333,9 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
         return body
 
     cached = first.output.num_cached_tokens
+    # Token ids of steps whose text the parser held back (no delta yet): they go with the next piece of the choice,
+    # so that a stream's token_ids add up to its completion tokens.
+    held: list[list[int]] = [[] for _ in range(req.n)]
     async with contextlib.aclosing(stream):
         for i in range(req.n):
             yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -351,16 +354,20 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
                         entries = (step.output.outputs[i].logprobs or [])[choice.num_tokens - len(new_ids):]
                         logprobs = chat_logprobs(state.logprob_tokenizer(req), new_ids, entries, req.top_logprobs or 0)
                     deltas = choice.feed(step.delta_text[i], reason is not None) or ([{}] if logprobs else [])
+                    held[i].extend(new_ids)
                     for k, delta in enumerate(deltas):
                         piece = {"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,
                                  "finish_reason": None}
                         if req.return_token_ids:
-                            piece["token_ids"] = new_ids if k == 0 else []
+                            piece["token_ids"], held[i] = (held[i], []) if k == 0 else ([], held[i])
                         yield chunk(piece)
                     if reason is not None:
-                        yield chunk({"index": i, "delta": {}, "logprobs": None,
-                                     "finish_reason": choice.finish_reason(reason),
-                                     "stop_reason": step.output.outputs[i].stop_reason})
+                        last = {"index": i, "delta": {}, "logprobs": None,
+                                "finish_reason": choice.finish_reason(reason),
+                                "stop_reason": step.output.outputs[i].stop_reason}
+                        if req.return_token_ids and held[i]:
+                            last["token_ids"], held[i] = held[i], []
+                        yield chunk(last)
                 if step.finished:
                     break
                 step = await anext(stream)

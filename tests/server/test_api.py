@@ -4,7 +4,19 @@ errors naming their field, usage invariants, thinking mode, token-id prompts."""
 import httpx
 import openai
 import pytest
-from serving_helpers import KEYS, MAX_BODY_BYTES, MAX_MODEL_LEN, MODEL, auth, metrics, save_tiny_model, start_server
+from serving_helpers import (
+    KEYS,
+    MAX_BODY_BYTES,
+    MAX_MODEL_LEN,
+    MODEL,
+    auth,
+    chunks,
+    metrics,
+    save_tiny_model,
+    scripted,
+    sse,
+    start_server,
+)
 
 from deepseek_v41.chat import encode_messages
 
@@ -67,6 +79,19 @@ def test_completions_text_and_token_prompts(client):
     assert batch.usage.prompt_tokens == 5 and batch.usage.completion_tokens == 8
     assert all(len(c.model_extra["token_ids"]) == 2 for c in batch.choices)
     check_usage(batch.usage)
+
+
+def test_streamed_token_ids_add_up_when_the_parser_holds_text_back(server):
+    """A chat stream's token_ids are every generated id, in order, also when the chat parser held a step's text
+    back (a newline or a '<' that might open a tool call or a special block) and sent it with a later step's."""
+    body = {"model": MODEL, "messages": HELLO, "stream": True, "return_token_ids": True, "max_tokens": 40}
+    text = "The city is\n\nParis. <not a tag> Hello world!\n"
+    with scripted(server, text):
+        events = sse(server.v1 + "/chat/completions", body, KEYS[0])
+        whole = httpx.post(server.v1 + "/chat/completions", json={**body, "stream": False}, headers=auth(KEYS[0]),
+                           timeout=60).json()
+    streamed = [i for c in chunks(events) for choice in c["choices"] for i in choice.get("token_ids", [])]
+    assert streamed == whole["choices"][0]["token_ids"] and len(streamed) == whole["usage"]["completion_tokens"]
 
 
 def test_logprobs(client):
