@@ -271,7 +271,10 @@ def _prefix_cache(model, cache: PagedKVCache, settings: CacheConfig, swa_bytes: 
     transfer = settings.kv_transfer_config
     if transfer is not None:
         connector = build_kv_connector(transfer, fingerprint, cache.page_layout())
-    if settings.cache_dir is not None:
+    # A prefill server's persistent tier is its connector: it writes each page there once (not a second time to a
+    # disk store of its own, which its response would wait for too) and finds its own earlier pages there.
+    producer = transfer is not None and transfer.prefill_only
+    if settings.cache_dir is not None and not producer:
         page_store = PageStore(Path(settings.cache_dir).expanduser() / fingerprint[:16], fingerprint,
                                cache.page_layout(), settings.cache_max_bytes)
     if settings.redis_url is not None:
@@ -282,5 +285,5 @@ def _prefix_cache(model, cache: PagedKVCache, settings: CacheConfig, swa_bytes: 
     elif swa_bytes:
         swa_pool = SwaPool(swa_bytes)
     return PrefixCache(cache, fingerprint, exact_prefill, settings.replay, page_store, swa_pool, remote_pages,
-                       connector, connector_read=transfer is not None and transfer.is_consumer,
+                       connector, connector_read=transfer is not None and (transfer.is_consumer or producer),
                        connector_write=transfer is not None and transfer.is_producer)

@@ -561,7 +561,8 @@ def _prefix_line(llm, cache_path: Path) -> str:
     capacity = getattr(pool, "capacity_bytes", None)
     snapshots = ("no SWA snapshots" if pool is None else
                  f"SWA pool {capacity / 2**20:.0f} MiB" if capacity is not None else f"SWA pool in {pool.url}")
-    return f"prefix caching on, cache dir {cache_path}, {snapshots}"
+    where = f"cache dir {cache_path}" if pc.page_store is not None else "pages persisted in the KV connector only"
+    return f"prefix caching on, {where}, {snapshots}"
 
 
 def _speculative_line(llm) -> str:

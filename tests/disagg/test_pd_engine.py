@@ -140,3 +140,15 @@ def test_nixl_connector_pulls_the_pages_from_the_producer_named_in_kv_transfer_p
     out = consumer.generate({"prompt_token_ids": prompt}, decode)[0]
     assert out.kv_transfer_params["transfer_pages"] == (len(prompt) - 1) // 16
     assert out.outputs[0].token_ids == colocated.outputs[0].token_ids
+
+
+def test_a_producer_persists_its_pages_in_the_connector_only(model_dir, tmp_path):
+    """A prefill server writes each page once, to the connector (no --cache-dir store of its own, whose writes its
+    responses would wait for too), and a restarted one finds its earlier prefixes there."""
+    prompt = tokens(100, 8)
+    config = shared(tmp_path, "kv_producer")
+    engine(model_dir, cache_dir=str(tmp_path / "own"), kv_transfer_config=config).generate(
+        {"prompt_token_ids": prompt}, GREEDY)
+    assert not list((tmp_path / "own").rglob("*.page")) and len(list((tmp_path / "kv").rglob("*.page"))) == 100 // 16
+    again = engine(model_dir, cache_dir=str(tmp_path / "own"), kv_transfer_config=config)
+    assert again.generate({"prompt_token_ids": prompt + [5]}, GREEDY)[0].num_cached_tokens == 96
