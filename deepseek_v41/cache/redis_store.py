@@ -445,6 +445,11 @@ class RedisPages:
             self.store._count_read(len(data), time.perf_counter() - start)
         return page
 
+    def contains(self, block_hash: str) -> bool:
+        """Whether Redis holds a page under ``block_hash`` now (False while Redis is down; not an access)."""
+        store = self.store
+        return bool(store._read(lambda r: r.exists(store._page_key(block_hash))))
+
     def put(self, block_hash: str, page: dict[str, torch.Tensor]) -> bool:
         """Encode ``page`` and queue it for Redis; False when dropped. Raises ValueError for a page that does not
         match the layout."""

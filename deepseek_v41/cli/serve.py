@@ -494,6 +494,7 @@ def _serve_encoder(model: Path, ec_transfer: ECTransferConfig, dtype, device, se
 def describe_kv_transfer(llm: LLM, transfer: KVTransferConfig) -> str:
     """The start line of a disaggregated server: its role, connector, and for a producer what it loaded."""
     connector = llm.engine.prefix_cache.connector
+    connector.contains("0" * 64)  # one probe now: an unreachable Redis is logged at start, not at the first request
     where = getattr(connector, "directory", None) or transfer.kv_connector_extra_config.get("url", "")
     line = f"{transfer.kv_role} over {transfer.kv_connector}{f' at {where}' if where else ''}"
     if transfer.prefill_only:

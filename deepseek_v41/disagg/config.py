@@ -51,7 +51,8 @@ def _parse(value: str | dict[str, Any], flag: str) -> dict[str, Any]:
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{flag} must be a JSON object such as '{{\"kv_connector\": \"SharedStorageConnector\", "
+        key = "ec_connector" if flag.startswith("--ec") else "kv_connector"
+        raise ValueError(f"{flag} must be a JSON object such as '{{\"{key}\": \"SharedStorageConnector\", "
                          f"...}}': {exc.msg} at character {exc.pos}") from exc
     if not isinstance(parsed, dict):
         raise ValueError(f"{flag} must be a JSON object, got {type(parsed).__name__}")
@@ -65,6 +66,14 @@ def _check_extra(extra: Any, connector: str, table: dict, flag: str, key: str) -
     missing = sorted(needed - set(extra))
     if missing:
         raise ValueError(f"{flag}: {connector} needs {', '.join(missing)} in {key}")
+    for name in ("shared_storage_path", "url"):
+        if name in extra and (not isinstance(extra[name], str) or not extra[name]):
+            raise ValueError(f"{flag}: {name} in {key} must be a non-empty string, got {extra[name]!r}")
+    if "url" in extra and not extra["url"].startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"{flag}: url {extra['url']!r} must start with redis://, rediss:// or unix://")
+    if "max_bytes" in extra and (isinstance(extra["max_bytes"], bool) or not isinstance(extra["max_bytes"], int)
+                                 or extra["max_bytes"] <= 0):
+        raise ValueError(f"{flag}: max_bytes in {key} must be a positive integer, got {extra['max_bytes']!r}")
     unknown = sorted(set(extra) - allowed)
     if unknown:
         raise ValueError(f"{flag}: {connector} does not take {', '.join(unknown)} in {key}; it takes "

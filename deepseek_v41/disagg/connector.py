@@ -31,7 +31,8 @@ DEFAULT_SHARED_STORAGE_BYTES = 64 * 1024**3
 class KVConnector(Protocol):
     """A page tier (the disk store's interface). ``get`` returns ``None`` on any miss (absent, partial, corrupt,
     other model or layout), never wrong data; ``put`` returns whether the page is stored; ``flush`` waits (at most
-    ``timeout`` seconds) for queued writes; ``stats`` has at least ``read_bytes``, ``read_seconds``."""
+    ``timeout`` seconds) for queued writes; ``contains`` says whether a page is there now (what a prefill response
+    may promise); ``stats`` has at least ``read_bytes``, ``read_seconds``."""
 
     read_tier: str
 
@@ -40,6 +41,8 @@ class KVConnector(Protocol):
     def put(self, block_hash: str, page: dict[str, torch.Tensor]) -> bool: ...
 
     def flush(self, timeout: float = 10.0) -> bool: ...
+
+    def contains(self, block_hash: str) -> bool: ...
 
     @property
     def stats(self) -> dict[str, Any]: ...
@@ -62,6 +65,9 @@ class SharedStoragePages:
 
     def put(self, block_hash: str, page: dict[str, torch.Tensor]) -> bool:
         return self.store.put(block_hash, page)
+
+    def contains(self, block_hash: str) -> bool:
+        return self.store.contains(block_hash)
 
     def flush(self, timeout: float = 10.0) -> bool:
         return True

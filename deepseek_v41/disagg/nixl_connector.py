@@ -73,7 +73,10 @@ DEFAULT_BUFFER_BYTES = 256 << 20
 DEFAULT_BACKENDS = ("UCX",)
 MAX_LOOKUP = 4096  # hashes per lookup request
 MAX_LINE = 8 << 20  # bytes of one side-channel line (metadata is a few KB; a full lookup answer ~0.4 MB)
-SIDE_CHANNEL_TIMEOUT = 5.0  # seconds for connecting to a peer and for each answer
+SIDE_CHANNEL_TIMEOUT = 2.0  # seconds for connecting to a peer and for each answer
+# Peers named by requests (kv_transfer_params) are kept at most this many, and forgotten at their first failure: a
+# request cannot leave a dead or silent address behind for every later lookup to wait on.
+MAX_REQUEST_PEERS = 16
 TRANSFER_TIMEOUT = 10.0  # seconds for one NIXL READ before the peer counts as down
 RETRY_SECONDS = 1.0  # a peer that failed is skipped this long, then tried again (a restarted producer rejoins)
 _MAX_HASH_CHARS = 128
@@ -99,8 +102,8 @@ def parse_peer(peer: Any) -> tuple[str, int]:
 class _Peer:
     """A producer this consumer reads from: its side-channel connection and NIXL agent, once handshaken."""
 
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, configured: bool = True):
+        self.host, self.port, self.configured = host, port, configured
         self.sock: socket.socket | None = None
         self.reader: Any = None
         self.agent_name = ""
@@ -243,6 +246,11 @@ class NixlPages:
             self._stats["bytes_used"] += data.size
         return True
 
+    def contains(self, block_hash: str) -> bool:
+        """Whether this (serving) connector's buffer holds ``block_hash`` now (what a prefill response may promise)."""
+        with self._lock:
+            return block_hash in self._index
+
     def get(self, block_hash: str) -> dict[str, torch.Tensor] | None:
         """The page under ``block_hash`` (fresh CPU tensors of the layout), or None on a miss.
 
@@ -293,7 +301,13 @@ class NixlPages:
 
     def add_peer(self, host: str, port: int) -> None:
         """Read from the producer at ``host:port`` too, first (a decode request's ``kv_transfer_params``
-        ``remote_host`` / ``remote_port``). Raises ValueError for a bad address."""
+        ``remote_host`` / ``remote_port``). Such a peer is forgotten at its first failure (a configured ``peers``
+        entry is retried after RETRY_SECONDS) and at most MAX_REQUEST_PEERS of them are kept (the least recently
+        useful go first). Raises ValueError for a host that is not a string or a port that is not an integer in
+        1..65535."""
+        if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
+            raise ValueError(f"kv_transfer_params remote_host must be a string and remote_port an integer, got "
+                             f"{host!r} and {port!r}")
         host, port = parse_peer(f"{host}:{port}")
         with self._read_lock:
             for peer in self._peers:
@@ -301,8 +315,12 @@ class NixlPages:
                     self._peers.remove(peer)
                     break
             else:
-                peer = _Peer(host, port)
+                peer = _Peer(host, port, configured=False)
             self._peers.insert(0, peer)
+            named = [p for p in self._peers if not p.configured]
+            for old in named[MAX_REQUEST_PEERS:]:
+                self._peers.remove(old)
+                old.close()
 
     def _get_remote(self, peer: _Peer, block_hash: str) -> dict[str, torch.Tensor] | None:
         if peer.down_until > time.monotonic():
@@ -393,6 +411,11 @@ class NixlPages:
         peer.down_until = time.monotonic() + RETRY_SECONDS
         with self._lock:
             self._stats["peer_errors"] += 1
+        if not peer.configured:  # named by a request: forgotten (the next request that names it adds it again)
+            with contextlib.suppress(ValueError):
+                self._peers.remove(peer)
+            log.warning("NixlConnector: peer %s:%d (named by a request) forgotten: %s", peer.host, peer.port, exc)
+            return
         log.warning("NixlConnector: peer %s:%d skipped for %.0f s: %s", peer.host, peer.port, RETRY_SECONDS, exc)
 
     # ---- the buffer and the side channel (producer) ----

@@ -207,12 +207,15 @@ class LLMEngine:
         transfer = extra.get("kv_transfer_params")
         if transfer is not None and not isinstance(transfer, dict):
             raise ValueError(f"kv_transfer_params must be a JSON object or null, got {transfer!r}")
+        for key in ("do_remote_decode", "do_remote_prefill"):
+            if transfer and not isinstance(transfer.get(key, False), bool):
+                raise ValueError(f"kv_transfer_params {key} must be true or false, got {transfer[key]!r}")
         remote_decode = bool((transfer or {}).get("do_remote_decode", False))
         config = self.kv_transfer
         connector = self.prefix_cache.connector if config is not None else None
         if transfer and config is not None and config.is_consumer and "remote_host" in transfer and hasattr(
                 connector, "add_peer"):  # NixlConnector: pull from the producer that prefilled this prompt
-            connector.add_peer(str(transfer["remote_host"]), transfer.get("remote_port"))
+            connector.add_peer(transfer["remote_host"], transfer.get("remote_port"))
         if remote_decode and (config is None or not config.is_producer):
             role = "no --kv-transfer-config" if config is None else f"kv_role {config.kv_role}"
             raise ValueError(f"kv_transfer_params asks for a remote decode (do_remote_decode), but this engine has "
@@ -471,8 +474,16 @@ class LLMEngine:
             return None
         P = self.kv_cache_manager.block_size
         if seq.prefill_only:
-            pages = len(seq.prompt_token_ids) // P
+            # Only what the connector holds now is promised: with Redis down (or a page evicted already), the
+            # response says so, and the decode server computes the rest.
+            connector = self.prefix_cache.connector
+            pages = 0
+            for block_hash in seq.block_hashes[: len(seq.prompt_token_ids) // P]:
+                if not connector.contains(block_hash):
+                    break
+                pages += 1
             return {"do_remote_prefill": True, "num_prompt_tokens": len(seq.prompt_token_ids), "num_pages": pages,
+                    "num_pages_expected": len(seq.prompt_token_ids) // P,
                     "block_size": P, "transfer_bytes": pages * self.prefix_cache.page_payload_bytes,
                     # where a pulling connector (Nixl) reads them: remote_host, remote_port, remote_engine_id
                     **getattr(self.prefix_cache.connector, "kv_transfer_params", {})}
@@ -544,7 +555,7 @@ def check_kv_transfer(model, args: EngineArgs, prefill_mode: PrefillMode) -> Non
                          "tiers); drop --no-enable-prefix-caching")
     if config.prefill_only and args.speculative is not None:
         raise ValueError("a kv_producer samples nothing, so speculative decoding has nothing to draft; drop "
-                         "--speculative-config on the prefill server")
+                         "--speculative on the prefill server")
     if getattr(model, "encoder_only", False) and not config.prefill_only:
         raise ValueError(f"an encoder-only model (loaded for a kv_producer) cannot serve a {config.kv_role}: load "
                          f"the whole model")

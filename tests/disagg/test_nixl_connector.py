@@ -225,3 +225,25 @@ def test_killed_producer_is_a_miss_and_a_restarted_one_rejoins(codec):
             assert consumer.stats["pages_read"] == 2
     finally:
         stop(proc)
+
+
+@pytest.mark.slow
+def test_a_peer_named_by_a_request_is_forgotten_at_its_first_failure(codec):
+    """A decode request may name the producer to pull from (kv_transfer_params remote_host / remote_port); a silent
+    or dead address costs one side-channel timeout, once, and is never tried again by later lookups."""
+    require("nixl")
+    consumer = NixlPages(codec, {"side_channel_port": 0}, "kv_consumer")
+    with socket.socket() as silent:  # listens, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        with pytest.raises(ValueError, match="remote_port an integer"):
+            consumer.add_peer("127.0.0.1", str(silent.getsockname()[1]))
+        consumer.add_peer("127.0.0.1", silent.getsockname()[1])
+        assert consumer.stats["peers"] == 1
+        started = time.monotonic()
+        assert consumer.get("ab" * 32) is None
+        assert time.monotonic() - started < nixl_connector.SIDE_CHANNEL_TIMEOUT + 1
+        assert consumer.stats["peers"] == 0  # forgotten
+        started = time.monotonic()
+        assert consumer.get("cd" * 32) is None and time.monotonic() - started < 0.5
+    consumer.close()

@@ -152,3 +152,16 @@ def test_a_producer_persists_its_pages_in_the_connector_only(model_dir, tmp_path
     assert not list((tmp_path / "own").rglob("*.page")) and len(list((tmp_path / "kv").rglob("*.page"))) == 100 // 16
     again = engine(model_dir, cache_dir=str(tmp_path / "own"), kv_transfer_config=config)
     assert again.generate({"prompt_token_ids": prompt + [5]}, GREEDY)[0].num_cached_tokens == 96
+
+
+def test_a_prefill_response_promises_only_the_pages_the_connector_holds(model_dir, redis_server):
+    """With Redis down the prefill server still answers, but its kv_transfer_params say that no page moved."""
+    process, url = redis_server
+    producer = engine(model_dir, kv_transfer_config={"kv_connector": "RedisConnector", "kv_role": "kv_producer",
+                                                     "kv_connector_extra_config": {"url": url}})
+    prompt = tokens(70, 9)
+    assert producer.generate({"prompt_token_ids": prompt}, GREEDY)[0].kv_transfer_params["num_pages"] == 4
+    process.kill()
+    process.wait()
+    params = producer.generate({"prompt_token_ids": tokens(70, 10)}, GREEDY)[0].kv_transfer_params
+    assert params["num_pages"] == 0 and params["num_pages_expected"] == 4 and params["transfer_bytes"] == 0
