@@ -112,7 +112,7 @@ def test_build_ec_connector_directory_and_config(tmp_path):
     c = build_ec_connector(cfg, FP, D, torch.float32)
     assert c.directory == tmp_path / f"{FP[:16]}-ec" == ec_directory(ECTransferConfig.from_cli(cfg), FP)
     assert c.store.max_bytes == 12345 and c.dtype == torch.float32
-    with pytest.raises(ValueError, match="max_bytes must be an integer"):
+    with pytest.raises(ValueError, match="max_bytes in ec_connector_extra_config must be a positive integer"):
         build_ec_connector({**cfg, "ec_connector_extra_config": {"shared_storage_path": "x", "max_bytes": -1}},
                            FP, D, torch.float32)
     with pytest.raises(ValueError, match="ec_role"):
