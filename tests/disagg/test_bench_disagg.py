@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from process_helpers import alive
 
 from deepseek_v41.analysis.kv import generations_bytes_per_token
 from deepseek_v41.config import load_config
@@ -28,15 +29,6 @@ SUMMARY = ("requests", "wall_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "it
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="no bundled checkpoint")]
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not been reaped (a zombie counts: it was not reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
