@@ -176,6 +176,9 @@ def stack():
         return router
 
     yield start
+    for server in started:  # all asked at once: each uvicorn loop notices within its 0.1 s tick, together
+        if isinstance(server, Live):
+            server.server.should_exit = True
     for server in reversed(started):
         server.stop()
 
