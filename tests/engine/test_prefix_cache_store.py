@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 
 from deepseek_v41.engine import LLM, SamplingParams
@@ -237,6 +238,7 @@ def test_writer_threads_end_before_the_interpreter_finalizes(model64, tmp_path, 
     assert not page_writer.is_alive() and not redis_writer.is_alive()
 
 
+@pytest.mark.slow  # (3 interpreters x 4 engines, 17 s: with the slow tests, to keep make test under 5 minutes)
 def test_a_script_with_engines_left_alive_exits_cleanly(tmp_path):
     """The same at the process level, as in the review's script: engines on the bundled checkpoint with a
     cache_dir, left referenced at exit; before the fix most such runs exited 134."""

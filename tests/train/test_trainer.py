@@ -34,6 +34,7 @@ def test_micro_model_loss_goes_down(tmp_path):
     assert (tmp_path / "checkpoint" / "tensors.safetensors").is_file()
 
 
+@pytest.mark.slow  # (12 s: with the slow tests, to keep make test under 5 minutes on 2 cores)
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     stream = byte_stream()
     whole = Trainer(tiny_config(), stream, stream[:2000], tmp_path / "a", micro_args()).train(progress=False)
