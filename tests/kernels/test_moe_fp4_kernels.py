@@ -161,6 +161,7 @@ GENERIC_INDEX_CASES = [(32, 4, 1, 300, 2, 16), (32, 4, 3, 100, 2, 16), (64, 4, 2
                        (128, 3, 2, 90, 1, 8), (32, 7, 2, 61, 3, 16), (32, 6, 1, 45, 3, 8), (64, 32, 2, 100, 2, 8)]
 
 
+@pytest.mark.slow  # (two kernel-library builds, 13 s: with the slow tests, to keep make test under 5 minutes)
 @pytest.mark.parametrize("generic", ["-mno-avx512f", "-march=x86-64"])
 def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, generic):
     """The C code without AVX-512 (weight_pairs', x_pairs' and sum16's generic forms, the index scores' even / odd
