@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from deepseek_v41.cache.kv_cache import PagedKVCache
-from deepseek_v41.cache.store import PageStore
+from deepseek_v41.cache.store import PageCodec
 from deepseek_v41.cache.swa_pool import SwaPool
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,7 @@ class PrefixCache:
         self.connector = connector
         self.connector_read = connector is not None and connector_read
         self.connector_write = connector is not None and connector_write
-        self.page_payload_bytes = sum(torch.empty(0, dtype=_dtype(dt)).element_size() * int(np.prod(shape))
-                                      for shape, dt in cache.page_layout().values())
+        self.page_payload_bytes = PageCodec(fingerprint, cache.page_layout()).payload_bytes  # KV bytes of a page
         self._transfer = [0, 0, 0.0]  # pages, bytes, seconds read from the connector by the current lookup
         self.block_size = cache.block_size
         cfg, plan = cache.config, cache.plan
@@ -291,11 +290,12 @@ class PrefixCache:
             started = time.perf_counter()
             tensors = connector.get(block_hash)
             if tensors is not None:
+                seconds = time.perf_counter() - started
                 self._transfer[0] += 1
-                self._transfer[1] += sum(t.numel() * t.element_size() for t in tensors.values())
-                self._transfer[2] += time.perf_counter() - started
+                self._transfer[1] += self.page_payload_bytes
+                self._transfer[2] += seconds
                 self.counters["connector_pages_read"] += 1
-                self.counters["connector_read_seconds"] += time.perf_counter() - started
+                self.counters["connector_read_seconds"] += seconds
         if tensors is None:
             return None
         page = self.cache.blocks.allocate()
@@ -310,9 +310,9 @@ class PrefixCache:
         bandwidth. A store used in two roles (Redis as pages and pool) counts once; absent tiers are 0."""
         read_bytes = dict.fromkeys(READ_TIERS, 0)
         read_seconds = dict.fromkeys(READ_TIERS, 0.0)
-        connector = getattr(self.connector, "store", self.connector)
-        if isinstance(connector, PageStore):  # shared storage is a remote tier, not this server's own disk
-            connector = self.connector
+        # A connector names its tier itself (shared storage is "remote", not this server's disk); Redis pages count
+        # in their store's.
+        connector = self.connector if hasattr(self.connector, "read_tier") else getattr(self.connector, "store", None)
         stores = (self.page_store, self.swa_pool, getattr(self.remote_pages, "store", None), connector)
         for store in {id(s): s for s in stores if s is not None}.values():
             tier = getattr(store, "read_tier", None)
@@ -402,10 +402,6 @@ class PrefixCache:
         """Put a hit's snapshot into the sequence's slot."""
         if hit.snapshot is not None:
             self.cache.restore(slot, hit.snapshot, self.snapshot_layers)
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, str(name).removeprefix("torch."))
 
 
 def stop_thread(stop: Any, thread: threading.Thread, timeout: float = 10.0) -> None:

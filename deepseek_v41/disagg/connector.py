@@ -95,23 +95,3 @@ def build_kv_connector(cfg: KVTransferConfig, fingerprint: str, layout: Layout) 
         store = RedisStore(str(extra["url"]), namespace=f"{fingerprint[:32]}-kvt")
         return RedisPages(store, PageCodec(fingerprint, layout))
     return NixlPages(PageCodec(fingerprint, layout), extra, cfg.kv_role)
-
-
-def page_payload_bytes(page: dict[str, torch.Tensor]) -> int:
-    """The KV bytes of one page (its tensors' bytes, without the file header): what the KV accounting counts."""
-    return sum(t.numel() * t.element_size() for t in page.values())
-
-
-class TransferCounters:
-    """What one server moved through its connector, by direction ("sent" = written by a producer, "received" = read
-    by a consumer): payload bytes, pages, prompt tokens whose pages moved, seconds spent."""
-
-    def __init__(self):
-        self.values = {d: {"bytes": 0, "pages": 0, "tokens": 0, "seconds": 0.0} for d in ("sent", "received")}
-
-    def add(self, direction: str, pages: int, nbytes: int, tokens: int, seconds: float) -> None:
-        v = self.values[direction]
-        v["pages"] += pages
-        v["bytes"] += nbytes
-        v["tokens"] += tokens
-        v["seconds"] += seconds

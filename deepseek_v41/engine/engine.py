@@ -369,6 +369,7 @@ class LLMEngine:
             # decode server will look for them: wait for the page writer (a producer's steps are prefills only).
             kv.flush()
             for seq in prefilled:
+                seq.kv_transfer = self._pages_in_connector(seq)
                 seq.detokenizer.end("length")
                 self.scheduler.finish(seq)
                 seq.finished_time = time.time()
@@ -472,22 +473,13 @@ class LLMEngine:
         """The ``kv_transfer_params`` of a finished request (:class:`RequestOutput`), None without a transfer."""
         if self.kv_transfer is None:
             return None
-        P = self.kv_cache_manager.block_size
+        pages, nbytes, seconds = seq.kv_transfer
         if seq.prefill_only:
-            # Only what the connector holds now is promised: with Redis down (or a page evicted already), the
-            # response says so, and the decode server computes the rest.
-            connector = self.prefix_cache.connector
-            pages = 0
-            for block_hash in seq.block_hashes[: len(seq.prompt_token_ids) // P]:
-                if not connector.contains(block_hash):
-                    break
-                pages += 1
+            P = self.kv_cache_manager.block_size
             return {"do_remote_prefill": True, "num_prompt_tokens": len(seq.prompt_token_ids), "num_pages": pages,
-                    "num_pages_expected": len(seq.prompt_token_ids) // P,
-                    "block_size": P, "transfer_bytes": pages * self.prefix_cache.page_payload_bytes,
+                    "num_pages_expected": len(seq.prompt_token_ids) // P, "block_size": P, "transfer_bytes": nbytes,
                     # where a pulling connector (Nixl) reads them: remote_host, remote_port, remote_engine_id
                     **getattr(self.prefix_cache.connector, "kv_transfer_params", {})}
-        pages, nbytes, seconds = seq.kv_transfer
         if not self.kv_transfer.is_consumer:
             return None
         return {"cached_tokens": seq.num_cached_tokens, "replayed_tokens": seq.num_replayed_tokens,
@@ -497,6 +489,18 @@ class LLMEngine:
         """Forget a finished request."""
         self.requests.pop(request_id, None)
         self._prompts.pop(request_id, None)
+
+    def _pages_in_connector(self, seq: Sequence) -> tuple[int, int, float]:
+        """(pages, KV bytes, 0.0) of a finished prefill-only sequence's prompt that the connector holds now, its
+        leading full pages: only those are promised to the decode side (with Redis down, none; it then computes
+        them)."""
+        pc, P = self.prefix_cache, self.kv_cache_manager.block_size
+        pages = 0
+        for block_hash in seq.block_hashes[: len(seq.prompt_token_ids) // P]:
+            if not pc.connector.contains(block_hash):
+                break
+            pages += 1
+        return pages, pages * pc.page_payload_bytes, 0.0
 
     # ------------------------------------------------------------------ stats
     def kv_transfer_stats(self) -> dict[str, Any]:

@@ -73,8 +73,9 @@ class Sequence:
     prompt_snapshot_taken: bool = False
     rebuild_engram_history: bool = False
     # Disaggregated serving (issue 29): a prefill-only sequence (a kv_producer's) ends when its prompt's pages are
-    # in the KV connector, sampling nothing; kv_transfer = (pages, bytes, seconds) its prefix lookup read from the
-    # connector (a kv_consumer's).
+    # in the KV connector, sampling nothing; kv_transfer = (pages, bytes, seconds) that moved through the connector:
+    # read by its prefix lookup (a kv_consumer's), or its prompt's pages the connector held when it ended (a
+    # producer's).
     prefill_only: bool = False
     kv_transfer: tuple[int, int, float] = (0, 0, 0.0)
     # Speculative decoding (DSPARK.md §6): drafts accepted (bonus tokens not counted) and steps that verified drafts.
