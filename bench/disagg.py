@@ -60,7 +60,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel import running, spinners  # noqa: E402 (bench/parallel.py: the busy neighbour)
-from serve import percentile  # noqa: E402
+from serve import percentile, record_tokens  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = ROOT / "checkpoints" / "v41-tiny"
@@ -325,15 +325,8 @@ async def stream_turn(client, url: str, messages: list[dict], max_tokens: int, t
             timing.prompt_tokens = usage["prompt_tokens"]
             timing.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             new = usage["completion_tokens"] - timing.tokens
-            if new <= 0:
-                continue
-            now = time.perf_counter()
-            if timing.ttft is None:
-                timing.ttft = now - start
-            else:
-                timing.itl.extend([(now - last) / new] * new)
-            last = now
-            timing.tokens += new
+            if new > 0:
+                last = record_tokens(timing, new, start, last)
     return "".join(pieces)
 
 

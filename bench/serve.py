@@ -37,6 +37,20 @@ class RequestTiming:
     tokens: int = 0
 
 
+def record_tokens(timing, new: int, start: float, last: float) -> float:
+    """``new`` tokens arrived now in a stream started at ``start`` whose previous tokens came at ``last``
+    (perf_counter seconds): the first sets ``timing.ttft``, later ones add their gap, spread evenly over the tokens
+    of the chunk, to ``timing.itl``. Returns now (the next ``last``). ``timing``: anything with ``ttft``, ``itl``,
+    ``tokens`` (:class:`RequestTiming`, bench/disagg.py's ``Timing``)."""
+    now = time.perf_counter()
+    if timing.ttft is None:
+        timing.ttft = now - start
+    else:
+        timing.itl.extend([(now - last) / new] * new)
+    timing.tokens += new
+    return now
+
+
 def percentile(values: list[float], q: float) -> float:
     """The ``q``-th percentile (0..100) by linear interpolation; NaN for no values."""
     if not values:
@@ -61,15 +75,8 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> R
                 continue
             chunk = json.loads(line[len("data: "):])
             new = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
-            if not new:
-                continue
-            now = time.perf_counter()
-            if timing.ttft is None:
-                timing.ttft = now - start
-            else:
-                timing.itl.extend([(now - last) / new] * new)
-            last = now
-            timing.tokens += new
+            if new:
+                last = record_tokens(timing, new, start, last)
     return timing
 
 

@@ -394,9 +394,7 @@ def serve(
                        speculative=speculative, speculative_max_len=speculative_max_len,
                        structured_outputs_config=structured, encoder_cache_size=encoder_cache_size,
                        kv_transfer_config=kv_transfer,
-                       ec_transfer_config=None if ec_transfer is None else {
-                           "ec_connector": ec_transfer.ec_connector, "ec_role": ec_transfer.ec_role,
-                           "ec_connector_extra_config": ec_transfer.ec_connector_extra_config})
+                       ec_transfer_config=None if ec_transfer is None else ec_transfer.to_dict())
     # LLM turns the fraction into the pool's budget (engine.options) and logs the budget and the pool allocated.
     vllm_options = dict(gpu_memory_utilization=gpu_memory_utilization, pipeline_parallel_size=pipeline_parallel_size,
                         kv_cache_dtype=kv_cache_dtype, trust_remote_code=trust_remote_code,

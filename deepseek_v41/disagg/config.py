@@ -184,6 +184,10 @@ class ECTransferConfig:
     def is_consumer(self) -> bool:
         return self.ec_role in ("ec_consumer", "ec_both")
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"ec_connector": self.ec_connector, "ec_role": self.ec_role,
+                "ec_connector_extra_config": dict(self.ec_connector_extra_config)}
+
     @property
     def encode_only(self) -> bool:
         """An encode server (``ec_producer``): the vision tower and aligner only, no language model."""
