@@ -4,6 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 MODEL  ?= checkpoints/v41-tiny
 CHAT_MODEL ?= checkpoints/v41-tiny-chat
+VL_MODEL ?= checkpoints/v41-tiny-vl
 # pytest-xdist workers: 2 = the cores of the CI machines.
 TEST_WORKERS ?= 2
 # One OpenMP thread: the models here are small, and on a 2-core machine spinning OpenMP workers make a busy
@@ -25,12 +26,16 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	touch $@ $(VENV)/.installed-run
 
 # The main job: the bundled checkpoint continues a held-out prompt, then a second turn reuses its prefix; then the
-# chat-tuned checkpoint answers a question and, given tools, calls one (tool_choice auto).
+# chat-tuned checkpoint answers a question and, given tools, calls one (tool_choice auto); then the tiny VLM reads
+# the text of a held-out render back (example.txt holds what the image says).
 run: $(VENV)/.installed-run
 	$(BIN)/dsv41 generate --model $(MODEL) --prompt-file $(MODEL)/prompt.txt --max-tokens 64 \
 		--follow-up "$$(cat $(MODEL)/follow_up.txt)"
 	$(BIN)/dsv41 generate --model $(CHAT_MODEL) --chat --prompt-file $(CHAT_MODEL)/prompt.txt --max-tokens 128 \
 		--tools $(CHAT_MODEL)/tools.json --follow-up "$$(cat $(CHAT_MODEL)/follow_up.txt)"
+	@echo "$(VL_MODEL)/example.png says: $$(cat $(VL_MODEL)/example.txt)"
+	$(BIN)/dsv41 generate --model $(VL_MODEL) --image $(VL_MODEL)/example.png --prompt "Transcribe the text." \
+		--max-tokens 24 --temperature 0
 
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .

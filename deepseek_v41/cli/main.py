@@ -305,7 +305,12 @@ def train_vlm(
     lr: float = typer.Option(2e-3, help="Learning rate of the vision path (trained from scratch)."),
     text_lr: float = typer.Option(3e-4, help="Learning rate of the text model (fine-tuned)."),
     warmup_steps: int = typer.Option(50),
-    max_chars: int = typer.Option(24, min=1, help="Longest rendered snippet in characters."),
+    max_chars: int = typer.Option(16, min=1, max=16, help="Longest rendered snippet in characters (one 42-px "
+                                                          "cell each, at most 16)."),
+    cell_loss_weight: float = typer.Option(5.0, min=0.0, help="Weight of the auxiliary per-cell loss (probe, "
+                                                              "embedding match, scale); 0 = off."),
+    match_weight: float = typer.Option(1.0, min=0.0, help="Within the per-cell loss: a character cell's row "
+                                                          "toward its character's token embedding."),
     vision_only_steps: int = typer.Option(0, min=0, help="First steps that train the ViT, aligner and character "
                                                          "probe alone, without the text model."),
     vision_lm_start: int = typer.Option(400, min=0, help="Step from which the language-model loss reaches the "
@@ -325,7 +330,8 @@ def train_vlm(
 
     args = VLMArgs(steps=steps, batch_size=batch_size, lr=lr, text_lr=text_lr, warmup_steps=warmup_steps,
                    eval_every=eval_every, checkpoint_minutes=checkpoint_minutes, max_chars=max_chars, seed=seed,
-                   vision_only_steps=vision_only_steps, vision_lm_start=vision_lm_start)
+                   vision_only_steps=vision_only_steps, vision_lm_start=vision_lm_start,
+                   cell_loss_weight=cell_loss_weight, match_weight=match_weight)
     out.mkdir(parents=True, exist_ok=True)
     log_file = open(out / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
 

@@ -92,30 +92,98 @@ def pick_snippet(lines: Sequence[str], rng: np.random.Generator, max_chars: int)
     return text
 
 
+LAYOUTS = ("cells", "line")
+
+
 @dataclass(frozen=True)
 class RenderSpec:
-    """The ranges a render draws from: font size in pixels, image height in tokens, rotation in degrees, the
-    Gaussian noise's standard deviation in 8-bit levels, and the widest image in tokens."""
+    """The ranges a render draws from. ``layout``: ``"cells"`` (the default, what the tiny VLM trains and is scored
+    on) draws one character per 42-pixel cell of a single 42-pixel row, each glyph centred in its cell with up to
+    ``cell_jitter`` pixels of offset, at a font size from ``cell_font_sizes``, followed by up to
+    ``max_blank_cells`` empty cells; ``"line"`` draws the text as one proportional line at a size from
+    ``font_sizes`` (per 42-pixel row of height) on ``rows`` rows. Both: rotation up to ``max_degrees``, Gaussian
+    noise up to ``max_noise`` 8-bit levels, the widest image ``max_tokens_w`` tokens."""
 
-    font_sizes: tuple[int, int] = (18, 30)  # per 42-pixel row of height
-    rows: tuple[int, ...] = (1, 1, 2)  # image height in tokens, drawn uniformly from this tuple
+    layout: str = "cells"
+    font_sizes: tuple[int, int] = (18, 30)  # line layout, per 42-pixel row of height
+    rows: tuple[int, ...] = (1, 1, 2)  # line layout: image height in tokens, drawn uniformly from this tuple
+    cell_font_sizes: tuple[int, int] = (22, 34)  # cells layout
+    max_blank_cells: int = 2  # cells layout
+    cell_jitter: int = 3  # cells layout, pixels
     max_degrees: float = 3.0
     max_noise: float = 12.0
     max_tokens_w: int = 16
 
 
-def render_text(text: str, rng: np.random.Generator, fonts: Sequence[str], spec: RenderSpec = RenderSpec()):
-    """Draw ``text`` on one line of a fresh RGB image (PIL). Width and height are multiples of 42 pixels: the
-    height is ``rows * 42`` for a random ``rows`` of ``spec.rows``, the font size scales with it, and the width is
-    the text's plus margins rounded up to 42, at most ``spec.max_tokens_w * 42`` (the font shrinks until the
-    text fits). ``fonts``: TrueType paths (:func:`find_fonts`); empty = Pillow's built-in font. Deterministic in
-    ``rng``'s state. Returns ``(image, font name, centres)``: centres float32 [len(text)] is the horizontal
-    centre in pixels of each character's advance (before the small rotation; kerning ignored)."""
-    from PIL import Image, ImageDraw, ImageFilter
+def _colours(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(background, ink) RGB int arrays: dark ink on a light ground, or (a fifth of the time) the reverse."""
+    background = rng.integers(150, 256, size=3)
+    ink = rng.integers(0, 90, size=3)
+    if rng.random() < 0.2:  # light text on a dark ground
+        background, ink = 255 - background, 255 - ink
+    return background, ink
 
+
+def _canvas(width: int, height: int, background: np.ndarray, ink: np.ndarray, rng: np.random.Generator):
+    """A fresh RGB image in ``background`` with 0-2 stray strokes in a faint ink; returns (image, draw)."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (width, height), tuple(int(c) for c in background))
+    draw = ImageDraw.Draw(image)
+    for _ in range(int(rng.integers(0, 3))):
+        shade = tuple(int(c) for c in (background * 0.6 + ink * 0.4))
+        xs, ys = rng.integers(0, width, size=2), rng.integers(0, height, size=2)
+        draw.line([(int(xs[0]), int(ys[0])), (int(xs[1]), int(ys[1]))], fill=shade, width=1)
+    return image, draw
+
+
+def _degrade(image, background: np.ndarray, rng: np.random.Generator, spec: RenderSpec):
+    """The small rotation, a light blur on some renders, and Gaussian pixel noise."""
+    from PIL import Image, ImageFilter
+
+    degrees = float(rng.uniform(-spec.max_degrees, spec.max_degrees))
+    image = image.rotate(degrees, resample=Image.Resampling.BICUBIC, fillcolor=tuple(int(c) for c in background))
+    if rng.random() < 0.3:
+        image = image.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.3, 0.8))))
+    sigma = float(rng.uniform(0, spec.max_noise))
+    pixels = np.asarray(image, dtype=np.float32) + rng.normal(0, sigma, size=(image.height, image.width, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), mode="RGB")
+
+
+def _render_cells(text: str, rng: np.random.Generator, path: str | None, spec: RenderSpec):
+    """The ``"cells"`` layout of :func:`render_text` (``path``: the font already drawn)."""
+    if len(text) > spec.max_tokens_w:
+        raise ValueError(f"{len(text)} characters do not fit {spec.max_tokens_w} cells: the cells layout draws "
+                         f"at most max_tokens_w characters")
+    cells = min(spec.max_tokens_w, len(text) + int(rng.integers(0, spec.max_blank_cells + 1)))
+    width, height = max(cells, 1) * TOKEN_PIXELS, TOKEN_PIXELS
+    size = int(rng.integers(spec.cell_font_sizes[0], spec.cell_font_sizes[1] + 1))
+    glyphs = [c for c in text if c != " "]
+    while True:  # every glyph of this text fits its cell
+        font = load_font(path, size)
+        boxes = [font.getbbox(c) for c in glyphs]
+        if size <= 8 or all(r - l <= TOKEN_PIXELS - 4 and b - t <= TOKEN_PIXELS - 4 for l, t, r, b in boxes):
+            break
+        size -= 1
+    _, top, _, bottom = font.getbbox("Ag(|")  # one baseline for the whole line
+    background, ink = _colours(rng)
+    image, draw = _canvas(width, height, background, ink, rng)
+    y = (TOKEN_PIXELS - (bottom - top)) / 2 - top + float(rng.uniform(-2, 2))
+    for j, c in enumerate(text):
+        if c == " ":
+            continue
+        left, _, right, _ = font.getbbox(c)
+        dx, dy = rng.integers(-spec.cell_jitter, spec.cell_jitter + 1, size=2)
+        x = TOKEN_PIXELS * j + TOKEN_PIXELS / 2 - (left + right) / 2 + int(dx)
+        draw.text((int(round(x)), int(round(y + int(dy) / 2))), c, font=font, fill=tuple(int(v) for v in ink))
+    centres = (np.arange(len(text), dtype=np.float32) + 0.5) * TOKEN_PIXELS
+    return _degrade(image, background, rng, spec), centres
+
+
+def _render_line(text: str, rng: np.random.Generator, path: str | None, spec: RenderSpec):
+    """The ``"line"`` layout of :func:`render_text`."""
     rows = int(spec.rows[int(rng.integers(len(spec.rows)))])
     height = rows * TOKEN_PIXELS
-    path = fonts[int(rng.integers(len(fonts)))] if fonts else None
     size = int(rng.integers(spec.font_sizes[0], spec.font_sizes[1] + 1)) * rows
     max_width = spec.max_tokens_w * TOKEN_PIXELS
     while True:
@@ -126,28 +194,28 @@ def render_text(text: str, rng: np.random.Generator, fonts: Sequence[str], spec:
         size -= 1
     text_w, text_h = right - left, bottom - top
     width = min(max_width, -(-(text_w + 8 + int(rng.integers(0, 2 * TOKEN_PIXELS))) // TOKEN_PIXELS) * TOKEN_PIXELS)
-    background = rng.integers(150, 256, size=3)
-    ink = rng.integers(0, 90, size=3)
-    if rng.random() < 0.2:  # light text on a dark ground
-        background, ink = 255 - background, 255 - ink
-    image = Image.new("RGB", (width, height), tuple(int(c) for c in background))
-    draw = ImageDraw.Draw(image)
-    for _ in range(int(rng.integers(0, 3))):  # stray strokes in a faint ink
-        shade = tuple(int(c) for c in (background * 0.6 + ink * 0.4))
-        xs, ys = rng.integers(0, width, size=2), rng.integers(0, height, size=2)
-        draw.line([(int(xs[0]), int(ys[0])), (int(xs[1]), int(ys[1]))], fill=shade, width=1)
+    background, ink = _colours(rng)
+    image, draw = _canvas(width, height, background, ink, rng)
     x = int(rng.integers(4, max(5, width - text_w - 4))) - left
     y = int(rng.integers(2, max(3, height - text_h - 2))) - top
     draw.text((x, y), text, font=font, fill=tuple(int(c) for c in ink))
     advances = [font.getlength(text[:k]) for k in range(len(text) + 1)]
     centres = np.array([x + (a + b) / 2 for a, b in zip(advances[:-1], advances[1:], strict=True)], dtype=np.float32)
-    degrees = float(rng.uniform(-spec.max_degrees, spec.max_degrees))
-    image = image.rotate(degrees, resample=Image.Resampling.BICUBIC, fillcolor=tuple(int(c) for c in background))
-    if rng.random() < 0.3:
-        image = image.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.3, 0.8))))
-    sigma = float(rng.uniform(0, spec.max_noise))
-    pixels = np.asarray(image, dtype=np.float32) + rng.normal(0, sigma, size=(height, width, 3))
-    image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), mode="RGB")
+    return _degrade(image, background, rng, spec), centres
+
+
+def render_text(text: str, rng: np.random.Generator, fonts: Sequence[str], spec: RenderSpec = RenderSpec()):
+    """Draw ``text`` on a fresh RGB image (PIL) in a random font of ``fonts`` (TrueType paths, :func:`find_fonts`;
+    empty = Pillow's built-in font), laid out as ``spec.layout`` says (:class:`RenderSpec`). Width and height
+    are multiples of 42 pixels, the width at most ``spec.max_tokens_w * 42`` (a line's font shrinks until the
+    text fits; the cells layout raises ValueError for more characters than cells). Deterministic in ``rng``'s
+    state. Returns ``(image, font name, centres)``: centres float32 [len(text)] is the horizontal centre in
+    pixels of each character (its cell, or its advance in a line; before the small rotation)."""
+    if spec.layout not in LAYOUTS:
+        raise ValueError(f"unknown render layout {spec.layout!r}: use one of {LAYOUTS}")
+    path = fonts[int(rng.integers(len(fonts)))] if fonts else None
+    draw = _render_cells if spec.layout == "cells" else _render_line
+    image, centres = draw(text, rng, path, spec)
     return image, Path(path).stem if path else "pillow-default", centres
 
 
@@ -183,12 +251,26 @@ def prompt_ids(tokenizer: Tokenizer, with_image: bool = True) -> list[int]:
                             add_special_tokens=False).ids
 
 
+def char_token_ids(tokenizer: Tokenizer) -> list[int]:
+    """The token id of each printable ASCII character ``' '`` (32) .. ``'~'`` (126), in that order (95 ids): a
+    spelled answer's tokens. Raises ValueError when a character is not a single token of ``tokenizer``."""
+    ids = []
+    for code in range(32, 127):
+        encoded = tokenizer.encode(chr(code), add_special_tokens=False).ids
+        if len(encoded) != 1:
+            raise ValueError(f"{chr(code)!r} is {len(encoded)} tokens of this tokenizer; spelled answers need one")
+        ids.append(encoded[0])
+    return ids
+
+
 def build_example(text: str, image, tokenizer: Tokenizer, vision: VisionConfig, image_token_id: int,
-                  char_x: np.ndarray | None = None) -> VisionExample:
+                  char_x: np.ndarray | None = None, spell: bool = True) -> VisionExample:
     """Tokenize the turn "image + PROMPT -> ``text``" and expand its placeholder for ``image`` (PIL, processed
-    with ``vision``). Raises ValueError when the image would be resized or padded (its size is not a multiple
-    of 42 pixels or its area is under ``min_pixels``), or when the prompt's tokens are not a prefix of the
-    turn's."""
+    with ``vision``). ``spell``: the answer is one token per character (:func:`char_token_ids`; it decodes to
+    the same text), so that each answer token matches one cell of a ``"cells"`` render; otherwise the
+    tokenizer's own encoding of the turn. Raises ValueError when the image would be resized or padded (its size
+    is not a multiple of 42 pixels or its area is under ``min_pixels``), when the prompt's tokens are not a
+    prefix of the turn's, or when a spelled character is not printable ASCII."""
     if image.width % TOKEN_PIXELS or image.height % TOKEN_PIXELS or image.width * image.height < vision.min_pixels:
         raise ValueError(f"a {image.width}x{image.height} render must have sides that are multiples of "
                          f"{TOKEN_PIXELS} px and an area >= min_pixels {vision.min_pixels}")
@@ -196,6 +278,12 @@ def build_example(text: str, image, tokenizer: Tokenizer, vision: VisionConfig, 
     whole = tokenizer.encode(encode_messages(prompt_messages(text), thinking=False), add_special_tokens=False).ids
     if whole[: len(head)] != head or len(whole) == len(head):
         raise ValueError(f"the prompt does not tokenize to a prefix of the turn for {text!r}")
+    if spell:
+        if not all(32 <= ord(c) <= 126 for c in text):
+            raise ValueError(f"a spelled answer takes printable ASCII only, not {text!r}")
+        table = char_token_ids(tokenizer)
+        tail = tokenizer.encode(encode_messages(prompt_messages(""), thinking=False), add_special_tokens=False).ids
+        whole = head + [table[ord(c) - 32] for c in text] + tail[len(head):]
     processed = preprocess_image(image, vision)
     ids, types = expand_image_placeholders(whole, [processed.grid], image_token_id)
     start = len(head) + processed.grid.span_length - 1
@@ -213,15 +301,15 @@ def prompt_example(image, tokenizer: Tokenizer, vision: VisionConfig, image_toke
 
 def make_example(lines: Sequence[str], seed: Sequence[int], fonts: Sequence[str], tokenizer: Tokenizer,
                  vision: VisionConfig, image_token_id: int, spec: RenderSpec = RenderSpec(),
-                 max_chars: int = 24) -> VisionExample:
+                 max_chars: int = 16, spell: bool = True) -> VisionExample:
     """The example of one seed (a list of ints, e.g. ``[seed, step, row]``): :func:`render_sample`, then
-    :func:`build_example`."""
+    :func:`build_example` (``spell`` as there)."""
     text, image, _, centres = render_sample(lines, seed, fonts, spec, max_chars)
-    return build_example(text, image, tokenizer, vision, image_token_id, centres)
+    return build_example(text, image, tokenizer, vision, image_token_id, centres, spell)
 
 
 def render_sample(lines: Sequence[str], seed: Sequence[int], fonts: Sequence[str], spec: RenderSpec = RenderSpec(),
-                  max_chars: int = 24):
+                  max_chars: int = 16):
     """``(text, PIL image, font name, character centres)`` of one seed: :func:`pick_snippet` then
     :func:`render_text`, both from ``numpy.random.default_rng(seed)``."""
     rng = np.random.default_rng(list(seed))
@@ -230,20 +318,22 @@ def render_sample(lines: Sequence[str], seed: Sequence[int], fonts: Sequence[str
     return text, image, font, centres
 
 
-CELL_CHARS = 94  # printable ASCII without the space: '!' (33) .. '~' (126)
+CELL_CLASSES = 96  # a cell's class: printable ASCII ' ' (32) .. '~' (126) as 0 .. 94, and BLANK
+BLANK = 95  # a cell with no character in it
 
 
 def cell_labels(example: VisionExample) -> torch.Tensor:
-    """Which characters lie in each 42-pixel column of a render: multi-hot float32 [n_llm_w, 94], column of a
-    character = its centre // 42 (clamped to the grid), class = ``ord(c) - 33``; spaces carry no label. The
-    target of the trainer's auxiliary per-column probe. Raises ValueError for an example without ``char_x``."""
+    """The class of each 42-pixel column of a render: int64 [n_llm_w], ``ord(c) - 32`` for the character whose
+    centre lies in the column (centre // 42, clamped to the grid; the last one when several do, as in a
+    ``"line"`` render), :data:`BLANK` for a column with none. The target of the trainer's auxiliary per-column
+    probe. Raises ValueError for an example without ``char_x``."""
     if example.char_x is None:
         raise ValueError("the example has no character positions (only renders carry them)")
     width = example.image.grid.n_llm_w
-    labels = torch.zeros(width, CELL_CHARS)
+    labels = torch.full((width,), BLANK, dtype=torch.int64)
     for ch, x in zip(example.text, example.char_x.tolist(), strict=True):
-        if 33 <= ord(ch) <= 126:
-            labels[min(max(int(x // TOKEN_PIXELS), 0), width - 1), ord(ch) - 33] = 1.0
+        if 32 <= ord(ch) <= 126:
+            labels[min(max(int(x // TOKEN_PIXELS), 0), width - 1)] = ord(ch) - 32
     return labels
 
 

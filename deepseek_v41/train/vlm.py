@@ -43,11 +43,14 @@ from deepseek_v41.model.transformer import Transformer
 from deepseek_v41.model.vision import encode_images
 from deepseek_v41.train.trainer import CHECKPOINT_DIR, Trainer, TrainState, balance_experts, lr_at, training_loss
 from deepseek_v41.train.vision_data import (
-    CELL_CHARS,
+    BLANK,
+    CELL_CLASSES,
     PROMPT,
+    RenderSpec,
     VisionExample,
     cell_labels,
     char_accuracy,
+    char_token_ids,
     collate,
     corpus_lines,
     find_fonts,
@@ -111,12 +114,14 @@ class VLMArgs:
     bias_update_rate: float = 1e-3
     indexer_loss_weight: float = 1.0  # the indexers' KL, as dsv41 train-sft
     cell_loss_weight: float = 5.0  # the auxiliary per-column character probe (cell_loss); 0 = off
+    match_weight: float = 1.0  # within cell_loss: a character cell's row toward its character's token embedding
+    spell_answers: bool = True  # answers one token per character (vision_data.build_example)
     vision_lm_start: int = 400  # steps before the language-model loss reaches the vision path (probe alone first)
     vision_only_steps: int = 0  # first steps that train the ViT, aligner and probe alone (no text model: ~4x faster)
     eval_every: int = 400
     eval_samples: int = 64  # held-out renders transcribed per evaluation during training
     checkpoint_minutes: float = 4.0
-    max_chars: int = 24  # snippet length at most
+    max_chars: int = 16  # snippet length at most (the cells layout draws at most 16)
     seed: int = 0
 
 
@@ -129,34 +134,48 @@ def vlm_loss(model: Transformer, ids: torch.Tensor, types: torch.Tensor, mask: t
     return training_loss(model, ids, False, kl_weight, loss_mask=mask, token_types=types[:, :-1], images=images)
 
 
-def cell_loss(model: Transformer, probe: torch.nn.Linear, examples: list[VisionExample]
-              ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Auxiliary loss on the aligner rows of renders: a linear ``probe`` [hidden -> 94] on each token column
-    (rows averaged) predicts which characters lie in it (:func:`~deepseek_v41.train.vision_data.cell_labels`,
-    binary cross-entropy), plus ``log(rms(rows) / rms(embed))^2``, which holds the rows at the scale of the token
-    embeddings. Why: from the language-model loss alone the fresh ViT's rows collapsed to one large constant
-    vector (RMS ~30x the embeddings', loss unchanged with grey images at step 1000 of a first run), after which
-    the normalised layers pass it almost no gradient; the probe gives the ViT a direct signal and the scale term
-    keeps the rows where the text model reads them. The probe is not part of the exported model. For the first
-    ``vision_lm_start`` steps the language-model loss does not reach the vision path (its rows are detached
-    there): in a second run with the probe at weight 1 the aligner's GELU units still died early (rows constant
-    across tokens, equal to its output bias), the language model's first preference being image rows that do
-    not vary."""
+def cell_loss(model: Transformer, probe: torch.nn.Linear, examples: list[VisionExample], char_tokens: torch.Tensor,
+              match_weight: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Auxiliary loss on the aligner rows of renders (training only; returns (loss, {"cell", "cell_acc", "match",
+    "scale", "spread"} floats)):
+
+    - ``cell``: a linear ``probe`` [hidden -> 96] on each token column (rows averaged, RMS-normalised) classifies
+      it (:func:`~deepseek_v41.train.vision_data.cell_labels`: its character or blank), cross-entropy;
+    - ``match`` (weight ``match_weight``): the mean squared distance of a character column's rows from the input
+      embedding of that character's token (``char_tokens`` int64 [95], :func:`~deepseek_v41.train.vision_data.
+      char_token_ids`), over the embeddings' mean square: the image span then starts out reading like the
+      spelled text, which the text model already knows how to copy;
+    - ``scale``: ``log(rms(rows) / rms(embed))^2``, which holds every row, blank columns too, at the embeddings'
+      scale.
+
+    Why: from the language-model loss alone a fresh ViT's rows collapsed to one large constant vector (RMS ~30x
+    the embeddings', loss unchanged with grey images at step 1000 of a first run); a multi-label probe over
+    proportional lines flattened near its prior in 3,000 steps (checkpoints/v41-tiny-vl/MODEL_CARD.md history).
+    The probe is not part of the exported model."""
     feats = encode_images(model, [e.image for e in examples])
-    logits, labels = [], []
+    columns, labels = [], []
     for e, f in zip(examples, feats, strict=True):
         g = e.image.grid
-        column = f.view(g.n_llm_h, g.n_llm_w, -1).mean(0)
-        # RMS-normalised: the rows sit at the embeddings' small scale (RMS ~0.04), from which a plain linear probe
-        # would need its weights to grow ~25x before it could say anything
-        logits.append(probe(column * torch.rsqrt(column.pow(2).mean(-1, keepdim=True) + 1e-12)))
+        columns.append(f.view(g.n_llm_h, g.n_llm_w, -1).mean(0))
         labels.append(cell_labels(e))
-    bce = torch.nn.functional.binary_cross_entropy_with_logits(torch.cat(logits), torch.cat(labels))
+    column, label = torch.cat(columns), torch.cat(labels)
+    # RMS-normalised: the rows sit at the embeddings' small scale (RMS ~0.04), from which a plain linear probe
+    # would need its weights to grow ~25x before it could say anything
+    logits = probe(column * torch.rsqrt(column.pow(2).mean(-1, keepdim=True) + 1e-12))
+    ce = torch.nn.functional.cross_entropy(logits, label)
+    embed = model.embed.weight.detach()
+    chars = label != BLANK
+    match = column.new_zeros(())
+    if match_weight and bool(chars.any()):
+        target = embed[char_tokens[label[chars]]]
+        match = (column[chars] - target).pow(2).mean() / embed.pow(2).mean()
     rows = torch.cat(feats)
     rms = rows.pow(2).mean().sqrt()
-    scale = torch.log(rms / model.embed.weight.detach().pow(2).mean().sqrt()) ** 2
+    scale = torch.log(rms / embed.pow(2).mean().sqrt()) ** 2
     spread = rows.detach().std(0).mean().item() / max(rms.item(), 1e-12)  # ~0 when the rows do not vary
-    return bce + scale, {"cell": bce.item(), "scale": scale.item(), "spread": spread}
+    accuracy = (logits.detach().argmax(-1) == label).float().mean().item()
+    return ce + scale + match_weight * match, {"cell": ce.item(), "cell_acc": accuracy, "match": match.item(),
+                                               "scale": scale.item(), "spread": spread}
 
 
 @torch.no_grad()
@@ -217,10 +236,10 @@ def read_image(model: Transformer, tokenizer: Tokenizer, image, max_new_tokens: 
 
 
 def eval_examples(lines: list[str], fonts: list[str], tokenizer: Tokenizer, model: Transformer, n: int,
-                  max_chars: int) -> list[VisionExample]:
-    """The ``n`` evaluation renders (seeds ``[EVAL_SEED, i]``) of held-out ``lines``."""
+                  max_chars: int, spec: RenderSpec = RenderSpec()) -> list[VisionExample]:
+    """The ``n`` evaluation renders (seeds ``[EVAL_SEED, i]``, layout and ranges ``spec``) of held-out ``lines``."""
     cfg = model.config
-    return [make_example(lines, [EVAL_SEED, i], fonts, tokenizer, cfg.vision_config, cfg.image_token_id,
+    return [make_example(lines, [EVAL_SEED, i], fonts, tokenizer, cfg.vision_config, cfg.image_token_id, spec,
                          max_chars=max_chars) for i in range(n)]
 
 
@@ -253,9 +272,8 @@ class VLMTrainer(Trainer):
             p.requires_grad_(not any(tag in name for tag in FROZEN))
         model.train()
         torch.manual_seed(args.seed)
-        self.probe = torch.nn.Linear(model.config.hidden_size, CELL_CHARS)
-        with torch.no_grad():  # start at the prior (~3 % of the classes per column) so that the first gradients
-            self.probe.bias.fill_(-3.5)  # sort characters instead of pushing every logit, and the rows, down
+        self.probe = torch.nn.Linear(model.config.hidden_size, CELL_CLASSES)
+        self.char_tokens = torch.tensor(char_token_ids(tokenizer), dtype=torch.int64)
         vision = [p for n, p in model.named_parameters() if p.requires_grad and n.startswith(VISION_PARAMS)]
         vision += list(self.probe.parameters())
         text = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith(VISION_PARAMS)]
@@ -270,7 +288,8 @@ class VLMTrainer(Trainer):
         """The renders of global ``step``: rows from seeds ``[seed, step, row]``."""
         cfg = self.model.config
         return [make_example(self.train_lines, [self.args.seed, step, row], self.fonts, self.tokenizer,
-                             cfg.vision_config, cfg.image_token_id, max_chars=self.args.max_chars)
+                             cfg.vision_config, cfg.image_token_id, max_chars=self.args.max_chars,
+                             spell=self.args.spell_answers)
                 for row in range(self.args.batch_size)]
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
@@ -321,7 +340,7 @@ class VLMTrainer(Trainer):
             ids, types, mask, images = collate(examples, self.model.config.pad_token_id)
             lr = self.lr_at(state.step)
             if state.step < args.vision_only_steps:  # the glyphs first: the probe alone, no text model
-                loss, parts = cell_loss(self.model, self.probe, examples)
+                loss, parts = cell_loss(self.model, self.probe, examples, self.char_tokens, args.match_weight)
                 parts.update(lm=float("nan"), kl=float("nan"))
             else:
                 cut = self.model.aligner.register_forward_hook(lambda module, inputs, out: out.detach()) if (
@@ -332,7 +351,7 @@ class VLMTrainer(Trainer):
                     if cut is not None:
                         cut.remove()
                 if args.cell_loss_weight:
-                    aux, aux_parts = cell_loss(self.model, self.probe, examples)
+                    aux, aux_parts = cell_loss(self.model, self.probe, examples, self.char_tokens, args.match_weight)
                     loss = loss + args.cell_loss_weight * aux
                     parts.update(aux_parts)
             self.update(loss, lr)
@@ -342,7 +361,8 @@ class VLMTrainer(Trainer):
             state.wall_seconds += elapsed
             state.history.append({"step": state.step, "lr": lr, "width": ids.shape[1], "seconds": elapsed, **parts})
             log(f"step {state.step}/{args.steps} loss {parts['lm']:.4f} kl {parts['kl']:.4f} "
-                f"cell {parts.get('cell', 0):.4f} scale {parts.get('scale', 0):.4f} "
+                f"cell {parts.get('cell', 0):.4f} acc {parts.get('cell_acc', 0):.3f} match {parts.get('match', 0):.3f} "
+                f"scale {parts.get('scale', 0):.4f} "
                 f"spread {parts.get('spread', 0):.3f} lr {lr:.2e} rows {ids.shape[0]}x{ids.shape[1]} {elapsed:.2f}s")
             if (args.eval_every and state.step % args.eval_every == 0 and self.eval_set
                     and state.step > args.vision_only_steps):
@@ -376,6 +396,9 @@ def write_card(model_dir: Path, facts: dict[str, Any], overwrite: bool = False) 
             ("this model, same prompt without the image", final["text_only"])]
     if "base_text_only" in final:
         rows.append((f"{facts['base_model']} (no vision), prompt without the image", final["base_text_only"]))
+    if "line_layout" in final:
+        rows.append(("this model, the same snippets as proportional lines (layout \"line\", not trained on)",
+                     final["line_layout"]))
     lines = [
         "# v41-tiny-vl: a tiny DeepSeek-V4.1 vision-language model trained to read rendered text",
         "",
@@ -394,28 +417,32 @@ def write_card(model_dir: Path, facts: dict[str, Any], overwrite: bool = False) 
         f"{p['engram']:,}, DSpark draft {p['dspark']:,} (unchanged from the base; re-distil it for speculation).",
         "",
         "## Data",
-        f"- Renders (`deepseek_v41/train/vision_data.py`) of 1-3 consecutive words (at most {a['max_chars']} "
-        f"characters) of one line of `{facts['data']}/train.txt` for training and of `heldout.txt` for the "
-        "evaluation (`dsv41 data prepare`: Python and Linux kernel documentation, the standard library, "
-        "Shakespeare), in "
-        f"{len(facts['fonts'])} TrueType faces ({', '.join(facts['fonts'])}), font sizes 18-30 px per 42-px row, "
-        "images 42 or 84 px high, random ink and background colours (a fifth light on dark), rotations up to "
-        "3 degrees, Gaussian noise, a light blur on some and stray strokes. Widths and heights are multiples of "
-        "42 px, so the processor never resizes or pads them.",
+        f"- Renders (`deepseek_v41/train/vision_data.py`, layout \"cells\") of 1-3 consecutive words (at most "
+        f"{a['max_chars']} characters) of one line of `{facts['data']}/train.txt` for training and of "
+        "`heldout.txt` for the evaluation (`dsv41 data prepare`: Python and Linux kernel documentation, the "
+        "standard library, Shakespeare), in "
+        f"{len(facts['fonts'])} TrueType faces ({', '.join(facts['fonts'])}). One character per 42-pixel cell of a "
+        "single 42-pixel row (fixed pitch, as on a terminal: each glyph centred in its cell, up to 3 px off), font "
+        "sizes 22-34 px, up to two blank cells after the text, random ink and background colours (a fifth light on "
+        "dark), rotations up to 3 degrees, Gaussian noise, a light blur on some and stray strokes. Widths are "
+        "multiples of 42 px, so the processor never resizes or pads them. Proportional lines (layout \"line\") "
+        "are not what it was trained on.",
         "- Chat turn (the project's encoding, chat mode): user = the image and \"" + PROMPT + "\", assistant = "
-        "the text; loss on the answer tokens and the end token only.",
+        "the text spelled one token per character (it decodes to the same string; the tokenizer's BPE pieces span "
+        "several cells); loss on the answer tokens and the end token only.",
         "",
         "## Training",
         f"- {facts['steps']:,} steps of {a['batch_size']} renders ({facts['target_tokens']:,} answer tokens), "
-        f"{facts['wall_seconds'] / 60:.0f} min on one CPU thread of a shared 2-core machine; AdamW, lr "
-        f"{a['lr']} for the vision path and {a['text_lr']} for the text model, warmup {a['warmup_steps']}, "
-        f"cosine to {a['min_lr_ratio']} x (schedule of {a['steps']:,} steps), clip {a['grad_clip']}; the DSpark "
-        "draft and the Engram tables frozen; `bias_vl` started as a copy of each router's text bias.",
-        f"- Auxiliary loss (weight {a.get('cell_loss_weight', 0)}, training only): a linear probe on each column of "
-        "aligner rows predicts which characters lie in it (the renderer knows where it drew each one), plus a "
-        "term holding the rows' RMS at the token embeddings'. Without it a first run's ViT rows collapsed to one "
-        "large constant vector and the model ignored the image (its loss was the same with grey images). The "
-        "probe is not in the checkpoint.",
+        f"{facts['wall_seconds'] / 60:.0f} min on a shared 2-core CPU machine; the first "
+        f"{a['vision_only_steps']:,} steps train the vision path alone (no text model), the rest the two together; "
+        f"AdamW, lr {a['lr']} for the vision path and {a['text_lr']} for the text model, warmup "
+        f"{a['warmup_steps']} and cosine to {a['min_lr_ratio']} x in each phase, clip {a['grad_clip']}; the "
+        "DSpark draft and the Engram tables frozen; `bias_vl` started as a copy of each router's text bias.",
+        f"- Auxiliary loss (weight {a.get('cell_loss_weight', 0)}, training only, `vlm.cell_loss`): a linear probe "
+        "classifies each cell's aligner row (its character or blank), the row of a character cell is pulled "
+        f"toward the input embedding of that character's token (weight {a.get('match_weight', 0)}), and a term "
+        "holds the rows' RMS at the embeddings'. The probe is not in the checkpoint. From the language-model loss "
+        "alone a first run's ViT rows collapsed to one constant vector and the model ignored the image.",
         f"- Training loss: {facts['loss_first_10']:.3f} over the first 10 steps, {facts['loss_last_10']:.3f} over "
         "the last 10.",
         "",
@@ -475,6 +502,11 @@ def train_vlm_command(base: Path, data: Path, out: Path, args: VLMArgs, vision: 
     final = evaluate_transcription(shipped, tokenizer, eval_set)
     blind = greedy_transcribe(load_model(base, dtype=torch.float32), tokenizer, eval_set[:1], with_image=False)[0]
     final["base_text_only"] = char_accuracy([e.text for e in eval_set], [blind] * len(eval_set))
+    # the same held-out snippets drawn as proportional lines, a layout it was not trained on
+    lines_set = eval_examples(heldout_lines, fonts, tokenizer, shipped, eval_samples, args.max_chars,
+                              RenderSpec(layout="line"))
+    final["line_layout"] = char_accuracy([e.text for e in lines_set],
+                                         greedy_transcribe(shipped, tokenizer, lines_set, with_image=True))
     final["examples"] = final.pop("samples")
     manifest = data / "manifest.json"
     lm = [h["lm"] for h in state.history if np.isfinite(h["lm"])]  # the vision-only steps have no text loss
@@ -494,6 +526,6 @@ def train_vlm_command(base: Path, data: Path, out: Path, args: VLMArgs, vision: 
     (target / "example.txt").write_text(text + "\n")
     write_card(target, summary, overwrite=True)
     for name, r in (("with image", final["with_image"]), ("text only", final["text_only"]),
-                    ("base, text only", final["base_text_only"])):
+                    ("base, text only", final["base_text_only"]), ("line layout", final["line_layout"])):
         log(f"{name}: char accuracy {r['char_accuracy']:.4f} CER {r['cer']:.4f} exact {r['exact_match']:.3f}")
     return target

@@ -145,28 +145,72 @@ def test_char_accuracy_hand_cases():
 def test_render_text_fits_the_width_cap():
     from deepseek_v41.train.vision_data import RenderSpec
 
-    spec = RenderSpec(max_tokens_w=4)
+    spec = RenderSpec(layout="line", max_tokens_w=4)
     image, _, _ = render_text("a rather long line of text for four tokens", np.random.default_rng(0), find_fonts(),
                               spec)
     assert image.width <= 4 * 42 and image.width % 42 == 0
+    with pytest.raises(ValueError, match="do not fit 4 cells"):
+        render_text("five!", np.random.default_rng(0), find_fonts(), RenderSpec(max_tokens_w=4))
+    with pytest.raises(ValueError, match="unknown render layout 'grid'"):
+        render_text("x", np.random.default_rng(0), find_fonts(), RenderSpec(layout="grid"))
 
 
-def test_cell_labels_put_each_character_in_its_column():
+@pytest.mark.parametrize("fonts", ["installed", "none"])
+def test_cells_layout_draws_one_character_per_cell(fonts):
+    """Each character's ink lies in its own 42-pixel cell; a space's cell and the blank cells after the text hold
+    none (no rotation, noise or blur here; the faint stray strokes stay under the ink threshold)."""
+    from deepseek_v41.train.vision_data import RenderSpec
+
+    spec = RenderSpec(max_degrees=0.0, max_noise=0.0)
+    font_list = find_fonts() if fonts == "installed" else []
+    for seed, text in enumerate(["Wm i.l", "HELLO world", "(x)=y;", "a b"]):
+        rng = np.random.default_rng([5, seed])
+        image, _, centres = render_text(text, rng, font_list, spec)
+        assert image.height == 42 and len(text) * 42 <= image.width <= (len(text) + 2) * 42
+        assert np.array_equal(centres, (np.arange(len(text)) + 0.5) * 42)
+        pixels = np.asarray(image, dtype=np.float32)
+        background = np.median(pixels.reshape(-1, 3), axis=0)
+        far = np.abs(pixels - background).max(-1)
+        ink = far > 0.7 * far.max()
+        per_cell = ink.reshape(42, -1, 42).sum((0, 2))
+        for j in range(image.width // 42):
+            has_char = j < len(text) and text[j] != " "
+            assert (per_cell[j] > 0) == has_char, (text, j, per_cell)
+
+
+def test_cell_labels_give_each_column_its_character_or_blank():
     import torch
 
     from deepseek_v41.model.image_processor import ImageGrid, ProcessedImage
-    from deepseek_v41.train.vision_data import VisionExample, cell_labels
+    from deepseek_v41.train.vision_data import BLANK, VisionExample, cell_labels
 
-    grid = ImageGrid(42, 126, 3, 9, 1, 3)
-    image = ProcessedImage(torch.zeros(27, 588), grid)
+    grid = ImageGrid(42, 168, 3, 12, 1, 4)
+    image = ProcessedImage(torch.zeros(36, 588), grid)
     e = VisionExample(np.zeros(1, np.int64), np.zeros(1, np.int64), 1, image, "ab c~",
-                      np.array([10.0, 50.0, 70.0, 130.0, 83.9], np.float32))
-    labels = cell_labels(e)
-    assert labels.shape == (3, 94)
-    expected = {(0, ord("a") - 33), (1, ord("b") - 33), (2, ord("c") - 33), (1, ord("~") - 33)}  # c clamped
-    assert {tuple(x) for x in labels.nonzero().tolist()} == expected  # the space has no label
+                      np.array([10.0, 50.0, 70.0, 200.0, 83.9], np.float32))
+    # 'b' and ' ' share column 1 (the last one wins), 'c' is clamped into column 3, '~' lands in column 1 last
+    assert cell_labels(e).tolist() == [ord("a") - 32, ord("~") - 32, BLANK, ord("c") - 32]
     with pytest.raises(ValueError, match="no character positions"):
         cell_labels(VisionExample(e.ids, e.token_types, 1, image, "a"))
+
+
+def test_spelled_answers_are_one_token_per_character(tok):
+    from deepseek_v41.train.vision_data import char_token_ids
+
+    table = char_token_ids(tok)
+    assert len(table) == 95 and len(set(table)) == 95
+    assert [tok.decode([t]) for t in table] == [chr(c) for c in range(32, 127)]
+    cfg = tiny_vision_config()
+    _, image, _, _ = render_sample(["hello world"], [0, 1], find_fonts())
+    spelled = build_example("hello world", image, tok, cfg, IMAGE_ID)
+    plain = build_example("hello world", image, tok, cfg, IMAGE_ID, spell=False)
+    assert np.array_equal(spelled.ids[: spelled.start], plain.ids[: plain.start])  # the same prompt
+    answer = spelled.ids[spelled.start:]
+    assert answer.tolist() == [table[ord(c) - 32] for c in "hello world"] + [tok.token_to_id(EOS)]
+    assert tok.decode(answer.tolist(), skip_special_tokens=True) == "hello world"
+    assert len(plain.ids) - plain.start < len(answer)  # the tokenizer's own encoding is shorter
+    with pytest.raises(ValueError, match="printable ASCII only"):
+        build_example("caf\u00e9", image, tok, cfg, IMAGE_ID)
 
 
 def test_render_centres_follow_the_text():

@@ -171,3 +171,61 @@ def test_vision_only_steps_train_the_tower_and_probe_alone_with_their_own_schedu
     moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert moved and all(n.startswith(("vision.", "aligner.")) for n in moved)
     assert all(not np.isfinite(h["lm"]) and np.isfinite(h["cell"]) for h in state.history)
+
+
+def test_the_match_term_is_zero_when_character_rows_are_their_embeddings(tok):
+    """cell_loss's match term: a character column's row against its character's token embedding (blank columns
+    carry none); the probe's cross-entropy and accuracy come with it."""
+    from deepseek_v41.model.image_processor import ImageGrid, ProcessedImage
+    from deepseek_v41.train.vision_data import VisionExample, char_token_ids
+    from deepseek_v41.train.vlm import cell_loss
+
+    model = tiny_vlm(5)
+    table = torch.tensor(char_token_ids(tok))
+    grid = ImageGrid(42, 126, 3, 9, 1, 3)
+    example = VisionExample(np.zeros(1, np.int64), np.zeros(1, np.int64), 1, ProcessedImage(torch.zeros(27, 588), grid),
+                            "ab", np.array([21.0, 63.0], np.float32))
+    rows = torch.randn(3, model.config.hidden_size)
+    embed = model.embed.weight.detach()
+    rows[:2] = embed[table[[ord("a") - 32, ord("b") - 32]]]
+    probe = torch.nn.Linear(model.config.hidden_size, 96)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr("deepseek_v41.train.vlm.encode_images", lambda owner, images: [rows])
+        _, parts = cell_loss(model, probe, [example], table, match_weight=1.0)
+        assert parts["match"] == 0.0 and np.isfinite(parts["cell"]) and 0 <= parts["cell_acc"] <= 1
+        rows[0] = embed[table[ord("c") - 32]]  # the wrong character's embedding
+        moved = cell_loss(model, probe, [example], table, match_weight=1.0)[1]["match"]
+        expected = (rows[:2] - embed[table[[ord("a") - 32, ord("b") - 32]]]).pow(2).mean() / embed.pow(2).mean()
+        assert moved == pytest.approx(float(expected)) and moved > 0
+        rows[2] = 100.0  # a blank column: no match target, only the scale term sees it
+        assert cell_loss(model, probe, [example], table, match_weight=1.0)[1]["match"] == pytest.approx(moved)
+
+
+@pytest.mark.slow
+def test_train_vlm_command_exports_scores_and_writes_the_card(tmp_path):
+    """`dsv41 train-vlm` end to end on a tiny corpus: checkpoint, bf16 export with the tokenizer, the held-out
+    scores (with / without the image, the base, the line layout), vlm_train.json, MODEL_CARD.md, example.png."""
+    import json
+
+    from deepseek_v41.train.data import write_documents
+
+    data = tmp_path / "corpus"
+    data.mkdir()
+    write_documents(data / "train.txt", ["alpha beta gamma delta", "epsilon zeta eta"])
+    write_documents(data / "heldout.txt", ["Aleph Bet Gimel", "He Vav Zayin"])
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train-vlm", "--model", str(CHAT), "--data", str(data), "--out", str(out),
+                                      "--steps", "3", "--vision-only-steps", "1", "--vision-lm-start", "1",
+                                      "--batch-size", "2", "--warmup-steps", "1", "--eval-every", "0",
+                                      "--eval-samples", "3", "--vision-width", "16", "--vision-layers", "1",
+                                      "--vision-heads", "2", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    model = out / "model"
+    facts = json.loads((model / "vlm_train.json").read_text())
+    assert facts["steps"] == 3 and facts["args"]["spell_answers"] is True
+    for key in ("with_image", "text_only", "base_text_only", "line_layout"):
+        assert facts["final_eval"][key]["samples"] == 3 and 0 <= facts["final_eval"][key]["char_accuracy"] <= 1
+    card = (model / "MODEL_CARD.md").read_text()
+    assert "| this model, with the image |" in card and 'layout "line", not trained on' in card
+    assert (model / "example.png").is_file() and (model / "example.txt").read_text().strip()
+    assert load_model(model).config.vision_config.hidden_size == 16
