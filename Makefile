@@ -34,7 +34,7 @@ run: $(VENV)/.installed-run
 	$(BIN)/dsv41 generate --model $(CHAT_MODEL) --chat --prompt-file $(CHAT_MODEL)/prompt.txt --max-tokens 128 \
 		--tools $(CHAT_MODEL)/tools.json --follow-up "$$(cat $(CHAT_MODEL)/follow_up.txt)"
 	@echo "$(VL_MODEL)/example.png says: $$(cat $(VL_MODEL)/example.txt)"
-	$(BIN)/dsv41 generate --model $(VL_MODEL) --image $(VL_MODEL)/example.png --prompt "Transcribe the text." \
+	$(BIN)/dsv41 generate --model $(VL_MODEL) --chat --image $(VL_MODEL)/example.png --prompt "Transcribe the text." \
 		--max-tokens 24 --temperature 0
 
 test: $(VENV)/.installed-dev

@@ -21,11 +21,7 @@ WORDS = ["hello world", "open door", "blue river", "quiet night", "seven apples"
          "north wind"]
 
 
-# Issue 27 is open: the shipped checkpoint does not read yet (held-out character accuracy 0.021 with the image,
-# 0.051 without; checkpoints/v41-tiny-vl/README.md). strict=True: the day a retrained checkpoint reads, this
-# xfail turns into a failure that asks for the marker to go.
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="checkpoints/v41-tiny-vl does not read yet (issue 27 open)")
 def test_tiny_vl_reads_rendered_text_back(tmp_path):
     if not (CHECKPOINT / "config.json").is_file():
         if os.environ.get("CI") == "true":
