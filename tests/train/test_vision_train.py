@@ -229,3 +229,18 @@ def test_train_vlm_command_exports_scores_and_writes_the_card(tmp_path):
     assert "| this model, with the image |" in card and 'layout "line", not trained on' in card
     assert (model / "example.png").is_file() and (model / "example.txt").read_text().strip()
     assert load_model(model).config.vision_config.hidden_size == 16
+
+
+def test_the_shipped_tiny_vl_reads_its_example_and_fresh_renders(tok):
+    """checkpoints/v41-tiny-vl transcribes its held-out example.png and renders of hand-picked words (the
+    training renderer, seeds no training step uses) with the exact forward."""
+    from deepseek_v41.train.vision_data import char_accuracy, render_text
+    from deepseek_v41.train.vlm import read_image
+
+    folder = CHAT.parent / "v41-tiny-vl"
+    model = load_model(folder, dtype=torch.float32)
+    assert read_image(model, tok, folder / "example.png") == (folder / "example.txt").read_text().strip()
+    words = ["Quiet river", "x = 42;", "open(path)", "MAX_LEN"]
+    answers = [read_image(model, tok, render_text(w, np.random.default_rng([99, i]), find_fonts())[0])
+               for i, w in enumerate(words)]
+    assert char_accuracy(words, answers)["char_accuracy"] >= 0.8, answers
