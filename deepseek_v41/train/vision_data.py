@@ -3,14 +3,17 @@
 A sample is a snippet of one to three consecutive words from one line of a corpus split (``dsv41 data prepare``:
 ``train.txt`` for training renders, ``heldout.txt`` for evaluation renders, never mixed), drawn with Pillow in a
 TrueType font from Debian's font packages (``fonts-dejavu-core``, ``fonts-liberation``, ``fonts-freefont-ttf``;
-:func:`find_fonts`), at a random size, text and background colour, position, a small rotation, Gaussian pixel
-noise and a few stray strokes. The image's width and height are whole multiples of :data:`TOKEN_PIXELS` = 42
-(patch 14 x the 3x3 merge) and its area is at least the checkpoint's ``min_pixels``, so the processor neither
-resizes nor pads it, under any of its sizing rules.
+:func:`find_fonts`), at a random size, text and background colour, a small rotation, Gaussian pixel noise, a light
+blur on some and a few stray strokes. Two layouts (:class:`RenderSpec`): ``"cells"``, what the tiny VLM trains on,
+puts one character in each 42-pixel cell of one row (fixed pitch: image token k holds character k); ``"line"``
+draws a proportional line, one or two rows high. The image's width and height are whole multiples of
+:data:`TOKEN_PIXELS` = 42 (patch 14 x the 3x3 merge) and its area is at least the checkpoint's ``min_pixels``, so
+the processor neither resizes nor pads it, under any of its sizing rules.
 
 The chat turn is the project's encoding (:func:`deepseek_v41.chat.encode_messages`): a user message with one
-image part and the text "Transcribe the text.", then the assistant's answer, the snippet itself, in chat mode.
-:func:`build_example` tokenizes it, expands the image placeholder into the image span in token-id space
+image part and the text "Transcribe the text.", then the assistant's answer, the snippet itself, in chat mode,
+spelled one token per character by default (:func:`build_example`). :func:`build_example` tokenizes it, expands
+the image placeholder into the image span in token-id space
 (:func:`~deepseek_v41.model.image_processor.expand_image_placeholders`) and marks the answer tokens (and the end
 token) as the targets. Everything is a pure function of its seed: the same seed gives the same pixels.
 """

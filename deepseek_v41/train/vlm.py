@@ -7,14 +7,16 @@ delimiters start from scratch; ``bias_vl`` starts as a copy of the router's text
 route as text tokens do). The data are :mod:`deepseek_v41.train.vision_data` renders of training-split text, a
 pure function of ``(seed, step, row)``: a resumed run sees the same batches.
 
-Each step: a batch of rendered snippets in the chat turn "image + Transcribe the text." -> the snippet; the
-trainer's forward (:func:`~deepseek_v41.train.trainer.training_loss` with ``token_types`` and ``images``: image
-spans filled by the vision path, routed with ``bias_vl``, masked out of Engram, attention bidirectional inside
-each span); next-token cross-entropy over the answer tokens and the end token only, plus the indexers' KL as
-``dsv41 train-sft`` has it. What trains: the vision path (learning rate ``lr``) and the text model (``text_lr``),
-except the DSpark draft (``mtp.*``, not run by the forward) and the Engram tables, kept as
-``dsv41 train-sft`` keeps them. AdamW, warmup + cosine, clipping, aux-loss-free balancing and the checkpoint
-format (safetensors + JSON, ``--resume``) are the trainer's (:mod:`deepseek_v41.train.trainer`).
+Each step: a batch of rendered snippets (layout ``"cells"``: one character per image token) in the chat turn
+"image + Transcribe the text." -> the snippet, spelled one token per character; the trainer's forward
+(:func:`~deepseek_v41.train.trainer.training_loss` with ``token_types`` and ``images``: image spans filled by the
+vision path, routed with ``bias_vl``, masked out of Engram, attention bidirectional inside each span);
+next-token cross-entropy over the answer tokens and the end token only, plus the indexers' KL as ``dsv41
+train-sft`` has it, plus the auxiliary per-cell loss (:func:`cell_loss`). The first ``vision_only_steps`` train
+the vision path against :func:`cell_loss` alone (no text model). What trains: the vision path (learning rate
+``lr``) and the text model (``text_lr``), except the DSpark draft (``mtp.*``, not run by the forward) and the
+Engram tables, kept as ``dsv41 train-sft`` keeps them. AdamW, warmup + cosine, clipping, aux-loss-free balancing
+and the checkpoint format (safetensors + JSON, ``--resume``) are the trainer's (:mod:`deepseek_v41.train.trainer`).
 
 Evaluation (:func:`evaluate_transcription`): greedy transcription of held-out renders with the exact forward in a
 small loop of its own (the full forward per generated token, no KV cache: the answers are a few tokens), scored
