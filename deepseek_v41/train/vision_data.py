@@ -211,12 +211,18 @@ def render_text(text: str, rng: np.random.Generator, fonts: Sequence[str], spec:
     """Draw ``text`` on a fresh RGB image (PIL) in a random font of ``fonts`` (TrueType paths, :func:`find_fonts`;
     empty = Pillow's built-in font), laid out as ``spec.layout`` says (:class:`RenderSpec`). Width and height
     are multiples of 42 pixels, the width at most ``spec.max_tokens_w * 42`` (a line's font shrinks until the
-    text fits; the cells layout raises ValueError for more characters than cells). Deterministic in ``rng``'s
-    state. Returns ``(image, font name, centres)``: centres float32 [len(text)] is the horizontal centre in
-    pixels of each character (its cell, or its advance in a line; before the small rotation)."""
+    text fits; the cells layout raises ValueError for more characters than cells; an empty text or one with
+    control characters such as tabs and newlines is a ValueError, a missing font file a FileNotFoundError).
+    Deterministic in ``rng``'s state. Returns ``(image, font name, centres)``: centres float32 [len(text)] is the
+    horizontal centre in pixels of each character (its cell, or its advance in a line; before the small
+    rotation)."""
     if spec.layout not in LAYOUTS:
         raise ValueError(f"unknown render layout {spec.layout!r}: use one of {LAYOUTS}")
+    if not text or not text.isprintable():
+        raise ValueError(f"render_text draws one non-empty line of printable characters, not {text!r}")
     path = fonts[int(rng.integers(len(fonts)))] if fonts else None
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(f"font file {path} not found (find_fonts() lists the installed faces)")
     draw = _render_cells if spec.layout == "cells" else _render_line
     image, centres = draw(text, rng, path, spec)
     return image, Path(path).stem if path else "pillow-default", centres
@@ -272,8 +278,8 @@ def build_example(text: str, image, tokenizer: Tokenizer, vision: VisionConfig, 
     with ``vision``). ``spell``: the answer is one token per character (:func:`char_token_ids`; it decodes to
     the same text), so that each answer token matches one cell of a ``"cells"`` render; otherwise the
     tokenizer's own encoding of the turn. Raises ValueError when the image would be resized or padded (its size
-    is not a multiple of 42 pixels or its area is under ``min_pixels``), when the prompt's tokens are not a
-    prefix of the turn's, or when a spelled character is not printable ASCII."""
+    is not a multiple of 42 pixels, its area is under ``min_pixels`` or its span over ``max_image_tokens``),
+    when the prompt's tokens are not a prefix of the turn's, or when a spelled character is not printable ASCII."""
     if image.width % TOKEN_PIXELS or image.height % TOKEN_PIXELS or image.width * image.height < vision.min_pixels:
         raise ValueError(f"a {image.width}x{image.height} render must have sides that are multiples of "
                          f"{TOKEN_PIXELS} px and an area >= min_pixels {vision.min_pixels}")
@@ -288,8 +294,13 @@ def build_example(text: str, image, tokenizer: Tokenizer, vision: VisionConfig, 
         tail = tokenizer.encode(encode_messages(prompt_messages(""), thinking=False), add_special_tokens=False).ids
         whole = head + [table[ord(c) - 32] for c in text] + tail[len(head):]
     processed = preprocess_image(image, vision)
-    ids, types = expand_image_placeholders(whole, [processed.grid], image_token_id)
-    start = len(head) + processed.grid.span_length - 1
+    g = processed.grid
+    if (g.n_llm_h * TOKEN_PIXELS, g.n_llm_w * TOKEN_PIXELS) != (image.height, image.width):
+        raise ValueError(f"a {image.width}x{image.height} render would be scaled to {g.n_llm_w}x{g.n_llm_h} tokens: "
+                         f"its span {image.height // TOKEN_PIXELS * (image.width // TOKEN_PIXELS + 1) + 2} exceeds "
+                         f"max_image_tokens {vision.max_image_tokens}")
+    ids, types = expand_image_placeholders(whole, [g], image_token_id)
+    start = len(head) + g.span_length - 1
     return VisionExample(np.asarray(ids, dtype=np.int64), np.asarray(types, dtype=np.int64), start, processed, text,
                          char_x)
 

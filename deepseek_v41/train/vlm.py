@@ -105,10 +105,10 @@ def build_vlm(base_dir: str | Path, vision: VisionConfig, seed: int = 0) -> Tran
 class VLMArgs:
     """Training settings."""
 
-    steps: int = 2400
+    steps: int = 4500
     batch_size: int = 16
-    lr: float = 2e-3  # the vision path (from scratch)
-    text_lr: float = 3e-4  # the text model (fine-tuned)
+    lr: float = 1e-3  # the vision path (from scratch)
+    text_lr: float = 1e-3  # the text model (fine-tuned)
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     weight_decay: float = 0.1
@@ -118,9 +118,9 @@ class VLMArgs:
     cell_loss_weight: float = 5.0  # the auxiliary per-column character probe (cell_loss); 0 = off
     match_weight: float = 1.0  # within cell_loss: a character cell's row toward its character's token embedding
     spell_answers: bool = True  # answers one token per character (vision_data.build_example)
-    vision_lm_start: int = 400  # steps before the language-model loss reaches the vision path (probe alone first)
-    vision_only_steps: int = 0  # first steps that train the ViT, aligner and probe alone (no text model: ~4x faster)
-    eval_every: int = 400
+    vision_lm_start: int = 1500  # steps before the language-model loss reaches the vision path (probe alone first)
+    vision_only_steps: int = 1500  # first steps that train the ViT, aligner and probe alone (no text model: faster)
+    eval_every: int = 300
     eval_samples: int = 64  # held-out renders transcribed per evaluation during training
     checkpoint_minutes: float = 4.0
     max_chars: int = 16  # snippet length at most (the cells layout draws at most 16)
@@ -307,9 +307,15 @@ class VLMTrainer(Trainer):
             del self.model.cell_probe
 
     def load_checkpoint(self) -> None:
+        """The trainer's checkpoint with the probe. Raises ValueError when its tensors do not fit this model (a run
+        resumed with other vision settings)."""
         self.model.add_module("cell_probe", self.probe)
         try:
             super().load_checkpoint()
+        except (RuntimeError, KeyError) as exc:
+            raise ValueError(f"{self.out / CHECKPOINT_DIR} does not fit this model (was it trained with other "
+                             f"--vision-* settings?): resume with the settings it was trained with, or use a new "
+                             f"--out. {str(exc).splitlines()[0]}") from exc
         finally:
             del self.model.cell_probe
 
@@ -362,7 +368,9 @@ class VLMTrainer(Trainer):
             elapsed = time.time() - started
             state.wall_seconds += elapsed
             state.history.append({"step": state.step, "lr": lr, "width": ids.shape[1], "seconds": elapsed, **parts})
-            log(f"step {state.step}/{args.steps} loss {parts['lm']:.4f} kl {parts['kl']:.4f} "
+            lm_kl = (f"loss {parts['lm']:.4f} kl {parts['kl']:.4f}" if np.isfinite(parts["lm"]) else
+                     "loss - kl - (vision only)")
+            log(f"step {state.step}/{args.steps} {lm_kl} "
                 f"cell {parts.get('cell', 0):.4f} acc {parts.get('cell_acc', 0):.3f} match {parts.get('match', 0):.3f} "
                 f"scale {parts.get('scale', 0):.4f} "
                 f"spread {parts.get('spread', 0):.3f} lr {lr:.2e} rows {ids.shape[0]}x{ids.shape[1]} {elapsed:.2f}s")
@@ -391,7 +399,7 @@ def write_card(model_dir: Path, facts: dict[str, Any], overwrite: bool = False) 
     FileExistsError when the card exists and ``overwrite`` is False (a card may carry hand-written sections)."""
     card = Path(model_dir) / "MODEL_CARD.md"
     if card.exists() and not overwrite:
-        raise FileExistsError(f"{card} exists (it may hold hand-written sections): pass --overwrite to replace it")
+        raise FileExistsError(f"{card} exists (it may hold hand-written sections): pass overwrite=True to replace it")
     v, a, p = facts["vision_config"], facts["args"], facts["params"]
     final = facts["final_eval"]
     rows = [("this model, with the image", final["with_image"]),
@@ -401,8 +409,14 @@ def write_card(model_dir: Path, facts: dict[str, Any], overwrite: bool = False) 
     if "line_layout" in final:
         rows.append(("this model, the same snippets as proportional lines (layout \"line\", not trained on)",
                      final["line_layout"]))
+    lm_steps = min(10, facts["steps"] - a["vision_only_steps"])
+    corpus = (f" (`dsv41 data prepare`, manifest sha256 {facts['corpus_manifest_sha256'][:12]}: Python and Linux "
+              "kernel documentation, the standard library, Shakespeare)" if facts.get("corpus_manifest_sha256")
+              else "")
+    threads = f"{facts['threads']} CPU threads" if facts.get("threads") else "CPU"
     lines = [
-        "# v41-tiny-vl: a tiny DeepSeek-V4.1 vision-language model trained to read rendered text",
+        f"# {facts.get('export', 'v41-tiny-vl')}: a tiny DeepSeek-V4.1 vision-language model trained to read "
+        "rendered text",
         "",
         f"`{facts['base_model']}` plus a small vision path trained from scratch on images of rendered text "
         f"(`dsv41 train-vlm`): a ViT of {v['num_hidden_layers']} blocks, width {v['hidden_size']}, "
@@ -421,8 +435,7 @@ def write_card(model_dir: Path, facts: dict[str, Any], overwrite: bool = False) 
         "## Data",
         f"- Renders (`deepseek_v41/train/vision_data.py`, layout \"cells\") of 1-3 consecutive words (at most "
         f"{a['max_chars']} characters) of one line of `{facts['data']}/train.txt` for training and of "
-        "`heldout.txt` for the evaluation (`dsv41 data prepare`: Python and Linux kernel documentation, the "
-        "standard library, Shakespeare), in "
+        f"`heldout.txt` for the evaluation{corpus}, in "
         f"{len(facts['fonts'])} TrueType faces ({', '.join(facts['fonts'])}). One character per 42-pixel cell of a "
         "single 42-pixel row (fixed pitch, as on a terminal: each glyph centred in its cell, up to 3 px off), font "
         "sizes 22-34 px, up to two blank cells after the text, random ink and background colours (a fifth light on "
@@ -435,24 +448,29 @@ def write_card(model_dir: Path, facts: dict[str, Any], overwrite: bool = False) 
         "",
         "## Training",
         f"- {facts['steps']:,} steps of {a['batch_size']} renders ({facts['target_tokens']:,} answer tokens), "
-        f"{facts['wall_seconds'] / 60:.0f} min on a shared 2-core CPU machine; the first "
+        f"{facts['wall_seconds'] / 60:.0f} min of step time on {threads}; the first "
         f"{a['vision_only_steps']:,} steps train the vision path alone (no text model), the rest the two together; "
         f"AdamW, lr {a['lr']} for the vision path and {a['text_lr']} for the text model, warmup "
         f"{a['warmup_steps']} and cosine to {a['min_lr_ratio']} x in each phase, clip {a['grad_clip']}; the "
         "DSpark draft and the Engram tables frozen; `bias_vl` started as a copy of each router's text bias.",
-        f"- Auxiliary loss (weight {a.get('cell_loss_weight', 0)}, training only, `vlm.cell_loss`): a linear probe "
-        "classifies each cell's aligner row (its character or blank), the row of a character cell is pulled "
-        f"toward the input embedding of that character's token (weight {a.get('match_weight', 0)}), and a term "
-        "holds the rows' RMS at the embeddings'. The probe is not in the checkpoint. From the language-model loss "
-        "alone a first run's ViT rows collapsed to one constant vector and the model ignored the image.",
-        f"- Training loss: {facts['loss_first_10']:.3f} over the first 10 steps, {facts['loss_last_10']:.3f} over "
-        "the last 10.",
+    ]
+    if a.get("cell_loss_weight"):
+        lines.append(
+            f"- Auxiliary loss (weight {a['cell_loss_weight']}, training only, `vlm.cell_loss`): a linear probe "
+            "classifies each cell's aligner row (its character or blank), the row of a character cell is pulled "
+            f"toward the input embedding of that character's token (weight {a.get('match_weight', 0)}), and a term "
+            "holds the rows' RMS at the embeddings'. The probe is not in the checkpoint. From the language-model "
+            "loss alone a first run's ViT rows collapsed to one constant vector and the model ignored the image.")
+    if facts.get("loss_first_10") is not None and lm_steps > 0:
+        lines.append(f"- Training loss (the answer tokens): {facts['loss_first_10']:.3f} over the first {lm_steps} "
+                     f"joint steps, {facts['loss_last_10']:.3f} over the last {lm_steps}.")
+    lines += [
         "",
         f"## Held-out character accuracy ({final['with_image']['samples']} renders of held-out text)",
         "",
         "Greedy transcription with the exact forward (a loop in `deepseek_v41/train/vlm.py`), weights as shipped "
-        "(bf16, computed in fp32). Character accuracy = 1 - CER, CER = total edit distance / total reference "
-        "characters.",
+        "(bf16, computed in fp32). Character accuracy = max(0, 1 - CER), CER = total edit distance / total "
+        "reference characters.",
         "",
         "| model | character accuracy | CER | exact match |",
         "|---|---|---|---|",
@@ -481,6 +499,15 @@ def train_vlm_command(base: Path, data: Path, out: Path, args: VLMArgs, vision: 
     if threads:
         torch.set_num_threads(threads)
     base, data, out = Path(base), Path(data), Path(out)
+    if not (base / "config.json").is_file() or not (base / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{base} is not a model folder (config.json and tokenizer.json): --model must be a "
+                                f"text checkpoint such as checkpoints/v41-tiny-chat")
+    widest = RenderSpec().max_tokens_w + 3  # the span of the widest render: one row of cells, newline, start, end
+    if vision.max_image_tokens < widest:
+        raise ValueError(f"max_image_tokens {vision.max_image_tokens} is below {widest}, the span of the widest "
+                         f"render ({RenderSpec().max_tokens_w} cells): renders would be scaled down")
+    if not 1 <= args.max_chars <= RenderSpec().max_tokens_w:
+        raise ValueError(f"max_chars {args.max_chars} must lie in 1..{RenderSpec().max_tokens_w} (one cell each)")
     for split in ("train.txt", "heldout.txt"):
         if not (data / split).is_file():
             raise FileNotFoundError(f"{data / split} not found: --data must be a `dsv41 data prepare` folder")
@@ -518,7 +545,8 @@ def train_vlm_command(base: Path, data: Path, out: Path, args: VLMArgs, vision: 
         "corpus_manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None,
         "train_lines": len(train_lines), "heldout_lines": len(heldout_lines), "eval_seed": EVAL_SEED,
         "steps": state.step, "target_tokens": state.tokens, "wall_seconds": state.wall_seconds,
-        "last_session_seconds": time.time() - started, "frozen": list(FROZEN),
+        "last_session_seconds": time.time() - started, "frozen": list(FROZEN), "threads": torch.get_num_threads(),
+        "export": target.name,
         "loss_first_10": float(np.mean(lm[:10])) if lm else None,
         "loss_last_10": float(np.mean(lm[-10:])) if lm else None,
         "params": count_params(shipped), "evals": state.evals, "final_eval": final}

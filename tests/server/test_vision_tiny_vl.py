@@ -25,7 +25,7 @@ WORDS = ["hello world", "open door", "blue river", "quiet night", "seven apples"
 def test_tiny_vl_reads_rendered_text_back(tmp_path):
     if not (CHECKPOINT / "config.json").is_file():
         if os.environ.get("CI") == "true":
-            pytest.fail(f"{CHECKPOINT} is required in CI (make tiny-vl / dsv41 train-vlm)")
+            pytest.fail(f"{CHECKPOINT} is required in CI (built by dsv41 train-vlm; its card says how)")
         pytest.skip(f"{CHECKPOINT} is not built")
     from deepseek_v41.train.vision_data import PROMPT, char_accuracy, find_fonts, render_text
 

@@ -153,6 +153,11 @@ def test_render_text_fits_the_width_cap():
         render_text("five!", np.random.default_rng(0), find_fonts(), RenderSpec(max_tokens_w=4))
     with pytest.raises(ValueError, match="unknown render layout 'grid'"):
         render_text("x", np.random.default_rng(0), find_fonts(), RenderSpec(layout="grid"))
+    for bad in ("two\nlines", "a\tb", ""):
+        with pytest.raises(ValueError, match="printable characters"):
+            render_text(bad, np.random.default_rng(0), find_fonts())
+    with pytest.raises(FileNotFoundError, match="nope.ttf"):
+        render_text("x", np.random.default_rng(0), ["/nope.ttf"])
 
 
 @pytest.mark.parametrize("fonts", ["installed", "none"])

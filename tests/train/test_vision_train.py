@@ -66,7 +66,7 @@ def test_training_lowers_the_loss_through_the_vision_path(tmp_path, tok):
     frozen = {n: p.detach().clone() for n, p in model.named_parameters()
               if n.startswith("mtp.") or ".engram.embed." in n}
     args = VLMArgs(steps=8, batch_size=4, lr=3e-3, text_lr=3e-3, warmup_steps=1, eval_every=0,
-                   checkpoint_minutes=1e9)
+                   checkpoint_minutes=1e9, vision_only_steps=0, vision_lm_start=400)
     trainer = VLMTrainer(model, tok, LINES, [], find_fonts(), tmp_path, args)
     ids, types, mask, images = trainer.batch(0)
     with torch.no_grad():
@@ -85,7 +85,8 @@ def test_training_lowers_the_loss_through_the_vision_path(tmp_path, tok):
 
 
 def test_batches_are_a_function_of_the_step_and_resume_continues(tmp_path, tok):
-    args = VLMArgs(steps=4, batch_size=2, warmup_steps=1, eval_every=0, checkpoint_minutes=1e9)
+    args = VLMArgs(steps=4, batch_size=2, warmup_steps=1, eval_every=0, checkpoint_minutes=1e9, vision_only_steps=2,
+                   vision_lm_start=2)
     whole = VLMTrainer(tiny_vlm(), tok, LINES, [], find_fonts(), tmp_path / "a", args)
     first = whole.batch(3)
     assert torch.equal(first[0], VLMTrainer(tiny_vlm(), tok, LINES, [], find_fonts(), tmp_path / "c", args).batch(3)[0])
@@ -152,7 +153,7 @@ def test_the_lm_loss_reaches_the_vision_path_only_from_vision_lm_start(tmp_path,
     model = tiny_vlm(3)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = VLMArgs(steps=2, batch_size=2, warmup_steps=1, eval_every=0, checkpoint_minutes=1e9, cell_loss_weight=0.0,
-                   vision_lm_start=start)
+                   vision_lm_start=start, vision_only_steps=0)
     VLMTrainer(model, tok, LINES, [], find_fonts(), tmp_path, args).train(log=lambda line: None)
     moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     tower = {n for n in before if n.startswith(("vision.", "aligner."))}
@@ -244,3 +245,33 @@ def test_the_shipped_tiny_vl_reads_its_example_and_fresh_renders(tok):
     answers = [read_image(model, tok, render_text(w, np.random.default_rng([99, i]), find_fonts())[0])
                for i, w in enumerate(words)]
     assert char_accuracy(words, answers)["char_accuracy"] >= 0.8, answers
+
+
+def test_train_vlm_refuses_what_would_break_the_cells(tmp_path, tok):
+    """A span cap below the widest render's (it would be scaled down: no longer one character per cell), a model
+    folder that is not one, and a resumed run whose checkpoint does not fit: clear errors, exit 2."""
+    from deepseek_v41.train.data import write_documents
+    from deepseek_v41.train.vision_data import build_example, render_text
+
+    data = tmp_path / "corpus"
+    data.mkdir()
+    write_documents(data / "train.txt", ["alpha beta"])
+    write_documents(data / "heldout.txt", ["gamma delta"])
+    common = ["--data", str(data), "--steps", "1", "--batch-size", "1", "--eval-samples", "1", "--eval-every", "0",
+              "--vision-width", "16", "--vision-layers", "1", "--vision-heads", "2", "--threads", "1"]
+    small = CliRunner().invoke(app, ["train-vlm", "--model", str(CHAT), "--out", str(tmp_path / "a"),
+                                     "--max-image-tokens", "10", *common])
+    assert small.exit_code == 2 and "max_image_tokens 10 is below 19" in small.output
+    missing = CliRunner().invoke(app, ["train-vlm", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "b"),
+                                       *common])
+    assert missing.exit_code == 2 and "is not a model folder" in missing.output
+    image = render_text("sixteen chars ok", np.random.default_rng(0), find_fonts())[0]
+    with pytest.raises(ValueError, match="exceeds max_image_tokens 10"):
+        build_example("sixteen chars ok", image, tok, tiny_vision_config(max_image_tokens=10), 8190)
+    args = VLMArgs(steps=1, batch_size=1, eval_every=0)
+    VLMTrainer(tiny_vlm(), tok, LINES, [], find_fonts(), tmp_path / "c", args).save_checkpoint()
+    torch.manual_seed(0)
+    wider = Transformer(tiny_vlm().config.replace(vision_config=tiny_vision_config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2)))
+    with pytest.raises(ValueError, match="does not fit this model"):
+        VLMTrainer(wider, tok, LINES, [], find_fonts(), tmp_path / "c", args, resume=True)
