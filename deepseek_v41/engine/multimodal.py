@@ -126,7 +126,9 @@ def decode_image(data: bytes | bytearray | memoryview, max_pixels: int = MAX_IMA
         except Image.DecompressionBombError as exc:
             raise ValueError(f"the image {limit_msg} ({exc})") from exc
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-            raise ValueError(f"cannot decode the image data ({len(data):,} bytes starting {data[:8]!r}): {exc}; "
+            # Pillow's message for an unknown format names its BytesIO object: say what it means instead
+            reason = "not an image in a format read here" if isinstance(exc, UnidentifiedImageError) else exc
+            raise ValueError(f"cannot decode the image data ({len(data):,} bytes starting {data[:8]!r}): {reason}; "
                              f"the formats read are {', '.join(IMAGE_FORMATS)}") from exc
         width, height = image.size
         if width * height > max_pixels:

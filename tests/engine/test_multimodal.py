@@ -170,8 +170,9 @@ def test_process_images_accepts_pil_bytes_and_processed():
 
 
 def test_process_images_refuses_bad_input_clearly():
-    with pytest.raises(ValueError, match=r"image 1: cannot decode the image data \(9 bytes"):
+    with pytest.raises(ValueError, match=r"image 1: cannot decode the image data \(9 bytes") as info:
         process_images([made_image(1, 1), b"not a png"], VC)
+    assert "not an image in a format read here" in str(info.value) and "BytesIO" not in str(info.value)
     with pytest.raises(ValueError, match="image 0: the image data is empty"):
         process_images([b""], VC)
     with pytest.raises(ValueError, match="image 0 is a str; pass a PIL image"):
