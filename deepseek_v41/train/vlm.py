@@ -26,6 +26,7 @@ by character accuracy ``1 - CER``; the baseline is the same model given the same
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import time
 from dataclasses import asdict, dataclass, replace
@@ -227,12 +228,17 @@ def greedy_transcribe(model: Transformer, tokenizer: Tokenizer, examples: list[V
 
 
 def read_image(model: Transformer, tokenizer: Tokenizer, image, max_new_tokens: int = 24) -> str:
-    """The model's greedy answer to "<image> Transcribe the text." for one image (PIL or a path)."""
+    """The model's greedy answer to "<image> Transcribe the text." for one image (a PIL image, a path or encoded
+    bytes). Raises ValueError for a model without a vision path."""
     from PIL import Image
 
-    if isinstance(image, (str, Path)):
-        image = Image.open(image)
     cfg = model.config
+    if cfg.vision_config is None:
+        raise ValueError("this model has no vision path (no vision_config): it cannot read images")
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        image = Image.open(io.BytesIO(bytes(image)))
+    elif isinstance(image, (str, Path)):
+        image = Image.open(image)
     example = prompt_example(image, tokenizer, cfg.vision_config, cfg.image_token_id)
     return greedy_transcribe(model, tokenizer, [example], with_image=True, max_new_tokens=max_new_tokens)[0]
 

@@ -146,6 +146,9 @@ def test_read_image_is_the_greedy_answer_to_the_prompt(tmp_path, tok):
     assert example.text == text
     expected = greedy_transcribe(model, tok, [example], with_image=True, max_new_tokens=4)[0]
     assert read_image(model, tok, tmp_path / "x.png", max_new_tokens=4) == expected
+    assert read_image(model, tok, (tmp_path / "x.png").read_bytes(), max_new_tokens=4) == expected
+    with pytest.raises(ValueError, match="no vision path"):
+        read_image(load_model(CHAT), tok, tmp_path / "x.png")
 
 
 @pytest.mark.parametrize("start", [0, 100])
