@@ -66,6 +66,8 @@ def test_serve_missing_model_dir(tmp_path):
     assert result.returncode == 2 and "not found" in result.stderr
 
 
+# Three interpreters that load the engine (~15 s on 2 cores): with the slow tests, to keep make test under 5 minutes.
+@pytest.mark.slow
 def test_serve_rejects_bad_engine_settings(model_dir, tmp_path):
     for flags, message in ((["--replay", "sometimes"], "replay must be"),
                            (["--speculative", "medusa"], "speculative must be one of"),
