@@ -266,7 +266,11 @@ def test_stream_is_relayed_chunk_by_chunk(stack):
     assert decode.received[0][1]["stream"] is True and decode.received[0][1]["stream_options"]
 
 
-def test_a_client_that_leaves_closes_the_decode_stream(stack):
+@contextlib.contextmanager
+def held_stream(stack):
+    """A streaming completion through a router whose decode server holds the stream after its first chunk until
+    ``decode.release`` is set; yields (decode, router, router state, the response's line iterator past that
+    chunk)."""
     decode = Fake("decode")
     decode.release.clear()
     router = stack(decode=[decode])
@@ -275,6 +279,11 @@ def test_a_client_that_leaves_closes_the_decode_stream(stack):
                       timeout=5) as response:
         lines = response.iter_lines()  # kept: a dropped iterator closes the connection
         assert next(lines).startswith("data: ")
+        yield decode, router, state, lines
+
+
+def test_a_client_that_leaves_closes_the_decode_stream(stack):
+    with held_stream(stack) as (decode, _, state, _lines):
         assert state.num_requests == 1 and state.pool.backends["decode"][0].outstanding == 1
     decode.stream_closed.wait(5)  # the router closed its connection: the decode server aborts the request
     assert decode.stream_closed.is_set()
@@ -294,14 +303,7 @@ def test_a_decode_server_dying_mid_stream_ends_the_stream_with_an_error(stack):
 
 
 def test_shutdown_drains_a_running_stream(stack, caplog):
-    decode = Fake("decode")
-    decode.release.clear()
-    router = stack(decode=[decode])
-    state = router.server.config.app.state.router
-    with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "Hi", "stream": True},
-                      timeout=5) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
+    with held_stream(stack) as (decode, router, state, lines):
         with caplog.at_level("INFO", logger="deepseek_v41.server"):
             router.server.should_exit = True  # what SIGTERM does
             wait_for(lambda: state.draining)
