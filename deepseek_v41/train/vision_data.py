@@ -20,6 +20,7 @@ token) as the targets. Everything is a pure function of its seed: the same seed 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +32,13 @@ from tokenizers import Tokenizer
 
 from deepseek_v41.chat import encode_messages
 from deepseek_v41.config import VisionConfig
-from deepseek_v41.model.image_processor import ProcessedImage, TokenType, expand_image_placeholders, preprocess_image
+from deepseek_v41.model.image_processor import (
+    ProcessedImage,
+    TokenType,
+    expand_image_placeholders,
+    image_span_length,
+    preprocess_image,
+)
 from deepseek_v41.train.data import read_documents
 
 TOKEN_PIXELS = 42  # one LLM token's side in pixels: patch 14 x downsample 3
@@ -260,16 +267,26 @@ def prompt_ids(tokenizer: Tokenizer, with_image: bool = True) -> list[int]:
                             add_special_tokens=False).ids
 
 
-def char_token_ids(tokenizer: Tokenizer) -> list[int]:
+@functools.lru_cache(maxsize=8)
+def char_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
     """The token id of each printable ASCII character ``' '`` (32) .. ``'~'`` (126), in that order (95 ids): a
-    spelled answer's tokens. Raises ValueError when a character is not a single token of ``tokenizer``."""
+    spelled answer's tokens (computed once per tokenizer). Raises ValueError when a character is not a single
+    token of ``tokenizer``."""
     ids = []
     for code in range(32, 127):
         encoded = tokenizer.encode(chr(code), add_special_tokens=False).ids
         if len(encoded) != 1:
             raise ValueError(f"{chr(code)!r} is {len(encoded)} tokens of this tokenizer; spelled answers need one")
         ids.append(encoded[0])
-    return ids
+    return tuple(ids)
+
+
+@functools.lru_cache(maxsize=8)
+def _answer_tail(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The tokens that close the assistant's answer in the chat turn (the end token), once per tokenizer."""
+    head = prompt_ids(tokenizer)
+    return tuple(tokenizer.encode(encode_messages(prompt_messages(""), thinking=False),
+                                  add_special_tokens=False).ids[len(head):])
 
 
 def build_example(text: str, image, tokenizer: Tokenizer, vision: VisionConfig, image_token_id: int,
@@ -291,14 +308,13 @@ def build_example(text: str, image, tokenizer: Tokenizer, vision: VisionConfig, 
         if not all(32 <= ord(c) <= 126 for c in text):
             raise ValueError(f"a spelled answer takes printable ASCII only, not {text!r}")
         table = char_token_ids(tokenizer)
-        tail = tokenizer.encode(encode_messages(prompt_messages(""), thinking=False), add_special_tokens=False).ids
-        whole = head + [table[ord(c) - 32] for c in text] + tail[len(head):]
+        whole = head + [table[ord(c) - 32] for c in text] + list(_answer_tail(tokenizer))
     processed = preprocess_image(image, vision)
     g = processed.grid
     if (g.n_llm_h * TOKEN_PIXELS, g.n_llm_w * TOKEN_PIXELS) != (image.height, image.width):
+        span = image_span_length(image.height // TOKEN_PIXELS, image.width // TOKEN_PIXELS)
         raise ValueError(f"a {image.width}x{image.height} render would be scaled to {g.n_llm_w}x{g.n_llm_h} tokens: "
-                         f"its span {image.height // TOKEN_PIXELS * (image.width // TOKEN_PIXELS + 1) + 2} exceeds "
-                         f"max_image_tokens {vision.max_image_tokens}")
+                         f"its span {span} exceeds max_image_tokens {vision.max_image_tokens}")
     ids, types = expand_image_placeholders(whole, [g], image_token_id)
     start = len(head) + g.span_length - 1
     return VisionExample(np.asarray(ids, dtype=np.int64), np.asarray(types, dtype=np.int64), start, processed, text,
