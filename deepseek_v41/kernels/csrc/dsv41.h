@@ -435,4 +435,58 @@ int dsv41_pool_select(const uint8_t *codes, const uint8_t *scales, int64_t pages
                       const uint8_t *mask, int64_t nblocks, int64_t pool_block, int64_t keep,
                       const int64_t *visible, int64_t k, int64_t *out);
 
+/* decode.c: a decode step's layers in one call. The layout of both structs is mirrored field by field by
+ * deepseek_v41/kernels/fast/decode.py (_Layer, _Step); tests/kernels checks their sizes. */
+#define DSV41_ROPES 4 /* RoPE tables a step's phases may come from */
+typedef struct {
+    int64_t layer, hc, D, bf16, iters;
+    float norm_eps, hc_eps;
+    const float *mix[6]; /* fn, base, scale of the attention site, then of the FFN site (fp32) */
+    const void *attn_norm, *ffn_norm;
+    float attn_norm_eps, ffn_norm_eps;
+    /* attention: projections, RoPE (r dims, the step's table rope), output, window, sink */
+    const void *wq_a, *q_norm, *wq_b, *wkv, *kv_norm;
+    float q_eps, kv_eps;
+    int64_t qr, H, d, r, rope;
+    const void *wo_a, *wo_b;
+    int64_t groups, rank, window;
+    const float *sink;
+    float scale, iq_scale;
+    /* CSA2: sparse (not window-only); the kv / index / candidate sources (-1: none); compressor of a kv source */
+    int64_t sparse, kv_source, index_source, candidate_source, is_candidate_source, ratio, src_ratio;
+    int64_t compress, pending_index, di;
+    const void *c_wkv, *c_wgate, *c_norm, *c_wk, *c_knorm;
+    float c_eps, c_keps;
+    /* the indexer of an index source: query weights, heads, head dim, top-k, candidate blocks */
+    int64_t index, iH, idi, index_topk, block, keep;
+    const void *iq_wq_b, *iq_wproj;
+    /* the kv source's FP4 pools: main codes, scales, index codes, scales [pages, per_page, ...] */
+    uint8_t *pools[4];
+    int64_t pool_pages, per_page;
+    /* MoE: router, routed experts (kind 2 FP4, 1 bf16), shared expert */
+    const void *gate_w;
+    const float *gate_bias;
+    int64_t gate_bf16, E, k_experts, norm_topk, moe_kind, inter, s_bf16, s_inter;
+    float route_scale, limit;
+    const void *w13, *w2, *s1, *s3, *s2;
+    const uint8_t *sc13, *sc2;
+} dsv41_decode_layer;
+
+typedef struct {
+    int64_t B, R, ring_layers, pending_layers, table_len, block_size, lut_rows, topk_width, pool_width, failed_layer;
+    const int64_t *positions, *slots, *tables, *write_from, *skip_compress;
+    const float *cos[DSV41_ROPES], *sin[DSV41_ROPES], *pair_cos[DSV41_ROPES], *pair_sin[DSV41_ROPES];
+    uint8_t *ring_codes, *ring_scales;
+    int32_t *ring_pos;
+    float *pending;
+    const void *streams_in;
+    const float *pre_in;
+    void *streams[2], *streams_out;
+    float *pre_out;
+    int64_t *topk, *k, *nblocks, *written; /* per layer: picks [L, B, topk_width], their count, pool blocks, entries */
+    uint8_t *pool;                          /* per layer: the candidate pool [L, B, pool_width] */
+} dsv41_decode_step;
+
+int dsv41_decode_layers(const dsv41_decode_layer *layers, int64_t first, int64_t last, dsv41_decode_step *S);
+
 #endif

@@ -35,7 +35,7 @@ from torch import nn
 from deepseek_v41 import kernels
 
 # The modules whose installers serve model classes: importing them registers the installers.
-from deepseek_v41.kernels.fast import attention, block, dense, moe  # noqa: F401
+from deepseek_v41.kernels.fast import attention, block, decode, dense, moe  # noqa: F401
 from deepseek_v41.kernels.fast.registry import (
     INSTALLERS,
     KERNEL_DTYPES,

@@ -1,4 +1,4 @@
-"""Fast versions of a block's mHC hyper-connections and of the text model's layer loop and LM head (issue 24).
+"""Fast versions of a block's mHC hyper-connections and of the text model's LM head (issue 24).
 
 :func:`hc_mix`, :func:`collapse` and :func:`expand` are :mod:`deepseek_v41.model.hyper`'s functions with the fused
 kernels (:func:`kernels.hc_mix` / ``hc_collapse`` / ``hc_expand``) for fp32 / bf16 CPU tensors under
@@ -11,10 +11,9 @@ block shares no fp32 copy of them (:func:`_wide`); collapse fuses the sub-layer'
 Installed on a :class:`~deepseek_v41.model.block.Block` (and the draft's
 :class:`~deepseek_v41.model.dspark.DSparkBlock`, whose forward is the block's): ``forward`` and
 ``attention_input``; on the :class:`~deepseek_v41.disagg.encoder_only.EncoderBoundary` of an encoder-only prefill
-model, ``attention_input``. On a :class:`~deepseek_v41.model.transformer.Transformer`: ``run_layers`` (the same loop,
-with :func:`~deepseek_v41.kernels.fast.warm.warm` before each block of a few-token step) and ``lm_head`` (the GEMV
-kernel for a few tokens of a plain :class:`~deepseek_v41.model.linear.LMHead`,
-:func:`~deepseek_v41.kernels.fast.dense.few_token_gemv`; a vocab-parallel head is called as a module).
+model, ``attention_input``. On a :class:`~deepseek_v41.model.transformer.Transformer`: ``lm_head`` (the GEMV kernel for a few tokens of a
+plain :class:`~deepseek_v41.model.linear.LMHead`, :func:`~deepseek_v41.kernels.fast.dense.few_token_gemv`; a
+vocab-parallel head is called as a module); its ``run_layers`` is :mod:`~deepseek_v41.kernels.fast.decode`'s.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from deepseek_v41 import kernels
 from deepseek_v41.disagg.encoder_only import EncoderBoundary
 from deepseek_v41.kernels.fast.dense import few_token_gemv
 from deepseek_v41.kernels.fast.registry import fused, global_hooks, override, plain, register
-from deepseek_v41.kernels.fast.warm import warm
 from deepseek_v41.model import hyper
 from deepseek_v41.model.block import Block
 from deepseek_v41.model.dspark import DSparkBlock
@@ -154,29 +152,10 @@ def _block_forward(self: Block, streams: torch.Tensor, pre: torch.Tensor, ctx,
 # ------------------------------------------------------------------------------------------- Transformer
 @register(Transformer)
 def install_transformer(m: Transformer) -> bool:
-    """Replace ``run_layers`` (prefetch hints for each block of a few-token step, then the reference loop's
-    steps) and ``lm_head`` (the GEMV kernel for a few tokens)."""
-    override(m, "run_layers", _run_layers)
+    """Replace ``lm_head`` (the GEMV kernel for a few tokens); ``run_layers`` is :mod:`~deepseek_v41.kernels.fast.
+    decode`'s."""
     override(m, "lm_head", _lm_head)
     return True
-
-
-def _run_layers(self: Transformer, layers: range, streams: torch.Tensor, pre: torch.Tensor, ctx,
-                image_mask: torch.Tensor | None = None, engram_rows: dict[int, torch.Tensor] | None = None,
-                taps: dict[int, torch.Tensor] | None = None,
-                skip_compress: set[int] | frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
-    blocks = list(self._modules["layers"]._modules.values())  # (indexing a ModuleList costs ~1 µs)
-    few = streams.shape[0] * streams.shape[1] <= kernels.FEW_ROWS and kernels.usable(streams)
-    for j in layers:
-        block = blocks[j]
-        if few:  # decode / verify: the objects this block reads were evicted since its last step (warm.py)
-            warm(block)
-        if block.engram is not None:
-            streams = block.engram(streams, engram_rows[j], image_mask)
-        if taps is not None:
-            taps[j] = streams
-        streams, pre = block(streams, pre, ctx, image_mask, compress=j not in skip_compress)
-    return streams, pre
 
 
 def _lm_head(self: Transformer, x: torch.Tensor) -> torch.Tensor:

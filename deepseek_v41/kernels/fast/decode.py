@@ -1,0 +1,419 @@
+"""A decode step's layer loop without module calls (issue 25): the fast ``Transformer.run_layers`` hands a one-token
+step over the paged KV cache to :func:`run_decode`, which makes the same kernel calls the installed module paths
+make, in the same order and on the same tensors, without the ~20 module calls, overrides and per-call checks per
+layer between them.
+
+What the fast module paths decide per call (the tensors' dtypes, shapes and devices, inference mode, the kernels'
+limits) is decided here once: per model, when the plan is built (:func:`decode_plan`: every block of the kinds the
+kernels serve, its weights' dtypes and shapes, no hooks), and per step (:func:`_step_ok`: the streams, positions,
+context and cache tensors). A model or step that fails a check runs the module loop, so the plan only ever
+stands for what the module paths would compute; its logits equal theirs bit for bit (tests/kernels/test_decode.py).
+
+A step's state changes (the window rings, compressed entries, pending pairs) happen in the same calls as on the
+module path: the context's own methods (``window``'s kernel, ``add_entries``, ``set_pending``), so the cache is
+shared with every other path. Where a call can decline at run time (the MoE kernel without an exact copy of a
+picked expert, the indexer's kernels), the module method runs for that piece; nothing written before it is redone.
+
+The plan is kept on the model under a ``_fast_`` key, so :func:`deepseek_v41.kernels.fast.uninstall` drops it with
+the other fast paths. Source: SPEC.md §4.1 (the engine's decode), the reference forward of
+:class:`~deepseek_v41.model.block.Block` and :class:`~deepseek_v41.model.attention.Attention`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from deepseek_v41 import kernels
+from deepseek_v41.kernels.fast.attention import _pair_phases, _weights
+from deepseek_v41.kernels.fast.block import _block_forward
+from deepseek_v41.kernels.fast.moe import pack_copies
+from deepseek_v41.kernels.fast.registry import KERNEL_DTYPES, hooked, override, register
+from deepseek_v41.kernels.fast.warm import warm
+from deepseek_v41.kernels.loader import register as register_signatures
+from deepseek_v41.model import attention as attention_module
+from deepseek_v41.model.attention import Attention, GroupedLinear, SparseAttention
+from deepseek_v41.model.block import Block
+from deepseek_v41.model.compressor import Compressor
+from deepseek_v41.model.indexer import Indexer
+from deepseek_v41.model.linear import Linear
+from deepseek_v41.model.moe import Gate, MoE
+from deepseek_v41.model.norm import RMSNorm, upcast
+from deepseek_v41.model.rope import RotaryEmbedding
+from deepseek_v41.model.transformer import Transformer
+from deepseek_v41.plan import LayerRole
+
+_PLAN = "_fast_decode_plan"  # on the model's __dict__ (uninstall drops "_fast_" entries)
+ROPES = 4  # DSV41_ROPES: RoPE tables (settings) one plan may read
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+register_signatures({"dsv41_decode_layers": ([_P, _I, _I, _P], ctypes.c_int)})
+
+
+@register(Transformer)
+def install_run_layers(m: Transformer) -> bool:
+    """Replace ``run_layers``: :func:`run_decode` for a decode step the plan takes, else the reference loop with
+    :func:`~deepseek_v41.kernels.fast.warm.warm` before each block of a few-token step."""
+    override(m, "run_layers", _run_layers)
+    return True
+
+
+def _run_layers(self: Transformer, layers: range, streams: torch.Tensor, pre: torch.Tensor, ctx,
+                image_mask: torch.Tensor | None = None, engram_rows: dict[int, torch.Tensor] | None = None,
+                taps: dict[int, torch.Tensor] | None = None,
+                skip_compress: set[int] | frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
+    few = streams.shape[0] * streams.shape[1] <= kernels.FEW_ROWS and kernels.usable(streams)
+    if (few and image_mask is None and taps is None and streams.shape[1] == 1 and layers.step == 1
+            and torch.is_inference_mode_enabled()):
+        plan = decode_plan(self)
+        if plan is not None and step_ok(streams, ctx, plan):
+            if len(layers) == 0:
+                return streams, pre
+            done = run_decode(plan, layers, streams, pre, ctx, skip_compress)
+            if done is not None:
+                return done
+    blocks = list(self._modules["layers"]._modules.values())  # (indexing a ModuleList costs ~1 µs)
+    for j in layers:
+        block = blocks[j]
+        if few:  # decode / verify: the objects this block reads were evicted since its last step (warm.py)
+            warm(block)
+        if block.engram is not None:
+            streams = block.engram(streams, engram_rows[j], image_mask)
+        if taps is not None:
+            taps[j] = streams
+        streams, pre = block(streams, pre, ctx, image_mask, compress=j not in skip_compress)
+    return streams, pre
+
+
+class _Layer(ctypes.Structure):
+    """``dsv41_decode_layer`` of csrc/dsv41.h, field by field: one block's weights (addresses), sizes and roles."""
+
+    _fields_ = [(n, _I) for n in ("layer", "hc", "D", "bf16", "iters")] + [
+        ("norm_eps", _F), ("hc_eps", _F), ("mix", _P * 6), ("attn_norm", _P), ("ffn_norm", _P),
+        ("attn_norm_eps", _F), ("ffn_norm_eps", _F),
+        *((n, _P) for n in ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm")), ("q_eps", _F), ("kv_eps", _F),
+        *((n, _I) for n in ("qr", "H", "d", "r", "rope")), ("wo_a", _P), ("wo_b", _P),
+        *((n, _I) for n in ("groups", "rank", "window")), ("sink", _P), ("scale", _F), ("iq_scale", _F),
+        *((n, _I) for n in ("sparse", "kv_source", "index_source", "candidate_source", "is_candidate_source", "ratio",
+                            "src_ratio", "compress", "pending_index", "di")),
+        *((n, _P) for n in ("c_wkv", "c_wgate", "c_norm", "c_wk", "c_knorm")), ("c_eps", _F), ("c_keps", _F),
+        *((n, _I) for n in ("index", "iH", "idi", "index_topk", "block", "keep")), ("iq_wq_b", _P), ("iq_wproj", _P),
+        ("pools", _P * 4), ("pool_pages", _I), ("per_page", _I), ("gate_w", _P), ("gate_bias", _P),
+        *((n, _I) for n in ("gate_bf16", "E", "k_experts", "norm_topk", "moe_kind", "inter", "s_bf16", "s_inter")),
+        ("route_scale", _F), ("limit", _F), *((n, _P) for n in ("w13", "w2", "s1", "s3", "s2", "sc13", "sc2")),
+    ]
+
+
+class _Step(ctypes.Structure):
+    """``dsv41_decode_step`` of csrc/dsv41.h: one call's rows, positions, block tables, RoPE phases, cache and
+    buffers (see :func:`run_decode`)."""
+
+    _fields_ = [(n, _I) for n in ("B", "R", "ring_layers", "pending_layers", "table_len", "block_size", "lut_rows",
+                                  "topk_width", "pool_width", "failed_layer")] + [
+        *((n, _P) for n in ("positions", "slots", "tables", "write_from", "skip_compress")),
+        *((n, _P * ROPES) for n in ("cos", "sin", "pair_cos", "pair_sin")),
+        *((n, _P) for n in ("ring_codes", "ring_scales", "ring_pos", "pending", "streams_in", "pre_in")),
+        ("streams", _P * 2), ("streams_out", _P), ("pre_out", _P),
+        *((n, _P) for n in ("topk", "k", "nblocks", "written", "pool")),
+    ]
+
+
+@dataclass
+class DecodePlan:
+    """A model's decode plan: each block's ``_Layer`` (``layers``, a ctypes array), the tensors their addresses
+    point into (``keep``: fp32 widenings made here), the modules whose hooks each step checks (``watch``), each
+    layer's RoPE module by phase-table index (``ropes``), the kv-source layers' RoPE table for ratio-2 pair phases,
+    and the cache the pools' addresses were taken from (``cache``, bound at the first step over it)."""
+
+    layers: ctypes.Array
+    keep: list
+    watch: list
+    ropes: list
+    dtype: torch.dtype
+    blocks: list
+    index_topk: int
+    ratio2: bool
+    cache: object = None
+    pending_of: dict | None = None
+
+
+def decode_plan(model) -> DecodePlan | None:
+    """The model's decode plan (built at the first call, then kept; see the module docstring), or None when some
+    block is not one the plan serves: a plain :class:`Block` without Engram with the fast block forward
+    installed, plain fp32 / bf16 norms, attention projections, RoPE, compressor and indexer of the shapes their
+    kernels read, a :class:`MoE` with the fast router and every routed expert packed exactly (FP4, else bf16),
+    the shared expert fused, and no hooks."""
+    plan = model.__dict__.get(_PLAN)
+    if plan is None:
+        plan = _build(model)
+        model.__dict__[_PLAN] = plan if plan is not None else False
+    return plan or None
+
+
+def _build(model) -> DecodePlan | None:
+    blocks = list(model._modules["layers"]._modules.values())
+    specs = [getattr(b, "spec", None) for b in blocks]
+    keep, watch, ropes, layers = [], [], [], []
+    for block in blocks:
+        layer = _layer(block, specs, keep, watch, ropes)
+        if layer is None:
+            return None
+        layers.append(layer)
+    if not layers or len({layer.bf16 for layer in layers}) != 1:
+        return None
+    array = (_Layer * len(layers))(*layers)
+    dtype = torch.bfloat16 if layers[0].bf16 else torch.float32
+    ratio2 = any(layer.compress and layer.ratio == 2 for layer in layers)
+    return DecodePlan(array, keep, watch, ropes, dtype, blocks, max(layer.index_topk for layer in layers), ratio2)
+
+
+def _addr(t: torch.Tensor | None, keep: list) -> int | None:
+    if t is None:
+        return None
+    keep.append(t)
+    return t.data_ptr()
+
+
+def _layer(block, specs: list, keep: list, watch: list, ropes: list) -> _Layer | None:
+    """One block's ``_Layer`` (None when the plan cannot serve it: see :func:`decode_plan`)."""
+    if (type(block) is not Block or hooked(block) or block.engram is not None
+            or getattr(block.__dict__.get("forward"), "__func__", None) is not _block_forward
+            or block.__dict__.get("_fast_norms") != (True, True) or block.hc > kernels.MAX_HC):
+        return None
+    mods = block._modules
+    attn, moe = mods["attn"], mods["ffn"]
+    if type(attn) is not Attention or type(moe) is not MoE:
+        return None
+    a = attn._modules
+    rope, core = a["rope"], a["core"]
+    if (not all(name in attn.__dict__ for name in ("project", "output")) or type(core) is not SparseAttention
+            or "forward" not in core.__dict__ or type(rope) is not RotaryEmbedding or not 0 < rope.rope_dim <= attn.head_dim
+            or rope.rope_dim % 2 or attn.n_heads > kernels.MAX_ATTEND_HEADS):
+        return None
+    project = _weights((a["wq_a"], Linear), (a["q_norm"], RMSNorm), (a["wq_b"], Linear), (a["wkv"], Linear),
+                       (a["kv_norm"], RMSNorm))
+    output = _weights((a["wo_a"], GroupedLinear), (a["wo_b"], Linear))
+    norms = _weights((mods["attn_norm"], RMSNorm), (mods["ffn_norm"], RMSNorm))
+    if project is None or output is None or norms is None:
+        return None
+    dtype, D, hc = project[0].dtype, norms[0].shape[0], block.hc
+    if (output[0].dtype != dtype or norms[0].dtype != dtype or D > kernels.ROW_ON_STACK
+            or project[0].shape[1] != D or output[1].shape[0] != D):
+        return None
+    spec = attn.spec
+    L = _Layer(layer=spec.layer_id, hc=hc, D=D, bf16=int(dtype == torch.bfloat16), iters=block.hc_iters,
+               norm_eps=block.norm_eps, hc_eps=block.hc_eps)
+    p = block._parameters
+    mix = [_addr(upcast(p[f"hc_{site}_{name}"].detach()).contiguous(), keep) for site in ("attn", "ffn")
+           for name in ("fn", "base", "scale")]
+    L.mix = (_P * 6)(*mix)
+    L.attn_norm, L.ffn_norm = _addr(norms[0], keep), _addr(norms[1], keep)
+    L.attn_norm_eps, L.ffn_norm_eps = mods["attn_norm"].eps, mods["ffn_norm"].eps
+    L.wq_a, L.q_norm, L.wq_b, L.wkv, L.kv_norm = (_addr(w, keep) for w in project)
+    L.q_eps, L.kv_eps = a["q_norm"].eps, a["kv_norm"].eps
+    L.qr, L.H, L.d, L.r = project[0].shape[0], attn.n_heads, attn.head_dim, rope.rope_dim
+    table = next((i for i, other in enumerate(ropes) if other._table == rope._table), None)
+    if table is None:
+        if len(ropes) == ROPES:
+            return None
+        ropes.append(rope)
+        table = len(ropes) - 1
+    L.rope = table
+    L.wo_a, L.wo_b = _addr(output[0], keep), _addr(output[1], keep)
+    L.groups = attn.o_groups
+    L.rank, L.window = output[0].shape[0] // attn.o_groups, attn.window
+    L.sink = _addr(upcast(attn._parameters["attn_sink"].detach()).contiguous(), keep)
+    L.scale = attn.head_dim ** -0.5
+    watch += [block, attn, moe, core, a["rope"]]
+    L.sparse = int(spec.role is not LayerRole.WINDOW)
+    L.kv_source = L.index_source = L.candidate_source = -1
+    L.ratio = L.src_ratio = 1
+    if L.sparse:
+        L.kv_source, L.index_source, L.ratio = spec.kv_source, spec.index_source, spec.compress_ratio
+        L.src_ratio = specs[spec.kv_source].compress_ratio
+        L.candidate_source = -1 if spec.candidate_source is None else spec.candidate_source
+        L.is_candidate_source = int(spec.is_candidate_source)
+    if attn.compressor is not None and not _compressor(attn, L, keep, watch):
+        return None
+    if attn.indexer is not None and not _indexer(attn, L, keep, watch):
+        return None
+    return L if _moe(moe, L, D, keep, watch) else None
+
+
+def _compressor(attn: Attention, L: _Layer, keep: list, watch: list) -> bool:
+    """The compressor's fields (what ``_install_compress`` packs); False when it is not installed."""
+    c, ix = attn._modules["compressor"], attn._modules.get("indexer")
+    if "compress" not in attn.__dict__ or type(c) is not Compressor or type(ix) is not Indexer:
+        return False
+    cm, im = c._modules, ix._modules
+    mods = [(cm["wkv"], Linear), (cm["norm"], RMSNorm), (im["wk"], Linear), (im["k_norm"], RMSNorm)]
+    if c.ratio == 2:
+        mods.append((cm["wgate"], Linear))
+    w = _weights(*mods)
+    if w is None or w[0].dtype != (torch.bfloat16 if L.bf16 else torch.float32) or c.ratio not in (1, 2):
+        return False
+    L.compress, L.di = 1, ix.head_dim
+    L.c_wkv, L.c_norm, L.c_wk, L.c_knorm = (_addr(t, keep) for t in w[:4])
+    L.c_wgate = _addr(w[4], keep) if c.ratio == 2 else None
+    L.c_eps, L.c_keps = cm["norm"].eps, im["k_norm"].eps
+    watch += [c, ix]
+    return True
+
+
+def _indexer(attn: Attention, L: _Layer, keep: list, watch: list) -> bool:
+    """The indexer's query fields (what ``_install_queries`` packs); False when they are not installed."""
+    ix = attn._modules["indexer"]
+    if type(ix) is not Indexer or "queries" not in ix.__dict__:
+        return False
+    w = _weights((ix._modules["wq_b"], Linear), (ix._modules["weights_proj"], Linear))
+    if (w is None or w[0].dtype != (torch.bfloat16 if L.bf16 else torch.float32) or ix.head_dim % 32
+            or L.r > ix.head_dim):
+        return False
+    L.index, L.iH, L.idi, L.di = 1, ix.n_heads, ix.head_dim, ix.head_dim
+    L.iq_wq_b, L.iq_wproj = _addr(w[0], keep), _addr(w[1], keep)
+    L.iq_scale = ix.head_dim ** -0.5 * ix.n_heads ** -0.5
+    L.index_topk, L.block, L.keep = attn.index_topk, attn.candidate_block_size, attn.candidate_topk_blocks
+    watch.append(ix)
+    return True
+
+
+def _moe(moe: MoE, L: _Layer, D: int, keep: list, watch: list) -> bool:
+    """The router's and experts' fields: every routed expert packed exactly (FP4 copies, else bf16), the shared
+    expert fused; False otherwise (the module path then decides per step)."""
+    gate, packed = moe._modules.get("gate"), moe.__dict__.get("_fast_moe")
+    if (type(gate) is not Gate or "_fast_gate" not in gate.__dict__ or "forward" not in moe.__dict__
+            or packed is None or not packed.shared_ok or packed.D != D):
+        return False
+    if packed.pending is not None:
+        pack_copies(packed)
+    if packed.fp4 is not None and packed.fp4_all:
+        codes13, scales13, codes2, scales2 = packed.fp4
+        L.moe_kind, L.E, L.inter = 2, codes2.shape[0], 2 * codes2.shape[2]
+        L.w13, L.sc13, L.w2, L.sc2 = (_addr(t, keep) for t in packed.fp4)
+        if D % 32 or L.inter % 32:
+            return False
+    elif packed.fp4 is None and packed.bf16 is not None and packed.bf16_all:
+        w13, w2 = packed.bf16
+        L.moe_kind, L.E, L.inter = 1, w2.shape[0], w2.shape[2]
+        L.w13, L.w2 = _addr(w13, keep), _addr(w2, keep)
+    else:
+        return False
+    if packed.shared is not None:
+        L.s1, L.s3, L.s2 = (_addr(t, keep) for t in packed.shared)
+        L.s_bf16, L.s_inter = int(packed.shared[0].dtype == torch.bfloat16), packed.shared[0].shape[0]
+    L.limit = packed.limit
+    weight, bias = gate.__dict__["_fast_gate"]
+    if weight.shape[1] != D:
+        return False
+    L.gate_w, L.gate_bias = _addr(weight, keep), _addr(bias, keep)
+    L.gate_bf16 = int(weight.dtype == torch.bfloat16)
+    L.k_experts, L.norm_topk, L.route_scale = gate.topk, int(gate.norm_topk), gate.route_scale
+    watch.append(gate)
+    return True
+
+
+def _bind(plan: DecodePlan, cache) -> bool:
+    """Point the layers at ``cache``'s pools and pending pairs (once per cache); False when the cache's layout is not
+    the one the kernels read (then the module path runs)."""
+    if plan.cache is cache:
+        return True
+    for L in plan.layers:
+        if not L.sparse:
+            continue
+        pools = cache.pools.get(L.kv_source)
+        if pools is None or cache.ratio[L.kv_source] != L.src_ratio or not kernels.usable(*pools):
+            return False
+        if L.compress and L.ratio == 2:
+            if L.layer not in cache.pending_layers:
+                return False
+            L.pending_index = cache.pending_layers.index(L.layer)
+        L.pools = (_P * 4)(*(t.data_ptr() for t in pools))
+        L.pool_pages, L.per_page = pools[0].shape[0], pools[0].shape[1]
+    if not (cache.pending.dtype == torch.float32 and kernels.usable(cache.pending, cache.window_codes,
+                                                                  cache.window_scales, cache.window_pos)):
+        return False
+    plan.cache = cache
+    return True
+
+
+def step_ok(streams: torch.Tensor, ctx, plan: DecodePlan) -> bool:
+    """Whether this step may run the plan: one new token per row (decode), streams of the plan's dtype, contiguous
+    on the CPU, a :class:`~deepseek_v41.cache.paged_context.PagedContext` computing in fp32 (no image spans, no
+    training state) whose positions the kernels take, a cache the plan can bind, and no hook on the plan's
+    modules."""
+    from deepseek_v41.cache.paged_context import PagedContext  # (it imports this package)
+
+    if not (streams.dim() == 4 and streams.shape[1] == 1 and streams.dtype == plan.dtype
+            and streams.shape[2] == plan.layers[0].hc and streams.shape[3] == plan.layers[0].D
+            and type(ctx) is PagedContext and not plan.blocks[0].training):
+        return False
+    pos = ctx.positions
+    if not (ctx.dtype == torch.float32 and ctx.key_limit is None and ctx.indexer_losses is None
+            and not ctx.dense_indexer and ctx.fake_quant and pos.dtype == torch.int64 and pos.shape == streams.shape[:2]
+            and ctx.tables.dtype == torch.int64 and kernels.usable(streams, pos, ctx.slots, ctx.tables, ctx.write_from)
+            and _bind(plan, ctx.cache)):
+        return False
+    return not any(hooked(m) for m in plan.watch)
+
+
+def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torch.Tensor, ctx,
+               skip_compress: set[int] | frozenset[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``Transformer.run_layers`` of a decode step the plan takes (:func:`step_ok`): streams [B, 1, hc, D] and
+    ``pre`` [B, 1, hc] through ``layers`` (consecutive) in one :func:`dsv41_decode_layers` call. Returns the new
+    streams and ``pre``, or None when a kernel declined (the caller then runs the module path: the pending pairs
+    are as before the call). Raises MemoryError / IndexError as the kernels' wrappers do."""
+    B, n_layers = streams.shape[0], len(plan.layers)
+    pos, cache = ctx.positions, ctx.cache
+    S = _Step(B=B, R=cache.window_rows, ring_layers=cache.window_codes.shape[1],
+              pending_layers=cache.pending.shape[1], table_len=ctx.tables.shape[1], block_size=cache.block_size,
+              lut_rows=kernels.INDEX_LUT_ROWS, topk_width=max(plan.index_topk, 1))
+    S.positions, S.slots, S.tables, S.write_from = (pos.data_ptr(), ctx.slots.data_ptr(), ctx.tables.data_ptr(),
+                                                    ctx.write_from.data_ptr())
+    skip = torch.zeros(n_layers, dtype=torch.int64)
+    for j in skip_compress:
+        if 0 <= j < n_layers:
+            skip[j] = 1
+    S.skip_compress = skip.data_ptr()
+    phases = []  # (kept alive for the call)
+    odd = plan.ratio2 and bool((pos % 2 == 1).any())  # some row completes a ratio-2 entry: pair phases
+    for i, rope in enumerate(plan.ropes):
+        cos, sin = rope.phases(pos, ctx.shared)
+        S.cos[i], S.sin[i] = cos.data_ptr(), sin.data_ptr()
+        phases += [cos, sin]
+        if odd:
+            cos, sin = _pair_phases(rope, pos, ctx.shared)
+            S.pair_cos[i], S.pair_sin[i] = cos.data_ptr(), sin.data_ptr()
+            phases += [cos, sin]
+    if any(not (t.dtype == torch.float32 and t.is_contiguous()) for t in phases):
+        return None
+    S.ring_codes, S.ring_scales = cache.window_codes.data_ptr(), cache.window_scales.data_ptr()
+    S.ring_pos, S.pending = cache.window_pos.data_ptr(), cache.pending.data_ptr()
+    streams = streams.contiguous()
+    pre = upcast(pre).contiguous()
+    S.streams_in, S.pre_in = streams.data_ptr(), pre.data_ptr()
+    buffers = (torch.empty_like(streams), torch.empty_like(streams))
+    pre_out = torch.empty((B, 1, streams.shape[2]), dtype=torch.float32)
+    S.streams = (_P * 2)(buffers[0].data_ptr(), buffers[1].data_ptr())
+    S.pre_out = pre_out.data_ptr()
+    N = max(ctx.ends)  # the widest candidate pool: max(ends) // ratio entries in blocks
+    S.pool_width = max([-(-(N // L.src_ratio) // L.block) for L in plan.layers if L.is_candidate_source] or [1])
+    topk = torch.empty((n_layers, B, S.topk_width), dtype=torch.int64)
+    counts = torch.zeros((3, n_layers), dtype=torch.int64)  # k, nblocks, written per layer
+    pool = torch.empty((n_layers, B, S.pool_width), dtype=torch.bool)
+    S.topk, S.pool = topk.data_ptr(), pool.data_ptr()
+    S.k, S.nblocks, S.written = (counts[i].data_ptr() for i in range(3))
+    status = kernels.library().dsv41_decode_layers(plan.layers, layers.start, layers.stop, ctypes.byref(S))
+    if status == 1:
+        return None
+    if status == -2:
+        raise MemoryError("decode_layers kernel: no memory for its scratch")
+    if status == -1:
+        raise IndexError("an entry index lies past its block table")
+    if status != 0:
+        raise IndexError(f"an expert index lies outside [0, {plan.layers[S.failed_layer].E})")
+    for j, written in enumerate(counts[2].tolist()):
+        if written:
+            ctx._decoded.pop(j, None)
+            ctx.entries_written[j] = ctx.entries_written.get(j, 0) + written
+    return (buffers[0] if S.streams_out == buffers[0].data_ptr() else buffers[1]), pre_out
