@@ -78,10 +78,11 @@ def test_prefetch_takes_stale_and_wild_addresses(library):
 
 
 def test_a_decode_forward_warms_each_block_once_and_gives_the_same_logits(library, monkeypatch):
-    """The fast ``run_layers`` (installed) warms each block of a few-token forward once; the hints change nothing.
+    """The fast ``run_layers`` (installed) warms each block of a few-token forward on the module path (here a dense
+    context: no decode plan) once; the hints change nothing.
     Uninstalling drops the kept addresses with the other fast state."""
     from deepseek_v41.config import tiny_config
-    from deepseek_v41.kernels.fast import block as fast_block
+    from deepseek_v41.kernels.fast import decode as fast_decode
     from deepseek_v41.model.transformer import Transformer
 
     torch.manual_seed(0)
@@ -89,10 +90,10 @@ def test_a_decode_forward_warms_each_block_once_and_gives_the_same_logits(librar
     assert fast.install(model).modules["Transformer"] == 1
     ids = torch.randint(3, 100, (2, 1))
     with torch.inference_mode():
-        monkeypatch.setattr(fast_block, "warm", lambda block: None)
+        monkeypatch.setattr(fast_decode, "warm", lambda block: None)
         want = model(ids)
         warmed = []
-        monkeypatch.setattr(fast_block, "warm", lambda block: warmed.append(block) or warm(block))
+        monkeypatch.setattr(fast_decode, "warm", lambda block: warmed.append(block) or warm(block))
         got = model(ids)
     assert [id(b) for b in warmed] == [id(b) for b in model.layers]
     assert torch.equal(got, want)

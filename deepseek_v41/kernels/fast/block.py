@@ -11,9 +11,11 @@ block shares no fp32 copy of them (:func:`_wide`); collapse fuses the sub-layer'
 Installed on a :class:`~deepseek_v41.model.block.Block` (and the draft's
 :class:`~deepseek_v41.model.dspark.DSparkBlock`, whose forward is the block's): ``forward`` and
 ``attention_input``; on the :class:`~deepseek_v41.disagg.encoder_only.EncoderBoundary` of an encoder-only prefill
-model, ``attention_input``. On a :class:`~deepseek_v41.model.transformer.Transformer`: ``lm_head`` (the GEMV kernel for a few tokens of a
-plain :class:`~deepseek_v41.model.linear.LMHead`, :func:`~deepseek_v41.kernels.fast.dense.few_token_gemv`; a
-vocab-parallel head is called as a module); its ``run_layers`` is :mod:`~deepseek_v41.kernels.fast.decode`'s.
+model, ``attention_input``. :func:`lm_head` is the
+:class:`~deepseek_v41.model.transformer.Transformer`'s (installed with its ``run_layers`` by
+:mod:`~deepseek_v41.kernels.fast.decode`): the GEMV kernel for a few tokens of a plain
+:class:`~deepseek_v41.model.linear.LMHead` (:func:`~deepseek_v41.kernels.fast.dense.few_token_gemv`; a
+vocab-parallel head is called as a module).
 """
 
 from __future__ import annotations
@@ -150,15 +152,8 @@ def _block_forward(self: Block, streams: torch.Tensor, pre: torch.Tensor, ctx,
 
 
 # ------------------------------------------------------------------------------------------- Transformer
-@register(Transformer)
-def install_transformer(m: Transformer) -> bool:
-    """Replace ``lm_head`` (the GEMV kernel for a few tokens); ``run_layers`` is :mod:`~deepseek_v41.kernels.fast.
-    decode`'s."""
-    override(m, "lm_head", _lm_head)
-    return True
-
-
-def _lm_head(self: Transformer, x: torch.Tensor) -> torch.Tensor:
+def lm_head(self: Transformer, x: torch.Tensor) -> torch.Tensor:
+    """``Transformer.lm_head``: the GEMV kernel for a few tokens of a plain head (see the module docstring)."""
     head = self._modules["head"]
     if plain(head, LMHead):  # a vocab-parallel head (issue 28) or a hooked one is called as a module
         weight = head._parameters["weight"]

@@ -28,12 +28,11 @@ import torch
 
 from deepseek_v41 import kernels
 from deepseek_v41.kernels.fast.attention import _pair_phases, _weights
-from deepseek_v41.kernels.fast.block import _block_forward
+from deepseek_v41.kernels.fast.block import _block_forward, lm_head
 from deepseek_v41.kernels.fast.moe import pack_copies
-from deepseek_v41.kernels.fast.registry import KERNEL_DTYPES, hooked, override, register
+from deepseek_v41.kernels.fast.registry import hooked, override, register
 from deepseek_v41.kernels.fast.warm import warm
 from deepseek_v41.kernels.loader import register as register_signatures
-from deepseek_v41.model import attention as attention_module
 from deepseek_v41.model.attention import Attention, GroupedLinear, SparseAttention
 from deepseek_v41.model.block import Block
 from deepseek_v41.model.compressor import Compressor
@@ -52,10 +51,12 @@ register_signatures({"dsv41_decode_layers": ([_P, _I, _I, _P], ctypes.c_int)})
 
 
 @register(Transformer)
-def install_run_layers(m: Transformer) -> bool:
-    """Replace ``run_layers``: :func:`run_decode` for a decode step the plan takes, else the reference loop with
-    :func:`~deepseek_v41.kernels.fast.warm.warm` before each block of a few-token step."""
+def install_transformer(m: Transformer) -> bool:
+    """Replace ``run_layers`` (:func:`run_decode` for a decode step the plan takes, else the reference loop with
+    :func:`~deepseek_v41.kernels.fast.warm.warm` before each block of a few-token step) and ``lm_head``
+    (:func:`deepseek_v41.kernels.fast.block.lm_head`)."""
     override(m, "run_layers", _run_layers)
+    override(m, "lm_head", lm_head)
     return True
 
 
@@ -188,8 +189,8 @@ def _layer(block, specs: list, keep: list, watch: list, ropes: list) -> _Layer |
     a = attn._modules
     rope, core = a["rope"], a["core"]
     if (not all(name in attn.__dict__ for name in ("project", "output")) or type(core) is not SparseAttention
-            or "forward" not in core.__dict__ or type(rope) is not RotaryEmbedding or not 0 < rope.rope_dim <= attn.head_dim
-            or rope.rope_dim % 2 or attn.n_heads > kernels.MAX_ATTEND_HEADS):
+            or "forward" not in core.__dict__ or type(rope) is not RotaryEmbedding
+            or not 0 < rope.rope_dim <= attn.head_dim or rope.rope_dim % 2 or attn.n_heads > kernels.MAX_ATTEND_HEADS):
         return None
     project = _weights((a["wq_a"], Linear), (a["q_norm"], RMSNorm), (a["wq_b"], Linear), (a["wkv"], Linear),
                        (a["kv_norm"], RMSNorm))
