@@ -65,8 +65,8 @@ def _run_layers(self: Transformer, layers: range, streams: torch.Tensor, pre: to
                 taps: dict[int, torch.Tensor] | None = None,
                 skip_compress: set[int] | frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
     few = streams.shape[0] * streams.shape[1] <= kernels.FEW_ROWS and kernels.usable(streams)
-    if (few and image_mask is None and taps is None and streams.shape[1] == 1 and layers.step == 1
-            and torch.is_inference_mode_enabled()):
+    if (image_mask is None and taps is None and streams.shape[1] == 1 and layers.step == 1
+            and torch.is_inference_mode_enabled() and kernels.usable(streams)):
         plan = decode_plan(self)
         if plan is not None and step_ok(streams, ctx, plan):
             if len(layers) == 0:
@@ -361,60 +361,73 @@ def step_ok(streams: torch.Tensor, ctx, plan: DecodePlan) -> bool:
 def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torch.Tensor, ctx,
                skip_compress: set[int] | frozenset[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``Transformer.run_layers`` of a decode step the plan takes (:func:`step_ok`): streams [B, 1, hc, D] and
-    ``pre`` [B, 1, hc] through ``layers`` (consecutive) in one :func:`dsv41_decode_layers` call. Returns the new
-    streams and ``pre``, or None when a kernel declined (the caller then runs the module path: the pending pairs
-    are as before the call). Raises MemoryError / IndexError as the kernels' wrappers do."""
-    B, n_layers = streams.shape[0], len(plan.layers)
+    ``pre`` [B, 1, hc] through ``layers`` (consecutive), one :func:`dsv41_decode_layers` call per
+    ``kernels.FEW_ROWS`` rows (each row's results are the same whichever rows share its call: every kernel computes
+    a row with the same operations at any batch). Returns the new streams and ``pre``, or None when a kernel
+    declined (the caller then runs the module path; the pending pairs are as before the call). Raises MemoryError /
+    IndexError as the kernels' wrappers do."""
+    B, n_layers, hc = streams.shape[0], len(plan.layers), streams.shape[2]
     pos, cache = ctx.positions, ctx.cache
-    S = _Step(B=B, R=cache.window_rows, ring_layers=cache.window_codes.shape[1],
-              pending_layers=cache.pending.shape[1], table_len=ctx.tables.shape[1], block_size=cache.block_size,
-              lut_rows=kernels.INDEX_LUT_ROWS, topk_width=max(plan.index_topk, 1))
-    S.positions, S.slots, S.tables, S.write_from = (pos.data_ptr(), ctx.slots.data_ptr(), ctx.tables.data_ptr(),
-                                                    ctx.write_from.data_ptr())
+    S = _Step(R=cache.window_rows, ring_layers=cache.window_codes.shape[1], pending_layers=cache.pending.shape[1],
+              table_len=ctx.tables.shape[1], block_size=cache.block_size, lut_rows=kernels.INDEX_LUT_ROWS,
+              topk_width=max(plan.index_topk, 1))
     skip = torch.zeros(n_layers, dtype=torch.int64)
     for j in skip_compress:
         if 0 <= j < n_layers:
             skip[j] = 1
     S.skip_compress = skip.data_ptr()
-    phases = []  # (kept alive for the call)
+    phases = []  # [B, 1 or 2, r] fp32 each (kept alive for the calls)
     odd = plan.ratio2 and bool((pos % 2 == 1).any())  # some row completes a ratio-2 entry: pair phases
-    for i, rope in enumerate(plan.ropes):
-        cos, sin = rope.phases(pos, ctx.shared)
-        S.cos[i], S.sin[i] = cos.data_ptr(), sin.data_ptr()
-        phases += [cos, sin]
-        if odd:
-            cos, sin = _pair_phases(rope, pos, ctx.shared)
-            S.pair_cos[i], S.pair_sin[i] = cos.data_ptr(), sin.data_ptr()
-            phases += [cos, sin]
-    if any(not (t.dtype == torch.float32 and t.is_contiguous()) for t in phases):
+    for rope in plan.ropes:
+        phases.append(rope.phases(pos, ctx.shared))
+        phases.append(_pair_phases(rope, pos, ctx.shared) if odd else (None, None))
+    if any(t is not None and not (t.dtype == torch.float32 and t.is_contiguous()) for p in phases for t in p):
         return None
     S.ring_codes, S.ring_scales = cache.window_codes.data_ptr(), cache.window_scales.data_ptr()
     S.ring_pos, S.pending = cache.window_pos.data_ptr(), cache.pending.data_ptr()
-    streams = streams.contiguous()
-    pre = upcast(pre).contiguous()
-    S.streams_in, S.pre_in = streams.data_ptr(), pre.data_ptr()
+    streams, pre = streams.contiguous(), upcast(pre).contiguous()
     buffers = (torch.empty_like(streams), torch.empty_like(streams))
-    pre_out = torch.empty((B, 1, streams.shape[2]), dtype=torch.float32)
-    S.streams = (_P * 2)(buffers[0].data_ptr(), buffers[1].data_ptr())
-    S.pre_out = pre_out.data_ptr()
+    pre_out = torch.empty((B, 1, hc), dtype=torch.float32)
     N = max(ctx.ends)  # the widest candidate pool: max(ends) // ratio entries in blocks
     S.pool_width = max([-(-(N // L.src_ratio) // L.block) for L in plan.layers if L.is_candidate_source] or [1])
-    topk = torch.empty((n_layers, B, S.topk_width), dtype=torch.int64)
-    counts = torch.zeros((3, n_layers), dtype=torch.int64)  # k, nblocks, written per layer
-    pool = torch.empty((n_layers, B, S.pool_width), dtype=torch.bool)
+    rows = min(B, kernels.FEW_ROWS)
+    topk = torch.empty((n_layers, rows, S.topk_width), dtype=torch.int64)
+    pool = torch.empty((n_layers, rows, S.pool_width), dtype=torch.bool)
+    counts = torch.zeros((3, n_layers), dtype=torch.int64)  # k, nblocks, entries written, per layer
     S.topk, S.pool = topk.data_ptr(), pool.data_ptr()
     S.k, S.nblocks, S.written = (counts[i].data_ptr() for i in range(3))
-    status = kernels.library().dsv41_decode_layers(plan.layers, layers.start, layers.stop, ctypes.byref(S))
-    if status == 1:
-        return None
-    if status == -2:
-        raise MemoryError("decode_layers kernel: no memory for its scratch")
-    if status == -1:
-        raise IndexError("an entry index lies past its block table")
-    if status != 0:
-        raise IndexError(f"an expert index lies outside [0, {plan.layers[S.failed_layer].E})")
-    for j, written in enumerate(counts[2].tolist()):
-        if written:
+    written = torch.zeros(n_layers, dtype=torch.int64)
+    pending = cache.pending[ctx.slots] if rows < B and plan.ratio2 else None  # restored if a later call declines
+    tensors = (pos, ctx.slots, ctx.tables, ctx.write_from, streams, pre, buffers[0], buffers[1], pre_out)
+    lib, out = kernels.library(), None
+    for start in range(0, B, rows):
+        n = min(rows, B - start)
+        S.B = n
+        (S.positions, S.slots, S.tables, S.write_from, S.streams_in, S.pre_in, first, second,
+         S.pre_out) = (t[start:start + n].data_ptr() for t in tensors)
+        S.streams = (_P * 2)(first, second)
+        for i in range(len(plan.ropes)):
+            (cos, sin), (pair_cos, pair_sin) = phases[2 * i], phases[2 * i + 1]
+            S.cos[i], S.sin[i] = cos[start:start + n].data_ptr(), sin[start:start + n].data_ptr()
+            if pair_cos is not None:
+                S.pair_cos[i], S.pair_sin[i] = (pair_cos[start:start + n].data_ptr(),
+                                                pair_sin[start:start + n].data_ptr())
+        status = lib.dsv41_decode_layers(plan.layers, layers.start, layers.stop, ctypes.byref(S))
+        if status:
+            if pending is not None:
+                cache.pending[ctx.slots] = pending
+            if status == 1:
+                return None
+            if status == -2:
+                raise MemoryError("decode_layers kernel: no memory for its scratch")
+            if status == -1:
+                raise IndexError("an entry index lies past its block table")
+            raise IndexError(f"an expert index lies outside [0, {plan.layers[S.failed_layer].E})")
+        out = 0 if S.streams_out == first else 1  # (the same buffer for every call: the layer count decides)
+        written += counts[2]
+        counts.zero_()
+    for j, count in enumerate(written.tolist()):
+        if count:
             ctx._decoded.pop(j, None)
-            ctx.entries_written[j] = ctx.entries_written.get(j, 0) + written
-    return (buffers[0] if S.streams_out == buffers[0].data_ptr() else buffers[1]), pre_out
+            ctx.entries_written[j] = ctx.entries_written.get(j, 0) + count
+    return buffers[out], pre_out
