@@ -29,12 +29,12 @@ STATE = ("window_codes", "window_scales", "window_pos", "pending")  # PagedKVCac
 LENGTHS = {"one": (29,), "batch": (29, 17, 8, 22)}  # prompt lengths (tiny: window 16, index_topk 8, pool 3 x 4)
 
 
-def tiny(dtype: torch.dtype, experts: str = "fp4", engram: bool = False, seed: int = 0) -> Transformer:
+def tiny(dtype: torch.dtype, experts: str = "fp4", engram: bool = False, seed: int = 0, cfg=None) -> Transformer:
     """The tiny config (every layer role; no Engram unless ``engram``) from ``seed``; routed experts ``"fp4"``
     (FP4-exact: the FP4 kernel), ``"plain"`` (random: bf16 copies in a bf16 model, none in fp32) or ``"mixed"``
-    (FP4-exact but one expert of layer 3: copies of some experts only)."""
-    cfg = tiny_config().replace(max_position_embeddings=8192)
-    if not engram:
+    (FP4-exact but one expert of layer 3: copies of some experts only). ``cfg`` replaces the tiny config."""
+    cfg = cfg or tiny_config().replace(max_position_embeddings=8192)
+    if not engram and cfg.engram_layer_ids:
         cfg = cfg.replace(engram_layer_ids=[], engram_num_embeddings=[])
     torch.manual_seed(seed)
     model = Transformer(cfg).eval()
@@ -50,9 +50,9 @@ class Run:
     """An engine (prefix caching off) over ``model``, stepped by hand, recording each forward's logits; ``plan``
     False forces the module path on this model."""
 
-    def __init__(self, model: Transformer, plan: bool = True):
+    def __init__(self, model: Transformer, plan: bool = True, max_model_len: int = 256):
         self.model, self.logits, self.last, self.open_pairs = model, [], {}, 0
-        self.llm = LLM(model, max_model_len=256, enable_prefix_caching=False)
+        self.llm = LLM(model, max_model_len=max_model_len, enable_prefix_caching=False)
         self.engine, self.cache = self.llm.engine, self.llm.engine.cache
         if not plan:
             model.__dict__[decode._PLAN] = False
@@ -161,6 +161,27 @@ def test_decode_plan_gives_the_module_paths_tokens_logprobs_and_cache_state(plan
     assert 0 < a.open_pairs < len(a.logits)  # steps that ended with a ratio-2 pair open, and steps without
     if batch == "batch":  # a row below the candidate pool's size at first: the Full branch for it, then Reindex
         assert min(lengths) < cfg.candidate_topk_blocks * cfg.candidate_block_size
+
+
+@pytest.mark.slow
+def test_decode_plan_equals_the_module_path_on_the_bench_model_past_its_candidate_pool(plan_runs):
+    """bench-8m (bench/engine.py: index_topk 64, candidate pool 32 blocks of 8, window 128), FP4 experts, two rows
+    whose contexts pass 256 entries during the decode (the Reindex layer's pool_select), in lockstep with the
+    module path: the same logits and cache state after every step."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from engine import bench_config
+
+    cfg = bench_config().replace(quantization_config=None)
+    a = Run(tiny(torch.float32, cfg=cfg), max_model_len=512)
+    b = Run(tiny(torch.float32, cfg=cfg), plan=False, max_model_len=512)
+    for run in (a, b):
+        run.add(prompts((253, 190)), 6)
+    lockstep(a, b)
+    assert a.results() == b.results() and plan_runs["ran"] >= 5 and plan_runs["declined"] == 0
+    assert 253 + 5 > cfg.candidate_topk_blocks * cfg.candidate_block_size > 253
 
 
 # ------------------------------------------------------------------------------------------------- the fallbacks
