@@ -41,12 +41,14 @@ static void widen(const void *x, int bf16, int64_t n, float *out) {
     else memcpy(out, x, (size_t)n * sizeof(float));
 }
 
-/* The ratio-2 layers' pending pairs of the step's rows, as they were before it: [layers with a pair, B, 2, d]. */
+/* Put back the pending pairs of the step's rows as they were before it: the first `count` ratio-2 layers whose pairs
+ * were saved (saved: [count, B, 2, d], in layer order). */
 static void restore_pending(const dsv41_decode_step *S, const dsv41_decode_layer *layers, int64_t first,
-                            int64_t done, const float *saved) {
-    for (int64_t j = first; j < done; j++) {
+                            int64_t count, const float *saved) {
+    for (int64_t j = first; count > 0; j++) {
         const dsv41_decode_layer *L = &layers[j];
         if (!(L->compress && !S->skip_compress[j] && L->ratio == 2)) continue;
+        count--;
         for (int64_t b = 0; b < S->B; b++, saved += 2 * L->d)
             memcpy(S->pending + ((S->slots[b] * S->pending_layers + L->pending_index) * 2) * L->d, saved,
                    (size_t)(2 * L->d) * sizeof(float));
@@ -309,7 +311,7 @@ int dsv41_decode_layers(const dsv41_decode_layer *layers, int64_t first, int64_t
     }
     S->failed_layer = status ? j : -1;
     S->streams_out = (void *)in;
-    if (status) restore_pending(S, layers, first, j + 1, A.saved);
+    if (status) restore_pending(S, layers, first, saved_layers, A.saved);
     free(base);
     return status;
 }

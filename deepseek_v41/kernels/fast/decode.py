@@ -22,7 +22,7 @@ the other fast paths. Source: SPEC.md §4.1 (the engine's decode), the reference
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -135,8 +135,9 @@ class DecodePlan:
     blocks: list
     index_topk: int
     ratio2: bool
+    compressing: bool = False
     cache: object = None
-    pending_of: dict | None = None
+    work: dict = field(default_factory=dict)  # rows per call -> _Work (run_decode's reusable state)
 
 
 def decode_plan(model) -> DecodePlan | None:
@@ -166,7 +167,8 @@ def _build(model) -> DecodePlan | None:
     array = (_Layer * len(layers))(*layers)
     dtype = torch.bfloat16 if layers[0].bf16 else torch.float32
     ratio2 = any(layer.compress and layer.ratio == 2 for layer in layers)
-    return DecodePlan(array, keep, watch, ropes, dtype, blocks, max(layer.index_topk for layer in layers), ratio2)
+    return DecodePlan(array, keep, watch, ropes, dtype, blocks, max(layer.index_topk for layer in layers), ratio2,
+                      any(layer.compress for layer in layers))
 
 
 def _addr(t: torch.Tensor | None, keep: list) -> int | None:
@@ -335,6 +337,7 @@ def _bind(plan: DecodePlan, cache) -> bool:
                                                                   cache.window_scales, cache.window_pos)):
         return False
     plan.cache = cache
+    plan.work.clear()  # (its _Step points into the previous cache)
     return True
 
 
@@ -366,52 +369,49 @@ def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torc
     a row with the same operations at any batch). Returns the new streams and ``pre``, or None when a kernel
     declined (the caller then runs the module path; the pending pairs are as before the call). Raises MemoryError /
     IndexError as the kernels' wrappers do."""
-    B, n_layers, hc = streams.shape[0], len(plan.layers), streams.shape[2]
+    B, hc = streams.shape[0], streams.shape[2]
     pos, cache = ctx.positions, ctx.cache
-    S = _Step(R=cache.window_rows, ring_layers=cache.window_codes.shape[1], pending_layers=cache.pending.shape[1],
-              table_len=ctx.tables.shape[1], block_size=cache.block_size, lut_rows=kernels.INDEX_LUT_ROWS,
-              topk_width=max(plan.index_topk, 1))
-    skip = torch.zeros(n_layers, dtype=torch.int64)
-    for j in skip_compress:
-        if 0 <= j < n_layers:
-            skip[j] = 1
-    S.skip_compress = skip.data_ptr()
+    work = _work(plan, ctx, min(B, kernels.FEW_ROWS))
+    S = work.step
+    S.table_len = ctx.tables.shape[1]
+    if skip_compress:
+        skip = torch.zeros(len(plan.layers), dtype=torch.int64)
+        skip[[j for j in skip_compress if 0 <= j < len(plan.layers)]] = 1
+        S.skip_compress = skip.data_ptr()
+    else:
+        S.skip_compress = work.no_skip.data_ptr()
     phases = []  # [B, 1 or 2, r] fp32 each (kept alive for the calls)
-    odd = plan.ratio2 and bool((pos % 2 == 1).any())  # some row completes a ratio-2 entry: pair phases
+    odd = plan.ratio2 and any(end % 2 == 0 for end in ctx.ends)  # a row at an odd position completes a ratio-2 pair
     for rope in plan.ropes:
         phases.append(rope.phases(pos, ctx.shared))
         phases.append(_pair_phases(rope, pos, ctx.shared) if odd else (None, None))
     if any(t is not None and not (t.dtype == torch.float32 and t.is_contiguous()) for p in phases for t in p):
         return None
-    S.ring_codes, S.ring_scales = cache.window_codes.data_ptr(), cache.window_scales.data_ptr()
-    S.ring_pos, S.pending = cache.window_pos.data_ptr(), cache.pending.data_ptr()
     streams, pre = streams.contiguous(), upcast(pre).contiguous()
     buffers = (torch.empty_like(streams), torch.empty_like(streams))
     pre_out = torch.empty((B, 1, hc), dtype=torch.float32)
     N = max(ctx.ends)  # the widest candidate pool: max(ends) // ratio entries in blocks
-    S.pool_width = max([-(-(N // L.src_ratio) // L.block) for L in plan.layers if L.is_candidate_source] or [1])
-    rows = min(B, kernels.FEW_ROWS)
-    topk = torch.empty((n_layers, rows, S.topk_width), dtype=torch.int64)
-    pool = torch.empty((n_layers, rows, S.pool_width), dtype=torch.bool)
-    counts = torch.zeros((3, n_layers), dtype=torch.int64)  # k, nblocks, entries written, per layer
-    S.topk, S.pool = topk.data_ptr(), pool.data_ptr()
-    S.k, S.nblocks, S.written = (counts[i].data_ptr() for i in range(3))
-    written = torch.zeros(n_layers, dtype=torch.int64)
-    pending = cache.pending[ctx.slots] if rows < B and plan.ratio2 else None  # restored if a later call declines
+    width = max([-(-(N // L.src_ratio) // L.block) for L in plan.layers if L.is_candidate_source] or [1])
+    if width > S.pool_width:  # (grows with the context)
+        work.pool = torch.empty((len(plan.layers), work.rows, 2 * width), dtype=torch.bool)
+        S.pool, S.pool_width = work.pool.data_ptr(), 2 * width
+    counts, written = work.counts, None
+    pending = cache.pending[ctx.slots] if work.rows < B and plan.ratio2 else None  # restored if a call declines
     tensors = (pos, ctx.slots, ctx.tables, ctx.write_from, streams, pre, buffers[0], buffers[1], pre_out)
     lib, out = kernels.library(), None
-    for start in range(0, B, rows):
-        n = min(rows, B - start)
+    for start in range(0, B, work.rows):
+        n = min(work.rows, B - start)
         S.B = n
-        (S.positions, S.slots, S.tables, S.write_from, S.streams_in, S.pre_in, first, second,
-         S.pre_out) = (t[start:start + n].data_ptr() for t in tensors)
-        S.streams = (_P * 2)(first, second)
+        ptrs = [t[start:start + n].data_ptr() for t in tensors]
+        S.positions, S.slots, S.tables, S.write_from, S.streams_in, S.pre_in, first, second, S.pre_out = ptrs
+        S.streams[0], S.streams[1] = first, second
         for i in range(len(plan.ropes)):
             (cos, sin), (pair_cos, pair_sin) = phases[2 * i], phases[2 * i + 1]
             S.cos[i], S.sin[i] = cos[start:start + n].data_ptr(), sin[start:start + n].data_ptr()
             if pair_cos is not None:
                 S.pair_cos[i], S.pair_sin[i] = (pair_cos[start:start + n].data_ptr(),
                                                 pair_sin[start:start + n].data_ptr())
+        counts.zero_()
         status = lib.dsv41_decode_layers(plan.layers, layers.start, layers.stop, ctypes.byref(S))
         if status:
             if pending is not None:
@@ -424,10 +424,41 @@ def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torc
                 raise IndexError("an entry index lies past its block table")
             raise IndexError(f"an expert index lies outside [0, {plan.layers[S.failed_layer].E})")
         out = 0 if S.streams_out == first else 1  # (the same buffer for every call: the layer count decides)
-        written += counts[2]
-        counts.zero_()
-    for j, count in enumerate(written.tolist()):
-        if count:
-            ctx._decoded.pop(j, None)
-            ctx.entries_written[j] = ctx.entries_written.get(j, 0) + count
+        written = counts[2].clone() if written is None else written + counts[2]
+    if plan.compressing:
+        for j, count in enumerate(written.tolist()):
+            if count:
+                ctx._decoded.pop(j, None)
+                ctx.entries_written[j] = ctx.entries_written.get(j, 0) + count
     return buffers[out], pre_out
+
+
+@dataclass
+class _Work:
+    """What :func:`run_decode` reuses from step to step for calls of ``rows`` rows: the ``_Step`` (its cache fields
+    set once), the picks, candidate pools and per-layer counts it points to, and a no-skip mask."""
+
+    rows: int
+    step: _Step
+    topk: torch.Tensor
+    pool: torch.Tensor
+    counts: torch.Tensor
+    no_skip: torch.Tensor
+
+
+def _work(plan: DecodePlan, ctx, rows: int) -> _Work:
+    work = plan.work.get(rows)
+    if work is None:
+        cache, n_layers = ctx.cache, len(plan.layers)
+        S = _Step(R=cache.window_rows, ring_layers=cache.window_codes.shape[1], pending_layers=cache.pending.shape[1],
+                  block_size=cache.block_size, lut_rows=kernels.INDEX_LUT_ROWS, topk_width=max(plan.index_topk, 1),
+                  pool_width=1)
+        S.ring_codes, S.ring_scales = cache.window_codes.data_ptr(), cache.window_scales.data_ptr()
+        S.ring_pos, S.pending = cache.window_pos.data_ptr(), cache.pending.data_ptr()
+        work = _Work(rows, S, torch.empty((n_layers, rows, S.topk_width), dtype=torch.int64),
+                     torch.empty((n_layers, rows, 1), dtype=torch.bool), torch.zeros((3, n_layers), dtype=torch.int64),
+                     torch.zeros(n_layers, dtype=torch.int64))
+        S.topk, S.pool = work.topk.data_ptr(), work.pool.data_ptr()
+        S.k, S.nblocks, S.written = (work.counts[i].data_ptr() for i in range(3))
+        plan.work[rows] = work
+    return work
