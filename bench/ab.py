@@ -6,13 +6,17 @@ the baseline first when r is even and this tree first when it is odd, so a drift
 alike. Each measure's ratio is taken per round (this tree over the baseline, inverted for milliseconds, ratios
 and memory so that > 1 always means this tree is better) and the medians are printed with their range.
 
+Every run's values of both trees are printed too, with each measure's median per tree, the targets of issue 25
+(``ISSUE25_TARGETS``) and, for the decode measures, the memory floor this tree's children measure beside their
+timings (``bench/floor.py``); ``--plot`` draws the medians against the targets and floors (PNG).
+
 ``--tokens`` first checks that both trees produce the same greedy tokens on the benchmark's workloads (a 1K
 prompt at batch 1, eight 1K prompts at batch 8, an 8K prompt in 2K chunks; 64 tokens each) in each dtype; the
 run stops with exit status 1 when they differ.
 
     git worktree add /tmp/base <commit>
     python bench/ab.py --base /tmp/base [--dtype fp32,bf16] [--rounds 5] [--repeat 3] [--only prefill,decode,long]
-                       [--tokens] [--save-json ab.json]
+                       [--tokens] [--save-json ab.json] [--plot ab.png]
 
 Progress goes to stderr and to ``--log`` (default ``bench-ab.log``), one line per child run.
 """
@@ -32,7 +36,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE / "bench"))
 
+import floor  # noqa: E402
 from engine import FAMILIES, _lower_is_better, make_model_dir, parse_families  # noqa: E402
+
+# Issue 25's targets on bench-8m (2 cores, quiet machine): (dtype, measure) -> value in the measure's unit.
+ISSUE25_TARGETS = {("fp32", "decode_b1_tok_s"): 380, ("fp32", "decode_b8_tok_s"): 2000,
+                   ("bf16", "decode_b1_tok_s"): 500, ("bf16", "prefill_8k_tok_s"): 10000}
 
 TOKENS_CHILD = r"""
 import json, sys
@@ -84,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a saved bench model")
     parser.add_argument("--save-json", type=Path, default=None)
     parser.add_argument("--log", type=Path, default=Path("bench-ab.log"))
+    parser.add_argument("--plot", type=Path, default=None, help="also draw both trees' medians, targets and floors")
     args = parser.parse_args(argv)
     families = parse_families(parser, args.only)
     dtypes = args.dtype.split(",")
@@ -114,25 +124,87 @@ def main(argv: list[str] | None = None) -> int:
                 if not same:
                     return 1
         ratios: dict[tuple[str, str], list[float]] = {}
+        runs: dict[tuple[str, str], dict[str, list[float]]] = {}  # every run's value per tree
+        floors: dict[tuple[str, str], list[dict]] = {}  # this tree's floor measurements
         for r in range(args.rounds):
             order = ("base", "new") if r % 2 == 0 else ("new", "base")
             for dtype in dtypes:
                 for family in families:
                     res = {k: _run(trees[k], ["bench/engine.py", "--child", family, "--model-dir", str(model_dir),
-                                              "--dtype", dtype, "--repeat", str(args.repeat)], log) for k in order}
+                                              "--dtype", dtype, "--repeat", str(args.repeat),
+                                              *(["--floor"] if k == "new" else [])], log) for k in order}
+                    for key, info in res["new"].pop("_floor", {"measures": {}})["measures"].items():
+                        floors.setdefault((dtype, key), []).append(info)
+                    res["base"].pop("_floor", None)
                     for key, value in res["new"].items():
                         ratios.setdefault((dtype, key), []).append(_ratio(key, res["base"][key], value))
+                        for tree in ("base", "new"):
+                            runs.setdefault((dtype, key), {"base": [], "new": []})[tree].append(res[tree][key])
             log(f"round {r + 1}/{args.rounds} done")
     print(f"\nthis tree / {base} (> 1: this tree better), median of {args.rounds} paired rounds [min, max]")
-    print(f"{'dtype':5} {'measure':24} {'median':>7} {'min':>6} {'max':>6}")
+    print(f"{'dtype':5} {'measure':24} {'median':>7} {'min':>6} {'max':>6} {'base':>9} {'new':>9} {'target':>7} "
+          f"{'floor':>8} {'x floor':>7}")
     table = {}
     for (dtype, key), values in ratios.items():
         med = statistics.median(values)
-        table[f"{dtype}/{key}"] = {"median": med, "min": min(values), "max": max(values), "rounds": values}
-        print(f"{dtype:5} {key:24} {med:7.3f} {min(values):6.3f} {max(values):6.3f}")
+        base_med, new_med = (statistics.median(runs[(dtype, key)][t]) for t in ("base", "new"))
+        target = ISSUE25_TARGETS.get((dtype, key))
+        floor_value = statistics.median(f["floor"] for f in floors[(dtype, key)]) if (dtype, key) in floors else None
+        table[f"{dtype}/{key}"] = {"median": med, "min": min(values), "max": max(values), "rounds": values,
+                                   "base": runs[(dtype, key)]["base"], "new": runs[(dtype, key)]["new"],
+                                   "base_median": base_med, "new_median": new_med, "target": target,
+                                   "floor": floor_value, "floor_runs": floors.get((dtype, key))}
+        line = (f"{dtype:5} {key:24} {med:7.3f} {min(values):6.3f} {max(values):6.3f} {base_med:9.2f} "
+                f"{new_med:9.2f} {target if target else '':>7}")
+        if floor_value:
+            line += f" {floor_value:8.2f} {floor.times_floor(key, new_med, floor_value):6.2f}x"
+        print(line)
+    print("\nevery run (base / this tree, in round order):")
+    for (dtype, key), both in runs.items():
+        print(f"{dtype:5} {key:24} base " + " / ".join(f"{v:.2f}" for v in both["base"]))
+        print(f"{'':5} {'':24} new  " + " / ".join(f"{v:.2f}" for v in both["new"]))
     if args.save_json:
         args.save_json.write_text(json.dumps(table, indent=1))
+    if args.plot:
+        plot(table, args.plot, f"bench-8m, {args.rounds} paired rounds: {base.name} / this tree")
     return 0
+
+
+def plot(table: dict[str, dict], path: Path, title: str) -> None:
+    """Per dtype, the tokens/s measures' medians of both trees as bars (log scale), each measure's issue-25
+    target as a dash and its memory floor (the decode measures) as a triangle, written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({k.split("/")[0] for k in table}, key=["fp32", "bf16"].index)
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
+        keys = [k.split("/")[1] for k in table if k.startswith(dtype + "/") and k.endswith("_tok_s")]
+        rows = [table[f"{dtype}/{k}"] for k in keys]
+        xs = range(len(keys))
+        ax.bar([x - 0.2 for x in xs], [r["base_median"] for r in rows], 0.4, label="before (median)")
+        ax.bar([x + 0.2 for x in xs], [r["new_median"] for r in rows], 0.4, label="this tree (median)")
+        for x, r in zip(xs, rows, strict=True):
+            ax.annotate(f"{r['median']:.2f}x", (x + 0.2, r["new_median"]), textcoords="offset points",
+                        xytext=(0, 3), ha="center", fontsize=8)
+        targets = [(x, r["target"]) for x, r in zip(xs, rows, strict=True) if r["target"]]
+        if targets:
+            ax.scatter(*zip(*targets, strict=True), marker="_", s=900, color="red", zorder=3, label="issue 25 target")
+        floors = [(x + 0.2, r["floor"]) for x, r in zip(xs, rows, strict=True) if r["floor"]]
+        if floors:
+            ax.scatter(*zip(*floors, strict=True), marker="v", s=60, color="black", zorder=3,
+                       label="memory floor (ceiling on tok/s)")
+        ax.set_yscale("log")
+        ax.set_xticks(list(xs), keys, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("tokens / s")
+        ax.set_title(f"{dtype}", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
