@@ -184,6 +184,35 @@ def test_decode_plan_equals_the_module_path_on_the_bench_model_past_its_candidat
     assert 253 + 5 > cfg.candidate_topk_blocks * cfg.candidate_block_size > 253
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_plan_taps_equal_the_module_paths_layer_inputs(plan_runs, dtype):
+    """A decode step asked for taps (a speculative engine's plain step: DSpark's target features) runs the plan and
+    hands each layer's input streams [B, 1, hc, D], equal bit for bit to the module path's, over steps of a batch
+    of four rows (one call) and of twenty (two calls of at most FEW_ROWS rows)."""
+    for lengths in (LENGTHS["batch"], tuple(5 + 3 * i for i in range(20))):
+        experts = "fp4" if dtype == torch.float32 else "plain"
+        a, b = Run(tiny(dtype, experts), max_model_len=128), Run(tiny(dtype, experts), plan=False, max_model_len=128)
+        tapped = {id(a): [], id(b): []}
+        for run in (a, b):
+            decode_step = run.engine.runner.decode
+
+            def with_taps(seqs, taps=None, run=run, decode_step=decode_step, tapped=tapped):
+                got = {}
+                out = decode_step(seqs, got)
+                tapped[id(run)].append({j: t.clone() for j, t in got.items()})
+                return out
+
+            run.engine.runner.decode = with_taps
+            run.add(prompts(lengths), 6)
+        ran = plan_runs["ran"]
+        lockstep(a, b)
+        assert a.results() == b.results() and plan_runs["ran"] > ran and plan_runs["declined"] == 0
+        assert len(tapped[id(a)]) == len(tapped[id(b)]) > 0
+        for x, y in zip(tapped[id(a)], tapped[id(b)], strict=True):
+            assert sorted(x) == sorted(y) == list(range(len(a.model.layers)))
+            assert all(torch.equal(x[j], y[j]) for j in x)
+
+
 # ------------------------------------------------------------------------------------------------- the fallbacks
 def test_a_hook_on_a_watched_module_runs_the_module_path_until_removed(plan_runs):
     """A forward hook on one block's attention (registered after the plan is built) makes every step take the

@@ -146,6 +146,8 @@ int dsv41_decode_layers(const dsv41_decode_layer *layers, int64_t first, int64_t
         void *middle = in == S->streams[0] ? S->streams[1] : S->streams[0];
         void *out = middle == S->streams[0] ? S->streams[1] : S->streams[0];
         const float *cos_ = S->cos[L->rope], *sin_ = S->sin[L->rope];
+        if (S->taps)  /* the layer's input streams (DSpark's target features) */
+            memcpy((char *)S->taps + j * S->taps_stride, in, (size_t)(B * hc * D) * el);
         /* ---- attention site */
         dsv41_hc_mix(in, bf16, B, hc, D, L->mix[0], L->mix[1], L->mix[2], L->norm_eps, L->hc_eps, L->iters, A.mix,
                      A.pre_a, A.post_a, A.comb_a);

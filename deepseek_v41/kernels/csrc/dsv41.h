@@ -485,6 +485,8 @@ typedef struct {
     float *pre_out;
     int64_t *topk, *k, *nblocks, *written; /* per layer: picks [L, B, topk_width], their count, pool blocks, entries */
     uint8_t *pool;                          /* per layer: the candidate pool [L, B, pool_width] */
+    void *taps;                             /* or NULL: each layer's input streams, layer j at j * taps_stride bytes */
+    int64_t taps_stride;
 } dsv41_decode_step;
 
 int dsv41_decode_layers(const dsv41_decode_layer *layers, int64_t first, int64_t last, dsv41_decode_step *S);

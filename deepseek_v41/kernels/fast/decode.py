@@ -65,13 +65,13 @@ def _run_layers(self: Transformer, layers: range, streams: torch.Tensor, pre: to
                 taps: dict[int, torch.Tensor] | None = None,
                 skip_compress: set[int] | frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
     few = streams.shape[0] * streams.shape[1] <= kernels.FEW_ROWS and kernels.usable(streams)
-    if (image_mask is None and taps is None and streams.shape[1] == 1 and layers.step == 1
+    if (image_mask is None and streams.shape[1] == 1 and layers.step == 1
             and torch.is_inference_mode_enabled() and kernels.usable(streams)):
         plan = decode_plan(self)
         if plan is not None and step_ok(streams, ctx, plan):
             if len(layers) == 0:
                 return streams, pre
-            done = run_decode(plan, layers, streams, pre, ctx, skip_compress)
+            done = run_decode(plan, layers, streams, pre, ctx, skip_compress, taps)
             if done is not None:
                 return done
     blocks = list(self._modules["layers"]._modules.values())  # (indexing a ModuleList costs ~1 µs)
@@ -116,7 +116,7 @@ class _Step(ctypes.Structure):
         *((n, _P * ROPES) for n in ("cos", "sin", "pair_cos", "pair_sin")),
         *((n, _P) for n in ("ring_codes", "ring_scales", "ring_pos", "pending", "streams_in", "pre_in")),
         ("streams", _P * 2), ("streams_out", _P), ("pre_out", _P),
-        *((n, _P) for n in ("topk", "k", "nblocks", "written", "pool")),
+        *((n, _P) for n in ("topk", "k", "nblocks", "written", "pool")), ("taps", _P), ("taps_stride", _I),
     ]
 
 
@@ -362,13 +362,15 @@ def step_ok(streams: torch.Tensor, ctx, plan: DecodePlan) -> bool:
 
 
 def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torch.Tensor, ctx,
-               skip_compress: set[int] | frozenset[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+               skip_compress: set[int] | frozenset[int], taps: dict[int, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``Transformer.run_layers`` of a decode step the plan takes (:func:`step_ok`): streams [B, 1, hc, D] and
     ``pre`` [B, 1, hc] through ``layers`` (consecutive), one :func:`dsv41_decode_layers` call per
     ``kernels.FEW_ROWS`` rows (each row's results are the same whichever rows share its call: every kernel computes
-    a row with the same operations at any batch). Returns the new streams and ``pre``, or None when a kernel
-    declined (the caller then runs the module path; the pending pairs are as before the call). Raises MemoryError /
-    IndexError as the kernels' wrappers do."""
+    a row with the same operations at any batch). ``taps``, when given, receives each layer's input streams [B, 1,
+    hc, D] (copies the call makes, as the module loop hands its layer inputs). Returns the new streams and ``pre``,
+    or None when a kernel declined (the caller then runs the module path; the pending pairs are as before the
+    call). Raises MemoryError / IndexError as the kernels' wrappers do."""
     B, hc = streams.shape[0], streams.shape[2]
     pos, cache = ctx.positions, ctx.cache
     work = _work(plan, ctx, min(B, kernels.FEW_ROWS))
@@ -397,6 +399,12 @@ def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torc
         S.pool, S.pool_width = work.pool.data_ptr(), 2 * width
     counts, written = work.counts, None
     pending = cache.pending[ctx.slots] if work.rows < B and plan.ratio2 else None  # restored if a call declines
+    tapped = None
+    if taps is not None:
+        tapped = torch.empty((len(plan.layers), *streams.shape), dtype=streams.dtype)
+        S.taps_stride = tapped[0].numel() * tapped.element_size()
+    else:
+        S.taps = None
     tensors = (pos, ctx.slots, ctx.tables, ctx.write_from, streams, pre, buffers[0], buffers[1], pre_out)
     lib, out = kernels.library(), None
     for start in range(0, B, work.rows):
@@ -405,6 +413,8 @@ def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torc
         ptrs = [t[start:start + n].data_ptr() for t in tensors]
         S.positions, S.slots, S.tables, S.write_from, S.streams_in, S.pre_in, first, second, S.pre_out = ptrs
         S.streams[0], S.streams[1] = first, second
+        if tapped is not None:
+            S.taps = tapped[0, start:start + n].data_ptr()
         for i in range(len(plan.ropes)):
             (cos, sin), (pair_cos, pair_sin) = phases[2 * i], phases[2 * i + 1]
             S.cos[i], S.sin[i] = cos[start:start + n].data_ptr(), sin[start:start + n].data_ptr()
@@ -430,6 +440,9 @@ def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torc
             if count:
                 ctx._decoded.pop(j, None)
                 ctx.entries_written[j] = ctx.entries_written.get(j, 0) + count
+    if tapped is not None:
+        for j in layers:
+            taps[j] = tapped[j]
     return buffers[out], pre_out
 
 
