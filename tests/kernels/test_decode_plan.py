@@ -184,33 +184,48 @@ def test_decode_plan_equals_the_module_path_on_the_bench_model_past_its_candidat
     assert 253 + 5 > cfg.candidate_topk_blocks * cfg.candidate_block_size > 253
 
 
+def with_taps(run: Run) -> list[dict[int, torch.Tensor]]:
+    """Make ``run``'s decode steps ask for taps (as a speculative engine's plain steps do); returns the list that
+    receives each step's taps (copies)."""
+    tapped = []
+    decode_step = run.engine.runner.decode
+
+    def decode_with_taps(seqs, taps=None):
+        got = {}
+        out = decode_step(seqs, got)
+        tapped.append({j: t.clone() for j, t in got.items()})
+        return out
+
+    run.engine.runner.decode = decode_with_taps
+    return tapped
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_plan_taps_equal_the_module_paths_layer_inputs(plan_runs, dtype):
     """A decode step asked for taps (a speculative engine's plain step: DSpark's target features) runs the plan and
-    hands each layer's input streams [B, 1, hc, D], equal bit for bit to the module path's, over steps of a batch
-    of four rows (one call) and of twenty (two calls of at most FEW_ROWS rows)."""
-    for lengths in (LENGTHS["batch"], tuple(5 + 3 * i for i in range(20))):
-        experts = "fp4" if dtype == torch.float32 else "plain"
-        a, b = Run(tiny(dtype, experts), max_model_len=128), Run(tiny(dtype, experts), plan=False, max_model_len=128)
-        tapped = {id(a): [], id(b): []}
-        for run in (a, b):
-            decode_step = run.engine.runner.decode
-
-            def with_taps(seqs, taps=None, run=run, decode_step=decode_step, tapped=tapped):
-                got = {}
-                out = decode_step(seqs, got)
-                tapped[id(run)].append({j: t.clone() for j, t in got.items()})
-                return out
-
-            run.engine.runner.decode = with_taps
-            run.add(prompts(lengths), 6)
-        ran = plan_runs["ran"]
-        lockstep(a, b)
-        assert a.results() == b.results() and plan_runs["ran"] > ran and plan_runs["declined"] == 0
-        assert len(tapped[id(a)]) == len(tapped[id(b)]) > 0
-        for x, y in zip(tapped[id(a)], tapped[id(b)], strict=True):
-            assert sorted(x) == sorted(y) == list(range(len(a.model.layers)))
-            assert all(torch.equal(x[j], y[j]) for j in x)
+    hands each layer's input streams [B, 1, hc, D], equal bit for bit to the module path's (four rows). With
+    twenty rows (two calls of at most FEW_ROWS rows; the module path would run the torch code there) the taps
+    change nothing: the logits equal those of the plan without taps, and every layer's tap has every row."""
+    experts = "fp4" if dtype == torch.float32 else "plain"
+    a, b = Run(tiny(dtype, experts)), Run(tiny(dtype, experts), plan=False)
+    taps = {id(a): with_taps(a), id(b): with_taps(b)}
+    for run in (a, b):
+        run.add(prompts(LENGTHS["batch"]), 6)
+    lockstep(a, b)
+    assert a.results() == b.results() and plan_runs["ran"] >= 5 and plan_runs["declined"] == 0
+    assert len(taps[id(a)]) == len(taps[id(b)]) == 5
+    for x, y in zip(taps[id(a)], taps[id(b)], strict=True):
+        assert sorted(x) == sorted(y) == list(range(len(a.model.layers)))
+        assert all(torch.equal(x[j], y[j]) for j in x)
+    a, c = Run(tiny(dtype, experts), max_model_len=64), Run(tiny(dtype, experts), max_model_len=64)
+    tapped = with_taps(a)
+    lengths = tuple(5 + 2 * i for i in range(20))
+    for run in (a, c):
+        run.add(prompts(lengths), 4)
+    ran = plan_runs["ran"]
+    lockstep(a, c)
+    assert a.results() == c.results() and plan_runs["ran"] == ran + 2 * 3
+    assert len(tapped) == 3 and all(t.shape[0] == 20 for step in tapped for t in step.values())
 
 
 # ------------------------------------------------------------------------------------------------- the fallbacks
