@@ -1,6 +1,7 @@
 """The decode plan (issue 25, deepseek_v41/kernels/fast/decode.py + csrc/decode.c): a one-token-per-row decode step's
 layers in one C call must give the module path's results bit for bit (logits, log-probabilities, tokens) and write
-the same KV cache state; hooks, Engram, plan-incompatible experts and the kernels turned off run the module path;
+the same KV cache state, Engram layers included (their modules run in Python between the C calls); hooks,
+plan-incompatible experts and the kernels turned off run the module path;
 a kernel that declines inside the call leaves the pending pairs as they were and the module path reruns the step;
 the ctypes mirrors of the C structs have the C layout.
 
@@ -296,11 +297,27 @@ def test_a_global_module_hook_suspends_the_plan_with_the_fast_paths(plan_runs):
     assert plan_runs["ran"] > ran
 
 
-@pytest.mark.parametrize("case", ["engram", "mixed experts", "plain fp32 experts"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_plan_with_engram_layers_equals_the_module_path(plan_runs, dtype):
+    """Engram layers (the tiny config's): the plan runs the layers between them in C and each Engram module in
+    Python on the call's rows; logits, tokens, log-probabilities and cache state equal the module path's in
+    lockstep (four rows: one call per run of layers)."""
+    experts = "fp4" if dtype == torch.float32 else "plain"
+    a = Run(tiny(dtype, experts, engram=True))
+    b = Run(tiny(dtype, experts, engram=True), plan=False)
+    assert any(block.engram is not None for block in a.model.layers)
+    for run in (a, b):
+        run.add(prompts(LENGTHS["batch"]), 8)
+    lockstep(a, b)
+    assert a.results() == b.results()
+    assert plan_runs["ran"] >= 7 and plan_runs["declined"] == 0
+
+
+@pytest.mark.parametrize("case", ["mixed experts", "plain fp32 experts"])
 def test_decode_plan_is_none_for_a_model_it_cannot_serve(plan_runs, case):
-    """An Engram layer, routed experts only some of which have exact copies, or fp32 experts with no exact copy:
-    no plan (the module path runs every step, and the engine still decodes)."""
-    model = {"engram": lambda: tiny(torch.float32, engram=True), "mixed experts": lambda: tiny(torch.float32, "mixed"),
+    """Routed experts only some of which have exact copies, or fp32 experts with no exact copy: no plan (the
+    module path runs every step, and the engine still decodes)."""
+    model = {"mixed experts": lambda: tiny(torch.float32, "mixed"),
              "plain fp32 experts": lambda: tiny(torch.float32, "plain")}[case]()
     run = Run(model)
     run.add(prompts((15,)), 4)

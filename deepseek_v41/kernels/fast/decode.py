@@ -71,7 +71,7 @@ def _run_layers(self: Transformer, layers: range, streams: torch.Tensor, pre: to
         if plan is not None and step_ok(streams, ctx, plan):
             if len(layers) == 0:
                 return streams, pre
-            done = run_decode(plan, layers, streams, pre, ctx, skip_compress, taps)
+            done = run_decode(plan, layers, streams, pre, ctx, skip_compress, taps, engram_rows)
             if done is not None:
                 return done
     blocks = list(self._modules["layers"]._modules.values())  # (indexing a ModuleList costs ~1 µs)
@@ -142,9 +142,9 @@ class DecodePlan:
 
 def decode_plan(model) -> DecodePlan | None:
     """The model's decode plan (built at the first call, then kept; see the module docstring), or None when some
-    block is not one the plan serves: a plain :class:`Block` without Engram with the fast block forward
-    installed, plain fp32 / bf16 norms, attention projections, RoPE, compressor and indexer of the shapes their
-    kernels read, a :class:`MoE` with the fast router and every routed expert packed exactly (FP4, else bf16),
+    block is not one the plan serves: a plain :class:`Block` (its Engram module, if any, runs in Python) with the
+    fast block forward installed, plain fp32 / bf16 norms, attention projections, RoPE, compressor and indexer of
+    the shapes their kernels read, a :class:`MoE` with the fast router and every routed expert packed exactly (FP4, else bf16),
     the shared expert fused, and no hooks."""
     plan = model.__dict__.get(_PLAN)
     if plan is None:
@@ -180,7 +180,7 @@ def _addr(t: torch.Tensor | None, keep: list) -> int | None:
 
 def _layer(block, specs: list, keep: list, watch: list, ropes: list) -> _Layer | None:
     """One block's ``_Layer`` (None when the plan cannot serve it: see :func:`decode_plan`)."""
-    if (type(block) is not Block or hooked(block) or block.engram is not None
+    if (type(block) is not Block or hooked(block)
             or getattr(block.__dict__.get("forward"), "__func__", None) is not _block_forward
             or block.__dict__.get("_fast_norms") != (True, True) or block.hc > kernels.MAX_HC):
         return None
@@ -362,15 +362,16 @@ def step_ok(streams: torch.Tensor, ctx, plan: DecodePlan) -> bool:
 
 
 def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torch.Tensor, ctx,
-               skip_compress: set[int] | frozenset[int], taps: dict[int, torch.Tensor] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+               skip_compress: set[int] | frozenset[int], taps: dict[int, torch.Tensor] | None = None,
+               engram_rows: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``Transformer.run_layers`` of a decode step the plan takes (:func:`step_ok`): streams [B, 1, hc, D] and
-    ``pre`` [B, 1, hc] through ``layers`` (consecutive), one :func:`dsv41_decode_layers` call per
-    ``kernels.FEW_ROWS`` rows (each row's results are the same whichever rows share its call: every kernel computes
-    a row with the same operations at any batch). ``taps``, when given, receives each layer's input streams [B, 1,
-    hc, D] (copies the call makes, as the module loop hands its layer inputs). Returns the new streams and ``pre``,
-    or None when a kernel declined (the caller then runs the module path; the pending pairs are as before the
-    call). Raises MemoryError / IndexError as the kernels' wrappers do."""
+    ``pre`` [B, 1, hc] through ``layers`` (consecutive), one :func:`dsv41_decode_layers` call per ``kernels.FEW_ROWS``
+    rows and run of layers between Engram layers (each row's results are the same whichever rows share its call:
+    every kernel computes a row with the same operations at any batch); an Engram layer's module runs in Python on
+    the call's rows (``engram_rows[j]`` [B, 1, columns]) before its block. ``taps``, when given, receives each
+    layer's input streams [B, 1, hc, D] (copies the calls make, as the module loop hands its layer inputs).
+    Returns the new streams and ``pre``, or None when a kernel declined (the caller then runs the module path; the
+    pending pairs are as before the call). Raises MemoryError / IndexError as the kernels' wrappers do."""
     B, hc = streams.shape[0], streams.shape[2]
     pos, cache = ctx.positions, ctx.cache
     work = _work(plan, ctx, min(B, kernels.FEW_ROWS))
@@ -397,43 +398,52 @@ def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torc
     if width > S.pool_width:  # (grows with the context)
         work.pool = torch.empty((len(plan.layers), work.rows, 2 * width), dtype=torch.bool)
         S.pool, S.pool_width = work.pool.data_ptr(), 2 * width
-    counts, written = work.counts, None
-    pending = cache.pending[ctx.slots] if work.rows < B and plan.ratio2 else None  # restored if a call declines
     tapped = None
     if taps is not None:
         tapped = torch.empty((len(plan.layers), *streams.shape), dtype=streams.dtype)
         S.taps_stride = tapped[0].numel() * tapped.element_size()
     else:
         S.taps = None
-    tensors = (pos, ctx.slots, ctx.tables, ctx.write_from, streams, pre, buffers[0], buffers[1], pre_out)
-    lib, out = kernels.library(), None
+    # Runs of layers: a new one starts at each Engram layer (its module runs in Python first).
+    cuts = [j for j in layers if j == layers.start or plan.blocks[j].engram is not None]
+    runs = list(zip(cuts, [*cuts[1:], layers.stop], strict=True))
+    counts, written = work.counts, None
+    pending = cache.pending[ctx.slots] if work.rows < B and plan.ratio2 else None  # restored if a call declines
+    lib, out = kernels.library(), 0
     for start in range(0, B, work.rows):
-        n = min(work.rows, B - start)
-        S.B = n
-        ptrs = [t[start:start + n].data_ptr() for t in tensors]
-        S.positions, S.slots, S.tables, S.write_from, S.streams_in, S.pre_in, first, second, S.pre_out = ptrs
-        S.streams[0], S.streams[1] = first, second
-        if tapped is not None:
-            S.taps = tapped[0, start:start + n].data_ptr()
+        rows = slice(start, min(B, start + work.rows))
+        S.B = rows.stop - start
+        S.positions, S.slots, S.tables, S.write_from = (t[rows].data_ptr() for t in (pos, ctx.slots, ctx.tables,
+                                                                                      ctx.write_from))
+        S.streams[0], S.streams[1], S.pre_out = buffers[0][rows].data_ptr(), buffers[1][rows].data_ptr(), \
+            pre_out[rows].data_ptr()
         for i in range(len(plan.ropes)):
             (cos, sin), (pair_cos, pair_sin) = phases[2 * i], phases[2 * i + 1]
-            S.cos[i], S.sin[i] = cos[start:start + n].data_ptr(), sin[start:start + n].data_ptr()
+            S.cos[i], S.sin[i] = cos[rows].data_ptr(), sin[rows].data_ptr()
             if pair_cos is not None:
-                S.pair_cos[i], S.pair_sin[i] = (pair_cos[start:start + n].data_ptr(),
-                                                pair_sin[start:start + n].data_ptr())
+                S.pair_cos[i], S.pair_sin[i] = pair_cos[rows].data_ptr(), pair_sin[rows].data_ptr()
+        if tapped is not None:
+            S.taps = tapped[0, rows].data_ptr()
         counts.zero_()
-        status = lib.dsv41_decode_layers(plan.layers, layers.start, layers.stop, ctypes.byref(S))
-        if status:
-            if pending is not None:
-                cache.pending[ctx.slots] = pending
-            if status == 1:
-                return None
-            if status == -2:
-                raise MemoryError("decode_layers kernel: no memory for its scratch")
-            if status == -1:
-                raise IndexError("an entry index lies past its block table")
-            raise IndexError(f"an expert index lies outside [0, {plan.layers[S.failed_layer].E})")
-        out = 0 if S.streams_out == first else 1  # (the same buffer for every call: the layer count decides)
+        x, p = streams[rows], pre[rows]
+        for first, stop in runs:
+            engram = plan.blocks[first].engram
+            if engram is not None:
+                x = engram(x, engram_rows[first][rows], None).contiguous()
+            S.streams_in, S.pre_in = x.data_ptr(), p.data_ptr()
+            status = lib.dsv41_decode_layers(plan.layers, first, stop, ctypes.byref(S))
+            if status:
+                if pending is not None:
+                    cache.pending[ctx.slots] = pending
+                if status == 1:
+                    return None
+                if status == -2:
+                    raise MemoryError("decode_layers kernel: no memory for its scratch")
+                if status == -1:
+                    raise IndexError("an entry index lies past its block table")
+                raise IndexError(f"an expert index lies outside [0, {plan.layers[S.failed_layer].E})")
+            out = 0 if S.streams_out == S.streams[0] else 1
+            x, p = buffers[out][rows], pre_out[rows]
         written = counts[2].clone() if written is None else written + counts[2]
     if plan.compressing:
         for j, count in enumerate(written.tolist()):
