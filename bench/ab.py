@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_json:
         args.save_json.write_text(json.dumps(table, indent=1))
     if args.plot:
-        plot(table, args.plot, f"bench-8m, {args.rounds} paired rounds: {base.name} / this tree")
+        commits = [subprocess.run(["git", "-C", str(t), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                  text=True, check=False).stdout.strip() or t.name for t in (base, HERE)]
+        plot(table, args.plot, f"bench-8m, {args.rounds} paired rounds: {commits[0]} (before) and {commits[1]}")
     return 0
 
 
@@ -179,7 +181,7 @@ def plot(table: dict[str, dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     dtypes = sorted({k.split("/")[0] for k in table}, key=["fp32", "bf16"].index)
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 5.2), squeeze=False)
     for ax, dtype in zip(axes[0], dtypes, strict=True):
         keys = [k.split("/")[1] for k in table if k.startswith(dtype + "/") and k.endswith("_tok_s")]
         rows = [table[f"{dtype}/{k}"] for k in keys]
@@ -200,7 +202,7 @@ def plot(table: dict[str, dict], path: Path, title: str) -> None:
         ax.set_xticks(list(xs), keys, rotation=20, ha="right", fontsize=8)
         ax.set_ylabel("tokens / s")
         ax.set_title(f"{dtype}", fontsize=10)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

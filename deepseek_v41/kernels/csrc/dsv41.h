@@ -12,12 +12,13 @@
  * (2**(b - 127); 0 is 2**-127, 255 is NaN). NaN / inf / -0 follow the package policy of deepseek_v41/quant.
  *
  * The library is the files of this folder, one per concept (codecs, pool, window, rope_norm, hyper, gemv,
- * attention, compressor, moe, indexer, topk), built by one compiler call (deepseek_v41/kernels/loader.py). This
- * header is what they share: the formats and their tables, the thread pool's parallel_for, the fp32 / bf16 row
- * helpers and vector sums (static inline, so each file inlines them as one file did), the GEMV weight rows, the
- * functions one file defines for others (hidden: the library exports the dsv41_* entry points alone), and the
- * entry points, whose ctypes signatures sit beside their Python wrappers (the modules of deepseek_v41/kernels;
- * tests/kernels checks that the two agree).
+ * attention, compressor, moe, indexer, topk; decode: a decode step's layers, calling the others), built by one
+ * compiler call (deepseek_v41/kernels/loader.py). This header is what they share: the formats and their tables,
+ * the thread pool's parallel_for, the fp32 / bf16 row helpers and vector sums (static inline, so each file inlines
+ * them as one file did), the GEMV weight rows, the functions one file defines for others (hidden: the library
+ * exports the dsv41_* entry points alone), and the entry points, whose ctypes signatures sit beside their Python
+ * wrappers (the modules of deepseek_v41/kernels and kernels/fast/decode.py; tests/kernels checks that the two
+ * agree).
  */
 #ifndef DSV41_H
 #define DSV41_H

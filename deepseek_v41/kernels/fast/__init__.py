@@ -3,8 +3,8 @@
 ``deepseek_v41/model`` is the reference math only (what training, the exact forward and the engine all run).
 This package holds the fast paths: for each model class that has one, an *installer* registered with
 :func:`~deepseek_v41.kernels.fast.registry.register` (in :mod:`~deepseek_v41.kernels.fast.attention`, ``block``,
-``dense`` and ``moe``, which this package imports) looks at one module instance once — its class is exactly the
-registered class (not a subclass), it has no hooks, its weights have dtypes and shapes the kernels take — packs what
+``decode``, ``dense`` and ``moe``, which this package imports) looks at one module instance once — its class is exactly
+the registered class (not a subclass), it has no hooks, its weights have dtypes and shapes the kernels take — packs what
 its fast forward needs (FP4 expert copies, stacked weights) and replaces methods of that instance (``forward``, or a
 named method the reference forward calls, e.g. a block's mixing) with fast versions through :func:`override`. A fast
 version serves the shapes it is made for (a few tokens, inference mode, CPU tensors) and calls the reference method

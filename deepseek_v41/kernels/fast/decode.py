@@ -144,8 +144,8 @@ def decode_plan(model) -> DecodePlan | None:
     """The model's decode plan (built at the first call, then kept; see the module docstring), or None when some
     block is not one the plan serves: a plain :class:`Block` (its Engram module, if any, runs in Python) with the
     fast block forward installed, plain fp32 / bf16 norms, attention projections, RoPE, compressor and indexer of
-    the shapes their kernels read, a :class:`MoE` with the fast router and every routed expert packed exactly (FP4, else bf16),
-    the shared expert fused, and no hooks."""
+    the shapes their kernels read, a :class:`MoE` with the fast router and every routed expert packed exactly (FP4,
+    else bf16), the shared expert fused, and no hooks."""
     plan = model.__dict__.get(_PLAN)
     if plan is None:
         plan = _build(model)

@@ -1,7 +1,7 @@
 """The fast backend's registry and the checks its installers share: which installer serves which model class,
 how a method is replaced on one instance, and when a module is plain enough for a fast path to stand in for it.
 
-The installer modules (``attention``, ``block``, ``dense``, ``moe``) import this, and the package
+The installer modules (``attention``, ``block``, ``decode``, ``dense``, ``moe``) import this, and the package
 (:mod:`deepseek_v41.kernels.fast`) imports them, so nothing here imports the package.
 """
 
