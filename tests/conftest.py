@@ -71,3 +71,21 @@ def redis_server(tmp_path):
     """(process, url) of a redis-server of this test alone (one the test may stop with SIGSTOP); killed after."""
     with _redis_process(tmp_path, "64mb") as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def kernel_library():
+    """The fused CPU kernels' library, for tests of what only the kernels do (their FP4 expert copies, a kernel's
+    own results). Turned off on purpose (``DSV41_CPU_KERNELS=0``: the torch fallback under test) skips them; a
+    library that could not be built skips them too, but fails them under CI=true, where it must build."""
+    from deepseek_v41 import kernels
+
+    lib = kernels.library()
+    if lib is None:
+        if os.environ.get("DSV41_CPU_KERNELS", "1") == "0":
+            pytest.skip("the fused CPU kernels are turned off (DSV41_CPU_KERNELS=0)")
+        message = "the fused CPU kernels could not be built"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{message}; CI must build them")
+        pytest.skip(message)
+    return lib

@@ -41,6 +41,10 @@ class PagedContext:
     rows with positions past their pages, whose entries then go to the null page (DSPARK.md §7).
     """
 
+    # The fast decode plan (kernels/fast/decode.py) reads and writes this context's cache tensors itself: it takes
+    # contexts of exactly this class (a subclass could change what they hold).
+    PAGED = True
+
     def __init__(self, cache: PagedKVCache, slots: list[int], tables: list[list[int]], positions: torch.Tensor,
                  ends: list[int], dtype: torch.dtype, write_from: list[int] | None = None,
                  key_limit: torch.Tensor | None = None):

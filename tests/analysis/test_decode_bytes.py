@@ -18,9 +18,9 @@ def _config():
 
 
 @pytest.fixture(scope="module")
-def fp4_model(tmp_path_factory):
+def fp4_model(tmp_path_factory, kernel_library):
     """The tiny config (no Engram) saved with FP4 experts and loaded in fp32, fast paths installed as the engine
-    does."""
+    does (they make the packed FP4 copies: with the kernels off there are none to count)."""
     path = tmp_path_factory.mktemp("fp4")
     torch.manual_seed(0)
     Transformer(_config()).save_pretrained(path, quantization="official")

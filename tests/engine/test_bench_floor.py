@@ -15,7 +15,7 @@ from deepseek_v41.config import tiny_config
 from deepseek_v41.model.transformer import Transformer
 
 
-def test_floors_of_the_engines_model_are_its_bytes_over_the_bandwidth(tmp_path):
+def test_floors_of_the_engines_model_are_its_bytes_over_the_bandwidth(tmp_path, kernel_library):
     from deepseek_v41.engine import LLM
 
     torch.manual_seed(0)

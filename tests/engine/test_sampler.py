@@ -295,7 +295,7 @@ def test_argmax_is_torch_argmax_with_ties_nan_and_inf(dtype):
 
 
 @pytest.mark.parametrize("V", [1, 7, 16, 17, 300, 8192])
-def test_argmax_kernel_gives_torchs_indices(monkeypatch, V):
+def test_argmax_kernel_gives_torchs_indices(monkeypatch, V, kernel_library):
     """fp32 rows take the kernel (deepseek_v41.kernels.argmax: a vector pass for the maximum and NaN, then the
     first index), whose picks are torch's: ties, NaN at the start / in the middle / in the last lanes, +-0, all
     -inf, +inf, row lengths below, at and past the vector width."""

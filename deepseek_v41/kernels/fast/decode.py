@@ -343,14 +343,12 @@ def _bind(plan: DecodePlan, cache) -> bool:
 
 def step_ok(streams: torch.Tensor, ctx, plan: DecodePlan) -> bool:
     """Whether this step may run the plan: one new token per row (decode), streams of the plan's dtype, contiguous
-    on the CPU, a :class:`~deepseek_v41.cache.paged_context.PagedContext` computing in fp32 (no image spans, no
-    training state) whose positions the kernels take, a cache the plan can bind, and no hook on the plan's
-    modules."""
-    from deepseek_v41.cache.paged_context import PagedContext  # (it imports this package)
-
+    on the CPU, a :class:`~deepseek_v41.cache.paged_context.PagedContext` (its class marked ``PAGED``: that module
+    imports this package) computing in fp32 (no image spans, no training state) whose positions the kernels take,
+    a cache the plan can bind, and no hook on the plan's modules."""
     if not (streams.dim() == 4 and streams.shape[1] == 1 and streams.dtype == plan.dtype
             and streams.shape[2] == plan.layers[0].hc and streams.shape[3] == plan.layers[0].D
-            and type(ctx) is PagedContext and not plan.blocks[0].training):
+            and type(ctx).__dict__.get("PAGED") is True and not plan.blocks[0].training):
         return False
     pos = ctx.positions
     if not (ctx.dtype == torch.float32 and ctx.key_limit is None and ctx.indexer_losses is None
