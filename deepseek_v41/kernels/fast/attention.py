@@ -155,6 +155,7 @@ def _install_compress(m: Attention, rope: RotaryEmbedding) -> bool:
         return False
     ratio, layer, dtype = c.ratio, m.spec.layer_id, w[0].dtype
     weights = (w[0], w[4] if ratio == 2 else None, w[1], cm["norm"].eps, w[2], w[3], im["k_norm"].eps)
+    m.__dict__["_fast_compress"] = weights  # (wkv, wgate, norm, eps, wk, k_norm, k_eps): the decode plan reads them
     reference = Attention.compress
 
     def compress(self: Attention, x: torch.Tensor, ctx) -> None:

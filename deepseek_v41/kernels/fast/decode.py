@@ -35,7 +35,6 @@ from deepseek_v41.kernels.fast.warm import warm
 from deepseek_v41.kernels.loader import register as register_signatures
 from deepseek_v41.model.attention import Attention, GroupedLinear, SparseAttention
 from deepseek_v41.model.block import Block
-from deepseek_v41.model.compressor import Compressor
 from deepseek_v41.model.indexer import Indexer
 from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.moe import Gate, MoE
@@ -245,21 +244,17 @@ def _layer(block, specs: list, keep: list, watch: list, ropes: list) -> _Layer |
 
 
 def _compressor(attn: Attention, L: _Layer, keep: list, watch: list) -> bool:
-    """The compressor's fields (what ``_install_compress`` packs); False when it is not installed."""
+    """The compressor's fields (the weights ``_install_compress`` packed); False when it is not installed."""
+    packed = attn.__dict__.get("_fast_compress")
     c, ix = attn._modules["compressor"], attn._modules.get("indexer")
-    if "compress" not in attn.__dict__ or type(c) is not Compressor or type(ix) is not Indexer:
+    if "compress" not in attn.__dict__ or packed is None or c.ratio not in (1, 2):
         return False
-    cm, im = c._modules, ix._modules
-    mods = [(cm["wkv"], Linear), (cm["norm"], RMSNorm), (im["wk"], Linear), (im["k_norm"], RMSNorm)]
-    if c.ratio == 2:
-        mods.append((cm["wgate"], Linear))
-    w = _weights(*mods)
-    if w is None or w[0].dtype != (torch.bfloat16 if L.bf16 else torch.float32) or c.ratio not in (1, 2):
+    wkv, wgate, norm, eps, wk, k_norm, k_eps = packed
+    if wkv.dtype != (torch.bfloat16 if L.bf16 else torch.float32):
         return False
     L.compress, L.di = 1, ix.head_dim
-    L.c_wkv, L.c_norm, L.c_wk, L.c_knorm = (_addr(t, keep) for t in w[:4])
-    L.c_wgate = _addr(w[4], keep) if c.ratio == 2 else None
-    L.c_eps, L.c_keps = cm["norm"].eps, im["k_norm"].eps
+    L.c_wkv, L.c_wgate, L.c_norm, L.c_wk, L.c_knorm = (_addr(t, keep) for t in (wkv, wgate, norm, wk, k_norm))
+    L.c_eps, L.c_keps = eps, k_eps
     watch += [c, ix]
     return True
 
