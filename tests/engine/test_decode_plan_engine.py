@@ -4,7 +4,8 @@ surface, on the bundled checkpoint (an Engram layer, a DSpark draft): with the s
 mid-decode, speculative decoding's plain steps with taps) an LLM whose decode steps run the plan gives the same
 tokens, texts and log-probabilities, bit for bit, as the same LLM forced onto the module path
 (``model.__dict__[decode._PLAN] = False``); and a batch above 16 rows (the plan's calls of 16) gives every prompt
-the greedy tokens it gets decoded alone.
+the greedy tokens it gets decoded alone. Slow: two LLMs on one model object generating on two threads at once
+give each its sequential tokens (module path: yes; the plan: not yet, marked xfail, a race on the plan's binding).
 
 Oracles: the module path of the same checkpoint (equality), the prompt decoded alone (tokens only: above 16 rows
 the LM head is a torch matmul whose rounding depends on the batch, so log-probabilities may differ there by ~1e-6).
@@ -13,10 +14,12 @@ the LM head is a torch matmul whose rounding depends on the batch, so log-probab
 from __future__ import annotations
 
 import gc
+import threading
 from pathlib import Path
 
 import pytest
 
+from deepseek_v41 import load_model
 from deepseek_v41.engine import LLM, SamplingParams
 from deepseek_v41.kernels.fast import decode
 
@@ -116,3 +119,33 @@ def test_a_batch_above_16_rows_gives_each_prompt_its_greedy_tokens_alone(plan_ro
     alone = [list(engine.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
     assert together == alone
     assert min(plan_rows) == 1  # and each prompt's steps alone
+
+
+RACE = pytest.mark.xfail(reason="the plan lives on the model and holds one cache's bound state (_bind: the layers' "
+                                "pool pointers, plan.work's _Step and scratch); two engines on one model stepping on "
+                                "two threads rebind it under each other's C call (ctypes releases the GIL)",
+                         strict=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", [pytest.param(True, marks=RACE, id="plan"), pytest.param(False, id="module")])
+def test_two_engines_on_one_model_on_two_threads_give_their_sequential_tokens(kernel_library, plan):
+    model = load_model(BUNDLED).float()
+    a, b = (LLM(model, tokenizer=BUNDLED, enable_prefix_caching=False) for _ in range(2))
+    if not plan:
+        model.__dict__[decode._PLAN] = False
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    work = {"a": (a, ["The quick brown fox " * 3, "Hello"]), "b": (b, ["Once upon a time " * 4, "1 2 3", "zzz"])}
+
+    def tokens(name: str) -> list[list[int]]:
+        engine, prompts = work[name]
+        return [list(o.outputs[0].token_ids) for o in engine.generate(prompts, params, use_tqdm=False)]
+
+    alone = {name: tokens(name) for name in work}
+    together: dict[str, list] = {}
+    threads = [threading.Thread(target=lambda n=name: together.__setitem__(n, tokens(n))) for name in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert together == alone
