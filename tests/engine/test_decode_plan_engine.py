@@ -5,7 +5,8 @@ mid-decode, speculative decoding's plain steps with taps) an LLM whose decode st
 tokens, texts and log-probabilities, bit for bit, as the same LLM forced onto the module path
 (``model.__dict__[decode._PLAN] = False``); and a batch above 16 rows (the plan's calls of 16) gives every prompt
 the greedy tokens it gets decoded alone. Slow: two LLMs on one model object generating on two threads at once
-give each its sequential tokens (module path: yes; the plan: not yet, marked xfail, a race on the plan's binding).
+give each its sequential tokens (the plan keeps its binding per KV cache); a dropped LLM's KV cache is freed though
+the model, and its plan, live on.
 
 Oracles: the module path of the same checkpoint (equality), the prompt decoded alone (tokens only: above 16 rows
 the LM head is a torch matmul whose rounding depends on the batch, so log-probabilities may differ there by ~1e-6).
@@ -42,8 +43,8 @@ def plan_rows(monkeypatch, kernel_library):
     rows: list[int] = []
     real = decode.run_decode
 
-    def spy(plan, layers, streams, *args, **kwargs):
-        out = real(plan, layers, streams, *args, **kwargs)
+    def spy(plan, bound, layers, streams, *args, **kwargs):
+        out = real(plan, bound, layers, streams, *args, **kwargs)
         if out is not None:
             rows.append(streams.shape[0])
         return out
@@ -121,14 +122,8 @@ def test_a_batch_above_16_rows_gives_each_prompt_its_greedy_tokens_alone(plan_ro
     assert min(plan_rows) == 1  # and each prompt's steps alone
 
 
-RACE = pytest.mark.xfail(reason="the plan lives on the model and holds one cache's bound state (_bind: the layers' "
-                                "pool pointers, plan.work's _Step and scratch); two engines on one model stepping on "
-                                "two threads rebind it under each other's C call (ctypes releases the GIL)",
-                         strict=False)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", [pytest.param(True, marks=RACE, id="plan"), pytest.param(False, id="module")])
+@pytest.mark.parametrize("plan", [True, False], ids=["plan", "module"])
 def test_two_engines_on_one_model_on_two_threads_give_their_sequential_tokens(kernel_library, plan):
     model = load_model(BUNDLED).float()
     a, b = (LLM(model, tokenizer=BUNDLED, enable_prefix_caching=False) for _ in range(2))
@@ -149,3 +144,20 @@ def test_two_engines_on_one_model_on_two_threads_give_their_sequential_tokens(ke
     for t in threads:
         t.join(timeout=120)
     assert together == alone
+
+
+def test_a_dropped_llms_kv_cache_is_freed_while_the_model_and_its_plan_live(kernel_library):
+    """The plan binds to each KV cache it serves weakly: deleting an LLM built on a model object frees that LLM's
+    cache (its KV pool) though the model, and the plan on it, stay."""
+    import gc
+    import weakref
+
+    model = load_model(BUNDLED).float()
+    llm = LLM(model, tokenizer=BUNDLED, enable_prefix_caching=False, max_model_len=64)
+    llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    plan = decode.decode_plan(model)
+    assert plan is not None and len(plan.bound) == 1
+    cache = weakref.ref(llm.engine.cache)
+    del llm
+    gc.collect()
+    assert cache() is None and len(plan.bound) == 0

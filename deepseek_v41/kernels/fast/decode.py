@@ -22,6 +22,7 @@ the other fast paths. Source: SPEC.md §4.1 (the engine's decode), the reference
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -67,10 +68,11 @@ def _run_layers(self: Transformer, layers: range, streams: torch.Tensor, pre: to
     if (image_mask is None and streams.shape[1] == 1 and layers.step == 1
             and torch.is_inference_mode_enabled() and kernels.usable(streams)):
         plan = decode_plan(self)
-        if plan is not None and step_ok(streams, ctx, plan):
+        bound = step_ok(streams, ctx, plan) if plan is not None else None
+        if bound is not None:
             if len(layers) == 0:
                 return streams, pre
-            done = run_decode(plan, layers, streams, pre, ctx, skip_compress, taps, engram_rows)
+            done = run_decode(plan, bound, layers, streams, pre, ctx, skip_compress, taps, engram_rows)
             if done is not None:
                 return done
     blocks = list(self._modules["layers"]._modules.values())  # (indexing a ModuleList costs ~1 µs)
@@ -123,8 +125,8 @@ class _Step(ctypes.Structure):
 class DecodePlan:
     """A model's decode plan: each block's ``_Layer`` (``layers``, a ctypes array), the tensors their addresses
     point into (``keep``: fp32 widenings made here), the modules whose hooks each step checks (``watch``), each
-    layer's RoPE module by phase-table index (``ropes``), the kv-source layers' RoPE table for ratio-2 pair phases,
-    and the cache the pools' addresses were taken from (``cache``, bound at the first step over it)."""
+    layer's RoPE module by phase-table index (``ropes``), and the plan bound to each KV cache it served (``bound``:
+    :class:`_Bound`, weakly keyed by the cache)."""
 
     layers: ctypes.Array
     keep: list
@@ -135,8 +137,7 @@ class DecodePlan:
     index_topk: int
     ratio2: bool
     compressing: bool = False
-    cache: object = None
-    work: dict = field(default_factory=dict)  # rows per call -> _Work (run_decode's reusable state)
+    bound: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
 
 def decode_plan(model) -> DecodePlan | None:
@@ -311,53 +312,66 @@ def _moe(moe: MoE, L: _Layer, D: int, keep: list, watch: list) -> bool:
     return True
 
 
-def _bind(plan: DecodePlan, cache) -> bool:
-    """Point the layers at ``cache``'s pools and pending pairs (once per cache); False when the cache's layout is not
-    the one the kernels read (then the module path runs)."""
-    if plan.cache is cache:
-        return True
-    for L in plan.layers:
+@dataclass
+class _Bound:
+    """The plan bound to one KV cache: a copy of the plan's layers pointing at that cache's pools and pending pairs
+    (``layers``), and :func:`run_decode`'s reusable state per row count (``work``: rows -> :class:`_Work`). Kept
+    per cache, weakly (:attr:`DecodePlan.bound`), so engines sharing one model never write into each other's
+    state, even from two threads (a C call runs without the GIL), and a dropped engine's cache is freed."""
+
+    layers: ctypes.Array
+    work: dict = field(default_factory=dict)
+
+
+def _bind(plan: DecodePlan, cache) -> _Bound | None:
+    """The plan bound to ``cache`` (made at its first step); None when the cache's layout is not the one the
+    kernels read (then the module path runs)."""
+    bound = plan.bound.get(cache)
+    if bound is not None:
+        return bound
+    layers = (_Layer * len(plan.layers))(*plan.layers)  # (a copy: the fields are values and addresses)
+    for L in layers:
         if not L.sparse:
             continue
         pools = cache.pools.get(L.kv_source)
         if pools is None or cache.ratio[L.kv_source] != L.src_ratio or not kernels.usable(*pools):
-            return False
+            return None
         if L.compress and L.ratio == 2:
             if L.layer not in cache.pending_layers:
-                return False
+                return None
             L.pending_index = cache.pending_layers.index(L.layer)
         L.pools = (_P * 4)(*(t.data_ptr() for t in pools))
         L.pool_pages, L.per_page = pools[0].shape[0], pools[0].shape[1]
     if not (cache.pending.dtype == torch.float32 and kernels.usable(cache.pending, cache.window_codes,
                                                                   cache.window_scales, cache.window_pos)):
-        return False
-    plan.cache = cache
-    plan.work.clear()  # (its _Step points into the previous cache)
-    return True
+        return None
+    bound = plan.bound[cache] = _Bound(layers)
+    return bound
 
 
-def step_ok(streams: torch.Tensor, ctx, plan: DecodePlan) -> bool:
-    """Whether this step may run the plan: one new token per row (decode), streams of the plan's dtype, contiguous
-    on the CPU, a :class:`~deepseek_v41.cache.paged_context.PagedContext` (its class marked ``PAGED``: that module
-    imports this package) computing in fp32 (no image spans, no training state) whose positions the kernels take,
-    a cache the plan can bind, and no hook on the plan's modules."""
+def step_ok(streams: torch.Tensor, ctx, plan: DecodePlan) -> _Bound | None:
+    """The plan bound to this step's cache when the step may run it: one new token per row (decode), streams of the
+    plan's dtype, contiguous on the CPU, a :class:`~deepseek_v41.cache.paged_context.PagedContext` (its class marked
+    ``PAGED``: that module imports this package) computing in fp32 (no image spans, no training state) whose
+    positions the kernels take, a cache the plan can bind, and no hook on the plan's modules; else None."""
     if not (streams.dim() == 4 and streams.shape[1] == 1 and streams.dtype == plan.dtype
             and streams.shape[2] == plan.layers[0].hc and streams.shape[3] == plan.layers[0].D
             and type(ctx).__dict__.get("PAGED") is True and not plan.blocks[0].training):
-        return False
+        return None
     pos = ctx.positions
     if not (ctx.dtype == torch.float32 and ctx.key_limit is None and ctx.indexer_losses is None
             and not ctx.dense_indexer and ctx.fake_quant and pos.dtype == torch.int64 and pos.shape == streams.shape[:2]
             and ctx.tables.dtype == torch.int64 and kernels.usable(streams, pos, ctx.slots, ctx.tables, ctx.write_from)
-            and _bind(plan, ctx.cache)):
-        return False
-    return not any(hooked(m) for m in plan.watch)
+            and not any(hooked(m) for m in plan.watch)):
+        return None
+    return _bind(plan, ctx.cache)
 
 
-def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torch.Tensor, ctx,
+def run_decode(plan: DecodePlan, bound: _Bound, layers: range, streams: torch.Tensor, pre: torch.Tensor, ctx,
                skip_compress: set[int] | frozenset[int], taps: dict[int, torch.Tensor] | None = None,
                engram_rows: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``Transformer.run_layers`` of a decode step the plan takes (:func:`step_ok`): streams [B, 1, hc, D] and
+    """``Transformer.run_layers`` of a decode step the plan takes (:func:`step_ok` gave ``bound``, the plan bound to
+    the step's cache): streams [B, 1, hc, D] and
     ``pre`` [B, 1, hc] through ``layers`` (consecutive), one :func:`dsv41_decode_layers` call per ``kernels.FEW_ROWS``
     rows and run of layers between Engram layers (each row's results are the same whichever rows share its call:
     every kernel computes a row with the same operations at any batch); an Engram layer's module runs in Python on
@@ -367,7 +381,7 @@ def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torc
     pending pairs are as before the call). Raises MemoryError / IndexError as the kernels' wrappers do."""
     B, hc = streams.shape[0], streams.shape[2]
     pos, cache = ctx.positions, ctx.cache
-    work = _work(plan, ctx, min(B, kernels.FEW_ROWS))
+    work = _work(plan, bound, ctx, min(B, kernels.FEW_ROWS))
     S = work.step
     S.table_len = ctx.tables.shape[1]
     if skip_compress:
@@ -424,7 +438,7 @@ def run_decode(plan: DecodePlan, layers: range, streams: torch.Tensor, pre: torc
             if engram is not None:
                 x = engram(x, engram_rows[first][rows], None).contiguous()
             S.streams_in, S.pre_in = x.data_ptr(), p.data_ptr()
-            status = lib.dsv41_decode_layers(plan.layers, first, stop, ctypes.byref(S))
+            status = lib.dsv41_decode_layers(bound.layers, first, stop, ctypes.byref(S))
             if status:
                 if pending is not None:
                     cache.pending[ctx.slots] = pending
@@ -462,8 +476,8 @@ class _Work:
     no_skip: torch.Tensor
 
 
-def _work(plan: DecodePlan, ctx, rows: int) -> _Work:
-    work = plan.work.get(rows)
+def _work(plan: DecodePlan, bound: _Bound, ctx, rows: int) -> _Work:
+    work = bound.work.get(rows)
     if work is None:
         cache, n_layers = ctx.cache, len(plan.layers)
         S = _Step(R=cache.window_rows, ring_layers=cache.window_codes.shape[1], pending_layers=cache.pending.shape[1],
@@ -476,5 +490,5 @@ def _work(plan: DecodePlan, ctx, rows: int) -> _Work:
                      torch.zeros(n_layers, dtype=torch.int64))
         S.topk, S.pool = work.topk.data_ptr(), work.pool.data_ptr()
         S.k, S.nblocks, S.written = (work.counts[i].data_ptr() for i in range(3))
-        plan.work[rows] = work
+        bound.work[rows] = work
     return work
