@@ -5,8 +5,8 @@ mid-decode, speculative decoding's plain steps with taps) an LLM whose decode st
 tokens, texts and log-probabilities, bit for bit, as the same LLM forced onto the module path
 (``model.__dict__[decode._PLAN] = False``); and a batch above 16 rows (the plan's calls of 16) gives every prompt
 the greedy tokens it gets decoded alone. Slow: two LLMs on one model object generating on two threads at once
-give each its sequential tokens (the plan keeps its binding per KV cache); a dropped LLM's KV cache is freed though
-the model, and its plan, live on.
+give each its sequential tokens (the plan keeps its binding per KV cache). All slow (make test's budget); the fast
+lockstep checks are tests/kernels/test_decode_plan.py's.
 
 Oracles: the module path of the same checkpoint (equality), the prompt decoded alone (tokens only: above 16 rows
 the LM head is a torch matmul whose rounding depends on the batch, so log-probabilities may differ there by ~1e-6).
@@ -25,6 +25,9 @@ from deepseek_v41.engine import LLM, SamplingParams
 from deepseek_v41.kernels.fast import decode
 
 BUNDLED = Path(__file__).resolve().parents[2] / "checkpoints" / "v41-tiny"
+# Slow tests (`make test`'s 5-minute budget): tests/kernels/test_decode_plan.py holds the fast lockstep checks.
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "1 2 3 4 5 6 7 8 9 10 11 12", "Hello", "A" * 50]
 
 
@@ -122,7 +125,6 @@ def test_a_batch_above_16_rows_gives_each_prompt_its_greedy_tokens_alone(plan_ro
     assert min(plan_rows) == 1  # and each prompt's steps alone
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("plan", [True, False], ids=["plan", "module"])
 def test_two_engines_on_one_model_on_two_threads_give_their_sequential_tokens(kernel_library, plan):
     model = load_model(BUNDLED).float()
@@ -145,19 +147,3 @@ def test_two_engines_on_one_model_on_two_threads_give_their_sequential_tokens(ke
         t.join(timeout=120)
     assert together == alone
 
-
-def test_a_dropped_llms_kv_cache_is_freed_while_the_model_and_its_plan_live(kernel_library):
-    """The plan binds to each KV cache it serves weakly: deleting an LLM built on a model object frees that LLM's
-    cache (its KV pool) though the model, and the plan on it, stay."""
-    import gc
-    import weakref
-
-    model = load_model(BUNDLED).float()
-    llm = LLM(model, tokenizer=BUNDLED, enable_prefix_caching=False, max_model_len=64)
-    llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    plan = decode.decode_plan(model)
-    assert plan is not None and len(plan.bound) == 1
-    cache = weakref.ref(llm.engine.cache)
-    del llm
-    gc.collect()
-    assert cache() is None and len(plan.bound) == 0

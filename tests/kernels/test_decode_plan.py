@@ -421,3 +421,22 @@ def test_the_ctypes_structs_have_the_c_structs_layout(tmp_path):
         for name, kind in struct._fields_:
             field = getattr(struct, name)
             assert want[struct.__name__, name] == (field.offset, ctypes.sizeof(kind)), (struct.__name__, name)
+
+
+def test_a_dropped_llms_kv_cache_is_freed_while_the_model_and_its_plan_live(plan_runs):
+    """The plan binds to each KV cache it serves weakly (``DecodePlan.bound``): two LLMs built on one model object
+    get a binding each, and deleting one frees its KV cache though the model, and the plan on it, stay."""
+    import gc
+    import weakref
+
+    model = tiny(torch.float32)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first, second = (LLM(model, max_model_len=64, enable_prefix_caching=False) for _ in range(2))
+    for llm in (first, second):
+        llm.generate([{"prompt_token_ids": prompts((9,))[0]}], params, use_tqdm=False)
+    plan = decode.decode_plan(model)
+    assert plan is not None and plan_runs["ran"] == 4 and len(plan.bound) == 2
+    cache = weakref.ref(first.engine.cache)
+    del first
+    gc.collect()
+    assert cache() is None and len(plan.bound) == 1

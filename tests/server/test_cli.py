@@ -60,6 +60,7 @@ def test_serve_drains_on_sigterm(model_dir, tmp_path):
     assert list((tmp_path / "cache").rglob("*.page"))
 
 
+@pytest.mark.slow  # (an interpreter start: make test's 5-minute budget)
 def test_serve_missing_model_dir(tmp_path):
     result = subprocess.run([sys.executable, "-m", "deepseek_v41.cli", "serve", "--model", str(tmp_path / "none")],
                             capture_output=True, text=True, timeout=120)
@@ -206,6 +207,7 @@ def test_default_served_model_name_is_the_directory_name(tmp_path):
     assert default_model_name(tmp_path / "v41-tiny" / ".") == "v41-tiny"
 
 
+@pytest.mark.slow  # (an engine-loading interpreter: make test's 5-minute budget)
 def test_serve_failed_start_removes_the_cache_dir_it_created(model_dir, tmp_path):
     """A start that fails after the engine made its cache directory (here: the port is taken) removes it again;
     the startup line names the cache directory and the speculative mode."""
