@@ -39,9 +39,10 @@ def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-def bench(tmp_path: Path, *extra: str) -> subprocess.Popen:
+def bench(tmp_path: Path, *extra: str, quick: bool = True) -> subprocess.Popen:
     out = tmp_path / "out"
-    return subprocess.Popen([sys.executable, str(BENCH), "--quick", "--json", str(tmp_path / "disagg.json"),
+    return subprocess.Popen([sys.executable, str(BENCH), *(["--quick"] if quick else []),
+                             "--json", str(tmp_path / "disagg.json"),
                              "--log", str(tmp_path / "disagg.log"), "--plot", str(tmp_path / "disagg.png"), *extra],
                             stdout=open(out, "wb"), stderr=subprocess.STDOUT, cwd=ROOT,  # noqa: SIM115
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
@@ -105,7 +106,10 @@ def test_quick_run_writes_the_results_and_leaves_no_process(tmp_path):
 
 
 def test_interrupted_run_leaves_no_process(tmp_path):
-    proc = bench(tmp_path, "--no-busy")
+    # Short texts but many rounds and tokens: the run is surely still measuring when the interrupt comes (a --quick
+    # run could end within the poll after its warm-up, exiting 0 before the signal).
+    proc = bench(tmp_path, "--no-busy", "--rounds", "20", "--clients", "2", "--turns", "2", "--max-tokens", "256",
+                 "--prefix-words", "200", "--tool-words", "60", quick=False)
     log = tmp_path / "disagg.log"
     deadline = time.monotonic() + 300
     while "warming up" not in (log.read_text() if log.exists() else ""):
