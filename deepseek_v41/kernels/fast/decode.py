@@ -1,22 +1,23 @@
-"""A decode step's layer loop without module calls (issue 25): the fast ``Transformer.run_layers`` hands a one-token
-step over the paged KV cache to :func:`run_decode`, which makes the same kernel calls the installed module paths
-make, in the same order and on the same tensors, without the ~20 module calls, overrides and per-call checks per
-layer between them.
+"""A decode step's layers in one C call (issue 25): the fast ``Transformer.run_layers`` hands a one-token-per-row
+step over the paged KV cache to :func:`run_decode`, which runs its layers through ``dsv41_decode_layers``
+(``csrc/decode.c``). That C function makes the same kernel calls the installed module paths make (fast/block.py,
+fast/attention.py, fast/moe.py, cache/paged_context.py), in the same order and with the same arguments, without the
+~20 module calls, overrides, per-call checks and ``ctypes`` conversions per layer between them; so its logits,
+tokens and KV cache state are the module path's bit for bit (tests/kernels/test_decode_plan.py).
 
-What the fast module paths decide per call (the tensors' dtypes, shapes and devices, inference mode, the kernels'
-limits) is decided here once: per model, when the plan is built (:func:`decode_plan`: every block of the kinds the
-kernels serve, its weights' dtypes and shapes, no hooks), and per step (:func:`_step_ok`: the streams, positions,
-context and cache tensors). A model or step that fails a check runs the module loop, so the plan only ever
-stands for what the module paths would compute; its logits equal theirs bit for bit (tests/kernels/test_decode.py).
-
-A step's state changes (the window rings, compressed entries, pending pairs) happen in the same calls as on the
-module path: the context's own methods (``window``'s kernel, ``add_entries``, ``set_pending``), so the cache is
-shared with every other path. Where a call can decline at run time (the MoE kernel without an exact copy of a
-picked expert, the indexer's kernels), the module method runs for that piece; nothing written before it is redone.
+What the module paths decide per call is decided here once: per model, when the plan is built (:func:`decode_plan`:
+every block of the kinds the kernels serve, its weights' addresses, dtypes and shapes, no hooks), per KV cache
+(:func:`_bind`: the pools' and pending pairs' addresses, in a :class:`_Bound` kept weakly per cache), and per step
+(:func:`step_ok`: the streams, positions, context, and no hook registered since). A model or step that fails a check
+runs the module loop. Per step, Python computes the RoPE phases with the torch code and makes one call per
+``kernels.FEW_ROWS`` rows and run of layers between Engram layers (an Engram module runs in Python between calls).
+A kernel that declines inside the call (a NaN among the indexer's scores) makes the C code restore the step's
+pending pairs; the whole step then reruns on the module path, which rewrites everything else with the same bytes.
 
 The plan is kept on the model under a ``_fast_`` key, so :func:`deepseek_v41.kernels.fast.uninstall` drops it with
 the other fast paths. Source: SPEC.md §4.1 (the engine's decode), the reference forward of
-:class:`~deepseek_v41.model.block.Block` and :class:`~deepseek_v41.model.attention.Attention`.
+:class:`~deepseek_v41.model.block.Block` and :class:`~deepseek_v41.model.attention.Attention`; bench/README.md,
+"Eighth round".
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ class _Step(ctypes.Structure):
 class DecodePlan:
     """A model's decode plan: each block's ``_Layer`` (``layers``, a ctypes array), the tensors their addresses
     point into (``keep``: fp32 widenings made here), the modules whose hooks each step checks (``watch``), each
-    layer's RoPE module by phase-table index (``ropes``), and the plan bound to each KV cache it served (``bound``:
-    :class:`_Bound`, weakly keyed by the cache)."""
+    layer's RoPE module by phase-table index (``ropes``), the model's dtype and blocks, the widest top-k, whether
+    some layer keeps ratio-2 pending pairs (``ratio2``) or compresses at all (``compressing``), and the plan bound
+    to each KV cache it served (``bound``: :class:`_Bound`, weakly keyed by the cache)."""
 
     layers: ctypes.Array
     keep: list
