@@ -25,6 +25,7 @@ from deepseek_v41.config import tiny_config
 from deepseek_v41.engine import LLM, SamplingParams
 from deepseek_v41.kernels.fast import decode
 from deepseek_v41.model.transformer import Transformer
+from deepseek_v41.plan import LayerRole
 
 STATE = ("window_codes", "window_scales", "window_pos", "pending")  # PagedKVCache tensors a decode step writes
 LENGTHS = {"one": (29,), "batch": (29, 17, 8, 22)}  # prompt lengths (tiny: window 16, index_topk 8, pool 3 x 4)
@@ -440,3 +441,28 @@ def test_a_dropped_llms_kv_cache_is_freed_while_the_model_and_its_plan_live(plan
     del first
     gc.collect()
     assert cache() is None and len(plan.bound) == 1
+
+
+def test_a_range_of_layers_runs_alone_only_when_it_holds_every_source_its_layers_read(plan_runs):
+    """``DecodePlan.closed``: the C call keeps the picks and candidate pools of the layers it runs, so a range of
+    layers (CED's encoder or decoder half, run by two ``run_layers`` calls of one step) takes the plan only when no
+    layer in it reads an index or candidate source outside it and none outside reads one inside; checked against
+    the layer specs for every split of the tiny config."""
+    model = tiny(torch.float32)
+    run = Run(model)
+    run.add(prompts((9,)), 2)
+    while run.engine.has_unfinished_requests():
+        run.step()
+    plan = decode.decode_plan(model)
+    specs = [block.attn.spec for block in model.layers]
+    n = len(specs)
+    reads = [(s.layer_id, src) for s in specs if s.role is not LayerRole.WINDOW
+             for src in (s.index_source, s.candidate_source) if src is not None]
+    assert any(src != j for j, src in reads)  # some layer reads another's picks: some splits are not closed
+    verdicts = []
+    for cut in range(n + 1):
+        for layers in (range(0, cut), range(cut, n)):
+            want = all((j in layers) == (src in layers) for j, src in reads)
+            assert plan.closed(layers) == want, (layers, reads)
+            verdicts.append(want)
+    assert plan.closed(range(n)) and not all(verdicts)

@@ -69,7 +69,7 @@ def _run_layers(self: Transformer, layers: range, streams: torch.Tensor, pre: to
     if (image_mask is None and streams.shape[1] == 1 and layers.step == 1
             and torch.is_inference_mode_enabled() and kernels.usable(streams)):
         plan = decode_plan(self)
-        bound = step_ok(streams, ctx, plan) if plan is not None else None
+        bound = step_ok(streams, ctx, plan) if plan is not None and plan.closed(layers) else None
         if bound is not None:
             if len(layers) == 0:
                 return streams, pre
@@ -140,6 +140,22 @@ class DecodePlan:
     ratio2: bool
     compressing: bool = False
     bound: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    ranges: dict = field(default_factory=dict)  # (start, stop) -> closed (see closed)
+
+    def closed(self, layers: range) -> bool:
+        """Whether ``layers`` (consecutive) can run alone: no layer in it reads the picks or candidate pool of an
+        index / candidate source outside it, and none outside reads one inside. The C call keeps those in its own
+        buffers for the layers it runs, while the module path hands them between ``run_layers`` calls of one step
+        in ``ctx.shared`` (CED runs the encoder half and the decoder half in two calls): a range that is not closed
+        runs the module path."""
+        key = (layers.start, layers.stop)
+        done = self.ranges.get(key)
+        if done is None:
+            inside = range(layers.start, layers.stop)
+            done = all((j in inside) == (src in inside) for j, L in enumerate(self.layers) if L.sparse
+                       for src in (L.index_source, L.candidate_source) if src >= 0)
+            self.ranges[key] = done
+        return done
 
 
 def decode_plan(model) -> DecodePlan | None:
