@@ -103,7 +103,7 @@ int dsv41_decode_layers(const dsv41_decode_layer *layers, int64_t first, int64_t
              SZ(B * 2 * d * 4) * 2 + SZ(B * wide * 4) + SZ(B * iHd * 4) + SZ(B * iH * 4) + SZ(B * ncap * 4 + 4) +
              SZ(B * topk * 4 + 4) + SZ(B * topk * d * 4 + 4) + SZ(B * Hd * (R + 1 + topk) * 4) + SZ(E * 4) +
              SZ(B * ke * 4);
-    bytes += SZ(B * D * el) * 3 + SZ(B * qr * el) + SZ(B * Hd * el) * 2 + SZ(B * d * el) * 3 + SZ(B * di * el);
+    bytes += SZ(B * D * el) * 2 + SZ(B * qr * el) + SZ(B * Hd * el) * 2 + SZ(B * d * el) * 3 + SZ(B * di * el);
     bytes += SZ(B * (R + 1) * 8) + SZ(B * 8) * 2 + SZ(B * ke * 8);
     bytes += SZ(B * d) + SZ(B * d / 32 + 1);
     bytes += SZ(pend * B * 2 * d * 4 + 4);
@@ -121,7 +121,6 @@ int dsv41_decode_layers(const dsv41_decode_layer *layers, int64_t first, int64_t
     A.selected = take(&at, B * topk * d * 4 + 4), A.attend = take(&at, B * Hd * (R + 1 + topk) * 4);
     A.gate = take(&at, E * 4), A.gate_w = take(&at, B * ke * 4);
     A.x = take(&at, B * D * el), A.y = take(&at, B * D * el), A.o = take(&at, B * Hd * el);
-    take(&at, B * D * el);  /* (the third streams-sized slot counted above) */
     A.q_lat = take(&at, B * qr * el), A.q = take(&at, B * Hd * el);
     A.kv = take(&at, B * d * el), A.latent = take(&at, B * d * el), A.entries = take(&at, B * d * el);
     A.ikeys = take(&at, B * di * el);

@@ -111,6 +111,7 @@ def _install_project(m: Attention, rope: RotaryEmbedding, w: list[torch.Tensor],
     wq_a, q_norm, wq_b, wkv, kv_norm = w
     dtype, D, heads = wq_a.dtype, wq_a.shape[1], m.n_heads
     reference = Attention.project
+    m.__dict__["_fast_project"] = (wq_a, q_norm, q_eps, wq_b, wkv, kv_norm, kv_eps)  # (the decode plan reads them)
 
     def project(self: Attention, x: torch.Tensor, pos: torch.Tensor, cache: dict) -> tuple[torch.Tensor, ...]:
         if x.dim() == 3 and x.shape[-1] == D and _few(x, dtype):
@@ -125,6 +126,7 @@ def _install_project(m: Attention, rope: RotaryEmbedding, w: list[torch.Tensor],
 def _install_output(m: Attention, rope: RotaryEmbedding, wo_a: torch.Tensor, wo_b: torch.Tensor) -> None:
     dtype, groups, width = wo_a.dtype, m.o_groups, wo_a.shape[1] * m.o_groups
     reference = Attention.output
+    m.__dict__["_fast_output"] = (wo_a, wo_b)  # (the decode plan reads them)
 
     def output(self: Attention, o: torch.Tensor, pos: torch.Tensor, cache: dict) -> torch.Tensor:
         if o.dim() == 4 and o.shape[2] * o.shape[3] == width and _few(o, dtype):
@@ -284,6 +286,7 @@ def _install_queries(m: Indexer, wq_b: torch.Tensor, weights_proj: torch.Tensor)
     dtype, heads, di = wq_b.dtype, m.n_heads, m.head_dim
     qr, D = wq_b.shape[1], weights_proj.shape[1]
     reference = Indexer.queries
+    m.__dict__["_fast_queries"] = (wq_b, weights_proj)  # (the decode plan reads them)
 
     def queries(self: Indexer, q_lat: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: torch.nn.Module,
                 fake_quant: bool, rope_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,10 +35,9 @@ from deepseek_v41.kernels.fast.moe import pack_copies
 from deepseek_v41.kernels.fast.registry import hooked, override, register
 from deepseek_v41.kernels.fast.warm import warm
 from deepseek_v41.kernels.loader import register as register_signatures
-from deepseek_v41.model.attention import Attention, GroupedLinear, SparseAttention
+from deepseek_v41.model.attention import Attention, SparseAttention
 from deepseek_v41.model.block import Block
 from deepseek_v41.model.indexer import Indexer
-from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.moe import Gate, MoE
 from deepseek_v41.model.norm import RMSNorm, upcast
 from deepseek_v41.model.rope import RotaryEmbedding
@@ -65,9 +64,10 @@ def _run_layers(self: Transformer, layers: range, streams: torch.Tensor, pre: to
                 image_mask: torch.Tensor | None = None, engram_rows: dict[int, torch.Tensor] | None = None,
                 taps: dict[int, torch.Tensor] | None = None,
                 skip_compress: set[int] | frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
-    few = streams.shape[0] * streams.shape[1] <= kernels.FEW_ROWS and kernels.usable(streams)
-    if (image_mask is None and streams.shape[1] == 1 and layers.step == 1
-            and torch.is_inference_mode_enabled() and kernels.usable(streams)):
+    usable = kernels.usable(streams)
+    few = streams.shape[0] * streams.shape[1] <= kernels.FEW_ROWS and usable
+    if (usable and image_mask is None and streams.shape[1] == 1 and layers.step == 1
+            and torch.is_inference_mode_enabled()):
         plan = decode_plan(self)
         bound = step_ok(streams, ctx, plan) if plan is not None and plan.closed(layers) else None
         if bound is not None:
@@ -140,7 +140,7 @@ class DecodePlan:
     ratio2: bool
     compressing: bool = False
     bound: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
-    ranges: dict = field(default_factory=dict)  # (start, stop) -> closed (see closed)
+    ranges: dict = field(default_factory=dict)  # (start, stop) -> runs or None (see runs)
 
     def closed(self, layers: range) -> bool:
         """Whether ``layers`` (consecutive) can run alone: no layer in it reads the picks or candidate pool of an
@@ -148,14 +148,21 @@ class DecodePlan:
         buffers for the layers it runs, while the module path hands them between ``run_layers`` calls of one step
         in ``ctx.shared`` (CED runs the encoder half and the decoder half in two calls): a range that is not closed
         runs the module path."""
+        return self.runs(layers) is not None
+
+    def runs(self, layers: range) -> list[tuple[int, int]] | None:
+        """``layers`` (consecutive, closed) as the ``[first, stop)`` runs of one C call each: a new run starts at
+        each Engram layer (its module runs in Python first); None when the range is not :meth:`closed`. Worked
+        out once per range."""
         key = (layers.start, layers.stop)
-        done = self.ranges.get(key)
-        if done is None:
+        if key not in self.ranges:
             inside = range(layers.start, layers.stop)
-            done = all((j in inside) == (src in inside) for j, L in enumerate(self.layers) if L.sparse
-                       for src in (L.index_source, L.candidate_source) if src >= 0)
-            self.ranges[key] = done
-        return done
+            closed = all((j in inside) == (src in inside) for j, L in enumerate(self.layers) if L.sparse
+                         for src in (L.index_source, L.candidate_source) if src >= 0)
+            cuts = [j for j in inside if j == inside.start or self.blocks[j].engram is not None]
+            runs = list(zip(cuts, [*cuts[1:], inside.stop][:len(cuts)], strict=True))  # (none for no layers)
+            self.ranges[key] = runs if closed else None
+        return self.ranges[key]
 
 
 def decode_plan(model) -> DecodePlan | None:
@@ -208,19 +215,19 @@ def _layer(block, specs: list, keep: list, watch: list, ropes: list) -> _Layer |
         return None
     a = attn._modules
     rope, core = a["rope"], a["core"]
-    if (not all(name in attn.__dict__ for name in ("project", "output")) or type(core) is not SparseAttention
-            or "forward" not in core.__dict__ or type(rope) is not RotaryEmbedding
-            or not 0 < rope.rope_dim <= attn.head_dim or rope.rope_dim % 2 or attn.n_heads > kernels.MAX_ATTEND_HEADS):
+    # The projections' weights as the attention's installers checked and packed them (fast/attention.py).
+    project, output = attn.__dict__.get("_fast_project"), attn.__dict__.get("_fast_output")
+    if (project is None or output is None or type(core) is not SparseAttention or "forward" not in core.__dict__
+            or type(rope) is not RotaryEmbedding or not 0 < rope.rope_dim <= attn.head_dim or rope.rope_dim % 2
+            or attn.n_heads > kernels.MAX_ATTEND_HEADS):
         return None
-    project = _weights((a["wq_a"], Linear), (a["q_norm"], RMSNorm), (a["wq_b"], Linear), (a["wkv"], Linear),
-                       (a["kv_norm"], RMSNorm))
-    output = _weights((a["wo_a"], GroupedLinear), (a["wo_b"], Linear))
+    wq_a, q_norm, q_eps, wq_b, wkv, kv_norm, kv_eps = project
     norms = _weights((mods["attn_norm"], RMSNorm), (mods["ffn_norm"], RMSNorm))
-    if project is None or output is None or norms is None:
+    if norms is None:
         return None
-    dtype, D, hc = project[0].dtype, norms[0].shape[0], block.hc
+    dtype, D, hc = wq_a.dtype, norms[0].shape[0], block.hc
     if (output[0].dtype != dtype or norms[0].dtype != dtype or D > kernels.ROW_ON_STACK
-            or project[0].shape[1] != D or output[1].shape[0] != D):
+            or wq_a.shape[1] != D or output[1].shape[0] != D):
         return None
     spec = attn.spec
     L = _Layer(layer=spec.layer_id, hc=hc, D=D, bf16=int(dtype == torch.bfloat16), iters=block.hc_iters,
@@ -231,9 +238,9 @@ def _layer(block, specs: list, keep: list, watch: list, ropes: list) -> _Layer |
     L.mix = (_P * 6)(*mix)
     L.attn_norm, L.ffn_norm = _addr(norms[0], keep), _addr(norms[1], keep)
     L.attn_norm_eps, L.ffn_norm_eps = mods["attn_norm"].eps, mods["ffn_norm"].eps
-    L.wq_a, L.q_norm, L.wq_b, L.wkv, L.kv_norm = (_addr(w, keep) for w in project)
-    L.q_eps, L.kv_eps = a["q_norm"].eps, a["kv_norm"].eps
-    L.qr, L.H, L.d, L.r = project[0].shape[0], attn.n_heads, attn.head_dim, rope.rope_dim
+    L.wq_a, L.q_norm, L.wq_b, L.wkv, L.kv_norm = (_addr(w, keep) for w in (wq_a, q_norm, wq_b, wkv, kv_norm))
+    L.q_eps, L.kv_eps = q_eps, kv_eps
+    L.qr, L.H, L.d, L.r = wq_a.shape[0], attn.n_heads, attn.head_dim, rope.rope_dim
     table = next((i for i, other in enumerate(ropes) if other._table == rope._table), None)
     if table is None:
         if len(ropes) == ROPES:
@@ -279,11 +286,9 @@ def _compressor(attn: Attention, L: _Layer, keep: list, watch: list) -> bool:
 
 
 def _indexer(attn: Attention, L: _Layer, keep: list, watch: list) -> bool:
-    """The indexer's query fields (what ``_install_queries`` packs); False when they are not installed."""
+    """The indexer's query fields (the weights ``_install_queries`` packed); False when they are not installed."""
     ix = attn._modules["indexer"]
-    if type(ix) is not Indexer or "queries" not in ix.__dict__:
-        return False
-    w = _weights((ix._modules["wq_b"], Linear), (ix._modules["weights_proj"], Linear))
+    w = ix.__dict__.get("_fast_queries") if type(ix) is Indexer else None
     if (w is None or w[0].dtype != (torch.bfloat16 if L.bf16 else torch.float32) or ix.head_dim % 32
             or L.r > ix.head_dim):
         return False
@@ -388,15 +393,15 @@ def step_ok(streams: torch.Tensor, ctx, plan: DecodePlan) -> _Bound | None:
 def run_decode(plan: DecodePlan, bound: _Bound, layers: range, streams: torch.Tensor, pre: torch.Tensor, ctx,
                skip_compress: set[int] | frozenset[int], taps: dict[int, torch.Tensor] | None = None,
                engram_rows: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``Transformer.run_layers`` of a decode step the plan takes (:func:`step_ok` gave ``bound``, the plan bound to
-    the step's cache): streams [B, 1, hc, D] and
-    ``pre`` [B, 1, hc] through ``layers`` (consecutive), one :func:`dsv41_decode_layers` call per ``kernels.FEW_ROWS``
-    rows and run of layers between Engram layers (each row's results are the same whichever rows share its call:
-    every kernel computes a row with the same operations at any batch); an Engram layer's module runs in Python on
-    the call's rows (``engram_rows[j]`` [B, 1, columns]) before its block. ``taps``, when given, receives each
-    layer's input streams [B, 1, hc, D] (copies the calls make, as the module loop hands its layer inputs).
-    Returns the new streams and ``pre``, or None when a kernel declined (the caller then runs the module path; the
-    pending pairs are as before the call). Raises MemoryError / IndexError as the kernels' wrappers do."""
+    """``Transformer.run_layers`` of a decode step the plan takes (:func:`step_ok` gave ``bound``, the plan bound
+    to the step's cache): streams [B, 1, hc, D] and ``pre`` [B, 1, hc] through ``layers`` (consecutive, closed),
+    one :func:`dsv41_decode_layers` call per ``kernels.FEW_ROWS`` rows and run of layers between Engram layers (each
+    row's results are the same whichever rows share its call: every kernel computes a row with the same operations
+    at any batch); an Engram layer's module runs in Python on the call's rows (``engram_rows[j]`` [B, 1, columns])
+    before its block. ``taps``, when given, receives each layer's input streams [B, 1, hc, D] (copies the calls
+    make, as the module loop hands its layer inputs). Returns the new streams and ``pre``, or None when a kernel
+    declined (the caller then runs the module path; the pending pairs are as before the call). Raises MemoryError /
+    IndexError as the kernels' wrappers do."""
     B, hc = streams.shape[0], streams.shape[2]
     pos, cache = ctx.positions, ctx.cache
     work = _work(plan, bound, ctx, min(B, kernels.FEW_ROWS))
@@ -429,9 +434,7 @@ def run_decode(plan: DecodePlan, bound: _Bound, layers: range, streams: torch.Te
         S.taps_stride = tapped[0].numel() * tapped.element_size()
     else:
         S.taps = None
-    # Runs of layers: a new one starts at each Engram layer (its module runs in Python first).
-    cuts = [j for j in layers if j == layers.start or plan.blocks[j].engram is not None]
-    runs = list(zip(cuts, [*cuts[1:], layers.stop], strict=True))
+    runs = plan.runs(layers)
     counts, written = work.counts, None
     pending = cache.pending[ctx.slots] if work.rows < B and plan.ratio2 else None  # restored if a call declines
     lib, out = kernels.library(), 0
@@ -470,10 +473,9 @@ def run_decode(plan: DecodePlan, bound: _Bound, layers: range, streams: torch.Te
             out = 0 if S.streams_out == S.streams[0] else 1
             x, p = buffers[out][rows], pre_out[rows]
         written = counts[2].clone() if written is None else written + counts[2]
-    if plan.compressing:
+    if plan.compressing:  # (as add_entries counts them; a decode step never fills the context's decoded entries)
         for j, count in enumerate(written.tolist()):
             if count:
-                ctx._decoded.pop(j, None)
                 ctx.entries_written[j] = ctx.entries_written.get(j, 0) + count
     if tapped is not None:
         for j in layers:
