@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from deepseek_v41 import kernels
+from deepseek_v41.kernels.fast.band_attention import band_attention
 from deepseek_v41.kernels.fast.registry import KERNEL_DTYPES, fused, hooked, override, plain, plain_weight, register
 from deepseek_v41.model import attention as attention_module
 from deepseek_v41.model.attention import Attention, GroupedLinear, SparseAttention, sparse_attention
@@ -42,6 +43,12 @@ from deepseek_v41.model.rope import RotaryEmbedding
 
 PAIR_PHASES = "compress pair phases"  # ctx.shared key of the ratio-2 entries' RoPE phases (see _pair_phases)
 FP32_GEMV_WEIGHTS = 1 << 16  # fp32 weights from this size take the grouped GEMV for a few tokens (model/linear.py)
+# Prefill chunks of up to BAND_TOKENS tokens per row take band_attention (short prompts, many rows: issue 25; long
+# chunks keep the reference, which is as fast there). Its matmuls reduce over at most BAND_KEYS rows: up to there
+# this machine's BLAS was measured to accumulate in order, which makes it the reference bit for bit
+# (tests/kernels/test_band_attention.py checks it).
+BAND_TOKENS = 256
+BAND_KEYS = 192
 
 
 def _weights(*modules: tuple[torch.nn.Module | None, type[torch.nn.Module]]) -> list[torch.Tensor] | None:
@@ -232,6 +239,11 @@ def attend(self: SparseAttention, q: torch.Tensor, q_pos: torch.Tensor, keys: to
             return kernels.attend_few(q, q_pos, upcast(keys), key_pos, window, selected, topk, upcast(sink), scale)
         return cast(kernels.attend_few(upcast(q), q_pos, upcast(keys), key_pos, window, selected, topk, upcast(sink),
                                        scale), q.dtype)
+    band = min(window, T)
+    if (key_limit is None and banded and not entry_probs and shared_entries is None and T <= BAND_TOKENS
+            and band < BAND_KEYS and fused(q, keys, sink)):
+        return band_attention(q, q_pos, keys, key_pos, window, topk, gather, sink, scale,
+                              min(chunk, BAND_KEYS + 1 - band))
     return sparse_attention(q, q_pos, keys, key_pos, window, topk, gather, sink, scale, chunk, banded,
                             entry_probs=entry_probs, shared_entries=shared_entries, key_limit=key_limit)
 
