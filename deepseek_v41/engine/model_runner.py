@@ -363,8 +363,7 @@ class ModelRunner:
         T = ends[0] - starts[0]
         ids = torch.tensor([seq.token_at(start, end) for seq, start, end in chunks], dtype=torch.long,
                            device=self.device)
-        steps = torch.arange(T, device=self.device)
-        positions = torch.tensor(starts, device=self.device)[:, None] + steps
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
         token_types = image_mask = key_limit = None
         if len(chunks) == 1:
             token_types, image_mask, key_limit = self._image_layout(seqs[0], starts[0], ends[0], positions)
@@ -394,7 +393,8 @@ class ModelRunner:
                 else:
                     streams, pre = streams[:, firsts[0] - starts[0]:], pre[:, firsts[0] - starts[0]:]
                 n = ends[0] - firsts[0]
-                tail_positions = torch.tensor(firsts, device=self.device)[:, None] + steps[:n]
+                tail_positions = (torch.tensor(firsts, device=self.device)[:, None]
+                                  + torch.arange(n, device=self.device))
                 tail_mask = tail_limit = None
                 if len(chunks) == 1:
                     _, tail_mask, tail_limit = self._image_layout(seqs[0], firsts[0], ends[0], tail_positions)
