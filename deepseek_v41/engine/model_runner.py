@@ -383,8 +383,7 @@ class ModelRunner:
             streams, pre = model.ced_encode(streams, pre, ctx, rows, taps, image_mask=image_mask)
             self._count(plan.encoder_layers, len(chunks) * T)
             if self.cache.residuals:
-                for row, (seq, start, end) in enumerate(chunks):
-                    self.cache.write_residuals(seq.slot, range(start, end), streams[row], pre[row])
+                self.cache.write_residual_rows([seq.slot for seq in seqs], starts, streams, pre)
             run_head = firsts[0] < ends[0]
             if run_head:
                 if firsts[0] < starts[0]:
@@ -438,9 +437,8 @@ class ModelRunner:
         plan = self.plan
         if self.cache.residuals and plan.ced:  # keep the decoder inputs for SWA snapshots
             streams, pre = self.model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows, taps)
-            for row, seq in enumerate(seqs):
-                self.cache.write_residuals(seq.slot, range(seq.num_computed, seq.num_computed + 1), streams[row],
-                                           pre[row])
+            self.cache.write_residual_rows([seq.slot for seq in seqs], [seq.num_computed for seq in seqs], streams,
+                                           pre)
             streams, pre = self.model.run_layers(plan.decoder_layers, streams, pre, ctx, None, rows, taps)
         else:
             streams, pre = self.model.run_layers(range(len(self.model.layers)), streams, pre, ctx, None, rows,
@@ -485,8 +483,7 @@ class ModelRunner:
             plan = self.plan
             if self.cache.residuals and plan.ced:
                 streams, pre = self.model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows, taps)
-                for row, seq in enumerate(seqs):
-                    self.cache.write_residuals(seq.slot, range(starts[row], starts[row] + T), streams[row], pre[row])
+                self.cache.write_residual_rows([seq.slot for seq in seqs], starts, streams, pre)
                 streams, pre = self.model.run_layers(plan.decoder_layers, streams, pre, ctx, None, rows, taps)
             else:
                 streams, pre = self.model.run_layers(range(len(self.model.layers)), streams, pre, ctx, None, rows,
