@@ -92,6 +92,9 @@ class _Handover:
 
 _ONEDNN = _Handover()  # oneDNN turned off for bf16
 _THREAD_DEPTH = threading.local()  # few-token forwards open in this thread, torch's count to restore
+# Prefill chunks of up to this many tokens batch with other sequences' chunks of their length (prefill_batch): short
+# prompts, where a forward's cost is mostly per layer, not per row (issue 25).
+BATCHED_PREFILL_TOKENS = 256
 # Seconds the kernels' pool workers spin for the next job from a few-token forward on (a prefill chunk sets 0).
 POOL_SPIN = 0.002
 
@@ -305,8 +308,12 @@ class ModelRunner:
         """What a prefill chunk [start, end) of ``seq`` must share with others to run in one forward with them
         (:meth:`prefill_batch`): its length and, in CED mode, where its decoder starts relative to ``start`` (the
         decoder's rows then line up too). None when it runs alone: it holds image positions, or its decoder
-        resumes from an SWA snapshot before ``start`` (its decoder inputs then come from the cache)."""
-        if seq.mm_inputs is not None and seq.token_types(start, end) is not None:
+        resumes from an SWA snapshot before ``start`` (its decoder inputs then come from the cache), or it is longer
+        than ``BATCHED_PREFILL_TOKENS`` (a long chunk's forward is no cheaper batched, and its MoE rounding would
+        change: the grouped matmul rounds a row by its expert's row count, which moved a bf16 greedy token of eight
+        1K prompts of bench-8m)."""
+        if end - start > BATCHED_PREFILL_TOKENS or (seq.mm_inputs is not None
+                                                      and seq.token_types(start, end) is not None):
             return None
         offset = 0
         if self.prefill_mode is PrefillMode.CED and self.plan.ced:
