@@ -43,6 +43,7 @@ from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.engine.encoder_cache import VisionEncoder
 from deepseek_v41.engine.sequence import Sequence
 from deepseek_v41.kernels import cpu_share, fast
+from deepseek_v41.kernels.fast.moe import rows_alone
 from deepseek_v41.kernels.host_memory import keep_freed_memory, release_freed_memory
 from deepseek_v41.model.image_processor import TokenType
 from deepseek_v41.model.vision import image_token_mask, place_image_embeddings
@@ -95,6 +96,7 @@ _THREAD_DEPTH = threading.local()  # few-token forwards open in this thread, tor
 # Prefill chunks of up to this many tokens batch with other sequences' chunks of their length (prefill_batch): short
 # prompts, where a forward's cost is mostly per layer, not per row (issue 25).
 BATCHED_PREFILL_TOKENS = 256
+BATCHED_PREFILL_MIN = 2 * kernels.FEW_ROWS  # (shorter chunks take other kernels batched than alone: batch_key)
 # Seconds the kernels' pool workers spin for the next job from a few-token forward on (a prefill chunk sets 0).
 POOL_SPIN = 0.002
 
@@ -206,6 +208,8 @@ class ModelRunner:
         self.layer_tokens = [0] * len(model.layers)
         self.entries_written: dict[int, int] = {}  # compressed entries written per kv-source layer
         self.max_decode_batch = 0
+        # The longest prefill chunk that batches with others (batch_key).
+        self.max_batched_chunk = min(BATCHED_PREFILL_TOKENS, model.config.sliding_window)
         # The vision encode stage (engine/encoder_cache.py) that gives prefill chunks their images' rows; the
         # engine sets it for a model with a vision tower.
         self.vision: VisionEncoder | None = None
@@ -308,12 +312,19 @@ class ModelRunner:
         """What a prefill chunk [start, end) of ``seq`` must share with others to run in one forward with them
         (:meth:`prefill_batch`): its length and, in CED mode, where its decoder starts relative to ``start`` (the
         decoder's rows then line up too). None when it runs alone: it holds image positions, or its decoder
-        resumes from an SWA snapshot before ``start`` (its decoder inputs then come from the cache), or it is longer
-        than ``BATCHED_PREFILL_TOKENS`` (a long chunk's forward is no cheaper batched, and its MoE rounding would
-        change: the grouped matmul rounds a row by its expert's row count, which moved a bf16 greedy token of eight
-        1K prompts of bench-8m)."""
-        if end - start > BATCHED_PREFILL_TOKENS or (seq.mm_inputs is not None
-                                                      and seq.token_types(start, end) is not None):
+        resumes from an SWA snapshot before ``start`` (its decoder inputs then come from the cache), or its length is
+        outside [``BATCHED_PREFILL_MIN``, min(``BATCHED_PREFILL_TOKENS``, sliding window)], or the model is bf16.
+
+        Why: a batched row must get the bits of its chunk alone (a sequence's greedy tokens must not depend on the
+        other sequences of its step). The CPU fast paths choose kernels by a forward's token count: up to
+        ``kernels.FEW_ROWS`` tokens the few-token kernels, and for bf16 the GEMV kernel up to ``kernels.GEMV_MACS``
+        multiply-adds, so such chunks would take other kernels batched; the MoE runs each row alone
+        (:func:`rows_alone`). Measured on the bundled checkpoint (fp32): rows of 24-64 tokens (its window) are
+        bit-identical to alone; rows of 17, and of 65-128, differ by ~1e-6 (not traced: for the longer ones from the
+        first CED decoder layer on), hence the bounds. Long chunks gain nothing from batching (a forward's fixed
+        cost is small beside theirs)."""
+        if (not BATCHED_PREFILL_MIN <= end - start <= self.max_batched_chunk or self.dtype == torch.bfloat16
+                or (seq.mm_inputs is not None and seq.token_types(start, end) is not None)):
             return None
         offset = 0
         if self.prefill_mode is PrefillMode.CED and self.plan.ced:
@@ -357,6 +368,12 @@ class ModelRunner:
             if len(keys) != 1 or None in keys:
                 raise ValueError(f"chunks batched in one prefill forward need one batch key (equal lengths, equal "
                                  f"decoder offsets, text only), got {sorted(keys, key=str)}")
+        with rows_alone() if len(chunks) > 1 else contextlib.nullcontext():
+            return self._prefill_forward(chunks, taps)
+
+    def _prefill_forward(self, chunks: list[tuple[Sequence, int, int]], taps: dict | None
+                         ) -> list[torch.Tensor | None]:
+        """The forward of :meth:`prefill_batch` (its checks done)."""
         model, plan = self.model, self.plan
         seqs = [seq for seq, _, _ in chunks]
         starts = [start for _, start, _ in chunks]
