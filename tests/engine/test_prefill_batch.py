@@ -82,8 +82,9 @@ def test_batched_prefill_equals_each_chunk_alone_float64(model64, mode):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bundled_checkpoint_batched_prefill_keeps_greedy_tokens(dtype):
     """The bundled checkpoint (CED, Engram, fast paths) with prefix-cache hits, chunked prefill and preemption on a
-    small page pool: fp32 gives the same tokens and logprobs bit for bit with and without batched prefill; bf16
-    does not batch (its kernels are chosen by a forward's token count) and is unchanged."""
+    small page pool: fp32 gives the same tokens and logprobs bit for bit with and without batched prefill (on the
+    CPU fast paths; the torch fallback to rounding); bf16 does not batch (its kernels are chosen by a forward's
+    token count) and is unchanged."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     prompts = [prompt_of(64, seed=s, vocab=8000) for s in range(12)]
     prompts += [prompts[0][:48] + prompt_of(16, seed=99, vocab=8000), prompt_of(30, seed=50, vocab=8000)]
@@ -92,7 +93,10 @@ def test_bundled_checkpoint_batched_prefill_keeps_greedy_tokens(dtype):
     llm = LLM(BUNDLED, **kw)
     together, batches = run(llm, prompts, True, params)
     assert (batches > 0) == (dtype == "float32") and llm.stats["num_preemptions"] > 0
-    assert together == alone
+    if llm.engine.runner.fast:
+        assert together == alone
+    else:  # DSV41_CPU_KERNELS=0: the reference code batched agrees to rounding (measured 2.4e-7)
+        assert_close(together, alone, 1e-5)
 
 
 def test_speculative_draft_context_comes_from_each_rows_taps():
