@@ -166,7 +166,8 @@ GENERIC_INDEX_CASES = [(32, 4, 1, 300, 2, 16), (32, 4, 3, 100, 2, 16), (64, 4, 2
 def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, generic):
     """The C code without AVX-512 (weight_pairs', x_pairs' and sum16's generic forms, the index scores' even / odd
     path key by key where AVX-512 puts 16 keys in vector lanes) or without any AVX (sum8's too), built into a
-    second library with the loader's flags, gives the default build's bits for moe_fp4, moe_bf16, index scores
+    second library with the loader's flags, gives the default build's bits for moe_fp4, moe_bf16, fp32 and bf16
+    projections (the fp32 GEMV's register-blocked AVX-512 form, issue 25), index scores
     (GENERIC_INDEX_CASES, NaN scales included) and the FP8 decode of every E4M3 code (its table lookups, where
     AVX-512 builds most values' bits). Skips without a compiler, except under CI=true."""
     cc = os.environ.get("CC", "cc")
@@ -200,6 +201,13 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
     want_picks = kernels.pool_select(*select)
     assert (want_picks == -1).any() and (want_picks >= 0).sum() > 64
     want = [fp4_and_bf16(case) for case in cases]
+    # fp32 and bf16 projections of 1 .. 9 tokens: AVX-512 holds the fp32 weights in registers and sums 4 tokens' 16
+    # dots at once (sum16_by16); the generic code sums each with sum16.
+    g = torch.Generator().manual_seed(97)
+    projections = [(torch.randn(n, k, generator=g).to(dt), torch.randn(o, k, generator=g).to(dt))
+                   for n in (1, 3, 4, 5, 8, 9) for k, o in ((256, 37), (133, 6))
+                   for dt in (torch.float32, torch.bfloat16)]
+    want_linear = [kernels.linear(x, w) for x, w in projections]
     # FP8 rows: every code (twice, the second time shuffled) under scale bytes 0, 1, 127, 254 and 255 (NaN), then
     # each block its own scale byte. Bits compared as int32, NaN signs too, but for code 0xFF (-NaN) times a NaN
     # scale: x86 returns one of the two NaNs by operand order, which the compiler picks (a -march=x86-64 build's
@@ -222,6 +230,8 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
         fp4_got, bf16_got = fp4_and_bf16(case)
         assert_same_bits(fp4_got, fp4_want)
         assert_same_bits(bf16_got, bf16_want)
+    for (x, w), expected in zip(projections, want_linear, strict=True):
+        assert_same_bits(kernels.linear(x, w), expected)
     for case, inputs, expected in zip(GENERIC_INDEX_CASES, index_cases, want_scores, strict=True):
         assert_same_bits(index_scores_of(case, inputs), expected)
     assert torch.equal(kernels.pool_select(*select), want_picks)

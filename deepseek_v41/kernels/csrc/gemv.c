@@ -11,18 +11,81 @@
  * the same bits. Every dot is the same sequence of operations whatever T is and whichever other rows or tokens
  * share the call (a token's projection does not depend on the batch). Each block of weights is loaded (and
  * widened or decoded) once for the T tokens, each token's values once for the 4 rows; the rows `ahead` bytes on
- * are prefetched. Inlined with constant T and kind (dots_block), so the accumulators live in registers. */
+ * are prefetched into L2 (prefetcht2: prefetcht0 filled the L1's few miss buffers, so at 8 tokens the loads of
+ * the next rows waited for the dots of these; the fp32 LM head of bench-8m read from DRAM took 1.1 ms on one core
+ * at 8 tokens, 0.6 ms with L2 hints, issue 25). Inlined with constant T and kind (dots_block), so the
+ * accumulators live in registers; with AVX-512 the fp32 kind holds the 4 rows' weights and each token's values in
+ * registers (GCC otherwise folded them into the multiplies as memory operands: 23 loads per 16 products instead
+ * of 8, the loop bound by loads) and sums 4 tokens' 16 dots at once (sum16_by16). */
+#if defined(__AVX512F__)
+/* res[4 t + r] = sum16(a[t][r]) for the 16 vectors a [4][4]: the same additions as sum16 (each lane pair of a
+ * vector added in the same tree: halves of 8, 4, 2, 1), done for 16 vectors at once in 15 vector additions and 30
+ * shuffles instead of 64 and 48: each step adds the lower and upper halves of two vectors' partial sums side by
+ * side. Fed transposed (v[4 r + t] = a[t][r]), the last step leaves output 4 t + r in lane 4 t + r. */
+static inline __attribute__((always_inline)) void sum16_by16(__m512 a[4][4], float *res) {
+    __m512 s[8], u[4], v[2];
+    for (int m = 0; m < 8; m++) {  /* s[m] = [h of v[2m] (8 lanes), h of v[2m + 1]]: h[i] = v[i] + v[i + 8] */
+        __m512 p = a[(2 * m) % 4][(2 * m) / 4], q = a[(2 * m + 1) % 4][(2 * m + 1) / 4];
+        s[m] = _mm512_add_ps(_mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int n = 0; n < 4; n++)  /* u[n], 128-bit lane j: q of v[4n + j]: q[i] = h[i] + h[i + 4] */
+        u[n] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * n], s[2 * n + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(s[2 * n], s[2 * n + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int n = 0; n < 2; n++)  /* v[n], lane j: q0 + q2, q1 + q3 of v[4 (2n) + j], then of v[4 (2n + 1) + j] */
+        v[n] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * n], u[2 * n + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * n], u[2 * n + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane j, element e: t0 + t1 of v[4e + j] = a[j][e] */
+    _mm512_storeu_ps(res, _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1))));
+}
+#endif
+
 static inline __attribute__((always_inline)) void dots_body(const float *x, int64_t ldx, const int T,
                                                             const void *const *w, const uint8_t *const *s,
                                                             const int kind, int64_t K, int64_t ahead, float *res) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (kind == W_FP32) {  /* the same operations, with the 4 rows' weights held in registers for the T tokens */
+        __m512 a[4][4];
+        for (int t = 0; t < 4; t++)
+            for (int r = 0; r < 4; r++) a[t][r] = _mm512_setzero_ps();
+        for (; i + 16 <= K; i += 16) {
+            __m512 wv[4];
+            for (int r = 0; r < 4; r++) {
+                wv[r] = _mm512_loadu_ps((const float *)w[r] + i);
+                __asm__("" : "+v"(wv[r]));  /* in a register: GCC would reload it from memory for every token */
+                __builtin_prefetch((const char *)w[r] + ahead + i * 4, 0, 1);
+            }
+            for (int t = 0; t < T; t++) {
+                __m512 xt = _mm512_loadu_ps(x + t * ldx + i);
+                __asm__("" : "+v"(xt));  /* one load per token, not one per row */
+                for (int r = 0; r < 4; r++) a[t][r] = _mm512_add_ps(a[t][r], _mm512_mul_ps(xt, wv[r]));
+            }
+        }
+        if (T == 4) {
+            sum16_by16(a, res);
+        } else {
+            for (int t = 0; t < T; t++)
+                for (int r = 0; r < 4; r++) {
+                    v16f v;
+                    memcpy(&v, &a[t][r], sizeof v);
+                    res[4 * t + r] = sum16(v);
+                }
+        }
+        for (; i < K; i++)
+            for (int t = 0; t < T; t++)
+                for (int r = 0; r < 4; r++) res[4 * t + r] += x[t * ldx + i] * ((const float *)w[r])[i];
+        return;
+    }
+#endif
     v16f acc[4][4];
     memset(acc, 0, sizeof acc);
-    int64_t i = 0;
     if (kind == W_FP32) {
         for (; i + 16 <= K; i += 16) {
             v16f w0 = load16((const float *)w[0] + i), w1 = load16((const float *)w[1] + i),
                  w2 = load16((const float *)w[2] + i), w3 = load16((const float *)w[3] + i);
-            for (int r = 0; r < 4; r++) __builtin_prefetch((const char *)w[r] + ahead + i * 4);
+            for (int r = 0; r < 4; r++) __builtin_prefetch((const char *)w[r] + ahead + i * 4, 0, 1);
             for (int t = 0; t < T; t++) {
                 v16f xt = load16(x + t * ldx + i);
                 acc[t][0] += xt * w0;
@@ -36,7 +99,7 @@ static inline __attribute__((always_inline)) void dots_body(const float *x, int6
             v16f we[4], wo[4];
             for (int r = 0; r < 4; r++) {
                 weight_pairs(w[r], s[r], kind, i, &we[r], &wo[r]);
-                __builtin_prefetch((const char *)w[r] + ahead + (kind == W_BF16 ? i * 2 : i / 2));
+                __builtin_prefetch((const char *)w[r] + ahead + (kind == W_BF16 ? i * 2 : i / 2), 0, 1);
             }
             for (int t = 0; t < T; t++) {
                 v16f xe, xo;
@@ -69,7 +132,8 @@ static const dots_fn DOTS_BY[3][5] = {{NULL, dots_1_0, dots_2_0, dots_3_0, dots_
 
 /* res [N][rows] = the dots of N tokens x [N, K] (rows ldx apart) with rows row .. row + rows - 1 of m, for rows
  * <= 4 (a short block repeats its last row, whose extra results are dropped): blocks of up to 4 tokens. res rows
- * are ldr apart. The next block of rows is prefetched. */
+ * are ldr apart. The next block of rows is prefetched, by every block of tokens (so at 8 tokens the second block's
+ * dots give the prefetches of the first time to land). */
 void dots_block(const float *x, int64_t ldx, int64_t N, const wrows *m, int64_t row, int64_t rows, float *res,
                 int64_t ldr) {
     const void *rp[4];
@@ -82,7 +146,7 @@ void dots_block(const float *x, int64_t ldx, int64_t N, const wrows *m, int64_t 
     float part[16];
     for (int64_t n = 0; n < N; n += 4) {
         int64_t T = N - n < 4 ? N - n : 4;
-        DOTS_BY[m->kind][T](x + n * ldx, ldx, rp, sp, m->K, n ? 0 : block_bytes, part);
+        DOTS_BY[m->kind][T](x + n * ldx, ldx, rp, sp, m->K, block_bytes, part);
         for (int64_t t = 0; t < T; t++)
             for (int64_t r = 0; r < rows; r++) res[(n + t) * ldr + r] = part[4 * t + r];
     }
