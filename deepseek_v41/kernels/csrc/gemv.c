@@ -11,12 +11,21 @@
  * the same bits. Every dot is the same sequence of operations whatever T is and whichever other rows or tokens
  * share the call (a token's projection does not depend on the batch). Each block of weights is loaded (and
  * widened or decoded) once for the T tokens, each token's values once for the 4 rows; the rows `ahead` bytes on
- * are prefetched into L2 (prefetcht2: prefetcht0 filled the L1's few miss buffers, so at 8 tokens the loads of
- * the next rows waited for the dots of these; the fp32 LM head of bench-8m read from DRAM took 1.1 ms on one core
- * at 8 tokens, 0.6 ms with L2 hints, issue 25). Inlined with constant T and kind (dots_block), so the
+ * are prefetched (prefetch_rows). Inlined with constant T and kind (dots_block), so the
  * accumulators live in registers; with AVX-512 the fp32 kind holds the 4 rows' weights and each token's values in
  * registers (GCC otherwise folded them into the multiplies as memory operands: 23 loads per 16 products instead
  * of 8, the loop bound by loads) and sums 4 tokens' 16 dots at once (sum16_by16). */
+/* Prefetch hints for the weights `ahead` bytes on (the next block of rows) into L1, and PREFETCH_FAR times as far
+ * on into L2. Hints into L1 alone (prefetcht0) filled its few miss buffers with reads from DRAM, so at 8 tokens the
+ * loads of the next rows waited for the dots of these; hints into L2 alone left each row's first load waiting on
+ * L2 at 1 token. The fp32 LM head of bench-8m (8.4 MB) read from DRAM on one core: 1.1 ms -> 0.57 ms at 8 tokens,
+ * 0.73 -> 0.40 ms at 1 (bf16: 0.50 -> 0.22 ms at 1); issue 25. */
+#define PREFETCH_FAR 8
+static inline __attribute__((always_inline)) void prefetch_rows(const char *at, int64_t ahead) {
+    __builtin_prefetch(at + ahead, 0, 3);
+    __builtin_prefetch(at + PREFETCH_FAR * ahead, 0, 1);
+}
+
 #if defined(__AVX512F__)
 /* res[4 t + r] = sum16(a[t][r]) for the 16 vectors a [4][4]: the same additions as sum16 (each lane pair of a
  * vector added in the same tree: halves of 8, 4, 2, 1), done for 16 vectors at once in 15 vector additions and 30
@@ -55,7 +64,7 @@ static inline __attribute__((always_inline)) void dots_body(const float *x, int6
             for (int r = 0; r < 4; r++) {
                 wv[r] = _mm512_loadu_ps((const float *)w[r] + i);
                 __asm__("" : "+v"(wv[r]));  /* in a register: GCC would reload it from memory for every token */
-                __builtin_prefetch((const char *)w[r] + ahead + i * 4, 0, 1);
+                prefetch_rows((const char *)w[r] + i * 4, ahead);
             }
             for (int t = 0; t < T; t++) {
                 __m512 xt = _mm512_loadu_ps(x + t * ldx + i);
@@ -86,7 +95,7 @@ static inline __attribute__((always_inline)) void dots_body(const float *x, int6
         for (; i + 16 <= K; i += 16) {
             v16f w0 = load16((const float *)w[0] + i), w1 = load16((const float *)w[1] + i),
                  w2 = load16((const float *)w[2] + i), w3 = load16((const float *)w[3] + i);
-            for (int r = 0; r < 4; r++) __builtin_prefetch((const char *)w[r] + ahead + i * 4, 0, 1);
+            for (int r = 0; r < 4; r++) prefetch_rows((const char *)w[r] + i * 4, ahead);
             for (int t = 0; t < T; t++) {
                 v16f xt = load16(x + t * ldx + i);
                 acc[t][0] += xt * w0;
@@ -100,7 +109,7 @@ static inline __attribute__((always_inline)) void dots_body(const float *x, int6
             v16f we[4], wo[4];
             for (int r = 0; r < 4; r++) {
                 weight_pairs(w[r], s[r], kind, i, &we[r], &wo[r]);
-                __builtin_prefetch((const char *)w[r] + ahead + (kind == W_BF16 ? i * 2 : i / 2), 0, 1);
+                prefetch_rows((const char *)w[r] + (kind == W_BF16 ? i * 2 : i / 2), ahead);
             }
             for (int t = 0; t < T; t++) {
                 v16f xe, xo;
