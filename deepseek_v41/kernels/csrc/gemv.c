@@ -153,6 +153,8 @@ void dots_block(const float *x, int64_t ldx, int64_t N, const wrows *m, int64_t 
         sp[r] = srow(m, row + (r < rows ? r : rows - 1));
     }
     const int64_t block_bytes = (const char *)wrow(m, row + 4) - (const char *)wrow(m, row);
+    if (m->kind == W_FP4)  /* the next blocks' scale bytes (a row's first load of them waited on memory) */
+        prefetch_rows((const char *)sp[0], (const char *)srow(m, row + 4) - (const char *)srow(m, row));
     float part[16];
     for (int64_t n = 0; n < N; n += 4) {
         int64_t T = N - n < 4 ? N - n : 4;
