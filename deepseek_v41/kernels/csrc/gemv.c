@@ -159,8 +159,11 @@ void dots_block(const float *x, int64_t ldx, int64_t N, const wrows *m, int64_t 
     for (int64_t n = 0; n < N; n += 4) {
         int64_t T = N - n < 4 ? N - n : 4;
         DOTS_BY[m->kind][T](x + n * ldx, ldx, rp, sp, m->K, block_bytes, part);
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t r = 0; r < rows; r++) res[(n + t) * ldr + r] = part[4 * t + r];
+        if (rows == 4)
+            for (int64_t t = 0; t < T; t++) memcpy(res + (n + t) * ldr, part + 4 * t, 4 * sizeof(float));
+        else
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t r = 0; r < rows; r++) res[(n + t) * ldr + r] = part[4 * t + r];
     }
 }
 
@@ -186,6 +189,10 @@ static void gemv_item(const void *job, int64_t item) {
     float res[16 * 4];
     for (int64_t o = o0; o < o1; o += 4) {
         int64_t rows = o1 - o < 4 ? o1 - o : 4;
+        if (!j->out_bf16) {  /* fp32 out: the dots straight into it */
+            dots_block(j->x + g * j->K, ldx, j->N, &m, g * j->O + o, rows, (float *)j->out + g * j->O + o, ldo);
+            continue;
+        }
         for (int64_t n = 0; n < j->N; n += 16) {
             int64_t t_n = j->N - n < 16 ? j->N - n : 16;
             dots_block(j->x + n * ldx + g * j->K, ldx, t_n, &m, g * j->O + o, rows, res, 4);
