@@ -167,7 +167,8 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
     """The C code without AVX-512 (weight_pairs', x_pairs' and sum16's generic forms, the index scores' even / odd
     path key by key where AVX-512 puts 16 keys in vector lanes) or without any AVX (sum8's too), built into a
     second library with the loader's flags, gives the default build's bits for moe_fp4, moe_bf16, fp32 and bf16
-    projections (the fp32 GEMV's register-blocked AVX-512 form, issue 25), index scores
+    projections (the fp32 GEMV's register-blocked AVX-512 form, issue 25), few-query attention (its scores of 4 keys
+    x 4 heads at once), index scores
     (GENERIC_INDEX_CASES, NaN scales included) and the FP8 decode of every E4M3 code (its table lookups, where
     AVX-512 builds most values' bits). Skips without a compiler, except under CI=true."""
     cc = os.environ.get("CC", "cc")
@@ -208,6 +209,15 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
                    for n in (1, 3, 4, 5, 8, 9) for k, o in ((256, 37), (133, 6))
                    for dt in (torch.float32, torch.bfloat16)]
     want_linear = [kernels.linear(x, w) for x, w in projections]
+    # Few-query attention: AVX-512 scores 4 keys x 4 heads at once (H a multiple of 4, d of 16), the generic code
+    # one dot at a time; 4 heads, 12 heads (three groups of 4), 3 heads (one at a time); window keys and picks.
+    attends = []
+    for B, H, d, L, k in ((3, 4, 64, 37, 9), (2, 12, 32, 18, 5), (2, 3, 64, 21, 3)):
+        attends.append((torch.randn(B, 1, H, d, generator=g), torch.randint(20, 40, (B, 1), generator=g),
+                        torch.randn(B, L, d, generator=g), torch.randint(-1, 40, (B, L), generator=g), 16,
+                        torch.randn(B, 1, k, d, generator=g), torch.randint(-1, 30, (B, 1, k), generator=g),
+                        torch.randn(H, generator=g), d ** -0.5))
+    want_attend = [kernels.attend_few(*case) for case in attends]
     # FP8 rows: every code (twice, the second time shuffled) under scale bytes 0, 1, 127, 254 and 255 (NaN), then
     # each block its own scale byte. Bits compared as int32, NaN signs too, but for code 0xFF (-NaN) times a NaN
     # scale: x86 returns one of the two NaNs by operand order, which the compiler picks (a -march=x86-64 build's
@@ -232,6 +242,8 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
         assert_same_bits(bf16_got, bf16_want)
     for (x, w), expected in zip(projections, want_linear, strict=True):
         assert_same_bits(kernels.linear(x, w), expected)
+    for case, expected in zip(attends, want_attend, strict=True):
+        assert_same_bits(kernels.attend_few(*case), expected)
     for case, inputs, expected in zip(GENERIC_INDEX_CASES, index_cases, want_scores, strict=True):
         assert_same_bits(index_scores_of(case, inputs), expected)
     assert torch.equal(kernels.pool_select(*select), want_picks)

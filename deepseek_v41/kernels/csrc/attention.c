@@ -79,7 +79,42 @@ static void attend_item(const void *job, int64_t bt) {
         qt = q_row;
         out = out_row;
     }
-    for (int64_t j = 0; j < n; j++) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if (H % 4 == 0 && d % 16 == 0)  /* 4 keys x 4 heads at once: each dot16's operations, summed by sum16_by16 */
+        for (; j + 4 <= n; j += 4) {
+            int seen[4];
+            const float *v[4];
+            for (int c = 0; c < 4; c++) {
+                int64_t jc = j + c;
+                seen[c] = jc < L ? kp[jc] >= 0 && kp[jc] <= p && kp[jc] > p - window : picks[jc - L] >= 0;
+                v[c] = jc < L ? kb + jc * d : sel + (jc - L) * d;
+            }
+            for (int64_t h0 = 0; h0 < H; h0 += 4) {
+                __m512 acc[4][4];
+                for (int c = 0; c < 4; c++)
+                    for (int h = 0; h < 4; h++) acc[c][h] = _mm512_setzero_ps();
+                for (int64_t i = 0; i < d; i += 16) {
+                    __m512 qv[4];
+                    for (int h = 0; h < 4; h++) {
+                        qv[h] = _mm512_loadu_ps(qt + (h0 + h) * d + i);
+                        __asm__("" : "+v"(qv[h]));  /* held in a register for the 4 keys */
+                    }
+                    for (int c = 0; c < 4; c++) {
+                        __m512 kv = _mm512_loadu_ps(v[c] + i);
+                        __asm__("" : "+v"(kv));
+                        for (int h = 0; h < 4; h++) acc[c][h] = _mm512_add_ps(acc[c][h], _mm512_mul_ps(kv, qv[h]));
+                    }
+                }
+                float dots[16];
+                sum16_by16(acc, dots);  /* dots[4 c + h] */
+                for (int c = 0; c < 4; c++)
+                    for (int h = 0; h < 4; h++)
+                        scratch[(h0 + h) * n + j + c] = seen[c] ? dots[4 * c + h] * scale : -INFINITY;
+            }
+        }
+#endif
+    for (; j < n; j++) {
         int seen = j < L ? kp[j] >= 0 && kp[j] <= p && kp[j] > p - window : picks[j - L] >= 0;
         const float *v = j < L ? kb + j * d : sel + (j - L) * d;
         for (int64_t h = 0; h < H; h++) scratch[h * n + j] = seen ? dot16(qt + h * d, v, d) * scale : -INFINITY;
