@@ -44,18 +44,36 @@ static void weighted_sum(const float *s, int64_t n, float top, const float *kb, 
 }
 
 /* weighted_sum for a fixed d: the sums stay in registers (the same operations, so the same bits). */
+/* s [n] := exp(s[j] - top) (expf's bits; 16 at a time with AVX-512: expf16), -1 where s[j] is -inf (a masked
+ * row: an exponential is never -1), so that the weighted sums after it call nothing (a call in their loop kept
+ * their vector sums in memory: every zmm register is the callee's to clobber). */
+static void exps_of(float *s, int64_t n, float top) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_loadu_ps(s + j);
+        __mmask16 masked = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+        __m512 e = expf16(_mm512_sub_ps(v, _mm512_set1_ps(top)));
+        _mm512_storeu_ps(s + j, _mm512_mask_blend_ps(masked, e, _mm512_set1_ps(-1.0f)));
+    }
+#endif
+    for (; j < n; j++) s[j] = s[j] == -INFINITY ? -1.0f : expf(s[j] - top);
+}
+
+/* weighted_sum for a fixed d, after exps_of: the sums stay in registers (the same operations, so the same bits). */
 #define WEIGHTED_SUM(D)                                                                                        \
-    static void weighted_sum_##D(const float *s, int64_t n, float top, const float *kb, int64_t L,             \
-                                 const float *sel, float *o, float *total) {                                    \
+    static void weighted_exps_##D(const float *e, int64_t n, const float *kb, int64_t L, const float *sel,      \
+                                  float *o, float *total) {                                                     \
         v16f acc[D / 16];                                                                                      \
-        memset(acc, 0, sizeof acc);                                                                            \
+        for (int c = 0; c < D / 16; c++) acc[c] = (v16f){0};                                                   \
+        float sum = *total;                                                                                    \
         for (int64_t j = 0; j < n; j++) {                                                                      \
-            if (s[j] == -INFINITY) continue;                                                                   \
+            if (e[j] == -1.0f) continue;                                                                       \
             const float *v = j < L ? kb + j * D : sel + (j - L) * D;                                           \
-            float e = expf(s[j] - top);                                                                        \
-            *total += e;                                                                                       \
-            for (int c = 0; c < D / 16; c++) acc[c] += e * load16(v + 16 * c);                                 \
+            sum += e[j];                                                                                       \
+            for (int c = 0; c < D / 16; c++) acc[c] += e[j] * load16(v + 16 * c);                              \
         }                                                                                                      \
+        *total = sum;                                                                                          \
         memcpy(o, acc, sizeof acc);                                                                            \
     }
 WEIGHTED_SUM(64)
@@ -128,11 +146,13 @@ static void attend_item(const void *job, int64_t bt) {
     }
     for (int64_t h = 0; h < H; h++) {
         float *o = out + h * d;
-        if (d == 64)
-            weighted_sum_64(scratch + h * n, n, top[h], kb, L, sel, o, &total[h]);
-        else if (d == 128)
-            weighted_sum_128(scratch + h * n, n, top[h], kb, L, sel, o, &total[h]);
-        else
+        if (d == 64 || d == 128) {
+            exps_of(scratch + h * n, n, top[h]);
+            if (d == 64)
+                weighted_exps_64(scratch + h * n, n, kb, L, sel, o, &total[h]);
+            else
+                weighted_exps_128(scratch + h * n, n, kb, L, sel, o, &total[h]);
+        } else
             weighted_sum(scratch + h * n, n, top[h], kb, L, sel, d, o, &total[h]);
         float inv = 1.0f / total[h];
         for (int64_t i = 0; i < d; i++) o[i] *= inv;

@@ -57,7 +57,23 @@ int dsv41_gate(const void *x, int x_bf16, int64_t N, int64_t D, const void *W, i
 void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, int64_t stride, float limit,
                   float *out) {
     for (int64_t n = 0; n < N; n++) {
-        for (int64_t i = 0; i < inter; i++) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= inter; i += 16) {  /* the same operations, 16 at a time (expf16: expf's bits) */
+            __m512 g = _mm512_loadu_ps(gate + n * stride + i), u = _mm512_loadu_ps(up + n * stride + i);
+            if (limit > 0) {
+                __m512 lim = _mm512_set1_ps(limit);
+                g = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, lim, _CMP_GT_OQ), g, lim);
+                u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(u, _mm512_sub_ps(_mm512_setzero_ps(), lim), _CMP_LT_OQ),
+                                         u, _mm512_sub_ps(_mm512_setzero_ps(), lim));
+                u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(u, lim, _CMP_GT_OQ), u, lim);
+            }
+            __m512 t = expf16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));
+            _mm512_storeu_ps(out + n * inter + i,
+                             _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), t)), u));
+        }
+#endif
+        for (; i < inter; i++) {
             float g = gate[n * stride + i], u = up[n * stride + i];
             if (limit > 0) {
                 g = g > limit ? limit : g;
@@ -114,16 +130,17 @@ static void moe_hidden_item(const void *job, int64_t item) {
     const float *xs = j->xs + t0 * j->D;
     const int64_t ldh = j->ldh;
     float *hidden = j->hidden + t0 * ldh;
-    float gate[16 * 4], up[16 * 4];
-    for (int64_t r = r0; r < r1; r += 4) {
-        int64_t rows = r1 - r < 4 ? r1 - r : 4;
-        for (int64_t n = 0; n < n_e; n += 16) {
-            int64_t m = n_e - n < 16 ? n_e - n : 16;
-            dots_block(xs + n * j->D, j->D, m, gate_w, g0 + r, rows, gate, 4);
-            dots_block(xs + n * j->D, j->D, m, up_w, u0 + r, rows, up, 4);
-            for (int64_t t = 0; t < m; t++)
-                dsv41_swiglu(gate + 4 * t, up + 4 * t, 1, rows, 4, j->limit, hidden + (n + t) * ldh + r);
+    float gate[16 * MOE_ITEM_ROWS], up[16 * MOE_ITEM_ROWS];  /* [token][row of the item] */
+    for (int64_t n = 0; n < n_e; n += 16) {
+        int64_t m = n_e - n < 16 ? n_e - n : 16;
+        for (int64_t r = r0; r < r1; r += 4) {
+            int64_t rows = r1 - r < 4 ? r1 - r : 4;
+            dots_block(xs + n * j->D, j->D, m, gate_w, g0 + r, rows, gate + (r - r0), MOE_ITEM_ROWS);
+            dots_block(xs + n * j->D, j->D, m, up_w, u0 + r, rows, up + (r - r0), MOE_ITEM_ROWS);
         }
+        for (int64_t t = 0; t < m; t++)  /* the item's rows at once (swiglu's 16-wide path) */
+            dsv41_swiglu(gate + t * MOE_ITEM_ROWS, up + t * MOE_ITEM_ROWS, 1, r1 - r0, MOE_ITEM_ROWS, j->limit,
+                         hidden + (n + t) * ldh + r0);
     }
 }
 
