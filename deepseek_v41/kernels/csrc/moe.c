@@ -3,50 +3,69 @@
 
 /* ----------------------------------------------------------------------------------- MoE router, SwiGLU */
 
+typedef struct {
+    const void *x;
+    int x_bf16, norm_topk;
+    int64_t D, E, k;
+    const float *Wf, *bias;
+    float route_scale, *scratch;
+    int64_t *indices;
+    float *weights;
+} gate_job;
+
+static void gate_item(const void *job, int64_t n) {
+    const gate_job *g = job;
+    const int64_t D = g->D, E = g->E, k = g->k;
+    const float *bias = g->bias;
+    int64_t *indices = g->indices;
+    float *weights = g->weights, *scratch = g->scratch + n * E;
+    float x_row[ROW_ON_STACK];  /* a bf16 token widened (D <= ROW_ON_STACK then) */
+    const float *xn = (const float *)g->x + n * D;
+    if (g->x_bf16) {
+        bf16_row((const uint16_t *)g->x + n * D, D, x_row);
+        xn = x_row;
+    }
+    for (int64_t e = 0; e < E; e++) {
+        float z = dot(xn, g->Wf + e * D, D);
+        scratch[e] = sqrtf(z > 20.0f ? z : log1pf(expf(z)));
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= indices[n * k + i] == e;
+            if (taken) continue;
+            float v = scratch[e] + bias[e], top = best < 0 ? 0.0f : scratch[best] + bias[best];
+            /* NaN ranks above every number, as in torch.topk: a corrupted router shows, not hides */
+            if (best < 0 || (isnan(v) ? !isnan(top) : v > top)) best = e;
+        }
+        indices[n * k + j] = best;
+        weights[n * k + j] = scratch[best];
+        sum += scratch[best];
+    }
+    for (int64_t j = 0; j < k; j++) {
+        float w = weights[n * k + j];
+        if (g->norm_topk) w = w / (sum + 1e-20f);
+        weights[n * k + j] = w * g->route_scale;
+    }
+}
+
 /* MoE router (model/moe.py Gate, text tokens): scores = sqrt(softplus(x @ W^T)) [N, E] of x [N, D], W [E, D];
  * the k experts of largest score + bias[E] (descending, the lower id first on a tie) into indices [N, k], their
  * scores (divided by their sum + 1e-20 when norm_topk) times route_scale into weights [N, k]. x and W are fp32, or
  * bf16 bits (x_bf16 / w_bf16; widened exactly: a bf16 token on the stack, D <= ROW_ON_STACK then, a bf16 W once
- * per call on the heap). scratch: E floats. Returns 0, or -2 (nothing computed) when memory for W cannot be had. */
+ * per call on the heap). Tokens over the pool (a decode step's router ran alone on one core: issue 25).
+ * scratch: N * E floats. Returns 0, or -2 (nothing computed) when memory for W cannot be had. */
 int dsv41_gate(const void *x, int x_bf16, int64_t N, int64_t D, const void *W, int w_bf16, int64_t E,
                const float *bias, int64_t k, int norm_topk, float route_scale, float *scratch, int64_t *indices,
                float *weights) {
-    float x_row[ROW_ON_STACK];  /* a bf16 token widened (D <= ROW_ON_STACK then) */
     float *wide = w_bf16 ? malloc((size_t)(E * D) * sizeof(float)) : NULL;  /* bf16 W widened once per call */
     if (w_bf16 && !wide) return -2;
     if (w_bf16) bf16_row((const uint16_t *)W, E * D, wide);
-    const float *Wf = w_bf16 ? wide : (const float *)W;
-    for (int64_t n = 0; n < N; n++) {
-        const float *xn = (const float *)x + n * D;
-        if (x_bf16) {
-            bf16_row((const uint16_t *)x + n * D, D, x_row);
-            xn = x_row;
-        }
-        for (int64_t e = 0; e < E; e++) {
-            float z = dot(xn, Wf + e * D, D);
-            scratch[e] = sqrtf(z > 20.0f ? z : log1pf(expf(z)));
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < k; j++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++) {
-                int taken = 0;
-                for (int64_t i = 0; i < j; i++) taken |= indices[n * k + i] == e;
-                if (taken) continue;
-                float v = scratch[e] + bias[e], top = best < 0 ? 0.0f : scratch[best] + bias[best];
-                /* NaN ranks above every number, as in torch.topk: a corrupted router shows, not hides */
-                if (best < 0 || (isnan(v) ? !isnan(top) : v > top)) best = e;
-            }
-            indices[n * k + j] = best;
-            weights[n * k + j] = scratch[best];
-            sum += scratch[best];
-        }
-        for (int64_t j = 0; j < k; j++) {
-            float w = weights[n * k + j];
-            if (norm_topk) w = w / (sum + 1e-20f);
-            weights[n * k + j] = w * route_scale;
-        }
-    }
+    gate_job job = {x, x_bf16, norm_topk, D, E, k, w_bf16 ? wide : (const float *)W, bias, route_scale, scratch,
+                    indices, weights};
+    parallel_for(gate_item, &job, N);
     free(wide);
     return 0;
 }
