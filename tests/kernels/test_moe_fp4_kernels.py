@@ -168,7 +168,7 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
     path key by key where AVX-512 puts 16 keys in vector lanes) or without any AVX (sum8's too), built into a
     second library with the loader's flags, gives the default build's bits for moe_fp4, moe_bf16, fp32 and bf16
     projections (the fp32 GEMV's register-blocked AVX-512 form, issue 25), few-query attention (its scores of 4 keys
-    x 4 heads at once), index scores
+    x 4 heads at once), mHC mixing (two tokens at once), index scores
     (GENERIC_INDEX_CASES, NaN scales included) and the FP8 decode of every E4M3 code (its table lookups, where
     AVX-512 builds most values' bits). Skips without a compiler, except under CI=true."""
     cc = os.environ.get("CC", "cc")
@@ -218,6 +218,14 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
                         torch.randn(B, 1, k, d, generator=g), torch.randint(-1, 30, (B, 1, k), generator=g),
                         torch.randn(H, generator=g), d ** -0.5))
     want_attend = [kernels.attend_few(*case) for case in attends]
+    # mHC mixing: AVX-512 takes two tokens at once (hc * D a multiple of 32), the generic code one at a time; hc 3
+    # leaves 3 of its 15 rows past a multiple of 4; 5 tokens leave the last one alone; bf16 streams.
+    mixes = []
+    for T, hc, D, dt in ((5, 4, 64, torch.float32), (3, 3, 32, torch.float32), (4, 4, 64, torch.bfloat16)):
+        m = (2 + hc) * hc
+        mixes.append((torch.randn(1, T, hc, D, generator=g).to(dt), torch.randn(m, hc * D, generator=g) * 0.05,
+                       torch.randn(m, generator=g), torch.rand(3, generator=g), hc, 1e-6, 1e-6, 20))
+    want_mix = [kernels.hc_mix(*case) for case in mixes]
     # FP8 rows: every code (twice, the second time shuffled) under scale bytes 0, 1, 127, 254 and 255 (NaN), then
     # each block its own scale byte. Bits compared as int32, NaN signs too, but for code 0xFF (-NaN) times a NaN
     # scale: x86 returns one of the two NaNs by operand order, which the compiler picks (a -march=x86-64 build's
@@ -244,6 +252,9 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
         assert_same_bits(kernels.linear(x, w), expected)
     for case, expected in zip(attends, want_attend, strict=True):
         assert_same_bits(kernels.attend_few(*case), expected)
+    for case, expected in zip(mixes, want_mix, strict=True):
+        for got_part, want_part in zip(kernels.hc_mix(*case), expected, strict=True):
+            assert_same_bits(got_part, want_part)
     for case, inputs, expected in zip(GENERIC_INDEX_CASES, index_cases, want_scores, strict=True):
         assert_same_bits(index_scores_of(case, inputs), expected)
     assert torch.equal(kernels.pool_select(*select), want_picks)
