@@ -125,7 +125,7 @@ static void attend_item(const void *job, int64_t bt) {
                     }
                 }
                 float dots[16];
-                sum16_by16(acc, dots);  /* dots[4 c + h] */
+                _mm512_storeu_ps(dots, sum16_by16(acc));  /* dots[4 c + h] */
                 for (int c = 0; c < 4; c++)
                     for (int h = 0; h < 4; h++)
                         scratch[(h0 + h) * n + j + c] = seen[c] ? dots[4 * c + h] * scale : -INFINITY;

@@ -318,11 +318,11 @@ static inline float sum16(v16f a) {
 }
 
 #if defined(__AVX512F__)
-/* res[4 t + r] = sum16(a[t][r]) for the 16 vectors a [4][4]: the same additions as sum16 (each lane pair of a
+/* Lane 4 t + r: sum16(a[t][r]), for the 16 vectors a [4][4]: the same additions as sum16 (each lane pair of a
  * vector added in the same tree: halves of 8, 4, 2, 1), done for 16 vectors at once in 15 vector additions and 30
  * shuffles instead of 64 and 48: each step adds the lower and upper halves of two vectors' partial sums side by
  * side. Fed transposed (v[4 r + t] = a[t][r]), the last step leaves output 4 t + r in lane 4 t + r. */
-static inline __attribute__((always_inline)) void sum16_by16(__m512 a[4][4], float *res) {
+static inline __attribute__((always_inline)) __m512 sum16_by16(__m512 a[4][4]) {
     __m512 s[8], u[4], v[2];
     for (int m = 0; m < 8; m++) {  /* s[m] = [h of v[2m] (8 lanes), h of v[2m + 1]]: h[i] = v[i] + v[i + 8] */
         __m512 p = a[(2 * m) % 4][(2 * m) / 4], q = a[(2 * m + 1) % 4][(2 * m + 1) / 4];
@@ -336,8 +336,8 @@ static inline __attribute__((always_inline)) void sum16_by16(__m512 a[4][4], flo
         v[n] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * n], u[2 * n + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_ps(u[2 * n], u[2 * n + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     /* lane j, element e: t0 + t1 of v[4e + j] = a[j][e] */
-    _mm512_storeu_ps(res, _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                        _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1))));
+    return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 #endif
 

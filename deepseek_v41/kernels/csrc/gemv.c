@@ -4,7 +4,8 @@
 /* ------------------------------------------------------------------------------- dense projections (GEMV) */
 
 /* The dots of T tokens x [T, K] (rows ldx apart) with 4 weight rows w[0..3] [K] (scales s[0..3] for FP4) of one
- * kind: res [T][4]. One 16-lane accumulator per (token, row), then summed by sum16, then the remaining products
+ * kind: out [T][rows] (rows ldo apart; the first `rows` <= 4 of each token's 4 dots, written straight from the
+ * registers when all 4 are wanted). One 16-lane accumulator per (token, row), then summed by sum16, then the remaining products
  * one by one. fp32 weights: lane j adds the products i + j, 16 at a time, the last K % 16 one by one. bf16 and FP4
  * weights: 32 at a time, lane j adding the product of weight i + 2j then that of i + 2j + 1 (weight_pairs: half
  * the decoding steps of 16 at a time), the last K % 32 one by one; bf16 and FP4 rows holding the same values give
@@ -27,9 +28,21 @@ static inline __attribute__((always_inline)) void prefetch_rows(const char *at, 
 }
 
 
+/* The dots [T][4] (res, 4 per token) into out [T][rows] (rows ldo apart): the first `rows` of each token's 4. */
+static inline __attribute__((always_inline)) void dots_out(const float *res, const int T, float *out, int64_t ldo,
+                                                           int64_t rows) {
+    if (rows == 4)
+        for (int t = 0; t < T; t++) memcpy(out + t * ldo, res + 4 * t, 4 * sizeof(float));
+    else
+        for (int t = 0; t < T; t++)
+            for (int64_t r = 0; r < rows; r++) out[t * ldo + r] = res[4 * t + r];
+}
+
 static inline __attribute__((always_inline)) void dots_body(const float *x, int64_t ldx, const int T,
                                                             const void *const *w, const uint8_t *const *s,
-                                                            const int kind, int64_t K, int64_t ahead, float *res) {
+                                                            const int kind, int64_t K, int64_t ahead, float *out,
+                                                            int64_t ldo, int64_t rows) {
+    float res[16];
     int64_t i = 0;
 #if defined(__AVX512F__)
     if (kind == W_FP32) {  /* the same operations, with the 4 rows' weights held in registers for the T tokens */
@@ -49,8 +62,18 @@ static inline __attribute__((always_inline)) void dots_body(const float *x, int6
                 for (int r = 0; r < 4; r++) a[t][r] = _mm512_add_ps(a[t][r], _mm512_mul_ps(xt, wv[r]));
             }
         }
-        if (T == 4) {
-            sum16_by16(a, res);
+        if (T == 4 && K % 16 == 0) {  /* straight from the register into out (no store and reload of res) */
+            __m512 v = sum16_by16(a);
+            if (rows == 4) {
+                _mm_storeu_ps(out, _mm512_castps512_ps128(v));
+                _mm_storeu_ps(out + ldo, _mm512_extractf32x4_ps(v, 1));
+                _mm_storeu_ps(out + 2 * ldo, _mm512_extractf32x4_ps(v, 2));
+                _mm_storeu_ps(out + 3 * ldo, _mm512_extractf32x4_ps(v, 3));
+                return;
+            }
+            _mm512_storeu_ps(res, v);
+        } else if (T == 4) {
+            _mm512_storeu_ps(res, sum16_by16(a));
         } else {
             for (int t = 0; t < T; t++)
                 for (int r = 0; r < 4; r++) {
@@ -62,6 +85,7 @@ static inline __attribute__((always_inline)) void dots_body(const float *x, int6
         for (; i < K; i++)
             for (int t = 0; t < T; t++)
                 for (int r = 0; r < 4; r++) res[4 * t + r] += x[t * ldx + i] * ((const float *)w[r])[i];
+        dots_out(res, T, out, ldo, rows);
         return;
     }
 #endif
@@ -100,19 +124,20 @@ static inline __attribute__((always_inline)) void dots_body(const float *x, int6
     for (; i < K; i++)
         for (int t = 0; t < T; t++)
             for (int r = 0; r < 4; r++) res[4 * t + r] += x[t * ldx + i] * weight1(w[r], s[r], kind, i);
+    dots_out(res, T, out, ldo, rows);
 }
 
 #define DOTS(T, KIND) \
     static void dots_##T##_##KIND(const float *x, int64_t ldx, const void *const *w, const uint8_t *const *s, \
-                                  int64_t K, int64_t ahead, float *res) {                                  \
-        dots_body(x, ldx, T, w, s, KIND, K, ahead, res);                                                   \
+                                  int64_t K, int64_t ahead, float *out, int64_t ldo, int64_t rows) {      \
+        dots_body(x, ldx, T, w, s, KIND, K, ahead, out, ldo, rows);                                        \
     }
 DOTS(1, 0) DOTS(2, 0) DOTS(3, 0) DOTS(4, 0) DOTS(1, 1) DOTS(2, 1) DOTS(3, 1) DOTS(4, 1)
 DOTS(1, 2) DOTS(2, 2) DOTS(3, 2) DOTS(4, 2)
 #undef DOTS
 
 typedef void (*dots_fn)(const float *, int64_t, const void *const *, const uint8_t *const *, int64_t, int64_t,
-                        float *);
+                        float *, int64_t, int64_t);
 static const dots_fn DOTS_BY[3][5] = {{NULL, dots_1_0, dots_2_0, dots_3_0, dots_4_0},
                                       {NULL, dots_1_1, dots_2_1, dots_3_1, dots_4_1},
                                       {NULL, dots_1_2, dots_2_2, dots_3_2, dots_4_2}};
@@ -132,15 +157,9 @@ void dots_block(const float *x, int64_t ldx, int64_t N, const wrows *m, int64_t 
     const int64_t block_bytes = (const char *)wrow(m, row + 4) - (const char *)wrow(m, row);
     if (m->kind == W_FP4)  /* the next blocks' scale bytes (a row's first load of them waited on memory) */
         prefetch_rows((const char *)sp[0], (const char *)srow(m, row + 4) - (const char *)srow(m, row));
-    float part[16];
     for (int64_t n = 0; n < N; n += 4) {
         int64_t T = N - n < 4 ? N - n : 4;
-        DOTS_BY[m->kind][T](x + n * ldx, ldx, rp, sp, m->K, block_bytes, part);
-        if (rows == 4)
-            for (int64_t t = 0; t < T; t++) memcpy(res + (n + t) * ldr, part + 4 * t, 4 * sizeof(float));
-        else
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t r = 0; r < rows; r++) res[(n + t) * ldr + r] = part[4 * t + r];
+        DOTS_BY[m->kind][T](x + n * ldx, ldx, rp, sp, m->K, block_bytes, res + n * ldr, ldr, rows);
     }
 }
 
