@@ -81,7 +81,8 @@ WEIGHTED_SUM(128)
 #undef WEIGHTED_SUM
 
 /* One query token, all its heads: each key row (window key or selected entry) is read once for every head, first
- * for the scores, then for the weighted sum. scratch [H, L + k]: the scores, -inf where masked. */
+ * for the scores, then for the weighted sum. scratch [H, L + k]: the scores, -inf where masked (for d 64 / 128
+ * then their exponentials, exps_of). */
 static void attend_item(const void *job, int64_t bt) {
     const attend_job *a = job;
     const int64_t b = bt / a->T, H = a->H, d = a->d, L = a->L, k = a->k, window = a->window, n = L + k;
