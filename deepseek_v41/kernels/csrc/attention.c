@@ -44,18 +44,36 @@ static void weighted_sum(const float *s, int64_t n, float top, const float *kb, 
 }
 
 /* weighted_sum for a fixed d: the sums stay in registers (the same operations, so the same bits). */
+/* s [n] := exp(s[j] - top) (expf's bits; 16 at a time with AVX-512: expf16), -1 where s[j] is -inf (a masked
+ * row: an exponential is never -1), so that the weighted sums after it call nothing (a call in their loop kept
+ * their vector sums in memory: every zmm register is the callee's to clobber). */
+static void exps_of(float *s, int64_t n, float top) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_loadu_ps(s + j);
+        __mmask16 masked = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+        __m512 e = expf16(_mm512_sub_ps(v, _mm512_set1_ps(top)));
+        _mm512_storeu_ps(s + j, _mm512_mask_blend_ps(masked, e, _mm512_set1_ps(-1.0f)));
+    }
+#endif
+    for (; j < n; j++) s[j] = s[j] == -INFINITY ? -1.0f : expf(s[j] - top);
+}
+
+/* weighted_sum for a fixed d, after exps_of: the sums stay in registers (the same operations, so the same bits). */
 #define WEIGHTED_SUM(D)                                                                                        \
-    static void weighted_sum_##D(const float *s, int64_t n, float top, const float *kb, int64_t L,             \
-                                 const float *sel, float *o, float *total) {                                    \
+    static void weighted_exps_##D(const float *e, int64_t n, const float *kb, int64_t L, const float *sel,      \
+                                  float *o, float *total) {                                                     \
         v16f acc[D / 16];                                                                                      \
-        memset(acc, 0, sizeof acc);                                                                            \
+        for (int c = 0; c < D / 16; c++) acc[c] = (v16f){0};                                                   \
+        float sum = *total;                                                                                    \
         for (int64_t j = 0; j < n; j++) {                                                                      \
-            if (s[j] == -INFINITY) continue;                                                                   \
+            if (e[j] == -1.0f) continue;                                                                       \
             const float *v = j < L ? kb + j * D : sel + (j - L) * D;                                           \
-            float e = expf(s[j] - top);                                                                        \
-            *total += e;                                                                                       \
-            for (int c = 0; c < D / 16; c++) acc[c] += e * load16(v + 16 * c);                                 \
+            sum += e[j];                                                                                       \
+            for (int c = 0; c < D / 16; c++) acc[c] += e[j] * load16(v + 16 * c);                              \
         }                                                                                                      \
+        *total = sum;                                                                                          \
         memcpy(o, acc, sizeof acc);                                                                            \
     }
 WEIGHTED_SUM(64)
@@ -63,7 +81,8 @@ WEIGHTED_SUM(128)
 #undef WEIGHTED_SUM
 
 /* One query token, all its heads: each key row (window key or selected entry) is read once for every head, first
- * for the scores, then for the weighted sum. scratch [H, L + k]: the scores, -inf where masked. */
+ * for the scores, then for the weighted sum. scratch [H, L + k]: the scores, -inf where masked (for d 64 / 128
+ * then their exponentials, exps_of). */
 static void attend_item(const void *job, int64_t bt) {
     const attend_job *a = job;
     const int64_t b = bt / a->T, H = a->H, d = a->d, L = a->L, k = a->k, window = a->window, n = L + k;
@@ -79,7 +98,42 @@ static void attend_item(const void *job, int64_t bt) {
         qt = q_row;
         out = out_row;
     }
-    for (int64_t j = 0; j < n; j++) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if (H % 4 == 0 && d % 16 == 0)  /* 4 keys x 4 heads at once: each dot16's operations, summed by sum16_by16 */
+        for (; j + 4 <= n; j += 4) {
+            int seen[4];
+            const float *v[4];
+            for (int c = 0; c < 4; c++) {
+                int64_t jc = j + c;
+                seen[c] = jc < L ? kp[jc] >= 0 && kp[jc] <= p && kp[jc] > p - window : picks[jc - L] >= 0;
+                v[c] = jc < L ? kb + jc * d : sel + (jc - L) * d;
+            }
+            for (int64_t h0 = 0; h0 < H; h0 += 4) {
+                __m512 acc[4][4];
+                for (int c = 0; c < 4; c++)
+                    for (int h = 0; h < 4; h++) acc[c][h] = _mm512_setzero_ps();
+                for (int64_t i = 0; i < d; i += 16) {
+                    __m512 qv[4];
+                    for (int h = 0; h < 4; h++) {
+                        qv[h] = _mm512_loadu_ps(qt + (h0 + h) * d + i);
+                        __asm__("" : "+v"(qv[h]));  /* held in a register for the 4 keys */
+                    }
+                    for (int c = 0; c < 4; c++) {
+                        __m512 kv = _mm512_loadu_ps(v[c] + i);
+                        __asm__("" : "+v"(kv));
+                        for (int h = 0; h < 4; h++) acc[c][h] = _mm512_add_ps(acc[c][h], _mm512_mul_ps(kv, qv[h]));
+                    }
+                }
+                float dots[16];
+                _mm512_storeu_ps(dots, sum16_by16(acc));  /* dots[4 c + h] */
+                for (int c = 0; c < 4; c++)
+                    for (int h = 0; h < 4; h++)
+                        scratch[(h0 + h) * n + j + c] = seen[c] ? dots[4 * c + h] * scale : -INFINITY;
+            }
+        }
+#endif
+    for (; j < n; j++) {
         int seen = j < L ? kp[j] >= 0 && kp[j] <= p && kp[j] > p - window : picks[j - L] >= 0;
         const float *v = j < L ? kb + j * d : sel + (j - L) * d;
         for (int64_t h = 0; h < H; h++) scratch[h * n + j] = seen ? dot16(qt + h * d, v, d) * scale : -INFINITY;
@@ -93,11 +147,13 @@ static void attend_item(const void *job, int64_t bt) {
     }
     for (int64_t h = 0; h < H; h++) {
         float *o = out + h * d;
-        if (d == 64)
-            weighted_sum_64(scratch + h * n, n, top[h], kb, L, sel, o, &total[h]);
-        else if (d == 128)
-            weighted_sum_128(scratch + h * n, n, top[h], kb, L, sel, o, &total[h]);
-        else
+        if (d == 64 || d == 128) {
+            exps_of(scratch + h * n, n, top[h]);
+            if (d == 64)
+                weighted_exps_64(scratch + h * n, n, kb, L, sel, o, &total[h]);
+            else
+                weighted_exps_128(scratch + h * n, n, kb, L, sel, o, &total[h]);
+        } else
             weighted_sum(scratch + h * n, n, top[h], kb, L, sel, d, o, &total[h]);
         float inv = 1.0f / total[h];
         for (int64_t i = 0; i < d; i++) o[i] *= inv;

@@ -47,27 +47,73 @@ static inline int any_above(const float *x, int64_t n, float t, int or_equal) {
     return any;
 }
 
-/* The top-k rule of one row x [N] into o [k] (heap: k floats); 0, or -1 (o unspecified) when x holds a NaN.
- * Runs of TOPK_RUN scores are checked at once against the heap's minimum (which only rises), so the scores that
- * cannot enter the heap, or cannot be picked, are passed over without a branch each: the same heap, the same
- * picks. */
+/* The key of a float (not NaN) that orders as the float does (-0 just below +0): its bits with the sign bit
+ * flipped for a positive value, every bit flipped for a negative one. */
+static inline uint32_t order_key(float f) {
+    uint32_t b = to_bits(f);
+    return b & 0x80000000u ? ~b : b | 0x80000000u;
+}
+
+static inline float key_value(uint32_t key) { return from_bits(key & 0x80000000u ? key & 0x7FFFFFFFu : ~key); }
+
+/* How many of x [N] have order_key >= t. */
+static int64_t count_at_least(const float *x, int64_t N, uint32_t t) {
+    int64_t count = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512i flip = _mm512_set1_epi32((int)0x80000000u), tv = _mm512_set1_epi32((int)t);
+    for (; i + 16 <= N; i += 16) {
+        __m512i b = _mm512_loadu_si512((const void *)(x + i));
+        /* order_key: b ^ (b < 0 ? 0xFFFFFFFF : 0x80000000) */
+        __m512i key = _mm512_xor_si512(b, _mm512_or_si512(_mm512_srai_epi32(b, 31), flip));
+        count += __builtin_popcount(_mm512_cmpge_epu32_mask(key, tv));
+    }
+#endif
+    for (; i < N; i++) count += order_key(x[i]) >= t;
+    return count;
+}
+
+/* The k-th largest of x [N] (1 <= k <= N, no NaN), as the min-heap of the k largest would hold it at its root:
+ * the largest key t with at least k values' keys >= t, found bit by bit from the top (32 counting passes, no
+ * data-dependent branch). A -0 or +0 may come back for a zero: they compare equal, so the picks are the same. */
+static float kth_largest(const float *x, int64_t N, int64_t k) {
+    uint32_t t = 0;
+    for (int bit = 31; bit >= 0; bit--) {
+        uint32_t c = t | (1u << bit);
+        if (count_at_least(x, N, c) >= k) t = c;
+    }
+    return key_value(t);
+}
+
+#define TOPK_BISECT_N 8192  /* up to this many scores a row's k-th largest is found by kth_largest, else by a heap */
+
+/* The top-k rule of one row x [N] into o [k] (heap: k floats, for rows over TOPK_BISECT_N); 0, or -1 (o
+ * unspecified) when x holds a NaN. The k-th largest value comes from kth_largest, or for a long row from a
+ * min-heap of k scores (a decode row's ~100 heap insertions cost a branch miss per level: ~5 us per row at
+ * N = 800, issue 25), where runs of TOPK_RUN scores are checked at once against the heap's minimum (which only
+ * rises), so the scores that cannot enter the heap are passed over without a branch each; then runs that cannot
+ * be picked are passed over likewise. Either way the same k-th value (up to the sign of a zero), the same picks. */
 static int topk_row(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *heap, int64_t *o) {
     if (k == 0) return 0;
     int nan = 0;
     for (int64_t i = 0; i < N; i++) nan |= x[i] != x[i];
     if (nan) return -1;
-    for (int64_t i = 0; i < k; i++) heap[i] = x[i];
-    for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
-    for (int64_t i = k; i < N; i += TOPK_RUN) {
-        const int64_t n = N - i < TOPK_RUN ? N - i : TOPK_RUN;
-        if (!any_above(x + i, n, heap[0], 0)) continue;
-        for (int64_t j = i; j < i + n; j++)
-            if (x[j] > heap[0]) {
-                heap[0] = x[j];
-                sift_down(heap, k, 0);
-            }
+    float kth;
+    if (N <= TOPK_BISECT_N) {
+        kth = kth_largest(x, N, k);
+    } else {
+        for (int64_t i = 0; i < k; i++) heap[i] = x[i];
+        for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
+        for (int64_t i = k; i < N; i += TOPK_RUN) {
+            const int64_t n = N - i < TOPK_RUN ? N - i : TOPK_RUN;
+            if (!any_above(x + i, n, heap[0], 0)) continue;
+            for (int64_t j = i; j < i + n; j++)
+                if (x[j] > heap[0]) {
+                    heap[0] = x[j];
+                    sift_down(heap, k, 0);
+                }
+        }
+        kth = heap[0];
     }
-    float kth = heap[0];
     int64_t greater = 0;
     for (int64_t i = 0; i < N; i++) greater += x[i] > kth;
     int64_t ties = k - greater, m = 0;
