@@ -49,7 +49,7 @@ from deepseek_v41.kernels.codecs import (
 from deepseek_v41.kernels.compressor import compress
 from deepseek_v41.kernels.gemv import GEMV_MACS, linear
 from deepseek_v41.kernels.hyper import MAX_HC, hc_collapse, hc_expand, hc_mix
-from deepseek_v41.kernels.indexer import INDEX_LUT_ROWS, index_scores, indexer_queries
+from deepseek_v41.kernels.indexer import INDEX_LUT_ROWS, index_scores, index_select, indexer_queries
 from deepseek_v41.kernels.loader import CFLAGS, cache_dir, disabled, library, usable
 from deepseek_v41.kernels.loader import _build as _build  # tests build and load the library themselves
 from deepseek_v41.kernels.loader import _load as _load
@@ -65,7 +65,7 @@ __all__ = [
     "SMALL_ROWS", "WIDENS_TO_FP32", "argmax", "attend_few", "attn_epilogue",
     "attn_prologue", "cache_dir", "candidate_blocks", "compress", "disabled", "fp4_dequantize", "fp4_gather",
     "fp4_quantize", "fp4_scatter", "fp8_dequantize", "fp8_quantize_values", "gate", "hc_collapse", "hc_expand",
-    "hc_mix", "index_scores", "indexer_queries", "library", "linear", "moe_bf16", "moe_fp4", "pool_select",
-    "pool_sleeps", "prefetch", "rms_norm", "rope", "set_spin", "set_threads", "spin", "swiglu", "threads",
-    "topk_set", "usable", "window_step",
+    "hc_mix", "index_scores", "index_select", "indexer_queries", "library", "linear", "moe_bf16", "moe_fp4",
+    "pool_select", "pool_sleeps", "prefetch", "rms_norm", "rope", "set_spin", "set_threads", "spin", "swiglu",
+    "threads", "topk_set", "usable", "window_step",
 ]

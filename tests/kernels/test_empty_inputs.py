@@ -22,6 +22,7 @@ CHECKED = {
     "fp4_scatter": ["tables", "group", "write_from", "x"],
     "window_step": ["slots", "positions", "kv"],
     "index_scores": ["tables", "q", "w", "visible"],
+    "index_select": ["q", "w", "keys", "visible"],
     "rope": ["x", "cos", "sin"],
     "rms_norm": ["x"],
     "hc_mix": ["streams"],

@@ -438,3 +438,170 @@ int dsv41_indexer_queries(const void *q_lat, const void *x, int bf16, int64_t N,
     free(heads);
     return 0;
 }
+
+/* ------------------------------------------------------------------- prefill selection (scores + top-k) */
+
+/* The index-source selection of model/attention.py Attention.select for a chunk of queries over all N index keys,
+ * fused (issue 25): per query the scores of Indexer.score (IndexScorer) masked by mask_invisible, the top k of
+ * them by topk_entries' rule and, when mask is not NULL, the candidate pool of candidate_blocks; the [c, N] scores
+ * are never written out. q [B, c, H, di], w [B, c, H] and keys [B, N, di] fp32, visible [B, c] int64 ->
+ * picks [B, c, k] int64 (-1 where the pick is -inf), mask [B, c, nblocks] bytes (blocks of `block` entries, the top
+ * `keep` of them).
+ *
+ * The scores are the torch code's bits where ATen's fp32 GEMM sums each dot q_h . k_s as one chain of fused
+ * multiply-adds over d from 0 (what MKL's kernels do; tests/kernels checks it on the machine): each dot here is that
+ * chain, then relu, then sum_h w_h relu(d_h) as the batched [1, H] x [H, N] product sums it (w_0 r_0, then + w_h
+ * r_h in head order, each product rounded). With the FP4 queries and keys of the paged cache (one UE8M0 block per
+ * 32 dims) every dot is exact in any order anyway. Then the picks and mask are those of the scores by topk_row /
+ * blocks_row: exactly the torch code's. Only entries below each query's visible count are scored (the others are
+ * -inf): topk_entries' picks lie among them when there are at least k, else they are all of them followed by -1.
+ *
+ * Work: the keys transposed into scratch [B, di, N16] (N16 = N rounded up to 16, zeros after N) by items of 256
+ * keys; then items of SELECT_QUERIES queries of one row: with AVX-512 and H = 4, 16 keys x 4 queries x 4 heads in
+ * 16 vector accumulators (one key vector loaded per d for 16 multiply-adds), else one head at a time; each query's
+ * scores in a scratch row of its item, its picks by topk_fast (topk_row's indices). Returns 0, -1 when a visible score is NaN (torch.topk ranks NaN first: the
+ * caller takes the torch code), -2 when scratch cannot be had, -4 when k > N. */
+#define SELECT_QUERIES 4
+#define SELECT_KEYS 256
+
+typedef struct {
+    const float *q, *w, *keys;
+    int64_t c, H, di, N, N16, k, block, nb, keep;
+    const int64_t *visible;
+    float *keys_t;
+    int64_t *picks;
+    uint8_t *mask;
+    _Atomic int status;
+} select_job;
+
+static void select_transpose(const void *job, int64_t item) {
+    const select_job *j = job;
+    const int64_t chunks = (j->N16 + SELECT_KEYS - 1) / SELECT_KEYS, b = item / chunks, s0 = item % chunks * SELECT_KEYS;
+    const int64_t s1 = s0 + SELECT_KEYS < j->N16 ? s0 + SELECT_KEYS : j->N16, di = j->di;
+    const float *keys = j->keys + b * j->N * di;
+    float *kt = j->keys_t + b * di * j->N16;
+    for (int64_t d = 0; d < di; d++)
+        for (int64_t s = s0; s < s1; s++) kt[d * j->N16 + s] = s < j->N ? keys[s * di + d] : 0.0f;
+}
+
+/* One query's scores (qt [H, di], wt [H]) of keys s0 .. s0 + 15 (kt: the transposed keys at s0, row stride ld)
+ * -> out[0 .. 15]; one head at a time. */
+static inline void select_one(const float *kt, int64_t ld, const float *qt, const float *wt, int64_t H, int64_t di,
+                              float *out) {
+#if defined(__AVX512F__)
+    __m512 score = _mm512_setzero_ps();
+    for (int64_t h = 0; h < H; h++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < di; d++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(qt[h * di + d]), _mm512_loadu_ps(kt + d * ld), acc);
+        acc = _mm512_mask_mov_ps(acc, _mm512_cmp_ps_mask(acc, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps());
+        __m512 term = _mm512_mul_ps(_mm512_set1_ps(wt[h]), acc);
+        score = h == 0 ? term : _mm512_add_ps(score, term);
+    }
+    _mm512_storeu_ps(out, score);
+#else
+    for (int m = 0; m < 16; m++) {
+        float score = 0.0f;
+        for (int64_t h = 0; h < H; h++) {
+            float acc = 0.0f;
+            for (int64_t d = 0; d < di; d++) acc = fmaf(qt[h * di + d], kt[d * ld + m], acc);
+            float term = wt[h] * (acc < 0.0f ? 0.0f : acc);
+            score = h == 0 ? term : score + term;
+        }
+        out[m] = score;
+    }
+#endif
+}
+
+#if defined(__AVX512F__)
+/* select_one for 4 queries of 4 heads at once (qt [4, 4, di], wt [4, 4]; out + t * ld_out): the same operations per
+ * lane, so the same bits. */
+static inline __attribute__((always_inline)) void select_4x4(const float *kt, int64_t ld, const float *qt,
+                                                             const float *wt, int64_t di, float *out,
+                                                             int64_t ld_out) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < di; d++) {
+        const __m512 kv = _mm512_loadu_ps(kt + d * ld);
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qt[i * di + d]), kv, acc[i]);
+    }
+    const __m512 zero = _mm512_setzero_ps();
+    for (int t = 0; t < 4; t++) {
+        __m512 score = zero;
+        for (int h = 0; h < 4; h++) {
+            __m512 a = acc[t * 4 + h];
+            a = _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(a, zero, _CMP_LT_OQ), zero);
+            __m512 term = _mm512_mul_ps(_mm512_set1_ps(wt[t * 4 + h]), a);
+            score = h == 0 ? term : _mm512_add_ps(score, term);
+        }
+        _mm512_storeu_ps(out + t * ld_out, score);
+    }
+}
+#endif
+
+static void select_item(const void *job, int64_t item) {
+    const select_job *j = job;
+    const int64_t tiles = (j->c + SELECT_QUERIES - 1) / SELECT_QUERIES, b = item / tiles;
+    const int64_t t0 = item % tiles * SELECT_QUERIES, nt = j->c - t0 < SELECT_QUERIES ? j->c - t0 : SELECT_QUERIES;
+    const int64_t H = j->H, di = j->di, N = j->N, N16 = j->N16, k = j->k, nb = j->nb, keep = j->keep;
+    /* the rows [SELECT_QUERIES, N16], best [nb], topk_fast's scratch [L / 16 + 2 L] and idx [L] int32 (L: the
+     * larger of N and nb), then chosen [keep] int64 (aligned) */
+    const int64_t L = N > nb ? N : nb;
+    const size_t floats = (size_t)(SELECT_QUERIES * N16 + nb + L / 16 + 3 * L + 1) & ~(size_t)1;
+    float *rows = malloc(floats * sizeof(float) + (size_t)keep * sizeof(int64_t));
+    if (!rows) {
+        atomic_store(&((select_job *)j)->status, -2);
+        return;
+    }
+    float *best = rows + SELECT_QUERIES * N16, *scratch = best + nb;
+    int32_t *idx = (int32_t *)(scratch + L / 16 + 2 * L);
+    int64_t *chosen = (int64_t *)(rows + floats);
+    int64_t vis[SELECT_QUERIES], most = 0;
+    for (int64_t t = 0; t < nt; t++) {
+        const int64_t v = j->visible[b * j->c + t0 + t];
+        vis[t] = v < 0 ? 0 : v > N ? N : v;
+        most = vis[t] > most ? vis[t] : most;
+    }
+    const float *q = j->q + (b * j->c + t0) * H * di, *w = j->w + (b * j->c + t0) * H;
+    const float *kt = j->keys_t + b * di * N16;
+    for (int64_t s = 0; s < most; s += 16) {
+#if defined(__AVX512F__)
+        if (H == 4 && nt == 4) {
+            select_4x4(kt + s, N16, q, w, di, rows + s, N16);
+            continue;
+        }
+#endif
+        for (int64_t t = 0; t < nt; t++)
+            if (s < vis[t]) select_one(kt + s, N16, q + t * H * di, w + t * H, H, di, rows + t * N16 + s);
+    }
+    for (int64_t t = 0; t < nt; t++) {
+        const int64_t r = b * j->c + t0 + t, kk = k < vis[t] ? k : vis[t];
+        const float *x = rows + t * N16;
+        int64_t *o = j->picks + r * k;
+        if (topk_fast(x, vis[t], kk, 1, scratch, idx, o) != 0) goto nan;
+        for (int64_t i = kk; i < k; i++) o[i] = -1;
+        if (j->mask && blocks_row(x, N, vis[t], j->visible[r], j->block, nb, keep, best, scratch, idx, chosen,
+                                  j->mask + r * nb) != 0)
+            goto nan;
+    }
+    free(rows);
+    return;
+nan:
+    atomic_store(&((select_job *)j)->status, -1);
+    free(rows);
+}
+
+int dsv41_index_select(const float *q, const float *w, const float *keys, int64_t B, int64_t c, int64_t H,
+                       int64_t di, int64_t N, const int64_t *visible, int64_t k, int64_t block, int64_t keep,
+                       int64_t *picks, uint8_t *mask) {
+    if (k > N) return -4;
+    const int64_t N16 = (N + 15) / 16 * 16, nb = mask ? (N + block - 1) / block : 0;
+    float *keys_t = malloc((size_t)(B * di * N16 + 16) * sizeof(float));
+    if (!keys_t) return -2;
+    select_job job = {q, w, keys, c, H, di, N, N16, k, block, nb, mask ? (keep < nb ? keep : nb) : 0, visible,
+                      keys_t, picks, mask, 0};
+    parallel_for(select_transpose, &job, B * ((N16 + SELECT_KEYS - 1) / SELECT_KEYS));
+    parallel_for(select_item, &job, B * ((c + SELECT_QUERIES - 1) / SELECT_QUERIES));
+    free(keys_t);
+    return atomic_load(&job.status);
+}

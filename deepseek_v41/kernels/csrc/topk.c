@@ -51,7 +51,7 @@ static inline int any_above(const float *x, int64_t n, float t, int or_equal) {
  * Runs of TOPK_RUN scores are checked at once against the heap's minimum (which only rises), so the scores that
  * cannot enter the heap, or cannot be picked, are passed over without a branch each: the same heap, the same
  * picks. */
-static int topk_row(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *heap, int64_t *o) {
+int topk_row(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *heap, int64_t *o) {
     if (k == 0) return 0;
     int nan = 0;
     for (int64_t i = 0; i < N; i++) nan |= x[i] != x[i];
@@ -77,6 +77,111 @@ static int topk_row(const float *x, int64_t N, int64_t k, int drop_neg_inf, floa
         for (int64_t j = i; j < i + n && m < k; j++)
             if (x[j] > kth || (x[j] == kth && ties-- > 0)) o[m++] = drop_neg_inf && x[j] == -INFINITY ? -1 : j;
     }
+    return 0;
+}
+
+/* The k-th largest (1 <= k <= m) of a [m] (no NaN), reordering a: a selection with a three-way partition (runs of
+ * equal values, common among the indexer's scores, cost one pass). */
+static float kth_largest(float *a, int64_t m, int64_t k) {
+    int64_t lo = 0, hi = m;
+    const int64_t want = k - 1;  /* the position in descending order */
+    for (;;) {
+        if (hi - lo <= 16) {  /* insertion sort, descending */
+            for (int64_t i = lo + 1; i < hi; i++) {
+                float v = a[i];
+                int64_t j = i;
+                for (; j > lo && a[j - 1] < v; j--) a[j] = a[j - 1];
+                a[j] = v;
+            }
+            return a[want];
+        }
+        float x = a[lo], y = a[lo + (hi - lo) / 2], z = a[hi - 1];  /* the median of three as pivot */
+        float p = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        int64_t lt = lo, i = lo, gt = hi;  /* [lo, lt) > p, [lt, gt) == p, [gt, hi) < p */
+        while (i < gt) {
+            float v = a[i];
+            if (v > p) {
+                a[i++] = a[lt];
+                a[lt++] = v;
+            } else if (v < p) {
+                a[i] = a[--gt];
+                a[gt] = v;
+            } else {
+                i++;
+            }
+        }
+        if (want < lt) hi = lt;
+        else if (want < gt) return p;
+        else lo = gt;
+    }
+}
+
+/* topk_row's result (the same indices) without a heap (issue 25: a heap's ~k ln(N / k) sifts dominated a prefill
+ * chunk's top-k): the maxima of the N / 16 runs of 16 scores; when there are at least k runs, the k-th largest run
+ * maximum t0 is at most the k-th largest score (k runs hold a score >= t0), else t0 = -inf. The scores >= t0 are
+ * gathered with their indices (in index order: typically a few k of them), the k-th largest of those is the row's,
+ * and the picks follow topk_row's rule among them. Scratch: N / 16 + 2 N floats and N int32 (idx). Returns 0, or
+ * -1 (o unspecified) when x holds a NaN. */
+int topk_fast(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *scratch, int32_t *idx, int64_t *o) {
+    if (k == 0) return 0;
+    const int64_t G = N / 16;
+    float *gmax = scratch, *vals = gmax + G, *work = vals + N;
+    int nan = 0;
+    for (int64_t g = 0; g < G; g++) {
+        const float *v = x + 16 * g;
+#if defined(__AVX512F__)
+        const __m512 a = _mm512_loadu_ps(v);
+        nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0;
+        gmax[g] = _mm512_reduce_max_ps(a);
+#else
+        float m = v[0];
+        for (int i = 0; i < 16; i++) {
+            nan |= v[i] != v[i];
+            m = v[i] > m ? v[i] : m;
+        }
+        gmax[g] = m;
+#endif
+    }
+    for (int64_t i = 16 * G; i < N; i++) nan |= x[i] != x[i];
+    if (nan) return -1;
+    float t0 = -INFINITY;
+    if (G >= k) {
+        memcpy(work, gmax, (size_t)G * sizeof(float));
+        t0 = kth_largest(work, G, k);
+    }
+    int64_t m = 0;
+    for (int64_t g = 0; g < G; g++) {
+        if (gmax[g] < t0) continue;
+        const float *v = x + 16 * g;
+#if defined(__AVX512F__)
+        const __m512 a = _mm512_loadu_ps(v);
+        const __mmask16 ge = _mm512_cmp_ps_mask(a, _mm512_set1_ps(t0), _CMP_GE_OQ);
+        _mm512_mask_compressstoreu_ps(vals + m, ge, a);
+        _mm512_mask_compressstoreu_epi32(idx + m, ge,
+                                         _mm512_add_epi32(_mm512_set1_epi32((int32_t)(16 * g)),
+                                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                                            13, 14, 15)));
+        m += __builtin_popcount(ge);
+#else
+        for (int i = 0; i < 16; i++)
+            if (v[i] >= t0) {
+                vals[m] = v[i];
+                idx[m++] = (int32_t)(16 * g + i);
+            }
+#endif
+    }
+    for (int64_t i = 16 * G; i < N; i++)
+        if (x[i] >= t0) {
+            vals[m] = x[i];
+            idx[m++] = (int32_t)i;
+        }
+    memcpy(work, vals, (size_t)m * sizeof(float));
+    const float kth = kth_largest(work, m, k);
+    int64_t greater = 0;
+    for (int64_t i = 0; i < m; i++) greater += vals[i] > kth;
+    int64_t ties = k - greater, at = 0;
+    for (int64_t i = 0; i < m && at < k; i++)
+        if (vals[i] > kth || (vals[i] == kth && ties-- > 0)) o[at++] = drop_neg_inf && vals[i] == -INFINITY ? -1 : idx[i];
     return 0;
 }
 
@@ -158,35 +263,43 @@ typedef struct {
     _Atomic int status;
 } blocks_job;
 
+/* One row's candidate-pool mask (the rule above) of scores x [N] whose entries from `valid` on read -inf (valid
+ * <= N; the entries there need not be written): block maxima into best [nb], the newest visible block forced,
+ * the top `keep` (<= nb) blocks by topk_row's rule (topk_fast: scratch and idx as it takes them for nb, chosen
+ * [keep]), mask [nb] set on the chosen blocks above -inf. Returns 0, or -1 when a score below `valid` is NaN. */
+int blocks_row(const float *x, int64_t N, int64_t valid, int64_t vis, int64_t block, int64_t nb, int64_t keep,
+               float *best, float *scratch, int32_t *idx, int64_t *chosen, uint8_t *mask) {
+    for (int64_t i = 0; i < nb; i++) {
+        float m = -INFINITY;
+        const int64_t end = (i + 1) * block < valid ? (i + 1) * block : valid;
+        for (int64_t s = i * block; s < end; s++) {
+            if (x[s] != x[s]) return -1;
+            if (x[s] > m) m = x[s];
+        }
+        best[i] = m;
+    }
+    (void)N;
+    if (vis > 0 && (vis - 1) / block < nb) best[(vis - 1) / block] = INFINITY;
+    memset(mask, 0, (size_t)nb);
+    topk_fast(best, nb, keep, 0, scratch, idx, chosen);
+    for (int64_t i = 0; i < keep; i++) mask[chosen[i]] = best[chosen[i]] > -INFINITY;
+    return 0;
+}
+
 static void blocks_item(const void *job, int64_t r) {
     const blocks_job *j = job;
-    const int64_t N = j->N, block = j->block, nb = j->nblocks, keep = j->keep, vis = j->visible[r];
-    const float *x = j->scores + r * N;
-    uint8_t *mask = j->mask + r * nb;
-    const size_t floats = (size_t)(nb + keep + 1) & ~(size_t)1;  /* even: the int64 part after them is aligned */
+    const int64_t N = j->N, nb = j->nblocks, keep = j->keep;
+    /* best [nb], topk_fast's scratch [nb / 16 + 2 nb], its idx [nb] int32, then chosen [keep] int64 (aligned) */
+    const size_t floats = (size_t)(nb + nb / 16 + 3 * nb + 1) & ~(size_t)1;
     float *best = malloc(floats * sizeof(float) + (size_t)keep * sizeof(int64_t));
     if (!best) {
         atomic_store(&((blocks_job *)j)->status, -2);
         return;
     }
-    float *heap = best + nb;
-    int64_t *chosen = (int64_t *)(best + floats);
-    for (int64_t i = 0; i < nb; i++) {
-        float m = -INFINITY;
-        for (int64_t s = i * block; s < (i + 1) * block && s < N; s++) {
-            if (x[s] != x[s]) goto nan;
-            if (x[s] > m) m = x[s];
-        }
-        best[i] = m;
-    }
-    if (vis > 0 && (vis - 1) / block < nb) best[(vis - 1) / block] = INFINITY;
-    memset(mask, 0, (size_t)nb);
-    topk_row(best, nb, keep, 0, heap, chosen);
-    for (int64_t i = 0; i < keep; i++) mask[chosen[i]] = best[chosen[i]] > -INFINITY;
-    free(best);
-    return;
-nan:
-    atomic_store(&((blocks_job *)j)->status, -1);
+    float *scratch = best + nb;
+    if (blocks_row(j->scores + r * N, N, N, j->visible[r], j->block, nb, keep, best, scratch,
+                   (int32_t *)(scratch + nb / 16 + 2 * nb), (int64_t *)(best + floats), j->mask + r * nb) != 0)
+        atomic_store(&((blocks_job *)j)->status, -1);
     free(best);
 }
 

@@ -9,8 +9,9 @@ once per module instance by :func:`deepseek_v41.kernels.fast.install` (see that 
   (causal windows only: a forward with image spans runs the reference);
 - :class:`~deepseek_v41.model.attention.GroupedLinear`: the grouped GEMV :func:`kernels.linear` for small inputs;
 - :class:`~deepseek_v41.model.indexer.Indexer`: ``queries`` in one :func:`kernels.indexer_queries` call (a few
-  tokens) and the selection rules ``topk_entries`` / ``candidate_blocks`` / ``pool_entries`` in C
-  (:func:`kernels.topk_set`, :func:`kernels.candidate_blocks`): exactly the reference's indices.
+  tokens), the selection rules ``topk_entries`` / ``candidate_blocks`` / ``pool_entries`` in C
+  (:func:`kernels.topk_set`, :func:`kernels.candidate_blocks`) and ``select_entries`` (a prefill chunk's scores,
+  masking, top-k and candidate pool) in one :func:`kernels.index_select` call: exactly the reference's indices.
 
 Each installer checks once that the modules the kernel stands in for are plain (exactly their class, no hook of
 their own, no bias), that their weights are CPU tensors of one kernel dtype (fp32 or bf16), contiguous and of the
@@ -31,11 +32,28 @@ from collections.abc import Callable
 import torch
 
 from deepseek_v41 import kernels
-from deepseek_v41.kernels.fast.registry import KERNEL_DTYPES, fused, hooked, override, plain, plain_weight, register
+from deepseek_v41.kernels.fast.registry import (
+    KERNEL_DTYPES,
+    fused,
+    global_hooks,
+    hooked,
+    override,
+    plain,
+    plain_weight,
+    register,
+)
 from deepseek_v41.model import attention as attention_module
 from deepseek_v41.model.attention import Attention, GroupedLinear, SparseAttention, sparse_attention
 from deepseek_v41.model.compressor import Compressor
-from deepseek_v41.model.indexer import QUERY_CHUNK, Indexer, candidate_blocks, pool_entries, topk_entries, topk_set
+from deepseek_v41.model.indexer import (
+    QUERY_CHUNK,
+    Indexer,
+    IndexScorer,
+    candidate_blocks,
+    pool_entries,
+    topk_entries,
+    topk_set,
+)
 from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.norm import RMSNorm, cast, upcast
 from deepseek_v41.model.rope import RotaryEmbedding
@@ -275,6 +293,7 @@ def install_indexer(m: Indexer) -> bool:
     override(m, "topk_entries", _topk_entries)
     override(m, "candidate_blocks", _candidate_blocks)
     override(m, "pool_entries", _pool_entries)
+    override(m, "select_entries", _select_entries)
     w = _weights((m._modules["wq_b"], Linear), (m._modules["weights_proj"], Linear))
     heads, di = m.n_heads, m.head_dim
     if w is not None and w[0].dim() == 2 and w[1].dim() == 2 and w[0].shape[0] == heads * di and w[1].shape[0] == heads:
@@ -326,6 +345,25 @@ def _candidate_blocks(self: Indexer, scores: torch.Tensor, visible: torch.Tensor
         if mask is not None:
             return mask
     return candidate_blocks(scores, visible, block, keep)
+
+
+def _select_entries(self: Indexer, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                    k: int, pool: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:meth:`~deepseek_v41.model.indexer.Indexer.select_entries` in one :func:`kernels.index_select` call (the same
+    picks and pool, without the [B, c, N] scores) for fp32 queries and fp32 / bf16 keys (the keys are FP4 values,
+    exact in both) on the CPU in inference mode, while the scorer is a plain IndexScorer (no hook: its call is not
+    observed); else the reference."""
+    score = self._modules["score"]
+    if (q.dim() == 4 and q.dtype == w.dtype == torch.float32 and keys.dim() == 3 and visible.dtype == torch.int64
+            and w.shape == q.shape[:3] and visible.shape == q.shape[:2] and keys.shape[0] == q.shape[0]
+            and keys.shape[2] == q.shape[3] and keys.shape[1] > 0 and 0 <= k <= keys.shape[1]
+            and plain(score, IndexScorer) and not global_hooks()):
+        q, w, keys32, visible = q.contiguous(), w.contiguous(), upcast(keys).contiguous(), visible.contiguous()
+        if fused(q, w, keys32) and kernels.usable(visible):
+            picked = kernels.index_select(q, w, keys32, visible, k, pool)
+            if picked is not None:
+                return picked
+    return Indexer.select_entries(self, q, w, keys, visible, k, pool)
 
 
 def _pool_entries(self: Indexer, blocks: torch.Tensor, block: int, keep: int,
