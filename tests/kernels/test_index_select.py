@@ -151,3 +151,15 @@ def test_the_installed_method_takes_the_kernel_in_inference_mode_only(monkeypatc
         m.select_entries(q, w, keys, visible, 32, None)
     handle.remove()
     assert seen == [1]
+
+
+@pytest.mark.parametrize("scale", [2.0 ** -70, 2.0 ** 60, 1.0])
+def test_fp4_values_near_the_ends_of_the_range(scale):
+    """FP4 queries and keys scaled so that the dots' products would be subnormal (2^-140) or near overflow: the
+    kernel's exact bf16 dot products apply only where every sum is exact and normal; the picks stay the torch
+    code's either way (mixed: one query head far from the others)."""
+    g = torch.Generator().manual_seed(9)
+    q, w, keys, visible = inputs(g, 1, 12, 4, 32, 300, True, duplicates=40, start=250)
+    q, keys = q * scale, keys * scale
+    q[0, 5, 1] *= 2.0 ** 20
+    check(q, w, keys, visible, 64, (8, 4))

@@ -435,8 +435,8 @@ DSV41_INTERNAL int topk_fast(const float *x, int64_t N, int64_t k, int drop_neg_
                              int64_t *o);
 /* model/indexer.py candidate_blocks of one row, x read below `valid` only (topk.c). */
 DSV41_INTERNAL int blocks_row(const float *x, int64_t N, int64_t valid, int64_t vis, int64_t block, int64_t nb,
-                              int64_t keep, float *best, float *scratch, int32_t *idx, int64_t *chosen,
-                              uint8_t *mask);
+                              int64_t keep, int nan_free, float *best, float *scratch, int32_t *idx,
+                              int64_t *chosen, uint8_t *mask);
 int dsv41_topk_set(const float *scores, int64_t R, int64_t N, int64_t k, int drop_neg_inf, float *heap,
                    int64_t *out);
 void dsv41_argmax(const float *x, int64_t R, int64_t V, int64_t *out);

@@ -458,17 +458,46 @@ int dsv41_indexer_queries(const void *q_lat, const void *x, int bf16, int64_t N,
  *
  * Work: the keys transposed into scratch [B, di, N16] (N16 = N rounded up to 16, zeros after N) by items of 256
  * keys; then items of SELECT_QUERIES queries of one row: with AVX-512 and H = 4, 16 keys x 4 queries x 4 heads in
- * 16 vector accumulators (one key vector loaded per d for 16 multiply-adds), else one head at a time; each query's
- * scores in a scratch row of its item, its picks by topk_fast (topk_row's indices). Returns 0, -1 when a visible score is NaN (torch.topk ranks NaN first: the
- * caller takes the torch code), -2 when scratch cannot be had, -4 when k > N. */
+ * 16 vector accumulators (one key vector loaded per d for 16 multiply-adds; with AVX512-BF16, when every dot is
+ * exact, two dims per bf16 dot product: select_4x4_pairs), else one head at a time; each query's scores in a
+ * scratch row of its item, its picks by topk_fast (topk_row's indices). Returns 0, -1 when a visible score is NaN
+ * (torch.topk ranks NaN first: the caller takes the torch code), -2 when scratch cannot be had, -4 when k > N. */
 #define SELECT_QUERIES 4
 #define SELECT_KEYS 256
+
+/* Exponent statistics of rows whose values may be FP4 with a scale (fp4_rows): ok while every value is zero or a
+ * normal number with at most one fraction bit (E2M1 values times a power of two, and bf16 exactly); span: the
+ * largest spread of a row's exponents, lo / hi: the smallest / largest exponent of all. */
+typedef struct {
+    int ok, span, lo, hi;
+} exp_stats;
+
+static void fp4_rows(const float *x, int64_t rows, int64_t n, exp_stats *st) {
+    for (int64_t r = 0; r < rows; r++) {
+        int lo = 1000, hi = -1000;
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t b = to_bits(x[r * n + i]), e = (b >> 23) & 0xff;
+            if ((b & 0x7fffffff) == 0) continue;
+            if (e == 0 || e == 0xff || (b & 0x3fffff) != 0) st->ok = 0;
+            const int ex = (int)e - 127;
+            lo = ex < lo ? ex : lo;
+            hi = ex > hi ? ex : hi;
+        }
+        if (hi < lo) continue;  /* all zero */
+        st->span = hi - lo > st->span ? hi - lo : st->span;
+        st->lo = lo < st->lo ? lo : st->lo;
+        st->hi = hi > st->hi ? hi : st->hi;
+    }
+}
 
 typedef struct {
     const float *q, *w, *keys;
     int64_t c, H, di, N, N16, k, block, nb, keep;
     const int64_t *visible;
     float *keys_t;
+    uint32_t *pairs, *q_pairs;  /* bf16 pairs of the transposed keys [B, di / 2, N16] and queries [B, c, H, di / 2] */
+    exp_stats *key_stats;       /* per transpose item */
+    int exact;                  /* every dot exact: the bf16 dot products may compute them (dsv41_index_select) */
     int64_t *picks;
     uint8_t *mask;
     _Atomic int status;
@@ -476,12 +505,22 @@ typedef struct {
 
 static void select_transpose(const void *job, int64_t item) {
     const select_job *j = job;
-    const int64_t chunks = (j->N16 + SELECT_KEYS - 1) / SELECT_KEYS, b = item / chunks, s0 = item % chunks * SELECT_KEYS;
+    const int64_t chunks = (j->N16 + SELECT_KEYS - 1) / SELECT_KEYS, b = item / chunks;
+    const int64_t s0 = item % chunks * SELECT_KEYS;
     const int64_t s1 = s0 + SELECT_KEYS < j->N16 ? s0 + SELECT_KEYS : j->N16, di = j->di;
     const float *keys = j->keys + b * j->N * di;
     float *kt = j->keys_t + b * di * j->N16;
     for (int64_t d = 0; d < di; d++)
         for (int64_t s = s0; s < s1; s++) kt[d * j->N16 + s] = s < j->N ? keys[s * di + d] : 0.0f;
+    exp_stats st = {1, 0, 1000, -1000};
+    const int64_t real = (s1 < j->N ? s1 : j->N) - s0;
+    if (real > 0) fp4_rows(keys + s0 * di, real, di, &st);
+    j->key_stats[item] = st;
+    if (j->pairs && st.ok)  /* (exact as bf16: at most one fraction bit) */
+        for (int64_t i = 0; i < di / 2; i++)
+            for (int64_t s = s0; s < s1; s++)
+                j->pairs[(b * (di / 2) + i) * j->N16 + s] = to_bits(kt[2 * i * j->N16 + s]) >> 16
+                                                            | (to_bits(kt[(2 * i + 1) * j->N16 + s]) & 0xffff0000u);
 }
 
 /* One query's scores (qt [H, di], wt [H]) of keys s0 .. s0 + 15 (kt: the transposed keys at s0, row stride ld)
@@ -514,17 +553,10 @@ static inline void select_one(const float *kt, int64_t ld, const float *qt, cons
 }
 
 #if defined(__AVX512F__)
-/* select_one for 4 queries of 4 heads at once (qt [4, 4, di], wt [4, 4]; out + t * ld_out): the same operations per
- * lane, so the same bits. */
-static inline __attribute__((always_inline)) void select_4x4(const float *kt, int64_t ld, const float *qt,
-                                                             const float *wt, int64_t di, float *out,
-                                                             int64_t ld_out) {
-    __m512 acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < di; d++) {
-        const __m512 kv = _mm512_loadu_ps(kt + d * ld);
-        for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qt[i * di + d]), kv, acc[i]);
-    }
+/* The 16 heads' dots acc [4 queries x 4 heads] into scores out + t * ld_out: relu, then w_0 r_0 + w_1 r_1 + ... in
+ * head order (select_one's operations per lane). */
+static inline __attribute__((always_inline)) void select_heads(const __m512 *acc, const float *wt, float *out,
+                                                               int64_t ld_out) {
     const __m512 zero = _mm512_setzero_ps();
     for (int t = 0; t < 4; t++) {
         __m512 score = zero;
@@ -536,6 +568,38 @@ static inline __attribute__((always_inline)) void select_4x4(const float *kt, in
         }
         _mm512_storeu_ps(out + t * ld_out, score);
     }
+}
+
+/* select_one for 4 queries of 4 heads at once (qt [4, 4, di], wt [4, 4]; out + t * ld_out): the same operations per
+ * lane, so the same bits. */
+static inline __attribute__((always_inline)) void select_4x4(const float *kt, int64_t ld, const float *qt,
+                                                             const float *wt, int64_t di, float *out,
+                                                             int64_t ld_out) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < di; d++) {
+        const __m512 kv = _mm512_loadu_ps(kt + d * ld);
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qt[i * di + d]), kv, acc[i]);
+    }
+    select_heads(acc, wt, out, ld_out);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* select_4x4 when every dot is exact (select_job.exact): the products of two dims at a time as bf16 dot products
+ * (vdpbf16ps: half the instructions). Exact sums in any order are the chain's sums, so the same bits. kp: the
+ * keys' bf16 pairs at s0 (row stride ld), qp [4, 4, di / 2] the queries' pairs. */
+static inline __attribute__((always_inline)) void select_4x4_pairs(const uint32_t *kp, int64_t ld, const uint32_t *qp,
+                                                                   const float *wt, int64_t di, float *out,
+                                                                   int64_t ld_out) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < di / 2; d++) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp + d * ld);
+        for (int i = 0; i < 16; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32((int)qp[i * (di / 2) + d]), kv);
+    }
+    select_heads(acc, wt, out, ld_out);
 }
 #endif
 
@@ -565,6 +629,13 @@ static void select_item(const void *job, int64_t item) {
     const float *q = j->q + (b * j->c + t0) * H * di, *w = j->w + (b * j->c + t0) * H;
     const float *kt = j->keys_t + b * di * N16;
     for (int64_t s = 0; s < most; s += 16) {
+#if defined(__AVX512BF16__)
+        if (j->exact && H == 4 && nt == 4) {
+            select_4x4_pairs(j->pairs + b * (di / 2) * N16 + s, N16, j->q_pairs + (b * j->c + t0) * H * (di / 2), w,
+                             di, rows + s, N16);
+            continue;
+        }
+#endif
 #if defined(__AVX512F__)
         if (H == 4 && nt == 4) {
             select_4x4(kt + s, N16, q, w, di, rows + s, N16);
@@ -580,7 +651,7 @@ static void select_item(const void *job, int64_t item) {
         int64_t *o = j->picks + r * k;
         if (topk_fast(x, vis[t], kk, 1, scratch, idx, o) != 0) goto nan;
         for (int64_t i = kk; i < k; i++) o[i] = -1;
-        if (j->mask && blocks_row(x, N, vis[t], j->visible[r], j->block, nb, keep, best, scratch, idx, chosen,
+        if (j->mask && blocks_row(x, N, vis[t], j->visible[r], j->block, nb, keep, 1, best, scratch, idx, chosen,
                                   j->mask + r * nb) != 0)
             goto nan;
     }
@@ -596,12 +667,50 @@ int dsv41_index_select(const float *q, const float *w, const float *keys, int64_
                        int64_t *picks, uint8_t *mask) {
     if (k > N) return -4;
     const int64_t N16 = (N + 15) / 16 * 16, nb = mask ? (N + block - 1) / block : 0;
+    const int64_t items = B * ((N16 + SELECT_KEYS - 1) / SELECT_KEYS);
+#if defined(__AVX512BF16__)
+    const int pairs = di % 2 == 0 && H == 4;
+#else
+    const int pairs = 0;
+#endif
     float *keys_t = malloc((size_t)(B * di * N16 + 16) * sizeof(float));
-    if (!keys_t) return -2;
+    exp_stats *key_stats = malloc((size_t)items * sizeof(exp_stats));
+    uint32_t *kp = pairs ? malloc((size_t)(B * (di / 2) * N16 + 16) * sizeof(uint32_t)) : NULL;
+    uint32_t *qp = pairs ? malloc((size_t)(B * c * H * (di / 2) + 16) * sizeof(uint32_t)) : NULL;
+    if (!keys_t || !key_stats || (pairs && !(kp && qp))) {
+        free(keys_t);
+        free(key_stats);
+        free(kp);
+        free(qp);
+        return -2;
+    }
     select_job job = {q, w, keys, c, H, di, N, N16, k, block, nb, mask ? (keep < nb ? keep : nb) : 0, visible,
-                      keys_t, picks, mask, 0};
-    parallel_for(select_transpose, &job, B * ((N16 + SELECT_KEYS - 1) / SELECT_KEYS));
+                      keys_t, kp, qp, key_stats, 0, picks, mask, 0};
+    parallel_for(select_transpose, &job, items);
+    if (pairs) {
+        /* Every dot exact (then any order of addition gives the chain's sums): each query head's and key's values
+         * zero or normal with at most one fraction bit (FP4 values times a power of two), so each product is a
+         * multiple of 2^(lo_q + lo_k - 2) below 2^(hi_q + hi_k + 2) for the exponents of its two rows, and the sum
+         * of di <= 32 of them stays below 2^(hi_q + hi_k + 7): exact when the two rows' spreads add up to at most
+         * 15, the smallest multiple normal and the largest sum finite. */
+        exp_stats qs = {1, 0, 1000, -1000}, ks = {1, 0, 1000, -1000};
+        fp4_rows(q, B * c * H, di, &qs);
+        for (int64_t i = 0; i < items; i++) {
+            ks.ok &= key_stats[i].ok;
+            ks.span = key_stats[i].span > ks.span ? key_stats[i].span : ks.span;
+            ks.lo = key_stats[i].lo < ks.lo ? key_stats[i].lo : ks.lo;
+            ks.hi = key_stats[i].hi > ks.hi ? key_stats[i].hi : ks.hi;
+        }
+        job.exact = di <= 32 && qs.ok && ks.ok && qs.span + ks.span <= 15 && qs.lo + ks.lo >= -124 &&
+                    qs.hi + ks.hi <= 120;
+        if (job.exact)
+            for (int64_t i = 0; i < B * c * H * (di / 2); i++)
+                qp[i] = to_bits(q[2 * i]) >> 16 | (to_bits(q[2 * i + 1]) & 0xffff0000u);
+    }
     parallel_for(select_item, &job, B * ((c + SELECT_QUERIES - 1) / SELECT_QUERIES));
     free(keys_t);
+    free(key_stats);
+    free(kp);
+    free(qp);
     return atomic_load(&job.status);
 }

@@ -181,7 +181,8 @@ int topk_fast(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *scr
     for (int64_t i = 0; i < m; i++) greater += vals[i] > kth;
     int64_t ties = k - greater, at = 0;
     for (int64_t i = 0; i < m && at < k; i++)
-        if (vals[i] > kth || (vals[i] == kth && ties-- > 0)) o[at++] = drop_neg_inf && vals[i] == -INFINITY ? -1 : idx[i];
+        if (vals[i] > kth || (vals[i] == kth && ties-- > 0))
+            o[at++] = drop_neg_inf && vals[i] == -INFINITY ? -1 : idx[i];
     return 0;
 }
 
@@ -266,10 +267,25 @@ typedef struct {
 /* One row's candidate-pool mask (the rule above) of scores x [N] whose entries from `valid` on read -inf (valid
  * <= N; the entries there need not be written): block maxima into best [nb], the newest visible block forced,
  * the top `keep` (<= nb) blocks by topk_row's rule (topk_fast: scratch and idx as it takes them for nb, chosen
- * [keep]), mask [nb] set on the chosen blocks above -inf. Returns 0, or -1 when a score below `valid` is NaN. */
+ * [keep]), mask [nb] set on the chosen blocks above -inf. nan_free: the caller found no NaN below `valid` (then
+ * blocks of 8 take their maxima two to a vector). Returns 0, or -1 when a score below `valid` is NaN. */
 int blocks_row(const float *x, int64_t N, int64_t valid, int64_t vis, int64_t block, int64_t nb, int64_t keep,
-               float *best, float *scratch, int32_t *idx, int64_t *chosen, uint8_t *mask) {
-    for (int64_t i = 0; i < nb; i++) {
+               int nan_free, float *best, float *scratch, int32_t *idx, int64_t *chosen, uint8_t *mask) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (block == 8 && nan_free)  /* two blocks per vector: lanes 0 and 8 end up holding their maxima */
+        for (; 8 * i + 16 <= valid; i += 2) {
+            __m512 a = _mm512_loadu_ps(x + 8 * i);
+            a = _mm512_max_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));
+            a = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+            a = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+            float m[16];
+            _mm512_storeu_ps(m, a);
+            best[i] = m[0];
+            best[i + 1] = m[8];
+        }
+#endif
+    for (; i < nb; i++) {
         float m = -INFINITY;
         const int64_t end = (i + 1) * block < valid ? (i + 1) * block : valid;
         for (int64_t s = i * block; s < end; s++) {
@@ -297,7 +313,7 @@ static void blocks_item(const void *job, int64_t r) {
         return;
     }
     float *scratch = best + nb;
-    if (blocks_row(j->scores + r * N, N, N, j->visible[r], j->block, nb, keep, best, scratch,
+    if (blocks_row(j->scores + r * N, N, N, j->visible[r], j->block, nb, keep, 0, best, scratch,
                    (int32_t *)(scratch + nb / 16 + 2 * nb), (int64_t *)(best + floats), j->mask + r * nb) != 0)
         atomic_store(&((blocks_job *)j)->status, -1);
     free(best);
