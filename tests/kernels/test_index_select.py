@@ -163,3 +163,15 @@ def test_fp4_values_near_the_ends_of_the_range(scale):
     q, keys = q * scale, keys * scale
     q[0, 5, 1] *= 2.0 ** 20
     check(q, w, keys, visible, 64, (8, 4))
+
+
+@pytest.mark.parametrize("distinct", [1, 3, 40])
+def test_long_rows_of_few_distinct_scores(distinct):
+    """Keys drawn from ``distinct`` rows only (1: every score equal): thousands of scores tie at the k-th value, so
+    the selection's candidates (every score at or above its bound) are most of the row."""
+    g = torch.Generator().manual_seed(distinct)
+    N = 3000
+    q, w, keys, visible = inputs(g, 1, 9, 4, 32, N, True, start=N - 9)
+    keys = keys[:, torch.randint(0, distinct, (N,), generator=g)].contiguous()
+    for k in (1, 64, 700):
+        check(q, w, keys, visible, k, (8, 32))

@@ -80,9 +80,42 @@ int topk_row(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *heap
     return 0;
 }
 
-/* The k-th largest (1 <= k <= m) of a [m] (no NaN), reordering a: a selection with a three-way partition (runs of
+/* The k-th largest (1 <= k <= m) of a [m] (no NaN), overwriting a: a selection with a three-way partition (runs of
  * equal values, common among the indexer's scores, cost one pass). */
 static float kth_largest(float *a, int64_t m, int64_t k) {
+#if defined(__AVX512F__)
+    /* Vector steps while many remain: count the values above and equal to a pivot, then keep (compressed in place,
+     * each store at or before the vector it reads) the side holding the k-th largest; no branch per value. */
+    while (m > 64) {
+        float x = a[0], y = a[m / 2], z = a[m - 1];
+        const float p = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        const __m512 pv = _mm512_set1_ps(p);
+        int64_t gt = 0, eq = 0, i = 0;
+        for (; i + 16 <= m; i += 16) {
+            const __m512 v = _mm512_loadu_ps(a + i);
+            gt += __builtin_popcount(_mm512_cmp_ps_mask(v, pv, _CMP_GT_OQ));
+            eq += __builtin_popcount(_mm512_cmp_ps_mask(v, pv, _CMP_EQ_OQ));
+        }
+        for (; i < m; i++) {
+            gt += a[i] > p;
+            eq += a[i] == p;
+        }
+        if (k > gt && k <= gt + eq) return p;
+        const int above = k <= gt;
+        int64_t n = 0;
+        for (i = 0; i + 16 <= m; i += 16) {
+            const __m512 v = _mm512_loadu_ps(a + i);
+            const __mmask16 keep = above ? _mm512_cmp_ps_mask(v, pv, _CMP_GT_OQ)
+                                         : _mm512_cmp_ps_mask(v, pv, _CMP_LT_OQ);
+            _mm512_mask_compressstoreu_ps(a + n, keep, v);
+            n += __builtin_popcount(keep);
+        }
+        for (; i < m; i++)
+            if (above ? a[i] > p : a[i] < p) a[n++] = a[i];
+        if (!above) k -= gt + eq;
+        m = n;
+    }
+#endif
     int64_t lo = 0, hi = m;
     const int64_t want = k - 1;  /* the position in descending order */
     for (;;) {
@@ -117,60 +150,61 @@ static float kth_largest(float *a, int64_t m, int64_t k) {
 }
 
 /* topk_row's result (the same indices) without a heap (issue 25: a heap's ~k ln(N / k) sifts dominated a prefill
- * chunk's top-k): the maxima of the N / 16 runs of 16 scores; when there are at least k runs, the k-th largest run
- * maximum t0 is at most the k-th largest score (k runs hold a score >= t0), else t0 = -inf. The scores >= t0 are
- * gathered with their indices (in index order: typically a few k of them), the k-th largest of those is the row's,
- * and the picks follow topk_row's rule among them. Scratch: N / 16 + 2 N floats and N int32 (idx). Returns 0, or
- * -1 (o unspecified) when x holds a NaN. */
+ * chunk's top-k). The scores are split into G disjoint groups and the maximum of each taken; when G >= k, the
+ * k-th largest group maximum t0 is at most the k-th largest score (k groups hold a score >= t0), else t0 = -inf.
+ * The scores >= t0 are gathered with their indices (in index order: typically a few k of them), the k-th largest
+ * of those is the row's, and the picks follow topk_row's rule among them. With AVX-512 a group is one lane of 16
+ * consecutive vectors (256 scores make 16 groups, lane maxima without a horizontal step), else 16 consecutive
+ * scores; the scores past the last whole group are in none. Scratch: N / 16 + 2 N floats and N int32 (idx).
+ * Returns 0, or -1 (o unspecified) when x holds a NaN. */
 int topk_fast(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *scratch, int32_t *idx, int64_t *o) {
     if (k == 0) return 0;
-    const int64_t G = N / 16;
-    float *gmax = scratch, *vals = gmax + G, *work = vals + N;
+    float *gmax = scratch, *vals = gmax + N / 16, *work = vals + N;
+    int64_t G = 0, grouped = 0;
     int nan = 0;
-    for (int64_t g = 0; g < G; g++) {
-        const float *v = x + 16 * g;
 #if defined(__AVX512F__)
-        const __m512 a = _mm512_loadu_ps(v);
-        nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0;
-        gmax[g] = _mm512_reduce_max_ps(a);
-#else
+    __mmask16 odd = 0;
+    for (; grouped + 256 <= N; grouped += 256, G += 16) {
+        __m512 m = _mm512_loadu_ps(x + grouped);
+        odd |= _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
+        for (int v = 1; v < 16; v++) {
+            const __m512 a = _mm512_loadu_ps(x + grouped + 16 * v);
+            odd |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+            m = _mm512_max_ps(m, a);
+        }
+        _mm512_storeu_ps(gmax + G, m);
+    }
+    nan |= odd != 0;
+#endif
+    for (; grouped + 16 <= N; grouped += 16) {
+        const float *v = x + grouped;
         float m = v[0];
         for (int i = 0; i < 16; i++) {
             nan |= v[i] != v[i];
             m = v[i] > m ? v[i] : m;
         }
-        gmax[g] = m;
-#endif
+        gmax[G++] = m;
     }
-    for (int64_t i = 16 * G; i < N; i++) nan |= x[i] != x[i];
+    for (int64_t i = grouped; i < N; i++) nan |= x[i] != x[i];
     if (nan) return -1;
     float t0 = -INFINITY;
     if (G >= k) {
         memcpy(work, gmax, (size_t)G * sizeof(float));
         t0 = kth_largest(work, G, k);
     }
-    int64_t m = 0;
-    for (int64_t g = 0; g < G; g++) {
-        if (gmax[g] < t0) continue;
-        const float *v = x + 16 * g;
+    int64_t m = 0, i = 0;
 #if defined(__AVX512F__)
-        const __m512 a = _mm512_loadu_ps(v);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; i + 16 <= N; i += 16) {
+        const __m512 a = _mm512_loadu_ps(x + i);
         const __mmask16 ge = _mm512_cmp_ps_mask(a, _mm512_set1_ps(t0), _CMP_GE_OQ);
+        if (!ge) continue;
         _mm512_mask_compressstoreu_ps(vals + m, ge, a);
-        _mm512_mask_compressstoreu_epi32(idx + m, ge,
-                                         _mm512_add_epi32(_mm512_set1_epi32((int32_t)(16 * g)),
-                                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                                                            13, 14, 15)));
+        _mm512_mask_compressstoreu_epi32(idx + m, ge, _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), lanes));
         m += __builtin_popcount(ge);
-#else
-        for (int i = 0; i < 16; i++)
-            if (v[i] >= t0) {
-                vals[m] = v[i];
-                idx[m++] = (int32_t)(16 * g + i);
-            }
-#endif
     }
-    for (int64_t i = 16 * G; i < N; i++)
+#endif
+    for (; i < N; i++)
         if (x[i] >= t0) {
             vals[m] = x[i];
             idx[m++] = (int32_t)i;
@@ -178,11 +212,11 @@ int topk_fast(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *scr
     memcpy(work, vals, (size_t)m * sizeof(float));
     const float kth = kth_largest(work, m, k);
     int64_t greater = 0;
-    for (int64_t i = 0; i < m; i++) greater += vals[i] > kth;
+    for (int64_t c = 0; c < m; c++) greater += vals[c] > kth;
     int64_t ties = k - greater, at = 0;
-    for (int64_t i = 0; i < m && at < k; i++)
-        if (vals[i] > kth || (vals[i] == kth && ties-- > 0))
-            o[at++] = drop_neg_inf && vals[i] == -INFINITY ? -1 : idx[i];
+    for (int64_t c = 0; c < m && at < k; c++)
+        if (vals[c] > kth || (vals[c] == kth && ties-- > 0))
+            o[at++] = drop_neg_inf && vals[c] == -INFINITY ? -1 : idx[c];
     return 0;
 }
 
