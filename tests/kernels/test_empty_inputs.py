@@ -29,6 +29,8 @@ CHECKED = {
     "hc_collapse": ["streams", "weights"],
     "hc_expand": ["streams", "y", "post", "comb"],
     "attend_few": ["q", "q_pos", "keys", "key_pos", "selected", "topk"],
+    "band_logits": ["q", "q_pos", "keys", "key_pos", "sink"],
+    "band_output": ["probs", "keys"],
     "gate": ["x"],
     "swiglu": ["gate", "up"],
     "moe_bf16": ["x", "indices", "weights"],

@@ -170,3 +170,215 @@ int dsv41_attn_epilogue(const void *o, int bf16, int64_t N, int64_t H, int64_t d
     free(scratch);
     return status;
 }
+
+/* ------------------------------------------------------------------ prefill attention: logits and output */
+
+/* The two matmul halves of model/attention.py sparse_attention for a chunk of c queries of a prefill forward
+ * (issue 25), causal (no key_limit) and banded; the softmax between them stays torch's. The torch code's einsums are
+ * batched GEMMs whose every output ATen / MKL sums as one chain of fused multiply-adds over the contraction, from 0
+ * (tests/kernels checks it on the machine); these kernels make the same chains, so the same bits.
+ *
+ * Shapes: q [B, c, H, d] fp32 (queries i0 .. i0 + c - 1 of the forward's T), q_pos [B, c]; keys [B, L, d] fp32 with
+ * key_pos [B, L]: rows 0 .. P-1 earlier (any order, -1 empty), rows P .. L-1 the T new ones; band = min(window, T);
+ * sel [B, c, k, d] fp32 with idx [B, c, k] (-1 = none; the row read as it is), sink [H].
+ *
+ * dsv41_band_logits: out [B, c, H, n], n = P + band + k + 1, the torch code's concatenated logits: the earlier rows'
+ * dots times scale (-inf unless p - window < key_pos <= p and key_pos >= 0), the band's (query i's new rows
+ * i - band + 1 .. i; -inf for rows before the first or a key_pos < 0), the selected entries' (-inf where idx < 0),
+ * then sink[h]. Each dot: the chain over d, then one multiplication by scale. Vectorized over 16 rows at a time from
+ * the rows transposed (scratch [B, d, P16 + band - 1 + T16 + 16] and per item [d, k16]).
+ *
+ * dsv41_band_output: o [B, c, H, d] = (probs[:P] . earlier rows + probs[P:P + band] . band rows) + probs[P + band:
+ * P + band + k] . selected, each product a chain over its rows in order (band rows before the first read as zero
+ * rows, as the torch code's padding), from probs [B, c, H, n]. Vectorized over d. */
+#define BAND_ITEM 4  /* queries per item */
+
+typedef struct {
+    const float *q, *keys, *sel, *sink, *probs;
+    const int64_t *q_pos, *key_pos, *idx;
+    int64_t B, c, H, d, L, P, i0, band, window, k, n, T, P16, ld;
+    float scale;
+    float *kt;  /* [B, d, ld]: earlier rows at 0 .., then band - 1 zero columns and the new rows at P16 + band - 1 .. */
+    float *out;
+    _Atomic int status;
+} band_job;
+
+static void band_transpose(const void *job, int64_t item) {
+    const band_job *j = job;
+    const int64_t b = item / j->d, dd = item % j->d, d = j->d, P = j->P, P16 = j->P16, band = j->band;
+    float *row = j->kt + (b * d + dd) * j->ld;
+    const float *keys = j->keys + b * j->L * d;
+    for (int64_t s = 0; s < P16; s++) row[s] = s < P ? keys[s * d + dd] : 0.0f;
+    for (int64_t s = 0; s < band - 1; s++) row[P16 + s] = 0.0f;
+    for (int64_t s = 0; s < j->ld - P16 - (band - 1); s++)
+        row[P16 + band - 1 + s] = s < j->T ? keys[(P + s) * d + dd] : 0.0f;
+}
+
+/* dots of H heads (qt [H, d]) with 16 transposed rows at kt (row stride ld) times scale -> o[h * n + 0 .. 15]. */
+static inline void band_dots16(const float *kt, int64_t ld, const float *qt, int64_t H, int64_t d, float scale,
+                               float *o, int64_t n) {
+#if defined(__AVX512F__)
+    int64_t h = 0;
+    for (; h + 4 <= H; h += 4) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t dd = 0; dd < d; dd++) {
+            const __m512 kv = _mm512_loadu_ps(kt + dd * ld);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(qt[h * d + dd]), kv, a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(qt[(h + 1) * d + dd]), kv, a1);
+            a2 = _mm512_fmadd_ps(_mm512_set1_ps(qt[(h + 2) * d + dd]), kv, a2);
+            a3 = _mm512_fmadd_ps(_mm512_set1_ps(qt[(h + 3) * d + dd]), kv, a3);
+        }
+        const __m512 sc = _mm512_set1_ps(scale);
+        _mm512_storeu_ps(o + h * n, _mm512_mul_ps(a0, sc));
+        _mm512_storeu_ps(o + (h + 1) * n, _mm512_mul_ps(a1, sc));
+        _mm512_storeu_ps(o + (h + 2) * n, _mm512_mul_ps(a2, sc));
+        _mm512_storeu_ps(o + (h + 3) * n, _mm512_mul_ps(a3, sc));
+    }
+    for (; h < H; h++) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t dd = 0; dd < d; dd++)
+            a = _mm512_fmadd_ps(_mm512_set1_ps(qt[h * d + dd]), _mm512_loadu_ps(kt + dd * ld), a);
+        _mm512_storeu_ps(o + h * n, _mm512_mul_ps(a, _mm512_set1_ps(scale)));
+    }
+#else
+    for (int64_t h = 0; h < H; h++)
+        for (int m = 0; m < 16; m++) {
+            float a = 0.0f;
+            for (int64_t dd = 0; dd < d; dd++) a = fmaf(qt[h * d + dd], kt[dd * ld + m], a);
+            o[h * n + m] = a * scale;
+        }
+#endif
+}
+
+static void band_logits_item(const void *job, int64_t item) {
+    const band_job *j = job;
+    const int64_t per = (j->c + BAND_ITEM - 1) / BAND_ITEM, b = item / per, t0 = item % per * BAND_ITEM;
+    const int64_t t1 = t0 + BAND_ITEM < j->c ? t0 + BAND_ITEM : j->c;
+    const int64_t H = j->H, d = j->d, n = j->n, P = j->P, band = j->band, k = j->k, k16 = (k + 15) / 16 * 16;
+    const int64_t P16 = j->P16, ld = j->ld, width = (P16 > band ? P16 : band) + k16 + 16;
+    /* one query's dots land in rows [H, width] first (16 at a time may run past each part), then are copied */
+    float *buf = malloc((size_t)(H * width + d * k16 + 16) * sizeof(float));
+    if (!buf) {
+        atomic_store(&((band_job *)j)->status, -2);
+        return;
+    }
+    float *selt = buf + H * width;
+    const float *kt = j->kt + b * d * ld;
+    const int64_t *kp = j->key_pos + b * j->L;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t r = b * j->c + t, i = j->i0 + t, p = j->q_pos[r];
+        const float *qt = j->q + r * H * d;
+        float *o = j->out + r * H * n;
+        for (int64_t s = 0; s < P; s += 16) band_dots16(kt + s, ld, qt, H, d, j->scale, buf + s, width);
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t s = 0; s < P; s++) {
+                const int64_t kps = kp[s];
+                o[h * n + s] = kps <= p && kps > p - j->window && kps >= 0 ? buf[h * width + s] : -INFINITY;
+            }
+        for (int64_t s = 0; s < band; s += 16) band_dots16(kt + P16 + i + s, ld, qt, H, d, j->scale, buf + s, width);
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t w = 0; w < band; w++) {
+                const int64_t row = i - band + 1 + w;
+                o[h * n + P + w] = row >= 0 && kp[P + row] >= 0 ? buf[h * width + w] : -INFINITY;
+            }
+        if (k) {
+            const float *sel = j->sel + r * k * d;
+            const int64_t *ix = j->idx + r * k;
+            for (int64_t dd = 0; dd < d; dd++)
+                for (int64_t m = 0; m < k16; m++) selt[dd * k16 + m] = m < k ? sel[m * d + dd] : 0.0f;
+            for (int64_t m = 0; m < k; m += 16) band_dots16(selt + m, k16, qt, H, d, j->scale, buf + m, width);
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t m = 0; m < k; m++) o[h * n + P + band + m] = ix[m] >= 0 ? buf[h * width + m] : -INFINITY;
+        }
+        for (int64_t h = 0; h < H; h++) o[h * n + n - 1] = j->sink[h];
+    }
+    free(buf);
+}
+
+int dsv41_band_logits(const float *q, const int64_t *q_pos, const float *keys, const int64_t *key_pos, int64_t B,
+                      int64_t c, int64_t H, int64_t d, int64_t L, int64_t P, int64_t i0, int64_t band,
+                      int64_t window, const float *sel, const int64_t *idx, int64_t k, const float *sink, float scale,
+                      float *out) {
+    const int64_t T = L - P, P16 = (P + 15) / 16 * 16, T16 = (T + 15) / 16 * 16;
+    const int64_t ld = P16 + band - 1 + T16 + 16;
+    float *kt = malloc((size_t)(B * d * ld) * sizeof(float));
+    if (!kt) return -2;
+    band_job job = {.q = q, .keys = keys, .sel = sel, .sink = sink, .q_pos = q_pos, .key_pos = key_pos, .idx = idx,
+                    .B = B, .c = c, .H = H, .d = d, .L = L, .P = P, .i0 = i0, .band = band, .window = window, .k = k,
+                    .n = P + band + k + 1, .T = T, .P16 = P16, .ld = ld, .scale = scale, .kt = kt, .out = out};
+    parallel_for(band_transpose, &job, B * d);
+    parallel_for(band_logits_item, &job, B * ((c + BAND_ITEM - 1) / BAND_ITEM));
+    free(kt);
+    return atomic_load(&job.status);
+}
+
+/* acc [H, d] (d = 16 v) = sum over rows l of probs[h * n + l] * row_l, in l order from 0 (rows: pointers, NULL for
+ * a zero row). */
+static inline void band_weighted(const float *probs, int64_t n, const float *const *rows, int64_t count, int64_t H,
+                                 int64_t d, float *acc) {
+#if defined(__AVX512F__)
+    if (H == 4 && d == 64) {  /* the 16 accumulators in registers */
+        __m512 a[16];
+        for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+        for (int64_t l = 0; l < count; l++) {
+            __m512 v[4];
+            for (int e = 0; e < 4; e++) v[e] = rows[l] ? _mm512_loadu_ps(rows[l] + 16 * e) : _mm512_setzero_ps();
+            for (int h = 0; h < 4; h++) {
+                const __m512 pr = _mm512_set1_ps(probs[h * n + l]);
+                for (int e = 0; e < 4; e++) a[h * 4 + e] = _mm512_fmadd_ps(pr, v[e], a[h * 4 + e]);
+            }
+        }
+        for (int i = 0; i < 16; i++) _mm512_storeu_ps(acc + 16 * i, a[i]);
+        return;
+    }
+#endif
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t e = 0; e < d; e++) {
+            float a = 0.0f;
+            for (int64_t l = 0; l < count; l++) a = fmaf(probs[h * n + l], rows[l] ? rows[l][e] : 0.0f, a);
+            acc[h * d + e] = a;
+        }
+}
+
+static void band_output_item(const void *job, int64_t item) {
+    const band_job *j = job;
+    const int64_t per = (j->c + BAND_ITEM - 1) / BAND_ITEM, b = item / per, t0 = item % per * BAND_ITEM;
+    const int64_t t1 = t0 + BAND_ITEM < j->c ? t0 + BAND_ITEM : j->c;
+    const int64_t H = j->H, d = j->d, n = j->n, P = j->P, band = j->band, k = j->k;
+    const int64_t most = P > band ? (P > k ? P : k) : (band > k ? band : k);
+    float *acc = malloc((size_t)(3 * H * d) * sizeof(float) + (size_t)most * sizeof(float *));
+    if (!acc) {
+        atomic_store(&((band_job *)j)->status, -2);
+        return;
+    }
+    float *acc2 = acc + H * d, *acc3 = acc2 + H * d;
+    const float **rows = (const float **)(acc3 + H * d);
+    const float *keys = j->keys + b * j->L * d;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t r = b * j->c + t, i = j->i0 + t;
+        const float *pr = j->probs + r * H * n;
+        for (int64_t s = 0; s < P; s++) rows[s] = keys + s * d;
+        band_weighted(pr, n, rows, P, H, d, acc);
+        for (int64_t w = 0; w < band; w++) {
+            const int64_t row = i - band + 1 + w;
+            rows[w] = row >= 0 ? keys + (P + row) * d : NULL;
+        }
+        band_weighted(pr + P, n, rows, band, H, d, acc2);
+        float *o = j->out + r * H * d;
+        for (int64_t e = 0; e < H * d; e++) o[e] = acc[e] + acc2[e];
+        if (k) {
+            for (int64_t m = 0; m < k; m++) rows[m] = j->sel + (r * k + m) * d;
+            band_weighted(pr + P + band, n, rows, k, H, d, acc3);
+            for (int64_t e = 0; e < H * d; e++) o[e] = o[e] + acc3[e];
+        }
+    }
+    free(acc);
+}
+
+int dsv41_band_output(const float *probs, const float *keys, int64_t B, int64_t c, int64_t H, int64_t d, int64_t L,
+                      int64_t P, int64_t i0, int64_t band, const float *sel, int64_t k, float *out) {
+    band_job job = {.keys = keys, .sel = sel, .probs = probs, .B = B, .c = c, .H = H, .d = d, .L = L, .P = P,
+                    .i0 = i0, .band = band, .k = k, .n = P + band + k + 1, .T = L - P, .out = out};
+    parallel_for(band_output_item, &job, B * ((c + BAND_ITEM - 1) / BAND_ITEM));
+    return atomic_load(&job.status);
+}

@@ -389,6 +389,12 @@ int dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, con
 void dsv41_attend_few(const void *q, int bf16, const int64_t *q_pos, const float *keys, const int64_t *key_pos,
                       int64_t B, int64_t T, int64_t H, int64_t d, int64_t L, int64_t window, const float *selected,
                       const int64_t *topk, int64_t k, const float *sink, float scale, float *scratch, void *out);
+int dsv41_band_logits(const float *q, const int64_t *q_pos, const float *keys, const int64_t *key_pos, int64_t B,
+                      int64_t c, int64_t H, int64_t d, int64_t L, int64_t P, int64_t i0, int64_t band,
+                      int64_t window, const float *sel, const int64_t *idx, int64_t k, const float *sink, float scale,
+                      float *out);
+int dsv41_band_output(const float *probs, const float *keys, int64_t B, int64_t c, int64_t H, int64_t d, int64_t L,
+                      int64_t P, int64_t i0, int64_t band, const float *sel, int64_t k, float *out);
 int dsv41_attn_prologue(const void *x, int bf16, int64_t N, int64_t D, const void *wq_a, int64_t qr,
                         const void *q_norm, float q_eps, const void *wq_b, int64_t H, int64_t d, const void *wkv,
                         const void *kv_norm, float kv_eps, const float *cos_, const float *sin_, int64_t r,

@@ -6,7 +6,9 @@ once per module instance by :func:`deepseek_v41.kernels.fast.install` (see that 
   ``wo_b``) in one :func:`kernels.attn_epilogue` call, and ``compress`` (compressor, entry RoPE, index keys) in one
   :func:`kernels.compress` call, for at most ``kernels.FEW_ROWS`` tokens (decode, speculative verify);
 - :class:`~deepseek_v41.model.attention.SparseAttention`: :func:`kernels.attend_few` for a few queries per row
-  (causal windows only: a forward with image spans runs the reference);
+  (causal windows only: a forward with image spans runs the reference), and for a prefill chunk the logits and
+  weighted sums in C around torch's softmax (:func:`kernels.band_logits`, :func:`kernels.band_output`: the
+  reference's bits);
 - :class:`~deepseek_v41.model.attention.GroupedLinear`: the grouped GEMV :func:`kernels.linear` for small inputs;
 - :class:`~deepseek_v41.model.indexer.Indexer`: ``queries`` in one :func:`kernels.indexer_queries` call (a few
   tokens), the selection rules ``topk_entries`` / ``candidate_blocks`` / ``pool_entries`` in C
@@ -59,6 +61,7 @@ from deepseek_v41.model.norm import RMSNorm, cast, upcast
 from deepseek_v41.model.rope import RotaryEmbedding
 
 PAIR_PHASES = "compress pair phases"  # ctx.shared key of the ratio-2 entries' RoPE phases (see _pair_phases)
+BAND_MIN = 16  # rows, entries and dims from which the reference's einsums sum each dot as one chain (attend)
 FP32_GEMV_WEIGHTS = 1 << 16  # fp32 weights from this size take the grouped GEMV for a few tokens (model/linear.py)
 
 
@@ -250,8 +253,42 @@ def attend(self: SparseAttention, q: torch.Tensor, q_pos: torch.Tensor, keys: to
             return kernels.attend_few(q, q_pos, upcast(keys), key_pos, window, selected, topk, upcast(sink), scale)
         return cast(kernels.attend_few(upcast(q), q_pos, upcast(keys), key_pos, window, selected, topk, upcast(sink),
                                        scale), q.dtype)
+    prev, k = keys.shape[1] - T, 0 if topk is None else topk.shape[-1]
+    # (each GEMM of the reference at least BAND_MIN wide and the heads a multiple of 4: other shapes ATen / MKL sum
+    # in another order, measured)
+    if (key_limit is None and banded and not entry_probs and shared_entries is None and min(window, T) >= BAND_MIN
+            and (prev == 0 or prev >= BAND_MIN) and (k == 0 or k >= BAND_MIN) and d >= BAND_MIN and H % 4 == 0
+            and keys.dim() == 3 and q.dtype in KERNEL_DTYPES and fused(keys, sink)
+            and q_pos.dtype == key_pos.dtype == torch.int64 and kernels.usable(q_pos, key_pos)):
+        return _attend_band(q, q_pos, keys, key_pos, window, topk, gather, sink, scale, chunk)
     return sparse_attention(q, q_pos, keys, key_pos, window, topk, gather, sink, scale, chunk, banded,
                             entry_probs=entry_probs, shared_entries=shared_entries, key_limit=key_limit)
+
+
+def _attend_band(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, window: int,
+                 topk: torch.Tensor | None, gather: Callable[[torch.Tensor], torch.Tensor] | None, sink: torch.Tensor,
+                 scale: float, chunk: int) -> torch.Tensor:
+    """:func:`~deepseek_v41.model.attention.sparse_attention` of a prefill forward (causal, banded, no entry
+    probabilities) with its matmuls in C (issue 25): per chunk of queries, :func:`kernels.band_logits` makes the
+    logits it concatenates, torch's softmax runs on them, and :func:`kernels.band_output` makes its weighted sums.
+    The same chunks, gathers and casts as the reference, and the kernels make its einsums' sums: the same bits."""
+    B, T, H, d = q.shape
+    prev = keys.shape[1] - T
+    wide = upcast(keys).contiguous()
+    key_pos = key_pos.contiguous()
+    sink = sink.to(torch.float32).contiguous()
+    out = []
+    for i0 in range(0, T, chunk):
+        i1 = min(T, i0 + chunk)
+        qc = upcast(q[:, i0:i1]).to(wide.dtype).contiguous()
+        idx = selected = None
+        if topk is not None and topk.shape[-1] > 0:
+            idx = topk[:, i0:i1].contiguous()
+            selected = gather(idx).to(qc.dtype).contiguous()
+        logits = kernels.band_logits(qc, q_pos[:, i0:i1].contiguous(), wide, key_pos, prev, i0, window, selected, idx,
+                                     sink, scale)
+        out.append(kernels.band_output(torch.softmax(logits, dim=-1), wide, prev, i0, window, selected))
+    return torch.cat(out, 1).to(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------- GroupedLinear
