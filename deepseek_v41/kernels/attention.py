@@ -19,6 +19,7 @@ SIGNATURES = {
                              ctypes.c_float, _P, _P, _I, _P, _P, _P], ctypes.c_int),
     "dsv41_attn_epilogue": ([_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P], ctypes.c_int),
 }
+BAND_MAX_DIM = 256  # head dims band_logits takes (csrc/attention.c)
 SIGNATURES["dsv41_band_logits"] = ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P,
                                      ctypes.c_float, _P], ctypes.c_int)
 SIGNATURES["dsv41_band_output"] = ([_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _I, _P], ctypes.c_int)
@@ -107,13 +108,15 @@ def band_logits(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_po
     [H] -> fp32 [B, c, H, prev + band + k + 1] (band = min(window, T)): earlier rows, band, selected entries (each a
     dot times ``scale``, -inf where masked as the torch code masks), then the sink. The torch code's bits where
     ATen's batched GEMMs sum each dot as one chain of multiply-adds from 0 (MKL's kernels; tests/kernels checks
-    it). Raises ValueError for a window below 1 or queries outside the new rows; MemoryError when the scratch
-    cannot be had."""
+    it). Raises ValueError for a window below 1, queries outside the new rows or d > BAND_MAX_DIM; MemoryError when
+    the scratch cannot be had."""
     if not (q.numel() and q_pos.numel() and keys.numel() and key_pos.numel() and sink.numel()):
         empty("band_logits", q=q, q_pos=q_pos, keys=keys, key_pos=key_pos, sink=sink)
     B, c, H, d = q.shape
     L = keys.shape[1]
     T = L - prev
+    if d > BAND_MAX_DIM:
+        raise ValueError(f"band_logits: head dim {d} above the kernel's {BAND_MAX_DIM}")
     if window < 1 or not (prev >= 0 and start >= 0 and start + c <= T):
         raise ValueError(f"band_logits: window {window} (>= 1), queries {start} .. {start + c - 1} must lie in the "
                          f"{T} new rows after {prev} earlier ones")

@@ -186,7 +186,7 @@ int dsv41_attn_epilogue(const void *o, int bf16, int64_t N, int64_t H, int64_t d
  * dots times scale (-inf unless p - window < key_pos <= p and key_pos >= 0), the band's (query i's new rows
  * i - band + 1 .. i; -inf for rows before the first or a key_pos < 0), the selected entries' (-inf where idx < 0),
  * then sink[h]. Each dot: the chain over d, then one multiplication by scale. Vectorized over 16 rows at a time from
- * the rows transposed (scratch [B, d, P16 + band - 1 + T16 + 16] and per item [d, k16]).
+ * the rows transposed (scratch [B, d, P16 + the chunk's band columns] and per item [d, k16]); d <= 256 (else -3).
  *
  * dsv41_band_output: o [B, c, H, d] = (probs[:P] . earlier rows + probs[P:P + band] . band rows) + probs[P + band:
  * P + band + k] . selected, each product a chain over its rows in order (band rows before the first read as zero
@@ -196,22 +196,66 @@ int dsv41_attn_epilogue(const void *o, int bf16, int64_t N, int64_t H, int64_t d
 typedef struct {
     const float *q, *keys, *sel, *sink, *probs;
     const int64_t *q_pos, *key_pos, *idx;
-    int64_t B, c, H, d, L, P, i0, band, window, k, n, T, P16, ld;
+    int64_t B, c, H, d, L, P, i0, band, window, k, n, T, P16, ld, span16;
     float scale;
-    float *kt;  /* [B, d, ld]: earlier rows at 0 .., then band - 1 zero columns and the new rows at P16 + band - 1 .. */
+    float *kt;  /* [B, d, ld]: earlier rows at 0 .., then the new rows i0 - band + 1 .. i0 + c - 1 from P16 on */
     float *out;
     _Atomic int status;
 } band_job;
 
+/* dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols (a copy, transposed); zeros where r >= rows up
+ * to rows16 (rows rounded up to 16). With AVX-512, 16 x 16 blocks through four rounds of lane permutes. */
+static void transpose_rows(const float *src, int64_t ld_src, int64_t rows, int64_t cols, float *dst, int64_t ld_dst) {
+    const int64_t rows16 = (rows + 15) / 16 * 16;
+    int64_t c0 = 0;
+#if defined(__AVX512F__)
+    for (; c0 + 16 <= cols; c0 += 16)
+        for (int64_t r0 = 0; r0 < rows16; r0 += 16) {
+            __m512 v[16];
+            for (int i = 0; i < 16; i++)
+                v[i] = r0 + i < rows ? _mm512_loadu_ps(src + (r0 + i) * ld_src + c0) : _mm512_setzero_ps();
+            for (int s = 8; s >= 1; s /= 2) {
+                int32_t lo[16], hi[16];
+                for (int l = 0; l < 16; l++) {
+                    lo[l] = (l & s) == 0 ? l : 16 + l - s;
+                    hi[l] = (l & s) == 0 ? l + s : 16 + l;
+                }
+                const __m512i ilo = _mm512_loadu_si512(lo), ihi = _mm512_loadu_si512(hi);
+                for (int i = 0; i < 16; i++)
+                    if ((i & s) == 0) {
+                        const __m512 a = v[i], b = v[i + s];
+                        v[i] = _mm512_permutex2var_ps(a, ilo, b);
+                        v[i + s] = _mm512_permutex2var_ps(a, ihi, b);
+                    }
+            }
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + (c0 + i) * ld_dst + r0, v[i]);
+        }
+#endif
+    for (int64_t c = c0; c < cols; c++)
+        for (int64_t r = 0; r < rows16; r++) dst[c * ld_dst + r] = r < rows ? src[r * ld_src + c] : 0.0f;
+}
+
+/* Item 0: the earlier rows [P, d] -> kt[:, 0 .. P16); item 1 + m: the band - 1 zero columns, then new rows
+ * i0 - band + 1 + 16 m .. of the chunk's bands (the rows before the first read as zero). */
 static void band_transpose(const void *job, int64_t item) {
     const band_job *j = job;
-    const int64_t b = item / j->d, dd = item % j->d, d = j->d, P = j->P, P16 = j->P16, band = j->band;
-    float *row = j->kt + (b * d + dd) * j->ld;
+    const int64_t per = 1 + j->span16 / 16, b = item / per, m = item % per, d = j->d;
+    float *kt = j->kt + b * d * j->ld;
     const float *keys = j->keys + b * j->L * d;
-    for (int64_t s = 0; s < P16; s++) row[s] = s < P ? keys[s * d + dd] : 0.0f;
-    for (int64_t s = 0; s < band - 1; s++) row[P16 + s] = 0.0f;
-    for (int64_t s = 0; s < j->ld - P16 - (band - 1); s++)
-        row[P16 + band - 1 + s] = s < j->T ? keys[(P + s) * d + dd] : 0.0f;
+    if (m == 0) {
+        if (j->P) transpose_rows(keys, d, j->P, d, kt, j->ld);
+        return;
+    }
+    const int64_t first = j->i0 - j->band + 1 + 16 * (m - 1);  /* new row of column P16 + 16 (m - 1) */
+    float rows[16 * 256];  /* d <= 256 */
+    int64_t count = 0;
+    for (int64_t r = 0; r < 16; r++) {
+        const int64_t row = first + r;
+        if (row >= 0 && row < j->T) memcpy(rows + r * d, keys + (j->P + row) * d, (size_t)d * sizeof(float));
+        else memset(rows + r * d, 0, (size_t)d * sizeof(float));
+        count = r + 1;
+    }
+    transpose_rows(rows, d, count, d, kt + j->P16 + 16 * (m - 1), j->ld);
 }
 
 /* dots of H heads (qt [H, d]) with 16 transposed rows at kt (row stride ld) times scale -> o[h * n + 0 .. 15]. */
@@ -275,7 +319,7 @@ static void band_logits_item(const void *job, int64_t item) {
                 const int64_t kps = kp[s];
                 o[h * n + s] = kps <= p && kps > p - j->window && kps >= 0 ? buf[h * width + s] : -INFINITY;
             }
-        for (int64_t s = 0; s < band; s += 16) band_dots16(kt + P16 + i + s, ld, qt, H, d, j->scale, buf + s, width);
+        for (int64_t s = 0; s < band; s += 16) band_dots16(kt + P16 + t + s, ld, qt, H, d, j->scale, buf + s, width);
         for (int64_t h = 0; h < H; h++)
             for (int64_t w = 0; w < band; w++) {
                 const int64_t row = i - band + 1 + w;
@@ -284,8 +328,7 @@ static void band_logits_item(const void *job, int64_t item) {
         if (k) {
             const float *sel = j->sel + r * k * d;
             const int64_t *ix = j->idx + r * k;
-            for (int64_t dd = 0; dd < d; dd++)
-                for (int64_t m = 0; m < k16; m++) selt[dd * k16 + m] = m < k ? sel[m * d + dd] : 0.0f;
+            transpose_rows(sel, d, k, d, selt, k16);
             for (int64_t m = 0; m < k; m += 16) band_dots16(selt + m, k16, qt, H, d, j->scale, buf + m, width);
             for (int64_t h = 0; h < H; h++)
                 for (int64_t m = 0; m < k; m++) o[h * n + P + band + m] = ix[m] >= 0 ? buf[h * width + m] : -INFINITY;
@@ -299,14 +342,17 @@ int dsv41_band_logits(const float *q, const int64_t *q_pos, const float *keys, c
                       int64_t c, int64_t H, int64_t d, int64_t L, int64_t P, int64_t i0, int64_t band,
                       int64_t window, const float *sel, const int64_t *idx, int64_t k, const float *sink, float scale,
                       float *out) {
-    const int64_t T = L - P, P16 = (P + 15) / 16 * 16, T16 = (T + 15) / 16 * 16;
-    const int64_t ld = P16 + band - 1 + T16 + 16;
+    if (d > 256) return -3;
+    /* the chunk's band columns: new rows i0 - band + 1 .. i0 + c - 1 (c + band - 1), read 16 at a time up to 16 past */
+    const int64_t T = L - P, P16 = (P + 15) / 16 * 16, span16 = (c + band - 1 + 15) / 16 * 16 + 16;
+    const int64_t ld = P16 + span16;
     float *kt = malloc((size_t)(B * d * ld) * sizeof(float));
     if (!kt) return -2;
     band_job job = {.q = q, .keys = keys, .sel = sel, .sink = sink, .q_pos = q_pos, .key_pos = key_pos, .idx = idx,
                     .B = B, .c = c, .H = H, .d = d, .L = L, .P = P, .i0 = i0, .band = band, .window = window, .k = k,
-                    .n = P + band + k + 1, .T = T, .P16 = P16, .ld = ld, .scale = scale, .kt = kt, .out = out};
-    parallel_for(band_transpose, &job, B * d);
+                    .n = P + band + k + 1, .T = T, .P16 = P16, .ld = ld, .span16 = span16, .scale = scale, .kt = kt,
+                    .out = out};
+    parallel_for(band_transpose, &job, B * (1 + span16 / 16));
     parallel_for(band_logits_item, &job, B * ((c + BAND_ITEM - 1) / BAND_ITEM));
     free(kt);
     return atomic_load(&job.status);

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from deepseek_v41 import kernels
+from deepseek_v41.kernels.attention import BAND_MAX_DIM
 from deepseek_v41.kernels.fast.registry import (
     KERNEL_DTYPES,
     fused,
@@ -257,8 +258,8 @@ def attend(self: SparseAttention, q: torch.Tensor, q_pos: torch.Tensor, keys: to
     # (each GEMM of the reference at least BAND_MIN wide and the heads a multiple of 4: other shapes ATen / MKL sum
     # in another order, measured)
     if (key_limit is None and banded and not entry_probs and shared_entries is None and min(window, T) >= BAND_MIN
-            and (prev == 0 or prev >= BAND_MIN) and (k == 0 or k >= BAND_MIN) and d >= BAND_MIN and H % 4 == 0
-            and keys.dim() == 3 and q.dtype in KERNEL_DTYPES and fused(keys, sink)
+            and (prev == 0 or prev >= BAND_MIN) and (k == 0 or k >= BAND_MIN) and BAND_MIN <= d <= BAND_MAX_DIM
+            and H % 4 == 0 and keys.dim() == 3 and q.dtype in KERNEL_DTYPES and fused(keys, sink)
             and q_pos.dtype == key_pos.dtype == torch.int64 and kernels.usable(q_pos, key_pos)):
         return _attend_band(q, q_pos, keys, key_pos, window, topk, gather, sink, scale, chunk)
     return sparse_attention(q, q_pos, keys, key_pos, window, topk, gather, sink, scale, chunk, banded,
