@@ -76,3 +76,15 @@ def test_band_wrappers_refuse_queries_outside_the_new_rows():
         kernels.band_logits(q, q_pos, keys, key_pos, 4, 3, 8, None, None, torch.ones(2), 1.0)
     with pytest.raises(ValueError, match="probs of width"):
         kernels.band_output(torch.ones(1, 4, 2, 5), keys, 4, 0, 8, None)
+
+
+def test_an_infinite_earlier_row_gives_the_references_nans():
+    """An earlier row holding inf (not seen by the queries past the window: probability 0, and 0 * inf is NaN in the
+    reference's weighted sum): the kernels skip no row's product then, so the same NaNs and values."""
+    q, q_pos, keys, key_pos, topk, gather, sink = case(4, 1, 300, 127, 4, 64, 64, torch.float32)
+    keys[0, 10, 3] = float("inf")
+    want = sparse_attention(q, q_pos, keys, key_pos, 128, topk, gather, sink, 0.125, 256)
+    with torch.inference_mode():
+        got = attend(None, q, q_pos, keys, key_pos, 128, topk, gather, sink, 0.125, 256)
+    assert want.isnan().any() and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())

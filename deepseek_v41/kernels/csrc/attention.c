@@ -190,13 +190,19 @@ int dsv41_attn_epilogue(const void *o, int bf16, int64_t N, int64_t H, int64_t d
  *
  * dsv41_band_output: o [B, c, H, d] = (probs[:P] . earlier rows + probs[P:P + band] . band rows) + probs[P + band:
  * P + band + k] . selected, each product a chain over its rows in order (band rows before the first read as zero
- * rows, as the torch code's padding), from probs [B, c, H, n]. Vectorized over d. */
+ * rows, as the torch code's padding), from probs [B, c, H, n]. Vectorized over d.
+ *
+ * Skipped work, the same bits: the dots of a block of 16 earlier rows none of which the query sees (their logits
+ * are -inf whatever the dots), and the earlier rows' chain of a query whose probabilities there are all 0 when
+ * every earlier row is finite (each fma(0, v, acc) from +0 leaves +0; acc is never -0 in a chain from +0). Queries
+ * past the first `window` of a forward see no earlier row: most of a 2K chunk's. */
 #define BAND_ITEM 4  /* queries per item */
 
 typedef struct {
     const float *q, *keys, *sel, *sink, *probs;
     const int64_t *q_pos, *key_pos, *idx;
     int64_t B, c, H, d, L, P, i0, band, window, k, n, T, P16, ld, span16;
+    int prev_finite;  /* band_output: every earlier row of every batch row finite */
     float scale;
     float *kt;  /* [B, d, ld]: earlier rows at 0 .., then the new rows i0 - band + 1 .. i0 + c - 1 from P16 on */
     float *out;
@@ -335,7 +341,11 @@ static void band_logits_item(const void *job, int64_t item) {
         const int64_t r = b * j->c + t, i = j->i0 + t, p = j->q_pos[r];
         const float *qt = j->q + r * H * d;
         float *o = j->out + r * H * n;
-        band_dots(kt, ld, qt, H, d, j->scale, buf, width, P);
+        for (int64_t s = 0; s < P; s += 16) {  /* (a block no row of which this query sees: masked, no dots) */
+            int seen = 0;
+            for (int64_t m = s; m < s + 16 && m < P; m++) seen |= kp[m] <= p && kp[m] > p - j->window && kp[m] >= 0;
+            if (seen) band_dots16(kt + s, ld, qt, H, d, j->scale, buf + s, width);
+        }
         for (int64_t h = 0; h < H; h++)
             for (int64_t s = 0; s < P; s++) {
                 const int64_t kps = kp[s];
@@ -425,8 +435,15 @@ static void band_output_item(const void *job, int64_t item) {
     for (int64_t t = t0; t < t1; t++) {
         const int64_t r = b * j->c + t, i = j->i0 + t;
         const float *pr = j->probs + r * H * n;
-        for (int64_t s = 0; s < P; s++) rows[s] = keys + s * d;
-        band_weighted(pr, n, rows, P, H, d, acc);
+        int any = 0;
+        for (int64_t h = 0; h < H && !any; h++)
+            for (int64_t s = 0; s < P; s++) any |= pr[h * n + s] != 0.0f;
+        if (any || !j->prev_finite) {
+            for (int64_t s = 0; s < P; s++) rows[s] = keys + s * d;
+            band_weighted(pr, n, rows, P, H, d, acc);
+        } else {  /* each fma(0, v, acc) of the chain from +0 leaves +0 for a finite v */
+            memset(acc, 0, (size_t)(H * d) * sizeof(float));
+        }
         for (int64_t w = 0; w < band; w++) {
             const int64_t row = i - band + 1 + w;
             rows[w] = row >= 0 ? keys + (P + row) * d : NULL;
@@ -445,8 +462,12 @@ static void band_output_item(const void *job, int64_t item) {
 
 int dsv41_band_output(const float *probs, const float *keys, int64_t B, int64_t c, int64_t H, int64_t d, int64_t L,
                       int64_t P, int64_t i0, int64_t band, const float *sel, int64_t k, float *out) {
+    int finite = 1;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t e = 0; e < P * d; e++) finite &= isfinite(keys[b * L * d + e]) != 0;
     band_job job = {.keys = keys, .sel = sel, .probs = probs, .B = B, .c = c, .H = H, .d = d, .L = L, .P = P,
-                    .i0 = i0, .band = band, .k = k, .n = P + band + k + 1, .T = L - P, .out = out};
+                    .i0 = i0, .band = band, .k = k, .n = P + band + k + 1, .T = L - P, .prev_finite = finite,
+                    .out = out};
     parallel_for(band_output_item, &job, B * ((c + BAND_ITEM - 1) / BAND_ITEM));
     return atomic_load(&job.status);
 }
