@@ -436,7 +436,7 @@ int dsv41_index_select(const float *q, const float *w, const float *keys, int64_
 /* topk.c */
 /* model/indexer.py topk_set of one row x [N] into o [k] (heap: k floats); -1 when x holds a NaN (topk.c). */
 DSV41_INTERNAL int topk_row(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *heap, int64_t *o);
-/* topk_row's indices from a selection instead of a heap (scratch: N / 16 + 2 N floats, idx: N int32; topk.c). */
+/* topk_row's indices from a selection instead of a heap (scratch: N / 16 + 2 N floats, idx: N + 16 int32). */
 DSV41_INTERNAL int topk_fast(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *scratch, int32_t *idx,
                              int64_t *o);
 /* model/indexer.py candidate_blocks of one row, x read below `valid` only (topk.c). */

@@ -496,6 +496,12 @@ typedef struct {
     const int64_t *visible;
     float *keys_t;
     uint32_t *pairs, *q_pairs;  /* bf16 pairs of the transposed keys [B, di / 2, N16] and queries [B, c, H, di / 2] */
+    /* int8 codes (select_4x4_int8): keys [B, di / 4, N16] (4 signed bytes a word), their exponents [B, N16] and
+     * 128 x their sums [B, N16]; queries [B, c, H, di / 4] (4 bytes + 128 a word) and exponents [B, c, H] */
+    uint32_t *codes, *q_codes;
+    float *k_exp, *q_exp;
+    int32_t *k_corr;
+    int int8;
     exp_stats *key_stats;       /* per transpose item */
     int exact;                  /* every dot exact: the bf16 dot products may compute them (dsv41_index_select) */
     int64_t *picks;
@@ -516,6 +522,30 @@ static void select_transpose(const void *job, int64_t item) {
     const int64_t real = (s1 < j->N ? s1 : j->N) - s0;
     if (real > 0) fp4_rows(keys + s0 * di, real, di, &st);
     j->key_stats[item] = st;
+    if (j->codes && st.ok && st.span <= 5)  /* (else the int8 path is off for the whole call) */
+        for (int64_t s = s0; s < s1; s++) {
+            int32_t code[32] = {0}, sum = 0;
+            int m = 0;
+            if (s < j->N) {
+                const float *row = keys + s * di;
+                int lo = 1000;
+                for (int64_t i = 0; i < di; i++)
+                    if (row[i] != 0.0f) lo = (int)((to_bits(row[i]) >> 23) & 0xff) - 127 < lo
+                                                 ? (int)((to_bits(row[i]) >> 23) & 0xff) - 127 : lo;
+                m = lo == 1000 ? 0 : lo - 1;  /* each value an integer times 2^m: (2 + fraction bit) 2^(e - lo) */
+                const float unit = from_bits((uint32_t)(127 - m) << 23);  /* 2^-m (m >= -127: normal) */
+                for (int64_t i = 0; i < di; i++) {
+                    code[i] = (int32_t)(row[i] * unit);
+                    sum += code[i];
+                }
+            }
+            j->k_exp[b * j->N16 + s] = (float)m;
+            j->k_corr[b * j->N16 + s] = 128 * sum;
+            for (int64_t g = 0; g < di / 4; g++)
+                j->codes[(b * (di / 4) + g) * j->N16 + s] = (uint32_t)(uint8_t)code[4 * g]
+                    | (uint32_t)(uint8_t)code[4 * g + 1] << 8 | (uint32_t)(uint8_t)code[4 * g + 2] << 16
+                    | (uint32_t)(uint8_t)code[4 * g + 3] << 24;
+        }
     if (j->pairs && st.ok)  /* (exact as bf16: at most one fraction bit) */
         for (int64_t i = 0; i < di / 2; i++)
             for (int64_t s = s0; s < s1; s++)
@@ -585,6 +615,33 @@ static inline __attribute__((always_inline)) void select_4x4(const float *kt, in
 }
 #endif
 
+#if defined(__AVX512VNNI__)
+/* select_4x4 from int8 codes when every dot is exact (select_job.int8): each value an integer of at most 96 times a
+ * power of two per row, the dots of four dims at a time by vpdpbusd (the queries' codes + 128 as unsigned bytes,
+ * 128 x the key's code sum taken off after), exact in int32, converted exactly and scaled by 2^(query exponent +
+ * key exponent) (exact: normal): the exact sums, so the chains' bits. kc: the keys' words at s0 (row stride ld),
+ * qc [16, di / 4] the 4 x 4 query heads' words, q_exp [16], k_corr / k_exp at s0. */
+static inline __attribute__((always_inline)) void select_4x4_int8(const uint32_t *kc, int64_t ld, const uint32_t *qc,
+                                                                  const float *q_exp, const int32_t *k_corr,
+                                                                  const float *k_exp, const float *wt, int64_t di,
+                                                                  float *out, int64_t ld_out) {
+    __m512i acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < di / 4; g++) {
+        const __m512i kv = _mm512_loadu_si512(kc + g * ld);
+        for (int i = 0; i < 16; i++)
+            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32((int)qc[i * (di / 4) + g]), kv);
+    }
+    const __m512i corr = _mm512_loadu_si512(k_corr);
+    const __m512 ke = _mm512_loadu_ps(k_exp);
+    __m512 dots[16];
+    for (int i = 0; i < 16; i++)
+        dots[i] = _mm512_scalef_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], corr)),
+                                   _mm512_add_ps(ke, _mm512_set1_ps(q_exp[i])));
+    select_heads(dots, wt, out, ld_out);
+}
+#endif
+
 #if defined(__AVX512BF16__)
 /* select_4x4 when every dot is exact (select_job.exact): the products of two dims at a time as bf16 dot products
  * (vdpbf16ps: half the instructions). Exact sums in any order are the chain's sums, so the same bits. kp: the
@@ -608,10 +665,10 @@ static void select_item(const void *job, int64_t item) {
     const int64_t tiles = (j->c + SELECT_QUERIES - 1) / SELECT_QUERIES, b = item / tiles;
     const int64_t t0 = item % tiles * SELECT_QUERIES, nt = j->c - t0 < SELECT_QUERIES ? j->c - t0 : SELECT_QUERIES;
     const int64_t H = j->H, di = j->di, N = j->N, N16 = j->N16, k = j->k, nb = j->nb, keep = j->keep;
-    /* the rows [SELECT_QUERIES, N16], best [nb], topk_fast's scratch [L / 16 + 2 L] and idx [L] int32 (L: the
-     * larger of N and nb), then chosen [keep] int64 (aligned) */
+    /* the rows [SELECT_QUERIES, N16], best [nb], topk_fast's scratch [L / 16 + 2 L] and idx [L + 16] int32 (L:
+     * the larger of N and nb), then chosen [keep] int64 (aligned) */
     const int64_t L = N > nb ? N : nb;
-    const size_t floats = (size_t)(SELECT_QUERIES * N16 + nb + L / 16 + 3 * L + 1) & ~(size_t)1;
+    const size_t floats = (size_t)(SELECT_QUERIES * N16 + nb + L / 16 + 3 * L + 17) & ~(size_t)1;
     float *rows = malloc(floats * sizeof(float) + (size_t)keep * sizeof(int64_t));
     if (!rows) {
         atomic_store(&((select_job *)j)->status, -2);
@@ -629,6 +686,14 @@ static void select_item(const void *job, int64_t item) {
     const float *q = j->q + (b * j->c + t0) * H * di, *w = j->w + (b * j->c + t0) * H;
     const float *kt = j->keys_t + b * di * N16;
     for (int64_t s = 0; s < most; s += 16) {
+#if defined(__AVX512VNNI__)
+        if (j->int8 && H == 4 && nt == 4) {
+            const int64_t row = (b * j->c + t0) * H;
+            select_4x4_int8(j->codes + b * (di / 4) * N16 + s, N16, j->q_codes + row * (di / 4), j->q_exp + row,
+                            j->k_corr + b * N16 + s, j->k_exp + b * N16 + s, w, di, rows + s, N16);
+            continue;
+        }
+#endif
 #if defined(__AVX512BF16__)
         if (j->exact && H == 4 && nt == 4) {
             select_4x4_pairs(j->pairs + b * (di / 2) * N16 + s, N16, j->q_pairs + (b * j->c + t0) * H * (di / 2), w,
@@ -673,11 +738,20 @@ int dsv41_index_select(const float *q, const float *w, const float *keys, int64_
 #else
     const int pairs = 0;
 #endif
+#if defined(__AVX512VNNI__)
+    const int int8 = pairs && di % 4 == 0 && di <= 32;
+#else
+    const int int8 = 0;
+#endif
+    /* int8 scratch: key codes [B, di / 4, N16], exponents and corrections [B, N16]; query codes and exponents */
+    void *int8_scratch = int8 ? malloc((size_t)(B * (di / 4) * N16 + 2 * B * N16 + B * c * H * (di / 4) + B * c * H
+                                                + 64) * 4) : NULL;
     float *keys_t = malloc((size_t)(B * di * N16 + 16) * sizeof(float));
     exp_stats *key_stats = malloc((size_t)items * sizeof(exp_stats));
     uint32_t *kp = pairs ? malloc((size_t)(B * (di / 2) * N16 + 16) * sizeof(uint32_t)) : NULL;
     uint32_t *qp = pairs ? malloc((size_t)(B * c * H * (di / 2) + 16) * sizeof(uint32_t)) : NULL;
-    if (!keys_t || !key_stats || (pairs && !(kp && qp))) {
+    if (!keys_t || !key_stats || (pairs && !(kp && qp)) || (int8 && !int8_scratch)) {
+        free(int8_scratch);
         free(keys_t);
         free(key_stats);
         free(kp);
@@ -685,7 +759,14 @@ int dsv41_index_select(const float *q, const float *w, const float *keys, int64_
         return -2;
     }
     select_job job = {q, w, keys, c, H, di, N, N16, k, block, nb, mask ? (keep < nb ? keep : nb) : 0, visible,
-                      keys_t, kp, qp, key_stats, 0, picks, mask, 0};
+                      keys_t, kp, qp, NULL, NULL, NULL, NULL, NULL, 0, key_stats, 0, picks, mask, 0};
+    if (int8) {
+        job.codes = int8_scratch;
+        job.k_exp = (float *)(job.codes + B * (di / 4) * N16);
+        job.k_corr = (int32_t *)(job.k_exp + B * N16);
+        job.q_codes = (uint32_t *)(job.k_corr + B * N16);
+        job.q_exp = (float *)(job.q_codes + B * c * H * (di / 4));
+    }
     parallel_for(select_transpose, &job, items);
     if (pairs) {
         /* Every dot exact (then any order of addition gives the chain's sums): each query head's and key's values
@@ -706,8 +787,32 @@ int dsv41_index_select(const float *q, const float *w, const float *keys, int64_
         if (job.exact)
             for (int64_t i = 0; i < B * c * H * (di / 2); i++)
                 qp[i] = to_bits(q[2 * i]) >> 16 | (to_bits(q[2 * i + 1]) & 0xffff0000u);
+        /* int8 codes: every row's values integers of at most 3 x 2^5 = 96 times 2^m (spreads <= 5), the sums of di
+         * <= 32 products below 2^19 (exact in int32 and fp32), every nonzero dot at least 2^(lo_q - 1 + lo_k - 1),
+         * normal, and far from overflow */
+        job.int8 = int8 && job.exact && qs.span <= 5 && ks.span <= 5 && qs.lo - 1 + ks.lo - 1 >= -126 &&
+                   qs.hi + ks.hi <= 100;
+        if (job.int8)
+            for (int64_t r = 0; r < B * c * H; r++) {
+                const float *row = q + r * di;
+                int lo = 1000;
+                for (int64_t i = 0; i < di; i++) {
+                    const int e = (int)((to_bits(row[i]) >> 23) & 0xff) - 127;
+                    if (row[i] != 0.0f && e < lo) lo = e;
+                }
+                const int m = lo == 1000 ? 0 : lo - 1;
+                const float unit = from_bits((uint32_t)(127 - m) << 23);
+                job.q_exp[r] = (float)m;
+                for (int64_t g = 0; g < di / 4; g++) {
+                    uint32_t word = 0;
+                    for (int e = 0; e < 4; e++)
+                        word |= (uint32_t)(uint8_t)((int32_t)(row[4 * g + e] * unit) + 128) << (8 * e);
+                    job.q_codes[r * (di / 4) + g] = word;
+                }
+            }
     }
     parallel_for(select_item, &job, B * ((c + SELECT_QUERIES - 1) / SELECT_QUERIES));
+    free(int8_scratch);
     free(keys_t);
     free(key_stats);
     free(kp);
