@@ -175,3 +175,14 @@ def test_long_rows_of_few_distinct_scores(distinct):
     keys = keys[:, torch.randint(0, distinct, (N,), generator=g)].contiguous()
     for k in (1, 64, 700):
         check(q, w, keys, visible, k, (8, 32))
+
+
+@pytest.mark.parametrize("spread", [8, 12, 30])
+def test_rows_of_wide_exponent_spread(spread):
+    """One key row's halves scaled 2^spread apart: the int8 codes (spreads <= 5) are off; up to a total spread of
+    15 the bf16 dot products still give exact sums, past it the fp32 chains run. The picks are the torch code's."""
+    g = torch.Generator().manual_seed(spread)
+    q, w, keys, visible = inputs(g, 1, 16, 4, 32, 200, True, duplicates=20, start=180)
+    keys[0, 3, :16] *= 2.0 ** spread
+    keys[0, 150, 16:] *= 2.0 ** spread
+    check(q, w, keys, visible, 64, (8, 4))

@@ -504,34 +504,45 @@ typedef struct {
     int int8;
     exp_stats *key_stats;       /* per transpose item */
     int exact;                  /* every dot exact: the bf16 dot products may compute them (dsv41_index_select) */
+    int need_kt;                /* some tile scores from the transposed fp32 keys */
     int64_t *picks;
     uint8_t *mask;
     _Atomic int status;
 } select_job;
 
-static void select_transpose(const void *job, int64_t item) {
+/* Items of SELECT_KEYS keys of one row: their exponent statistics (key_stats, first pass), then (second pass) the
+ * layouts the scoring reads: the transposed fp32 keys (need_kt), the int8 codes (int8) or the bf16 pairs (exact). */
+static void select_stats(const void *job, int64_t item) {
+    const select_job *j = job;
+    const int64_t chunks = (j->N16 + SELECT_KEYS - 1) / SELECT_KEYS, b = item / chunks;
+    const int64_t s0 = item % chunks * SELECT_KEYS, real = (s0 + SELECT_KEYS < j->N ? s0 + SELECT_KEYS : j->N) - s0;
+    exp_stats st = {1, 0, 1000, -1000};
+    if (real > 0) fp4_rows(j->keys + (b * j->N + s0) * j->di, real, j->di, &st);
+    j->key_stats[item] = st;
+}
+
+static void select_layout(const void *job, int64_t item) {
     const select_job *j = job;
     const int64_t chunks = (j->N16 + SELECT_KEYS - 1) / SELECT_KEYS, b = item / chunks;
     const int64_t s0 = item % chunks * SELECT_KEYS;
     const int64_t s1 = s0 + SELECT_KEYS < j->N16 ? s0 + SELECT_KEYS : j->N16, di = j->di;
     const float *keys = j->keys + b * j->N * di;
-    float *kt = j->keys_t + b * di * j->N16;
-    for (int64_t d = 0; d < di; d++)
-        for (int64_t s = s0; s < s1; s++) kt[d * j->N16 + s] = s < j->N ? keys[s * di + d] : 0.0f;
-    exp_stats st = {1, 0, 1000, -1000};
-    const int64_t real = (s1 < j->N ? s1 : j->N) - s0;
-    if (real > 0) fp4_rows(keys + s0 * di, real, di, &st);
-    j->key_stats[item] = st;
-    if (j->codes && st.ok && st.span <= 5)  /* (else the int8 path is off for the whole call) */
+    if (j->need_kt) {
+        float *kt = j->keys_t + b * di * j->N16;
+        for (int64_t d = 0; d < di; d++)
+            for (int64_t s = s0; s < s1; s++) kt[d * j->N16 + s] = s < j->N ? keys[s * di + d] : 0.0f;
+    }
+    if (j->int8)
         for (int64_t s = s0; s < s1; s++) {
             int32_t code[32] = {0}, sum = 0;
             int m = 0;
             if (s < j->N) {
                 const float *row = keys + s * di;
                 int lo = 1000;
-                for (int64_t i = 0; i < di; i++)
-                    if (row[i] != 0.0f) lo = (int)((to_bits(row[i]) >> 23) & 0xff) - 127 < lo
-                                                 ? (int)((to_bits(row[i]) >> 23) & 0xff) - 127 : lo;
+                for (int64_t i = 0; i < di; i++) {
+                    const int e = (int)((to_bits(row[i]) >> 23) & 0xff) - 127;
+                    if (row[i] != 0.0f && e < lo) lo = e;
+                }
                 m = lo == 1000 ? 0 : lo - 1;  /* each value an integer times 2^m: (2 + fraction bit) 2^(e - lo) */
                 const float unit = from_bits((uint32_t)(127 - m) << 23);  /* 2^-m (m >= -127: normal) */
                 for (int64_t i = 0; i < di; i++) {
@@ -546,11 +557,12 @@ static void select_transpose(const void *job, int64_t item) {
                     | (uint32_t)(uint8_t)code[4 * g + 1] << 8 | (uint32_t)(uint8_t)code[4 * g + 2] << 16
                     | (uint32_t)(uint8_t)code[4 * g + 3] << 24;
         }
-    if (j->pairs && st.ok)  /* (exact as bf16: at most one fraction bit) */
+    else if (j->exact)  /* (exact as bf16: at most one fraction bit) */
         for (int64_t i = 0; i < di / 2; i++)
             for (int64_t s = s0; s < s1; s++)
-                j->pairs[(b * (di / 2) + i) * j->N16 + s] = to_bits(kt[2 * i * j->N16 + s]) >> 16
-                                                            | (to_bits(kt[(2 * i + 1) * j->N16 + s]) & 0xffff0000u);
+                j->pairs[(b * (di / 2) + i) * j->N16 + s] =
+                    s < j->N ? to_bits(keys[s * di + 2 * i]) >> 16 | (to_bits(keys[s * di + 2 * i + 1]) & 0xffff0000u)
+                             : 0;
 }
 
 /* One query's scores (qt [H, di], wt [H]) of keys s0 .. s0 + 15 (kt: the transposed keys at s0, row stride ld)
@@ -759,7 +771,7 @@ int dsv41_index_select(const float *q, const float *w, const float *keys, int64_
         return -2;
     }
     select_job job = {q, w, keys, c, H, di, N, N16, k, block, nb, mask ? (keep < nb ? keep : nb) : 0, visible,
-                      keys_t, kp, qp, NULL, NULL, NULL, NULL, NULL, 0, key_stats, 0, picks, mask, 0};
+                      keys_t, kp, qp, NULL, NULL, NULL, NULL, NULL, 0, key_stats, 0, 1, picks, mask, 0};
     if (int8) {
         job.codes = int8_scratch;
         job.k_exp = (float *)(job.codes + B * (di / 4) * N16);
@@ -767,7 +779,7 @@ int dsv41_index_select(const float *q, const float *w, const float *keys, int64_
         job.q_codes = (uint32_t *)(job.k_corr + B * N16);
         job.q_exp = (float *)(job.q_codes + B * c * H * (di / 4));
     }
-    parallel_for(select_transpose, &job, items);
+    parallel_for(select_stats, &job, items);
     if (pairs) {
         /* Every dot exact (then any order of addition gives the chain's sums): each query head's and key's values
          * zero or normal with at most one fraction bit (FP4 values times a power of two), so each product is a
@@ -811,6 +823,9 @@ int dsv41_index_select(const float *q, const float *w, const float *keys, int64_
                 }
             }
     }
+    /* the 4 x 4 tiles of the exact paths cover every query when c is a multiple of 4 (H = 4 there) */
+    job.need_kt = !((job.int8 || job.exact) && c % SELECT_QUERIES == 0);
+    parallel_for(select_layout, &job, items);
     parallel_for(select_item, &job, B * ((c + SELECT_QUERIES - 1) / SELECT_QUERIES));
     free(int8_scratch);
     free(keys_t);
