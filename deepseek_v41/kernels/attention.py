@@ -97,7 +97,6 @@ def attn_epilogue(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: t
     return y
 
 
-
 def band_logits(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, prev: int,
                 start: int, window: int, selected: torch.Tensor | None, topk: torch.Tensor | None, sink: torch.Tensor,
                 scale: float) -> torch.Tensor:
