@@ -466,6 +466,12 @@ int dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, con
 void dsv41_attend_few(const void *q, int bf16, const int64_t *q_pos, const float *keys, const int64_t *key_pos,
                       int64_t B, int64_t T, int64_t H, int64_t d, int64_t L, int64_t window, const float *selected,
                       const int64_t *topk, int64_t k, const float *sink, float scale, float *scratch, void *out);
+int dsv41_band_logits(const float *q, const int64_t *q_pos, const float *keys, const int64_t *key_pos, int64_t B,
+                      int64_t c, int64_t H, int64_t d, int64_t L, int64_t P, int64_t i0, int64_t band,
+                      int64_t window, const float *sel, const int64_t *idx, int64_t k, const float *sink, float scale,
+                      float *out);
+int dsv41_band_output(const float *probs, const float *keys, int64_t B, int64_t c, int64_t H, int64_t d, int64_t L,
+                      int64_t P, int64_t i0, int64_t band, const float *sel, int64_t k, float *out);
 int dsv41_attn_prologue(const void *x, int bf16, int64_t N, int64_t D, const void *wq_a, int64_t qr,
                         const void *q_norm, float q_eps, const void *wq_b, int64_t H, int64_t d, const void *wkv,
                         const void *kv_norm, float kv_eps, const float *cos_, const float *sin_, int64_t r,
@@ -500,8 +506,20 @@ int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t page
 int dsv41_indexer_queries(const void *q_lat, const void *x, int bf16, int64_t N, int64_t qr, int64_t D,
                           const void *wq_b, int64_t H, int64_t di, const void *w_proj, const float *cos_,
                           const float *sin_, int64_t r, int fake_quant, float scale, float *q, float *w);
+int dsv41_index_select(const float *q, const float *w, const float *keys, int64_t B, int64_t c, int64_t H,
+                       int64_t di, int64_t N, const int64_t *visible, int64_t k, int64_t block, int64_t keep,
+                       int64_t *picks, uint8_t *mask);
 
 /* topk.c */
+/* model/indexer.py topk_set of one row x [N] into o [k] (heap: k floats); -1 when x holds a NaN (topk.c). */
+DSV41_INTERNAL int topk_row(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *heap, int64_t *o);
+/* topk_row's indices from a selection instead of a heap (scratch: N / 16 + 2 N floats, idx: N + 16 int32). */
+DSV41_INTERNAL int topk_fast(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *scratch, int32_t *idx,
+                             int64_t *o);
+/* model/indexer.py candidate_blocks of one row, x read below `valid` only (topk.c). */
+DSV41_INTERNAL int blocks_row(const float *x, int64_t N, int64_t valid, int64_t vis, int64_t block, int64_t nb,
+                              int64_t keep, int nan_free, float *best, float *scratch, int32_t *idx,
+                              int64_t *chosen, uint8_t *mask);
 int dsv41_topk_set(const float *scores, int64_t R, int64_t N, int64_t k, int drop_neg_inf, float *heap,
                    int64_t *out);
 void dsv41_argmax(const float *x, int64_t R, int64_t V, int64_t *out);
