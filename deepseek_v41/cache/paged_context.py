@@ -254,7 +254,9 @@ class PagedContext:
         B = idx.shape[0]
         if n > 0 and 2 * B * n < idx.numel():
             entries = self._decoded.get(layer)
-            if entries is None:
-                entries = self._decoded[layer] = self._decode_first(layer, _MAIN, n)
-            return pick_rows(entries, idx.clamp(min=0)).masked_fill((idx < 0)[..., None], 0.0)
+            if entries is None:  # with a zero row n after each row's entries: what an index -1 reads
+                first = self._decode_first(layer, _MAIN, n)
+                zero = first.new_zeros(first.shape[0], 1, first.shape[-1])
+                entries = self._decoded[layer] = torch.cat((first, zero), 1)
+            return pick_rows(entries, torch.where(idx < 0, n, idx))
         return self._decode_at(layer, _MAIN, idx, zero_missing=True)

@@ -382,8 +382,12 @@ class ModelRunner:
             if seq.rebuild_engram_history:
                 self._rebuild_engram_history(seq, start)
         # torch's own threads run this chunk's matmuls: the kernels' pool workers (left spinning by a decode step)
-        # sleep after each job instead of spinning on the cores those threads need.
+        # sleep after each job instead of spinning on the cores those threads need. The chunk's kernels (index
+        # selection, mHC mixing, top-k) run on as many threads as torch's (issue 25: until a decode step had set
+        # it, the pool had one thread; its workers sleep between jobs, so they take no core from torch's threads).
         kernels.set_spin(0.0)
+        if kernels.library() is not None and kernels.threads() != torch.get_num_threads():
+            kernels.set_threads(torch.get_num_threads())
         T = ends[0] - starts[0]
         ids = torch.tensor([seq.token_at(start, end) for seq, start, end in chunks], dtype=torch.long,
                            device=self.device)

@@ -34,7 +34,14 @@ Environment (``DSV41_CPU_KERNELS``, ``DSV41_KERNEL_CACHE``, ``CC``): :mod:`~deep
 
 from __future__ import annotations
 
-from deepseek_v41.kernels.attention import MAX_ATTEND_HEADS, attend_few, attn_epilogue, attn_prologue
+from deepseek_v41.kernels.attention import (
+    MAX_ATTEND_HEADS,
+    attend_few,
+    attn_epilogue,
+    attn_prologue,
+    band_logits,
+    band_output,
+)
 from deepseek_v41.kernels.checks import FEW_ROWS, ROW_ON_STACK
 from deepseek_v41.kernels.codecs import (
     FP4_FORMATS,
@@ -49,7 +56,7 @@ from deepseek_v41.kernels.codecs import (
 from deepseek_v41.kernels.compressor import compress
 from deepseek_v41.kernels.gemv import GEMV_MACS, linear
 from deepseek_v41.kernels.hyper import MAX_HC, hc_collapse, hc_expand, hc_mix
-from deepseek_v41.kernels.indexer import INDEX_LUT_ROWS, index_scores, indexer_queries
+from deepseek_v41.kernels.indexer import INDEX_LUT_ROWS, index_scores, index_select, indexer_queries
 from deepseek_v41.kernels.loader import CFLAGS, cache_dir, disabled, library, usable
 from deepseek_v41.kernels.loader import _build as _build  # tests build and load the library themselves
 from deepseek_v41.kernels.loader import _load as _load
@@ -62,10 +69,10 @@ from deepseek_v41.kernels.window import window_step
 
 __all__ = [
     "CFLAGS", "FEW_ROWS", "FP4_FORMATS", "GEMV_MACS", "INDEX_LUT_ROWS", "MAX_ATTEND_HEADS", "MAX_HC", "ROW_ON_STACK",
-    "SMALL_ROWS", "WIDENS_TO_FP32", "argmax", "attend_few", "attn_epilogue",
-    "attn_prologue", "cache_dir", "candidate_blocks", "compress", "disabled", "fp4_dequantize", "fp4_gather",
+    "SMALL_ROWS", "WIDENS_TO_FP32", "argmax", "attend_few", "attn_epilogue", "attn_prologue", "band_logits",
+    "band_output", "cache_dir", "candidate_blocks", "compress", "disabled", "fp4_dequantize", "fp4_gather",
     "fp4_quantize", "fp4_scatter", "fp8_dequantize", "fp8_quantize_values", "gate", "hc_collapse", "hc_expand",
-    "hc_mix", "index_scores", "indexer_queries", "library", "linear", "moe_bf16", "moe_fp4", "pool_select",
-    "pool_sleeps", "prefetch", "rms_norm", "rope", "set_spin", "set_threads", "spin", "swiglu", "threads",
-    "topk_set", "usable", "window_step",
+    "hc_mix", "index_scores", "index_select", "indexer_queries", "library", "linear", "moe_bf16", "moe_fp4",
+    "pool_select", "pool_sleeps", "prefetch", "rms_norm", "rope", "set_spin", "set_threads", "spin", "swiglu",
+    "threads", "topk_set", "usable", "window_step",
 ]

@@ -19,6 +19,10 @@ SIGNATURES = {
                              ctypes.c_float, _P, _P, _I, _P, _P, _P], ctypes.c_int),
     "dsv41_attn_epilogue": ([_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P], ctypes.c_int),
 }
+BAND_MAX_DIM = 256  # head dims band_logits takes (csrc/attention.c)
+SIGNATURES["dsv41_band_logits"] = ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P,
+                                     ctypes.c_float, _P], ctypes.c_int)
+SIGNATURES["dsv41_band_output"] = ([_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _I, _P], ctypes.c_int)
 register(SIGNATURES)
 
 
@@ -91,3 +95,61 @@ def attn_epilogue(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: t
                                      D, y.data_ptr()) != 0:
         raise MemoryError("attn_epilogue kernel: no memory for its scratch")
     return y
+
+
+def band_logits(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, prev: int,
+                start: int, window: int, selected: torch.Tensor | None, topk: torch.Tensor | None, sink: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """The concatenated logits of :func:`~deepseek_v41.model.attention.sparse_attention` (causal, banded) for the
+    queries ``start .. start + c - 1`` of a forward's T new rows (issue 25; ``csrc/attention.c``): q fp32 [B, c, H,
+    d], q_pos int64 [B, c], keys fp32 [B, prev + T, d] with key_pos int64 [B, prev + T] (``prev`` earlier rows,
+    then the new ones), selected fp32 [B, c, k, d] with topk int64 [B, c, k] (-1 = none) or both None, sink fp32
+    [H] -> fp32 [B, c, H, prev + band + k + 1] (band = min(window, T)): earlier rows, band, selected entries (each a
+    dot times ``scale``, -inf where masked as the torch code masks), then the sink. The torch code's bits where
+    ATen's batched GEMMs sum each dot as one chain of multiply-adds from 0 (MKL's kernels; tests/kernels checks
+    it). Raises ValueError for a window below 1, queries outside the new rows or d > BAND_MAX_DIM; MemoryError when
+    the scratch cannot be had."""
+    if not (q.numel() and q_pos.numel() and keys.numel() and key_pos.numel() and sink.numel()):
+        empty("band_logits", q=q, q_pos=q_pos, keys=keys, key_pos=key_pos, sink=sink)
+    B, c, H, d = q.shape
+    L = keys.shape[1]
+    T = L - prev
+    if d > BAND_MAX_DIM:
+        raise ValueError(f"band_logits: head dim {d} above the kernel's {BAND_MAX_DIM}")
+    if window < 1 or not (prev >= 0 and start >= 0 and start + c <= T):
+        raise ValueError(f"band_logits: window {window} (>= 1), queries {start} .. {start + c - 1} must lie in the "
+                         f"{T} new rows after {prev} earlier ones")
+    k = 0 if topk is None or selected is None else topk.shape[-1]
+    band = min(window, T)
+    out = torch.empty((B, c, H, prev + band + k + 1), dtype=torch.float32)
+    status = library().dsv41_band_logits(q.data_ptr(), q_pos.data_ptr(), keys.data_ptr(), key_pos.data_ptr(), B, c,
+                                         H, d, L, prev, start, band, window, ptr(selected if k else None),
+                                         ptr(topk if k else None), k, sink.data_ptr(), scale, out.data_ptr())
+    if status != 0:
+        raise MemoryError("band_logits kernel: no memory for its scratch")
+    return out
+
+
+def band_output(probs: torch.Tensor, keys: torch.Tensor, prev: int, start: int, window: int,
+                selected: torch.Tensor | None) -> torch.Tensor:
+    """The weighted sums of :func:`~deepseek_v41.model.attention.sparse_attention` (causal, banded) for queries
+    ``start ..`` of a forward's new rows, from the softmax ``probs`` fp32 [B, c, H, n] of :func:`band_logits`'s
+    logits (n = prev + band + k + 1), keys fp32 [B, prev + T, d] and selected fp32 [B, c, k, d] or None ->
+    o fp32 [B, c, H, d] = (probs . earlier rows + probs . band rows) + probs . selected, each a chain of
+    multiply-adds over its rows in order (the torch code's einsums' bits, as :func:`band_logits`). Raises
+    ValueError when probs is not of that width; MemoryError when the scratch cannot be had."""
+    if not (probs.numel() and keys.numel()):
+        empty("band_output", probs=probs, keys=keys)
+    B, c, H, n = probs.shape
+    L, d = keys.shape[1:]
+    band = min(window, L - prev)
+    k = 0 if selected is None else selected.shape[2]
+    if n != prev + band + k + 1 or not 0 <= start <= L - prev - c:
+        raise ValueError(f"band_output: probs of width {n} for {prev} earlier rows, a band of {band} and {k} "
+                         f"selected entries (+1 sink), queries from {start} among {L - prev} new rows")
+    out = torch.empty((B, c, H, d), dtype=torch.float32)
+    status = library().dsv41_band_output(probs.data_ptr(), keys.data_ptr(), B, c, H, d, L, prev, start, band,
+                                         ptr(selected), k, out.data_ptr())
+    if status != 0:
+        raise MemoryError("band_output kernel: no memory for its scratch")
+    return out

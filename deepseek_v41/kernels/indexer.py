@@ -19,6 +19,7 @@ SIGNATURES = {
                             ctypes.c_int, _P, _P], ctypes.c_int),
     "dsv41_indexer_queries": ([_P, _P, ctypes.c_int, _I, _I, _I, _P, _I, _I, _P, _P, _P, _I, ctypes.c_int,
                                ctypes.c_float, _P, _P], ctypes.c_int),
+    "dsv41_index_select": ([_P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P], ctypes.c_int),
 }
 register(SIGNATURES)
 
@@ -48,6 +49,34 @@ def index_scores(codes: torch.Tensor, scales: torch.Tensor, block: int, fmt: str
         raise IndexError("an entry index lies past its block table")
     return out
 
+
+def index_select(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int,
+                 pool: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """:meth:`deepseek_v41.model.indexer.Indexer.select_entries` in one call (issue 25; ``csrc/indexer.c``
+    dsv41_index_select): queries q fp32 [B, c, H, di] with head weights w fp32 [B, c, H], every index key keys
+    fp32 [B, N, di], visible counts int64 [B, c] -> the top-k picks int64 [B, c, k] (``topk_entries`` of the
+    ``mask_invisible`` scores: ascending, -1 where the pick is -inf) and with ``pool`` = (block, keep) the
+    candidate-pool mask bool [B, c, ceil(N / block)] (``candidate_blocks``), else None. The scores are the torch
+    code's bits where ATen's fp32 GEMM sums each dot as one multiply-add chain (MKL's kernels), so the picks are its
+    picks; only each query's visible entries are scored, and the [B, c, N] scores are never written. None when a
+    visible score is NaN (the caller takes the torch code). Raises ValueError when k > N or k < 0, or a block /
+    keep below 1; MemoryError when the kernel's scratch cannot be had."""
+    if not (q.numel() and w.numel() and keys.numel() and visible.numel()):
+        empty("index_select", q=q, w=w, keys=keys, visible=visible)
+    B, c, H, di = q.shape
+    N = keys.shape[1]
+    if not 0 <= k <= N:
+        raise ValueError(f"k must be in [0, {N}] (the index keys), got {k}")
+    block, keep = pool if pool is not None else (1, 1)
+    if block < 1 or keep < 1:
+        raise ValueError(f"the candidate pool's block and keep must be >= 1, got {block}, {keep}")
+    picks = torch.empty((B, c, k), dtype=torch.int64)
+    mask = torch.empty((B, c, -(-N // block)), dtype=torch.bool) if pool is not None else None
+    status = library().dsv41_index_select(q.data_ptr(), w.data_ptr(), keys.data_ptr(), B, c, H, di, N,
+                                          visible.data_ptr(), k, block, keep, picks.data_ptr(), ptr(mask))
+    if status == -2:
+        raise MemoryError("index_select kernel: no memory for its scratch")
+    return (picks, mask) if status == 0 else None
 
 
 def indexer_queries(q_lat: torch.Tensor, x: torch.Tensor, wq_b: torch.Tensor, heads: int, weights_proj: torch.Tensor,

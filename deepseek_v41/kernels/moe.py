@@ -37,7 +37,7 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, norm
         refuse("gate", (x, weight), (bias,), row=D)
     indices = torch.empty((N, k), dtype=torch.int64)
     weights = torch.empty((N, k), dtype=torch.float32)
-    scratch = torch.empty(E, dtype=torch.float32)
+    scratch = torch.empty((N, E), dtype=torch.float32)
     if library().dsv41_gate(x.data_ptr(), x.dtype == torch.bfloat16, N, D, weight.data_ptr(),
                             weight.dtype == torch.bfloat16, E, bias.data_ptr(), k, int(norm_topk), route_scale,
                             scratch.data_ptr(), indices.data_ptr(), weights.data_ptr()) != 0:

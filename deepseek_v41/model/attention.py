@@ -327,6 +327,13 @@ class Attention(nn.Module):
                 entries = torch.arange(N, device=x.device)
             if scores is None:
                 keys = ctx.index_keys(spec.kv_source) if keys is None else keys
+                if not (training or ctx.dense_indexer):  # the picks (and pool) need no scores kept
+                    pool = (block, keep) if spec.is_candidate_source else None
+                    picked, pool_mask = indexer.select_entries(qc, wc, keys, vis, k, pool)
+                    picks.append(picked)
+                    if pool_mask is not None:
+                        pools.append(pool_mask)
+                    continue
                 scores = mask_invisible(indexer.score(qc, wc, keys), entries, vis)
             if spec.is_candidate_source:
                 pools.append(indexer.candidate_blocks(scores, vis, block, keep))

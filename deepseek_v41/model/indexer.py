@@ -58,6 +58,17 @@ class Indexer(nn.Module):
         return upcast(q), w
 
     # The selection rules, as methods so that a backend may compute them per instance (the same indices).
+    def select_entries(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, k: int,
+                       pool: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The picks of queries q [B, c, Hi, di] with head weights w [B, c, Hi] over every index key keys [B, N,
+        di], given each query's visible count ``visible`` [B, c]: :func:`topk_entries` [B, c, k] of the
+        :func:`mask_invisible` scores, and with ``pool`` = (block, keep) the :func:`candidate_blocks` mask [B, c,
+        nblocks] of those scores (None without). A method so that a backend may fuse the scoring and the rules
+        (issue 25: the same indices, without the [B, c, N] scores)."""
+        scores = mask_invisible(self.score(q, w, keys), torch.arange(keys.shape[1], device=keys.device), visible)
+        blocks = None if pool is None else self.candidate_blocks(scores, visible, *pool)
+        return self.topk_entries(scores, k), blocks
+
     def topk_entries(self, scores: torch.Tensor, k: int) -> torch.Tensor:
         """:func:`topk_entries`."""
         return topk_entries(scores, k)

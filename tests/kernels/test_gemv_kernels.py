@@ -148,6 +148,36 @@ def test_linear_kernel_propagates_nan_and_inf(dtypes):
     assert_linear_close(got[ok], want[ok], magnitudes(x, w)[ok])
 
 
+def fp32_dots_in_kernel_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, K] @ w [O, K]^T summed as csrc/gemv.c's dots_body sums fp32 weights, in fp32 torch steps (each
+    product, then each sum, rounded on its own): lane j of a 16-lane accumulator adds the products i + j, 16 at a
+    time in order; the lanes are added as a tree of halves (8, 4, 2, 1: sum16); then the last K % 16 products one
+    by one."""
+    N, K = x.shape
+    body = K // 16 * 16
+    acc = torch.zeros(N, w.shape[0], 16)
+    for i in range(0, body, 16):
+        acc = acc + x[:, None, i:i + 16] * w[None, :, i:i + 16]
+    for half in (8, 4, 2, 1):
+        acc = acc[..., :half] + acc[..., half:2 * half]
+    out = acc[..., 0]
+    for i in range(body, K):
+        out = out + x[:, None, i] * w[None, :, i]
+    return out
+
+
+@pytest.mark.parametrize("K,O", [(256, 37), (48, 9), (133, 5), (16, 4)])
+def test_fp32_linear_kernel_sums_in_its_documented_order(K, O):
+    """The fp32 GEMV gives the bits of :func:`fp32_dots_in_kernel_order` for 1 .. 17 tokens (blocks of 4 tokens,
+    whose 16 dots the AVX-512 build sums at once, sum16_by16, then 1 .. 3 tokens, summed one dot at a time; rows in
+    blocks of 4 and a short last block; tails of K % 16 products): a token's outputs do not depend on the other
+    tokens of its call, and the register-blocked kernel (issue 25) keeps the order of the sums (so a decode step's
+    logits keep their bits)."""
+    for N in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17):
+        x, w = projection((N,), K, O, (torch.float32, torch.float32), seed=4000 + 10 * N + K)
+        assert_same_bits(kernels.linear(x, w), fp32_dots_in_kernel_order(x, w))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("G,K,O", [(2, 37, 3), (3, 16, 1), (4, 21, 5), (2, 64, 2)])
 def test_linear_kernel_by_groups_equals_f_linear_per_group(dtype, G, K, O):

@@ -166,7 +166,9 @@ GENERIC_INDEX_CASES = [(32, 4, 1, 300, 2, 16), (32, 4, 3, 100, 2, 16), (64, 4, 2
 def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, generic):
     """The C code without AVX-512 (weight_pairs', x_pairs' and sum16's generic forms, the index scores' even / odd
     path key by key where AVX-512 puts 16 keys in vector lanes) or without any AVX (sum8's too), built into a
-    second library with the loader's flags, gives the default build's bits for moe_fp4, moe_bf16, index scores
+    second library with the loader's flags, gives the default build's bits for moe_fp4, moe_bf16, fp32 and bf16
+    projections (the fp32 GEMV's register-blocked AVX-512 form, issue 25), few-query attention (its scores of 4 keys
+    x 4 heads at once), mHC mixing (two tokens at once), index scores
     (GENERIC_INDEX_CASES, NaN scales included) and the FP8 decode of every E4M3 code (its table lookups, where
     AVX-512 builds most values' bits). Skips without a compiler, except under CI=true."""
     cc = os.environ.get("CC", "cc")
@@ -200,6 +202,30 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
     want_picks = kernels.pool_select(*select)
     assert (want_picks == -1).any() and (want_picks >= 0).sum() > 64
     want = [fp4_and_bf16(case) for case in cases]
+    # fp32 and bf16 projections of 1 .. 9 tokens: AVX-512 holds the fp32 weights in registers and sums 4 tokens' 16
+    # dots at once (sum16_by16); the generic code sums each with sum16.
+    g = torch.Generator().manual_seed(97)
+    projections = [(torch.randn(n, k, generator=g).to(dt), torch.randn(o, k, generator=g).to(dt))
+                   for n in (1, 3, 4, 5, 8, 9) for k, o in ((256, 37), (133, 6))
+                   for dt in (torch.float32, torch.bfloat16)]
+    want_linear = [kernels.linear(x, w) for x, w in projections]
+    # Few-query attention: AVX-512 scores 4 keys x 4 heads at once (H a multiple of 4, d of 16), the generic code
+    # one dot at a time; 4 heads, 12 heads (three groups of 4), 3 heads (one at a time); window keys and picks.
+    attends = []
+    for B, H, d, L, k in ((3, 4, 64, 37, 9), (2, 12, 32, 18, 5), (2, 3, 64, 21, 3)):
+        attends.append((torch.randn(B, 1, H, d, generator=g), torch.randint(20, 40, (B, 1), generator=g),
+                        torch.randn(B, L, d, generator=g), torch.randint(-1, 40, (B, L), generator=g), 16,
+                        torch.randn(B, 1, k, d, generator=g), torch.randint(-1, 30, (B, 1, k), generator=g),
+                        torch.randn(H, generator=g), d ** -0.5))
+    want_attend = [kernels.attend_few(*case) for case in attends]
+    # mHC mixing: AVX-512 takes two tokens at once (hc * D a multiple of 32), the generic code one at a time; hc 3
+    # leaves 3 of its 15 rows past a multiple of 4; 5 tokens leave the last one alone; bf16 streams.
+    mixes = []
+    for T, hc, D, dt in ((5, 4, 64, torch.float32), (3, 3, 32, torch.float32), (4, 4, 64, torch.bfloat16)):
+        m = (2 + hc) * hc
+        mixes.append((torch.randn(1, T, hc, D, generator=g).to(dt), torch.randn(m, hc * D, generator=g) * 0.05,
+                       torch.randn(m, generator=g), torch.rand(3, generator=g), hc, 1e-6, 1e-6, 20))
+    want_mix = [kernels.hc_mix(*case) for case in mixes]
     # FP8 rows: every code (twice, the second time shuffled) under scale bytes 0, 1, 127, 254 and 255 (NaN), then
     # each block its own scale byte. Bits compared as int32, NaN signs too, but for code 0xFF (-NaN) times a NaN
     # scale: x86 returns one of the two NaNs by operand order, which the compiler picks (a -march=x86-64 build's
@@ -222,6 +248,13 @@ def test_moe_fp4_of_the_generic_code_gives_the_same_bits(tmp_path, monkeypatch, 
         fp4_got, bf16_got = fp4_and_bf16(case)
         assert_same_bits(fp4_got, fp4_want)
         assert_same_bits(bf16_got, bf16_want)
+    for (x, w), expected in zip(projections, want_linear, strict=True):
+        assert_same_bits(kernels.linear(x, w), expected)
+    for case, expected in zip(attends, want_attend, strict=True):
+        assert_same_bits(kernels.attend_few(*case), expected)
+    for case, expected in zip(mixes, want_mix, strict=True):
+        for got_part, want_part in zip(kernels.hc_mix(*case), expected, strict=True):
+            assert_same_bits(got_part, want_part)
     for case, inputs, expected in zip(GENERIC_INDEX_CASES, index_cases, want_scores, strict=True):
         assert_same_bits(index_scores_of(case, inputs), expected)
     assert torch.equal(kernels.pool_select(*select), want_picks)

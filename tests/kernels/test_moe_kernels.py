@@ -3,6 +3,11 @@ against the torch code, and when the MoE takes them (hooks, wrapped experts, wei
 """
 
 
+import ctypes
+import ctypes.util
+import platform
+
+import numpy as np
 import pytest
 import torch
 from kernel_cases import (
@@ -134,6 +139,33 @@ def test_clamped_swiglu_propagates_nan_like_the_torch_code(calls, limit):
     assert want.isnan().sum() >= 10
     assert torch.equal(got.isnan(), want.isnan()), (got.isnan() != want.isnan()).nonzero().tolist()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30, equal_nan=True)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or platform.machine() != "x86_64",
+                    reason="the kernels' vector expf reproduces glibc's x86-64 expf")
+@pytest.mark.parametrize("limit", [0.0, 7.0])
+def test_clamped_swiglu_is_libm_expf_step_by_step(limit):
+    """gate / (1 + expf(-gate)) * up in fp32 steps with the C library's own expf, bit for bit: the kernel's 16-wide
+    exponential (expf16, issue 25) is glibc's expf (checked over all 2^32 floats when written). Gates from random
+    bit patterns (every exponent: subnormals, |x| >= 88 where it hands over to expf, inf, NaN) and N(0, 3);
+    odd widths leave a tail of single values."""
+    expf = ctypes.CDLL(ctypes.util.find_library("m")).expf
+    expf.argtypes, expf.restype = [ctypes.c_float], ctypes.c_float
+    g = torch.Generator().manual_seed(52)
+    bits = torch.randint(-(1 << 31), 1 << 31, (40, 101), generator=g, dtype=torch.int64).to(torch.int32)
+    gate = torch.cat((bits.view(torch.float32), torch.randn(40, 101, generator=g) * 3), 1).contiguous()
+    up = (torch.randn(40, 202, generator=g) * 3).contiguous()
+    got = kernels.swiglu(gate, up, limit)
+    gc, uc = gate.numpy().copy(), up.numpy().copy()
+    if limit > 0:  # min(gate, limit), clamp(up, -limit, limit); NaN stays
+        lim = np.float32(limit)
+        gc = np.where(gc > lim, lim, gc).astype(np.float32)
+        uc = np.where(uc < -lim, -lim, np.where(uc > lim, lim, uc)).astype(np.float32)
+    e = np.array([expf(float(-v)) for v in gc.ravel()], dtype=np.float32).reshape(gc.shape)
+    with np.errstate(all="ignore"):
+        want = torch.from_numpy((gc / (np.float32(1) + e) * uc).astype(np.float32))
+    assert_same_bits(got, want)
+    assert want.isnan().any() and (want == 0).any() and (gate.abs() >= 88).any()
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (2, 2, 64), (1, kernels.FEW_ROWS, 64), (1, kernels.FEW_ROWS + 1, 64)],

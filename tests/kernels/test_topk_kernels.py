@@ -34,10 +34,12 @@ def test_topk_set_kernel_gives_the_torch_codes_indices(calls, N, k):
         assert (topk_entries(rows, k) == -1).any()  # -inf picks read -1
 
 
-@pytest.mark.parametrize("N,k", [(100, 1), (5003, 64), (16411, 64)])
+@pytest.mark.parametrize("N,k", [(100, 1), (5003, 64), (8192, 64), (8193, 64), (16411, 64)])
 def test_topk_set_kernel_on_distinct_scores_in_any_order(calls, N, k):
     """Distinct scores (random, rising: every run of 16 enters the heap, falling: none after the first k,
-    a late maximum in a short last run): the kernel's picks are the torch code's."""
+    a late maximum in a short last run): the kernel's picks are the torch code's. Up to 8,192 scores a row (the
+    kernel's TOPK_BISECT_N) its k-th largest value is found by bisection on order-preserving keys, above by a
+    heap (issue 25): both sides of the switch."""
     g = torch.Generator().manual_seed(N)
     noise = torch.randn(N, generator=g)
     late = torch.randn(N, generator=g)

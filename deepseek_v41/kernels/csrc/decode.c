@@ -101,7 +101,7 @@ int dsv41_decode_layers(const dsv41_decode_layer *layers, int64_t first, int64_t
 #define SZ(n) (((int64_t)(n) + 63) / 64 * 64)
     bytes += SZ(B * hc * 4) * 3 + SZ(B * hc * hc * 4) * 2 + SZ(B * d * 4) + SZ(B * (R + 1) * d * 4) +
              SZ(B * 2 * d * 4) * 2 + SZ(B * wide * 4) + SZ(B * iHd * 4) + SZ(B * iH * 4) + SZ(B * ncap * 4 + 4) +
-             SZ(B * topk * 4 + 4) + SZ(B * topk * d * 4 + 4) + SZ(B * Hd * (R + 1 + topk) * 4) + SZ(E * 4) +
+             SZ(B * topk * 4 + 4) + SZ(B * topk * d * 4 + 4) + SZ(B * Hd * (R + 1 + topk) * 4) + SZ(B * E * 4) +
              SZ(B * ke * 4);
     bytes += SZ(B * D * el) * 2 + SZ(B * qr * el) + SZ(B * Hd * el) * 2 + SZ(B * d * el) * 3 + SZ(B * di * el);
     bytes += SZ(B * (R + 1) * 8) + SZ(B * 8) * 2 + SZ(B * ke * 8);
@@ -119,7 +119,7 @@ int dsv41_decode_layers(const dsv41_decode_layer *layers, int64_t first, int64_t
     A.entries32 = take(&at, B * wide * 4), A.iq = take(&at, B * iHd * 4), A.iw = take(&at, B * iH * 4);
     A.scores = take(&at, B * ncap * 4 + 4), A.heap = take(&at, B * topk * 4 + 4);
     A.selected = take(&at, B * topk * d * 4 + 4), A.attend = take(&at, B * Hd * (R + 1 + topk) * 4);
-    A.gate = take(&at, E * 4), A.gate_w = take(&at, B * ke * 4);
+    A.gate = take(&at, B * E * 4), A.gate_w = take(&at, B * ke * 4);
     A.x = take(&at, B * D * el), A.y = take(&at, B * D * el), A.o = take(&at, B * Hd * el);
     A.q_lat = take(&at, B * qr * el), A.q = take(&at, B * Hd * el);
     A.kv = take(&at, B * d * el), A.latent = take(&at, B * d * el), A.entries = take(&at, B * d * el);

@@ -317,6 +317,83 @@ static inline float sum16(v16f a) {
 #endif
 }
 
+#if defined(__AVX512F__)
+/* Lane 4 t + r: sum16(a[t][r]), for the 16 vectors a [4][4]: the same additions as sum16 (each lane pair of a
+ * vector added in the same tree: halves of 8, 4, 2, 1), done for 16 vectors at once in 15 vector additions and 30
+ * shuffles instead of 64 and 48: each step adds the lower and upper halves of two vectors' partial sums side by
+ * side. Fed transposed (v[4 r + t] = a[t][r]), the last step leaves output 4 t + r in lane 4 t + r. */
+static inline __attribute__((always_inline)) __m512 sum16_by16(__m512 a[4][4]) {
+    __m512 s[8], u[4], v[2];
+    for (int m = 0; m < 8; m++) {  /* s[m] = [h of v[2m] (8 lanes), h of v[2m + 1]]: h[i] = v[i] + v[i + 8] */
+        __m512 p = a[(2 * m) % 4][(2 * m) / 4], q = a[(2 * m + 1) % 4][(2 * m + 1) / 4];
+        s[m] = _mm512_add_ps(_mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int n = 0; n < 4; n++)  /* u[n], 128-bit lane j: q of v[4n + j]: q[i] = h[i] + h[i + 4] */
+        u[n] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * n], s[2 * n + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(s[2 * n], s[2 * n + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int n = 0; n < 2; n++)  /* v[n], lane j: q0 + q2, q1 + q3 of v[4 (2n) + j], then of v[4 (2n + 1) + j] */
+        v[n] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * n], u[2 * n + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * n], u[2 * n + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane j, element e: t0 + t1 of v[4e + j] = a[j][e] */
+    return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+#if defined(__AVX512F__)
+/* expf of 16 floats, bit for bit the expf of glibc's libm on x86-64 (glibc 2.36's __expf_fma, the variant it picks on
+ * a CPU with FMA: sysdeps/ieee754/flt-32/e_expf.c, compiled with its multiply-adds fused): x N / ln 2 = k + r in
+ * double, 2^(k / N) from a table of N = 32, a cubic in r, rounded to float once. Lanes with |x| >= 88, an inf or a
+ * NaN take libm's expf itself. Checked against the libm expf over all 2^32 floats (issue 25): identical bits, NaN
+ * for NaN. The kernels' generic builds call expf, so they agree with this where libm is that glibc. */
+static const uint64_t EXPF_TABLE[32] = {
+    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51, 0x3fef72b83c7d517b,
+    0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1, 0x3fef06fe0a31b715, 0x3feef1a7373aa9cb,
+    0x3feedea64c123422, 0x3feece086061892d, 0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429,
+    0x3feea47eb03a5585, 0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
+    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d, 0x3feee89f995ad3ad,
+    0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069, 0x3fef5818dcfba487, 0x3fef7c97337b9b5f,
+    0x3fefa4afa2a490da, 0x3fefd0765b6e4540};
+
+static inline __attribute__((always_inline)) __m256 expf8_core(__m256 x8) {
+    const __m512d inv = _mm512_set1_pd(0x1.71547652b82fep+5), shift = _mm512_set1_pd(0x1.8p+52);
+    __m512d xd = _mm512_cvtps_pd(x8), z = _mm512_mul_pd(inv, xd), kd = _mm512_add_pd(z, shift);
+    __m512i ki = _mm512_castpd_si512(kd);
+    kd = _mm512_sub_pd(kd, shift);
+    __m512d r = _mm512_fmsub_pd(inv, xd, kd);  /* glibc's r = z - kd, with z's product fused */
+    __m512i idx = _mm512_and_si512(ki, _mm512_set1_epi64(31));
+    __m512i lo = _mm512_permutex2var_epi64(_mm512_loadu_si512((const void *)EXPF_TABLE), idx,
+                                           _mm512_loadu_si512((const void *)(EXPF_TABLE + 8)));
+    __m512i hi = _mm512_permutex2var_epi64(_mm512_loadu_si512((const void *)(EXPF_TABLE + 16)), idx,
+                                           _mm512_loadu_si512((const void *)(EXPF_TABLE + 24)));
+    __m512i t = _mm512_mask_blend_epi64(_mm512_test_epi64_mask(idx, _mm512_set1_epi64(16)), lo, hi);
+    __m512d s = _mm512_castsi512_pd(_mm512_add_epi64(t, _mm512_slli_epi64(ki, 47)));
+    __m512d p = _mm512_fmadd_pd(_mm512_set1_pd(0x1.c6af84b912394p-20), r, _mm512_set1_pd(0x1.ebfce50fac4f3p-13));
+    __m512d y = _mm512_fmadd_pd(_mm512_set1_pd(0x1.62e42ff0c52d6p-6), r, _mm512_set1_pd(1.0));
+    y = _mm512_fmadd_pd(p, _mm512_mul_pd(r, r), y);
+    return _mm512_cvtpd_ps(_mm512_mul_pd(y, s));
+}
+
+static inline __m512 expf16(__m512 x) {
+    __m512i bits = _mm512_castps_si512(x);
+    __mmask16 big = _mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(0x7ff)),
+                                            _mm512_set1_epi32(0x42b));  /* |x| >= 88, inf, NaN */
+    __m256 lo = expf8_core(_mm512_castps512_ps256(x));
+    __m256 hi = expf8_core(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    __m512 y = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+    if (big) {
+        float xs[16], ys[16];
+        _mm512_storeu_ps(xs, x);
+        _mm512_storeu_ps(ys, y);
+        for (int l = 0; l < 16; l++)
+            if (big >> l & 1) ys[l] = expf(xs[l]);
+        y = _mm512_loadu_ps(ys);
+    }
+    return y;
+}
+#endif
+
 /* ------------------------------------------------------------------------- internal, across the files */
 
 DSV41_INTERNAL void fp8_quantize_row(const float *x, int64_t n, uint8_t *codes, uint8_t *scales, float *values);
@@ -389,6 +466,12 @@ int dsv41_linear(const void *x, int x_bf16, int64_t N, int64_t G, int64_t K, con
 void dsv41_attend_few(const void *q, int bf16, const int64_t *q_pos, const float *keys, const int64_t *key_pos,
                       int64_t B, int64_t T, int64_t H, int64_t d, int64_t L, int64_t window, const float *selected,
                       const int64_t *topk, int64_t k, const float *sink, float scale, float *scratch, void *out);
+int dsv41_band_logits(const float *q, const int64_t *q_pos, const float *keys, const int64_t *key_pos, int64_t B,
+                      int64_t c, int64_t H, int64_t d, int64_t L, int64_t P, int64_t i0, int64_t band,
+                      int64_t window, const float *sel, const int64_t *idx, int64_t k, const float *sink, float scale,
+                      float *out);
+int dsv41_band_output(const float *probs, const float *keys, int64_t B, int64_t c, int64_t H, int64_t d, int64_t L,
+                      int64_t P, int64_t i0, int64_t band, const float *sel, int64_t k, float *out);
 int dsv41_attn_prologue(const void *x, int bf16, int64_t N, int64_t D, const void *wq_a, int64_t qr,
                         const void *q_norm, float q_eps, const void *wq_b, int64_t H, int64_t d, const void *wkv,
                         const void *kv_norm, float kv_eps, const float *cos_, const float *sin_, int64_t r,
@@ -423,8 +506,20 @@ int dsv41_index_scores(const uint8_t *codes, const uint8_t *scales, int64_t page
 int dsv41_indexer_queries(const void *q_lat, const void *x, int bf16, int64_t N, int64_t qr, int64_t D,
                           const void *wq_b, int64_t H, int64_t di, const void *w_proj, const float *cos_,
                           const float *sin_, int64_t r, int fake_quant, float scale, float *q, float *w);
+int dsv41_index_select(const float *q, const float *w, const float *keys, int64_t B, int64_t c, int64_t H,
+                       int64_t di, int64_t N, const int64_t *visible, int64_t k, int64_t block, int64_t keep,
+                       int64_t *picks, uint8_t *mask);
 
 /* topk.c */
+/* model/indexer.py topk_set of one row x [N] into o [k] (heap: k floats); -1 when x holds a NaN (topk.c). */
+DSV41_INTERNAL int topk_row(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *heap, int64_t *o);
+/* topk_row's indices from a selection instead of a heap (scratch: N / 16 + 2 N floats, idx: N + 16 int32). */
+DSV41_INTERNAL int topk_fast(const float *x, int64_t N, int64_t k, int drop_neg_inf, float *scratch, int32_t *idx,
+                             int64_t *o);
+/* model/indexer.py candidate_blocks of one row, x read below `valid` only (topk.c). */
+DSV41_INTERNAL int blocks_row(const float *x, int64_t N, int64_t valid, int64_t vis, int64_t block, int64_t nb,
+                              int64_t keep, int nan_free, float *best, float *scratch, int32_t *idx,
+                              int64_t *chosen, uint8_t *mask);
 int dsv41_topk_set(const float *scores, int64_t R, int64_t N, int64_t k, int drop_neg_inf, float *heap,
                    int64_t *out);
 void dsv41_argmax(const float *x, int64_t R, int64_t V, int64_t *out);

@@ -43,11 +43,12 @@ typedef struct {
     float *scratch, *pre, *post, *comb;
 } hc_mix_job;
 
+static void hc_mix_finish(const hc_mix_job *p, int64_t n, float *mix);
+
 static void hc_mix_item(const void *job, int64_t n) {
     const hc_mix_job *p = job;
     const int64_t hc = p->hc, width = hc * p->D, mixes = (2 + hc) * hc;
-    const float *fn = p->fn, *base = p->base, *scale = p->scale;
-    float *pre = p->pre, *post = p->post, *comb = p->comb;
+    const float *fn = p->fn;
     float mix[MAX_HC_MIX * (MAX_HC_MIX + 2)], row[ROW_ON_STACK];  /* the normalized row, on the stack when short */
     float *scratch = width <= ROW_ON_STACK ? row : p->scratch + n * width;
     const float *x = (const float *)p->streams + n * width;
@@ -55,11 +56,92 @@ static void hc_mix_item(const void *job, int64_t n) {
         bf16_row((const uint16_t *)p->streams + n * width, width, scratch);
         x = scratch;
     }
-    const float hc_eps = p->hc_eps, f = rms_factor(x, width, p->norm_eps);
+    const float f = rms_factor(x, width, p->norm_eps);
     for (int64_t i = 0; i < width; i++) scratch[i] = x[i] * f;
     int64_t k = 0;
     for (; k + 4 <= mixes; k += 4) dot4(scratch, fn + k * width, width, width, mix + k);
     for (; k < mixes; k++) mix[k] = dot(scratch, fn + k * width, width);
+    hc_mix_finish(p, n, mix);
+}
+
+#if defined(__AVX512F__)
+/* hc_mix_item for tokens 2 m and 2 m + 1 at once (hc_mix_pairs), with each block of 4 rows of fn loaded once for
+ * both: dot4's sums, each 32 values as two 16-lane vectors ([a | b] and [c | d]: the same lanes adding in the same
+ * order), then sum8((a + b) + (c + d)) as dot4 ends; the rows past a multiple of 4 by dot, as hc_mix_item. */
+static void hc_mix_pair_item(const void *job, int64_t m) {
+    const hc_mix_job *p = job;
+    const int64_t hc = p->hc, width = hc * p->D, mixes = (2 + hc) * hc, n0 = 2 * m;
+    const int64_t T = p->N - n0 < 2 ? p->N - n0 : 2;
+    const float *fn = p->fn;
+    float mix[2][MAX_HC_MIX * (MAX_HC_MIX + 2)], row[ROW_ON_STACK];  /* 2 * width <= ROW_ON_STACK (hc_mix_pairs) */
+    const float *xs[2] = {row, row + width};
+    for (int64_t t = 0; t < T; t++) {  /* each token's row normalized, as hc_mix_item does */
+        float *r = row + t * width;
+        const float *x = (const float *)p->streams + (n0 + t) * width;
+        if (p->bf16) {
+            bf16_row((const uint16_t *)p->streams + (n0 + t) * width, width, r);
+            x = r;
+        }
+        const float f = rms_factor(x, width, p->norm_eps);
+        for (int64_t i = 0; i < width; i++) r[i] = x[i] * f;
+    }
+    if (T == 1) xs[1] = xs[0];
+    int64_t k = 0;
+    for (; k + 4 <= mixes; k += 4) {
+        __m512 lo[2][4], hi[2][4];
+        for (int t = 0; t < 2; t++)
+            for (int r = 0; r < 4; r++) lo[t][r] = hi[t][r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < width; i += 32) {
+            __m512 x0[2], x1[2];
+            for (int t = 0; t < 2; t++) {
+                x0[t] = _mm512_loadu_ps(xs[t] + i), x1[t] = _mm512_loadu_ps(xs[t] + i + 16);
+                __asm__("" : "+v"(x0[t]), "+v"(x1[t]));  /* in registers for the 4 rows */
+            }
+            for (int r = 0; r < 4; r++) {
+                const float *w = fn + (k + r) * width + i;
+                __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+                for (int t = 0; t < 2; t++) {
+                    lo[t][r] = _mm512_add_ps(lo[t][r], _mm512_mul_ps(x0[t], w0));
+                    hi[t][r] = _mm512_add_ps(hi[t][r], _mm512_mul_ps(x1[t], w1));
+                }
+            }
+        }
+        for (int t = 0; t < 2; t++)
+            for (int r = 0; r < 4; r++) {
+                __m256 ab = _mm256_add_ps(_mm512_castps512_ps256(lo[t][r]),
+                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo[t][r]), 1)));
+                __m256 cd = _mm256_add_ps(_mm512_castps512_ps256(hi[t][r]),
+                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(hi[t][r]), 1)));
+                v8f v;
+                __m256 sum = _mm256_add_ps(ab, cd);
+                memcpy(&v, &sum, sizeof v);
+                mix[t][k + r] = sum8(v);
+            }
+    }
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t j = k; j < mixes; j++) mix[t][j] = dot(xs[t], fn + j * width, width);
+        hc_mix_finish(p, n0 + t, mix[t]);
+    }
+}
+#endif
+
+/* Whether hc_mix_pair_item takes the tokens two at a time: two normalized rows on its stack, whole 32s. */
+static int hc_mix_pairs(const hc_mix_job *p) {
+#if defined(__AVX512F__)
+    return 2 * p->hc * p->D <= ROW_ON_STACK && (p->hc * p->D) % 32 == 0;
+#else
+    (void)p;
+    return 0;
+#endif
+}
+
+/* The rest of one token's coefficients from its mixing logits mix [(2 + hc) * hc]. */
+static void hc_mix_finish(const hc_mix_job *p, int64_t n, float *mix) {
+    const int64_t hc = p->hc, mixes = (2 + hc) * hc;
+    const float *base = p->base, *scale = p->scale;
+    float *pre = p->pre, *post = p->post, *comb = p->comb;
+    const float hc_eps = p->hc_eps;
+    int64_t k;
     for (k = 0; k < mixes; k++) mix[k] = mix[k] * scale[k < hc ? 0 : (k < 2 * hc ? 1 : 2)] + base[k];
     for (int64_t i = 0; i < hc; i++) {
         pre[n * hc + i] = 1.0f / (1.0f + expf(-mix[i])) + hc_eps;
@@ -113,7 +195,12 @@ void dsv41_hc_mix(const void *streams, int bf16, int64_t N, int64_t hc, int64_t 
                   const float *base, const float *scale, float norm_eps, float hc_eps, int64_t iters, float *scratch,
                   float *pre, float *post, float *comb) {
     hc_mix_job job = {streams, fn, base, scale, bf16, N, hc, D, iters, norm_eps, hc_eps, scratch, pre, post, comb};
-    parallel_for(hc_mix_item, &job, N);
+#if defined(__AVX512F__)
+    if (hc_mix_pairs(&job))
+        parallel_for(hc_mix_pair_item, &job, (N + 1) / 2);
+    else
+#endif
+        parallel_for(hc_mix_item, &job, N);
     if (N <= 16)
         hc_sinkhorn_item(&job, 0);
     else

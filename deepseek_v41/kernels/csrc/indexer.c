@@ -438,3 +438,399 @@ int dsv41_indexer_queries(const void *q_lat, const void *x, int bf16, int64_t N,
     free(heads);
     return 0;
 }
+
+/* ------------------------------------------------------------------- prefill selection (scores + top-k) */
+
+/* The index-source selection of model/attention.py Attention.select for a chunk of queries over all N index keys,
+ * fused (issue 25): per query the scores of Indexer.score (IndexScorer) masked by mask_invisible, the top k of
+ * them by topk_entries' rule and, when mask is not NULL, the candidate pool of candidate_blocks; the [c, N] scores
+ * are never written out. q [B, c, H, di], w [B, c, H] and keys [B, N, di] fp32, visible [B, c] int64 ->
+ * picks [B, c, k] int64 (-1 where the pick is -inf), mask [B, c, nblocks] bytes (blocks of `block` entries, the top
+ * `keep` of them).
+ *
+ * The scores are the torch code's bits where ATen's fp32 GEMM sums each dot q_h . k_s as one chain of fused
+ * multiply-adds over d from 0 (what MKL's kernels do; tests/kernels checks it on the machine): each dot here is that
+ * chain, then relu, then sum_h w_h relu(d_h) as the batched [1, H] x [H, N] product sums it (w_0 r_0, then + w_h
+ * r_h in head order, each product rounded). With the FP4 queries and keys of the paged cache (one UE8M0 block per
+ * 32 dims) every dot is exact in any order anyway. Then the picks and mask are those of the scores by topk_row /
+ * blocks_row: exactly the torch code's. Only entries below each query's visible count are scored (the others are
+ * -inf): topk_entries' picks lie among them when there are at least k, else they are all of them followed by -1.
+ *
+ * Work: the keys transposed into scratch [B, di, N16] (N16 = N rounded up to 16, zeros after N) by items of 256
+ * keys; then items of SELECT_QUERIES queries of one row: with AVX-512 and H = 4, 16 keys x 4 queries x 4 heads in
+ * 16 vector accumulators (one key vector loaded per d for 16 multiply-adds; with AVX512-BF16, when every dot is
+ * exact, two dims per bf16 dot product: select_4x4_pairs), else one head at a time; each query's scores in a
+ * scratch row of its item, its picks by topk_fast (topk_row's indices). Returns 0, -1 when a visible score is NaN
+ * (torch.topk ranks NaN first: the caller takes the torch code), -2 when scratch cannot be had, -4 when k > N. */
+#define SELECT_QUERIES 4
+#define SELECT_KEYS 256
+
+/* Exponent statistics of rows whose values may be FP4 with a scale (fp4_rows): ok while every value is zero or a
+ * normal number with at most one fraction bit (E2M1 values times a power of two, and bf16 exactly); span: the
+ * largest spread of a row's exponents, lo / hi: the smallest / largest exponent of all. */
+typedef struct {
+    int ok, span, lo, hi;
+} exp_stats;
+
+static void fp4_rows(const float *x, int64_t rows, int64_t n, exp_stats *st) {
+    for (int64_t r = 0; r < rows; r++) {
+        int lo = 1000, hi = -1000;
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t b = to_bits(x[r * n + i]), e = (b >> 23) & 0xff;
+            if ((b & 0x7fffffff) == 0) continue;
+            if (e == 0 || e == 0xff || (b & 0x3fffff) != 0) st->ok = 0;
+            const int ex = (int)e - 127;
+            lo = ex < lo ? ex : lo;
+            hi = ex > hi ? ex : hi;
+        }
+        if (hi < lo) continue;  /* all zero */
+        st->span = hi - lo > st->span ? hi - lo : st->span;
+        st->lo = lo < st->lo ? lo : st->lo;
+        st->hi = hi > st->hi ? hi : st->hi;
+    }
+}
+
+typedef struct {
+    const float *q, *w, *keys;
+    int64_t c, H, di, N, N16, k, block, nb, keep;
+    const int64_t *visible;
+    float *keys_t;
+    uint32_t *pairs, *q_pairs;  /* bf16 pairs of the transposed keys [B, di / 2, N16] and queries [B, c, H, di / 2] */
+    /* int8 codes (select_4x4_int8): keys [B, di / 4, N16] (4 signed bytes a word), their exponents [B, N16] and
+     * 128 x their sums [B, N16]; queries [B, c, H, di / 4] (4 bytes + 128 a word) and exponents [B, c, H] */
+    uint32_t *codes, *q_codes;
+    float *k_exp, *q_exp;
+    int32_t *k_corr;
+    int int8;
+    exp_stats *key_stats;       /* per transpose item */
+    int exact;                  /* every dot exact: the bf16 dot products may compute them (dsv41_index_select) */
+    int need_kt;                /* some tile scores from the transposed fp32 keys */
+    int64_t *picks;
+    uint8_t *mask;
+    _Atomic int status;
+} select_job;
+
+/* Items of SELECT_KEYS keys of one row: their exponent statistics (key_stats, first pass), then (second pass) the
+ * layouts the scoring reads: the transposed fp32 keys (need_kt), the int8 codes (int8) or the bf16 pairs (exact). */
+static void select_stats(const void *job, int64_t item) {
+    const select_job *j = job;
+    const int64_t chunks = (j->N16 + SELECT_KEYS - 1) / SELECT_KEYS, b = item / chunks;
+    const int64_t s0 = item % chunks * SELECT_KEYS, real = (s0 + SELECT_KEYS < j->N ? s0 + SELECT_KEYS : j->N) - s0;
+    exp_stats st = {1, 0, 1000, -1000};
+    if (real > 0) fp4_rows(j->keys + (b * j->N + s0) * j->di, real, j->di, &st);
+    j->key_stats[item] = st;
+}
+
+static void select_layout(const void *job, int64_t item) {
+    const select_job *j = job;
+    const int64_t chunks = (j->N16 + SELECT_KEYS - 1) / SELECT_KEYS, b = item / chunks;
+    const int64_t s0 = item % chunks * SELECT_KEYS;
+    const int64_t s1 = s0 + SELECT_KEYS < j->N16 ? s0 + SELECT_KEYS : j->N16, di = j->di;
+    const float *keys = j->keys + b * j->N * di;
+    if (j->need_kt) {
+        float *kt = j->keys_t + b * di * j->N16;
+        for (int64_t d = 0; d < di; d++)
+            for (int64_t s = s0; s < s1; s++) kt[d * j->N16 + s] = s < j->N ? keys[s * di + d] : 0.0f;
+    }
+    if (j->int8)
+        for (int64_t s = s0; s < s1; s++) {
+            int32_t code[32] = {0}, sum = 0;
+            int m = 0;
+            if (s < j->N) {
+                const float *row = keys + s * di;
+                int lo = 1000;
+                for (int64_t i = 0; i < di; i++) {
+                    const int e = (int)((to_bits(row[i]) >> 23) & 0xff) - 127;
+                    if (row[i] != 0.0f && e < lo) lo = e;
+                }
+                m = lo == 1000 ? 0 : lo - 1;  /* each value an integer times 2^m: (2 + fraction bit) 2^(e - lo) */
+                const float unit = from_bits((uint32_t)(127 - m) << 23);  /* 2^-m (m >= -127: normal) */
+                for (int64_t i = 0; i < di; i++) {
+                    code[i] = (int32_t)(row[i] * unit);
+                    sum += code[i];
+                }
+            }
+            j->k_exp[b * j->N16 + s] = (float)m;
+            j->k_corr[b * j->N16 + s] = 128 * sum;
+            for (int64_t g = 0; g < di / 4; g++)
+                j->codes[(b * (di / 4) + g) * j->N16 + s] = (uint32_t)(uint8_t)code[4 * g]
+                    | (uint32_t)(uint8_t)code[4 * g + 1] << 8 | (uint32_t)(uint8_t)code[4 * g + 2] << 16
+                    | (uint32_t)(uint8_t)code[4 * g + 3] << 24;
+        }
+    else if (j->exact)  /* (exact as bf16: at most one fraction bit) */
+        for (int64_t i = 0; i < di / 2; i++)
+            for (int64_t s = s0; s < s1; s++)
+                j->pairs[(b * (di / 2) + i) * j->N16 + s] =
+                    s < j->N ? to_bits(keys[s * di + 2 * i]) >> 16 | (to_bits(keys[s * di + 2 * i + 1]) & 0xffff0000u)
+                             : 0;
+}
+
+/* One query's scores (qt [H, di], wt [H]) of keys s0 .. s0 + 15 (kt: the transposed keys at s0, row stride ld)
+ * -> out[0 .. 15]; one head at a time. */
+static inline void select_one(const float *kt, int64_t ld, const float *qt, const float *wt, int64_t H, int64_t di,
+                              float *out) {
+#if defined(__AVX512F__)
+    __m512 score = _mm512_setzero_ps();
+    for (int64_t h = 0; h < H; h++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < di; d++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(qt[h * di + d]), _mm512_loadu_ps(kt + d * ld), acc);
+        acc = _mm512_mask_mov_ps(acc, _mm512_cmp_ps_mask(acc, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps());
+        __m512 term = _mm512_mul_ps(_mm512_set1_ps(wt[h]), acc);
+        score = h == 0 ? term : _mm512_add_ps(score, term);
+    }
+    _mm512_storeu_ps(out, score);
+#else
+    for (int m = 0; m < 16; m++) {
+        float score = 0.0f;
+        for (int64_t h = 0; h < H; h++) {
+            float acc = 0.0f;
+            for (int64_t d = 0; d < di; d++) acc = fmaf(qt[h * di + d], kt[d * ld + m], acc);
+            float term = wt[h] * (acc < 0.0f ? 0.0f : acc);
+            score = h == 0 ? term : score + term;
+        }
+        out[m] = score;
+    }
+#endif
+}
+
+#if defined(__AVX512F__)
+/* The 16 heads' dots acc [4 queries x 4 heads] into scores out + t * ld_out: relu, then w_0 r_0 + w_1 r_1 + ... in
+ * head order (select_one's operations per lane). */
+static inline __attribute__((always_inline)) void select_heads(const __m512 *acc, const float *wt, float *out,
+                                                               int64_t ld_out) {
+    const __m512 zero = _mm512_setzero_ps();
+    for (int t = 0; t < 4; t++) {
+        __m512 score = zero;
+        for (int h = 0; h < 4; h++) {
+            __m512 a = acc[t * 4 + h];
+            a = _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(a, zero, _CMP_LT_OQ), zero);
+            __m512 term = _mm512_mul_ps(_mm512_set1_ps(wt[t * 4 + h]), a);
+            score = h == 0 ? term : _mm512_add_ps(score, term);
+        }
+        _mm512_storeu_ps(out + t * ld_out, score);
+    }
+}
+
+/* select_one for 4 queries of 4 heads at once (qt [4, 4, di], wt [4, 4]; out + t * ld_out): the same operations per
+ * lane, so the same bits. */
+static inline __attribute__((always_inline)) void select_4x4(const float *kt, int64_t ld, const float *qt,
+                                                             const float *wt, int64_t di, float *out,
+                                                             int64_t ld_out) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < di; d++) {
+        const __m512 kv = _mm512_loadu_ps(kt + d * ld);
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qt[i * di + d]), kv, acc[i]);
+    }
+    select_heads(acc, wt, out, ld_out);
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+/* select_4x4 from int8 codes when every dot is exact (select_job.int8): each value an integer of at most 96 times a
+ * power of two per row, the dots of four dims at a time by vpdpbusd (the queries' codes + 128 as unsigned bytes,
+ * 128 x the key's code sum taken off after), exact in int32, converted exactly and scaled by 2^(query exponent +
+ * key exponent) (exact: normal): the exact sums, so the chains' bits. kc: the keys' words at s0 (row stride ld),
+ * qc [16, di / 4] the 4 x 4 query heads' words, q_exp [16], k_corr / k_exp at s0. */
+static inline __attribute__((always_inline)) void select_4x4_int8(const uint32_t *kc, int64_t ld, const uint32_t *qc,
+                                                                  const float *q_exp, const int32_t *k_corr,
+                                                                  const float *k_exp, const float *wt, int64_t di,
+                                                                  float *out, int64_t ld_out) {
+    __m512i acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < di / 4; g++) {
+        const __m512i kv = _mm512_loadu_si512(kc + g * ld);
+        for (int i = 0; i < 16; i++)
+            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32((int)qc[i * (di / 4) + g]), kv);
+    }
+    const __m512i corr = _mm512_loadu_si512(k_corr);
+    const __m512 ke = _mm512_loadu_ps(k_exp);
+    __m512 dots[16];
+    for (int i = 0; i < 16; i++)
+        dots[i] = _mm512_scalef_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], corr)),
+                                   _mm512_add_ps(ke, _mm512_set1_ps(q_exp[i])));
+    select_heads(dots, wt, out, ld_out);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* select_4x4 when every dot is exact (select_job.exact): the products of two dims at a time as bf16 dot products
+ * (vdpbf16ps: half the instructions). Exact sums in any order are the chain's sums, so the same bits. kp: the
+ * keys' bf16 pairs at s0 (row stride ld), qp [4, 4, di / 2] the queries' pairs. */
+static inline __attribute__((always_inline)) void select_4x4_pairs(const uint32_t *kp, int64_t ld, const uint32_t *qp,
+                                                                   const float *wt, int64_t di, float *out,
+                                                                   int64_t ld_out) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < di / 2; d++) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp + d * ld);
+        for (int i = 0; i < 16; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32((int)qp[i * (di / 2) + d]), kv);
+    }
+    select_heads(acc, wt, out, ld_out);
+}
+#endif
+
+static void select_item(const void *job, int64_t item) {
+    const select_job *j = job;
+    const int64_t tiles = (j->c + SELECT_QUERIES - 1) / SELECT_QUERIES, b = item / tiles;
+    const int64_t t0 = item % tiles * SELECT_QUERIES, nt = j->c - t0 < SELECT_QUERIES ? j->c - t0 : SELECT_QUERIES;
+    const int64_t H = j->H, di = j->di, N = j->N, N16 = j->N16, k = j->k, nb = j->nb, keep = j->keep;
+    /* the rows [SELECT_QUERIES, N16], best [nb], topk_fast's scratch [L / 16 + 2 L] and idx [L + 16] int32 (L:
+     * the larger of N and nb), then chosen [keep] int64 (aligned) */
+    const int64_t L = N > nb ? N : nb;
+    const size_t floats = (size_t)(SELECT_QUERIES * N16 + nb + L / 16 + 3 * L + 17) & ~(size_t)1;
+    float *rows = malloc(floats * sizeof(float) + (size_t)keep * sizeof(int64_t));
+    if (!rows) {
+        atomic_store(&((select_job *)j)->status, -2);
+        return;
+    }
+    float *best = rows + SELECT_QUERIES * N16, *scratch = best + nb;
+    int32_t *idx = (int32_t *)(scratch + L / 16 + 2 * L);
+    int64_t *chosen = (int64_t *)(rows + floats);
+    int64_t vis[SELECT_QUERIES], most = 0;
+    for (int64_t t = 0; t < nt; t++) {
+        const int64_t v = j->visible[b * j->c + t0 + t];
+        vis[t] = v < 0 ? 0 : v > N ? N : v;
+        most = vis[t] > most ? vis[t] : most;
+    }
+    const float *q = j->q + (b * j->c + t0) * H * di, *w = j->w + (b * j->c + t0) * H;
+    const float *kt = j->keys_t + b * di * N16;
+    for (int64_t s = 0; s < most; s += 16) {
+#if defined(__AVX512VNNI__)
+        if (j->int8 && H == 4 && nt == 4) {
+            const int64_t row = (b * j->c + t0) * H;
+            select_4x4_int8(j->codes + b * (di / 4) * N16 + s, N16, j->q_codes + row * (di / 4), j->q_exp + row,
+                            j->k_corr + b * N16 + s, j->k_exp + b * N16 + s, w, di, rows + s, N16);
+            continue;
+        }
+#endif
+#if defined(__AVX512BF16__)
+        if (j->exact && H == 4 && nt == 4) {
+            select_4x4_pairs(j->pairs + b * (di / 2) * N16 + s, N16, j->q_pairs + (b * j->c + t0) * H * (di / 2), w,
+                             di, rows + s, N16);
+            continue;
+        }
+#endif
+#if defined(__AVX512F__)
+        if (H == 4 && nt == 4) {
+            select_4x4(kt + s, N16, q, w, di, rows + s, N16);
+            continue;
+        }
+#endif
+        for (int64_t t = 0; t < nt; t++)
+            if (s < vis[t]) select_one(kt + s, N16, q + t * H * di, w + t * H, H, di, rows + t * N16 + s);
+    }
+    for (int64_t t = 0; t < nt; t++) {
+        const int64_t r = b * j->c + t0 + t, kk = k < vis[t] ? k : vis[t];
+        const float *x = rows + t * N16;
+        int64_t *o = j->picks + r * k;
+        if (topk_fast(x, vis[t], kk, 1, scratch, idx, o) != 0) goto nan;
+        for (int64_t i = kk; i < k; i++) o[i] = -1;
+        if (j->mask && blocks_row(x, N, vis[t], j->visible[r], j->block, nb, keep, 1, best, scratch, idx, chosen,
+                                  j->mask + r * nb) != 0)
+            goto nan;
+    }
+    free(rows);
+    return;
+nan:
+    atomic_store(&((select_job *)j)->status, -1);
+    free(rows);
+}
+
+int dsv41_index_select(const float *q, const float *w, const float *keys, int64_t B, int64_t c, int64_t H,
+                       int64_t di, int64_t N, const int64_t *visible, int64_t k, int64_t block, int64_t keep,
+                       int64_t *picks, uint8_t *mask) {
+    if (k > N) return -4;
+    const int64_t N16 = (N + 15) / 16 * 16, nb = mask ? (N + block - 1) / block : 0;
+    const int64_t items = B * ((N16 + SELECT_KEYS - 1) / SELECT_KEYS);
+#if defined(__AVX512BF16__)
+    const int pairs = di % 2 == 0 && H == 4;
+#else
+    const int pairs = 0;
+#endif
+#if defined(__AVX512VNNI__)
+    const int int8 = pairs && di % 4 == 0 && di <= 32;
+#else
+    const int int8 = 0;
+#endif
+    /* int8 scratch: key codes [B, di / 4, N16], exponents and corrections [B, N16]; query codes and exponents */
+    void *int8_scratch = int8 ? malloc((size_t)(B * (di / 4) * N16 + 2 * B * N16 + B * c * H * (di / 4) + B * c * H
+                                                + 64) * 4) : NULL;
+    float *keys_t = malloc((size_t)(B * di * N16 + 16) * sizeof(float));
+    exp_stats *key_stats = malloc((size_t)items * sizeof(exp_stats));
+    uint32_t *kp = pairs ? malloc((size_t)(B * (di / 2) * N16 + 16) * sizeof(uint32_t)) : NULL;
+    uint32_t *qp = pairs ? malloc((size_t)(B * c * H * (di / 2) + 16) * sizeof(uint32_t)) : NULL;
+    if (!keys_t || !key_stats || (pairs && !(kp && qp)) || (int8 && !int8_scratch)) {
+        free(int8_scratch);
+        free(keys_t);
+        free(key_stats);
+        free(kp);
+        free(qp);
+        return -2;
+    }
+    select_job job = {q, w, keys, c, H, di, N, N16, k, block, nb, mask ? (keep < nb ? keep : nb) : 0, visible,
+                      keys_t, kp, qp, NULL, NULL, NULL, NULL, NULL, 0, key_stats, 0, 1, picks, mask, 0};
+    if (int8) {
+        job.codes = int8_scratch;
+        job.k_exp = (float *)(job.codes + B * (di / 4) * N16);
+        job.k_corr = (int32_t *)(job.k_exp + B * N16);
+        job.q_codes = (uint32_t *)(job.k_corr + B * N16);
+        job.q_exp = (float *)(job.q_codes + B * c * H * (di / 4));
+    }
+    parallel_for(select_stats, &job, items);
+    if (pairs) {
+        /* Every dot exact (then any order of addition gives the chain's sums): each query head's and key's values
+         * zero or normal with at most one fraction bit (FP4 values times a power of two), so each product is a
+         * multiple of 2^(lo_q + lo_k - 2) below 2^(hi_q + hi_k + 2) for the exponents of its two rows, and the sum
+         * of di <= 32 of them stays below 2^(hi_q + hi_k + 7): exact when the two rows' spreads add up to at most
+         * 15, the smallest multiple normal and the largest sum finite. */
+        exp_stats qs = {1, 0, 1000, -1000}, ks = {1, 0, 1000, -1000};
+        fp4_rows(q, B * c * H, di, &qs);
+        for (int64_t i = 0; i < items; i++) {
+            ks.ok &= key_stats[i].ok;
+            ks.span = key_stats[i].span > ks.span ? key_stats[i].span : ks.span;
+            ks.lo = key_stats[i].lo < ks.lo ? key_stats[i].lo : ks.lo;
+            ks.hi = key_stats[i].hi > ks.hi ? key_stats[i].hi : ks.hi;
+        }
+        job.exact = di <= 32 && qs.ok && ks.ok && qs.span + ks.span <= 15 && qs.lo + ks.lo >= -124 &&
+                    qs.hi + ks.hi <= 120;
+        if (job.exact)
+            for (int64_t i = 0; i < B * c * H * (di / 2); i++)
+                qp[i] = to_bits(q[2 * i]) >> 16 | (to_bits(q[2 * i + 1]) & 0xffff0000u);
+        /* int8 codes: every row's values integers of at most 3 x 2^5 = 96 times 2^m (spreads <= 5), the sums of di
+         * <= 32 products below 2^19 (exact in int32 and fp32), every nonzero dot at least 2^(lo_q - 1 + lo_k - 1),
+         * normal, and far from overflow */
+        job.int8 = int8 && job.exact && qs.span <= 5 && ks.span <= 5 && qs.lo - 1 + ks.lo - 1 >= -126 &&
+                   qs.hi + ks.hi <= 100;
+        if (job.int8)
+            for (int64_t r = 0; r < B * c * H; r++) {
+                const float *row = q + r * di;
+                int lo = 1000;
+                for (int64_t i = 0; i < di; i++) {
+                    const int e = (int)((to_bits(row[i]) >> 23) & 0xff) - 127;
+                    if (row[i] != 0.0f && e < lo) lo = e;
+                }
+                const int m = lo == 1000 ? 0 : lo - 1;
+                const float unit = from_bits((uint32_t)(127 - m) << 23);
+                job.q_exp[r] = (float)m;
+                for (int64_t g = 0; g < di / 4; g++) {
+                    uint32_t word = 0;
+                    for (int e = 0; e < 4; e++)
+                        word |= (uint32_t)(uint8_t)((int32_t)(row[4 * g + e] * unit) + 128) << (8 * e);
+                    job.q_codes[r * (di / 4) + g] = word;
+                }
+            }
+    }
+    /* the 4 x 4 tiles of the exact paths cover every query when c is a multiple of 4 (H = 4 there) */
+    job.need_kt = !((job.int8 || job.exact) && c % SELECT_QUERIES == 0);
+    parallel_for(select_layout, &job, items);
+    parallel_for(select_item, &job, B * ((c + SELECT_QUERIES - 1) / SELECT_QUERIES));
+    free(int8_scratch);
+    free(keys_t);
+    free(key_stats);
+    free(kp);
+    free(qp);
+    return atomic_load(&job.status);
+}

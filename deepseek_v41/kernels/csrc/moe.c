@@ -3,50 +3,69 @@
 
 /* ----------------------------------------------------------------------------------- MoE router, SwiGLU */
 
+typedef struct {
+    const void *x;
+    int x_bf16, norm_topk;
+    int64_t D, E, k;
+    const float *Wf, *bias;
+    float route_scale, *scratch;
+    int64_t *indices;
+    float *weights;
+} gate_job;
+
+static void gate_item(const void *job, int64_t n) {
+    const gate_job *g = job;
+    const int64_t D = g->D, E = g->E, k = g->k;
+    const float *bias = g->bias;
+    int64_t *indices = g->indices;
+    float *weights = g->weights, *scratch = g->scratch + n * E;
+    float x_row[ROW_ON_STACK];  /* a bf16 token widened (D <= ROW_ON_STACK then) */
+    const float *xn = (const float *)g->x + n * D;
+    if (g->x_bf16) {
+        bf16_row((const uint16_t *)g->x + n * D, D, x_row);
+        xn = x_row;
+    }
+    for (int64_t e = 0; e < E; e++) {
+        float z = dot(xn, g->Wf + e * D, D);
+        scratch[e] = sqrtf(z > 20.0f ? z : log1pf(expf(z)));
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= indices[n * k + i] == e;
+            if (taken) continue;
+            float v = scratch[e] + bias[e], top = best < 0 ? 0.0f : scratch[best] + bias[best];
+            /* NaN ranks above every number, as in torch.topk: a corrupted router shows, not hides */
+            if (best < 0 || (isnan(v) ? !isnan(top) : v > top)) best = e;
+        }
+        indices[n * k + j] = best;
+        weights[n * k + j] = scratch[best];
+        sum += scratch[best];
+    }
+    for (int64_t j = 0; j < k; j++) {
+        float w = weights[n * k + j];
+        if (g->norm_topk) w = w / (sum + 1e-20f);
+        weights[n * k + j] = w * g->route_scale;
+    }
+}
+
 /* MoE router (model/moe.py Gate, text tokens): scores = sqrt(softplus(x @ W^T)) [N, E] of x [N, D], W [E, D];
  * the k experts of largest score + bias[E] (descending, the lower id first on a tie) into indices [N, k], their
  * scores (divided by their sum + 1e-20 when norm_topk) times route_scale into weights [N, k]. x and W are fp32, or
  * bf16 bits (x_bf16 / w_bf16; widened exactly: a bf16 token on the stack, D <= ROW_ON_STACK then, a bf16 W once
- * per call on the heap). scratch: E floats. Returns 0, or -2 (nothing computed) when memory for W cannot be had. */
+ * per call on the heap). Tokens over the pool (a decode step's router ran alone on one core: issue 25).
+ * scratch: N * E floats. Returns 0, or -2 (nothing computed) when memory for W cannot be had. */
 int dsv41_gate(const void *x, int x_bf16, int64_t N, int64_t D, const void *W, int w_bf16, int64_t E,
                const float *bias, int64_t k, int norm_topk, float route_scale, float *scratch, int64_t *indices,
                float *weights) {
-    float x_row[ROW_ON_STACK];  /* a bf16 token widened (D <= ROW_ON_STACK then) */
     float *wide = w_bf16 ? malloc((size_t)(E * D) * sizeof(float)) : NULL;  /* bf16 W widened once per call */
     if (w_bf16 && !wide) return -2;
     if (w_bf16) bf16_row((const uint16_t *)W, E * D, wide);
-    const float *Wf = w_bf16 ? wide : (const float *)W;
-    for (int64_t n = 0; n < N; n++) {
-        const float *xn = (const float *)x + n * D;
-        if (x_bf16) {
-            bf16_row((const uint16_t *)x + n * D, D, x_row);
-            xn = x_row;
-        }
-        for (int64_t e = 0; e < E; e++) {
-            float z = dot(xn, Wf + e * D, D);
-            scratch[e] = sqrtf(z > 20.0f ? z : log1pf(expf(z)));
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < k; j++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++) {
-                int taken = 0;
-                for (int64_t i = 0; i < j; i++) taken |= indices[n * k + i] == e;
-                if (taken) continue;
-                float v = scratch[e] + bias[e], top = best < 0 ? 0.0f : scratch[best] + bias[best];
-                /* NaN ranks above every number, as in torch.topk: a corrupted router shows, not hides */
-                if (best < 0 || (isnan(v) ? !isnan(top) : v > top)) best = e;
-            }
-            indices[n * k + j] = best;
-            weights[n * k + j] = scratch[best];
-            sum += scratch[best];
-        }
-        for (int64_t j = 0; j < k; j++) {
-            float w = weights[n * k + j];
-            if (norm_topk) w = w / (sum + 1e-20f);
-            weights[n * k + j] = w * route_scale;
-        }
-    }
+    gate_job job = {x, x_bf16, norm_topk, D, E, k, w_bf16 ? wide : (const float *)W, bias, route_scale, scratch,
+                    indices, weights};
+    parallel_for(gate_item, &job, N);
     free(wide);
     return 0;
 }
@@ -57,7 +76,23 @@ int dsv41_gate(const void *x, int x_bf16, int64_t N, int64_t D, const void *W, i
 void dsv41_swiglu(const float *gate, const float *up, int64_t N, int64_t inter, int64_t stride, float limit,
                   float *out) {
     for (int64_t n = 0; n < N; n++) {
-        for (int64_t i = 0; i < inter; i++) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= inter; i += 16) {  /* the same operations, 16 at a time (expf16: expf's bits) */
+            __m512 g = _mm512_loadu_ps(gate + n * stride + i), u = _mm512_loadu_ps(up + n * stride + i);
+            if (limit > 0) {
+                __m512 lim = _mm512_set1_ps(limit);
+                g = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, lim, _CMP_GT_OQ), g, lim);
+                u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(u, _mm512_sub_ps(_mm512_setzero_ps(), lim), _CMP_LT_OQ),
+                                         u, _mm512_sub_ps(_mm512_setzero_ps(), lim));
+                u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(u, lim, _CMP_GT_OQ), u, lim);
+            }
+            __m512 t = expf16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));
+            _mm512_storeu_ps(out + n * inter + i,
+                             _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), t)), u));
+        }
+#endif
+        for (; i < inter; i++) {
             float g = gate[n * stride + i], u = up[n * stride + i];
             if (limit > 0) {
                 g = g > limit ? limit : g;
@@ -114,16 +149,17 @@ static void moe_hidden_item(const void *job, int64_t item) {
     const float *xs = j->xs + t0 * j->D;
     const int64_t ldh = j->ldh;
     float *hidden = j->hidden + t0 * ldh;
-    float gate[16 * 4], up[16 * 4];
-    for (int64_t r = r0; r < r1; r += 4) {
-        int64_t rows = r1 - r < 4 ? r1 - r : 4;
-        for (int64_t n = 0; n < n_e; n += 16) {
-            int64_t m = n_e - n < 16 ? n_e - n : 16;
-            dots_block(xs + n * j->D, j->D, m, gate_w, g0 + r, rows, gate, 4);
-            dots_block(xs + n * j->D, j->D, m, up_w, u0 + r, rows, up, 4);
-            for (int64_t t = 0; t < m; t++)
-                dsv41_swiglu(gate + 4 * t, up + 4 * t, 1, rows, 4, j->limit, hidden + (n + t) * ldh + r);
+    float gate[16 * MOE_ITEM_ROWS], up[16 * MOE_ITEM_ROWS];  /* [token][row of the item] */
+    for (int64_t n = 0; n < n_e; n += 16) {
+        int64_t m = n_e - n < 16 ? n_e - n : 16;
+        for (int64_t r = r0; r < r1; r += 4) {
+            int64_t rows = r1 - r < 4 ? r1 - r : 4;
+            dots_block(xs + n * j->D, j->D, m, gate_w, g0 + r, rows, gate + (r - r0), MOE_ITEM_ROWS);
+            dots_block(xs + n * j->D, j->D, m, up_w, u0 + r, rows, up + (r - r0), MOE_ITEM_ROWS);
         }
+        for (int64_t t = 0; t < m; t++)  /* the item's rows at once (swiglu's 16-wide path) */
+            dsv41_swiglu(gate + t * MOE_ITEM_ROWS, up + t * MOE_ITEM_ROWS, 1, r1 - r0, MOE_ITEM_ROWS, j->limit,
+                         hidden + (n + t) * ldh + r0);
     }
 }
 

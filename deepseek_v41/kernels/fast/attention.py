@@ -6,11 +6,14 @@ once per module instance by :func:`deepseek_v41.kernels.fast.install` (see that 
   ``wo_b``) in one :func:`kernels.attn_epilogue` call, and ``compress`` (compressor, entry RoPE, index keys) in one
   :func:`kernels.compress` call, for at most ``kernels.FEW_ROWS`` tokens (decode, speculative verify);
 - :class:`~deepseek_v41.model.attention.SparseAttention`: :func:`kernels.attend_few` for a few queries per row
-  (causal windows only: a forward with image spans runs the reference);
+  (causal windows only: a forward with image spans runs the reference), and for a prefill chunk the logits and
+  weighted sums in C around torch's softmax (:func:`kernels.band_logits`, :func:`kernels.band_output`: the
+  reference's bits);
 - :class:`~deepseek_v41.model.attention.GroupedLinear`: the grouped GEMV :func:`kernels.linear` for small inputs;
 - :class:`~deepseek_v41.model.indexer.Indexer`: ``queries`` in one :func:`kernels.indexer_queries` call (a few
-  tokens) and the selection rules ``topk_entries`` / ``candidate_blocks`` / ``pool_entries`` in C
-  (:func:`kernels.topk_set`, :func:`kernels.candidate_blocks`): exactly the reference's indices.
+  tokens), the selection rules ``topk_entries`` / ``candidate_blocks`` / ``pool_entries`` in C
+  (:func:`kernels.topk_set`, :func:`kernels.candidate_blocks`) and ``select_entries`` (a prefill chunk's scores,
+  masking, top-k and candidate pool) in one :func:`kernels.index_select` call: exactly the reference's indices.
 
 Each installer checks once that the modules the kernel stands in for are plain (exactly their class, no hook of
 their own, no bias), that their weights are CPU tensors of one kernel dtype (fp32 or bf16), contiguous and of the
@@ -31,24 +34,36 @@ from collections.abc import Callable
 import torch
 
 from deepseek_v41 import kernels
-from deepseek_v41.kernels.fast.band_attention import band_attention
-from deepseek_v41.kernels.fast.registry import KERNEL_DTYPES, fused, hooked, override, plain, plain_weight, register
+from deepseek_v41.kernels.attention import BAND_MAX_DIM
+from deepseek_v41.kernels.fast.registry import (
+    KERNEL_DTYPES,
+    fused,
+    global_hooks,
+    hooked,
+    override,
+    plain,
+    plain_weight,
+    register,
+)
 from deepseek_v41.model import attention as attention_module
 from deepseek_v41.model.attention import Attention, GroupedLinear, SparseAttention, sparse_attention
 from deepseek_v41.model.compressor import Compressor
-from deepseek_v41.model.indexer import QUERY_CHUNK, Indexer, candidate_blocks, pool_entries, topk_entries, topk_set
+from deepseek_v41.model.indexer import (
+    QUERY_CHUNK,
+    Indexer,
+    IndexScorer,
+    candidate_blocks,
+    pool_entries,
+    topk_entries,
+    topk_set,
+)
 from deepseek_v41.model.linear import Linear
 from deepseek_v41.model.norm import RMSNorm, cast, upcast
 from deepseek_v41.model.rope import RotaryEmbedding
 
 PAIR_PHASES = "compress pair phases"  # ctx.shared key of the ratio-2 entries' RoPE phases (see _pair_phases)
+BAND_MIN = 16  # rows, entries and dims from which the reference's einsums sum each dot as one chain (attend)
 FP32_GEMV_WEIGHTS = 1 << 16  # fp32 weights from this size take the grouped GEMV for a few tokens (model/linear.py)
-# Prefill chunks of up to BAND_TOKENS tokens per row take band_attention (short prompts, many rows: issue 25; long
-# chunks keep the reference, which is as fast there). Its matmuls reduce over at most BAND_KEYS rows: up to there
-# this machine's BLAS was measured to accumulate in order, which makes it the reference bit for bit
-# (tests/kernels/test_band_attention.py checks it).
-BAND_TOKENS = 256
-BAND_KEYS = 192
 
 
 def _weights(*modules: tuple[torch.nn.Module | None, type[torch.nn.Module]]) -> list[torch.Tensor] | None:
@@ -239,13 +254,42 @@ def attend(self: SparseAttention, q: torch.Tensor, q_pos: torch.Tensor, keys: to
             return kernels.attend_few(q, q_pos, upcast(keys), key_pos, window, selected, topk, upcast(sink), scale)
         return cast(kernels.attend_few(upcast(q), q_pos, upcast(keys), key_pos, window, selected, topk, upcast(sink),
                                        scale), q.dtype)
-    band = min(window, T)
-    if (key_limit is None and banded and not entry_probs and shared_entries is None and T <= BAND_TOKENS
-            and band < BAND_KEYS and fused(q, keys, sink)):
-        return band_attention(q, q_pos, keys, key_pos, window, topk, gather, sink, scale,
-                              min(chunk, BAND_KEYS + 1 - band))
+    prev, k = keys.shape[1] - T, 0 if topk is None else topk.shape[-1]
+    # (each GEMM of the reference at least BAND_MIN wide and the heads a multiple of 4: other shapes ATen / MKL sum
+    # in another order, measured)
+    if (key_limit is None and banded and not entry_probs and shared_entries is None and min(window, T) >= BAND_MIN
+            and (prev == 0 or prev >= BAND_MIN) and (k == 0 or k >= BAND_MIN) and BAND_MIN <= d <= BAND_MAX_DIM
+            and H % 4 == 0 and keys.dim() == 3 and q.dtype in KERNEL_DTYPES and fused(keys, sink)
+            and q_pos.dtype == key_pos.dtype == torch.int64 and kernels.usable(q_pos, key_pos)):
+        return _attend_band(q, q_pos, keys, key_pos, window, topk, gather, sink, scale, chunk)
     return sparse_attention(q, q_pos, keys, key_pos, window, topk, gather, sink, scale, chunk, banded,
                             entry_probs=entry_probs, shared_entries=shared_entries, key_limit=key_limit)
+
+
+def _attend_band(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, window: int,
+                 topk: torch.Tensor | None, gather: Callable[[torch.Tensor], torch.Tensor] | None, sink: torch.Tensor,
+                 scale: float, chunk: int) -> torch.Tensor:
+    """:func:`~deepseek_v41.model.attention.sparse_attention` of a prefill forward (causal, banded, no entry
+    probabilities) with its matmuls in C (issue 25): per chunk of queries, :func:`kernels.band_logits` makes the
+    logits it concatenates, torch's softmax runs on them, and :func:`kernels.band_output` makes its weighted sums.
+    The same chunks, gathers and casts as the reference, and the kernels make its einsums' sums: the same bits."""
+    B, T, H, d = q.shape
+    prev = keys.shape[1] - T
+    wide = upcast(keys).contiguous()
+    key_pos = key_pos.contiguous()
+    sink = sink.to(torch.float32).contiguous()
+    out = []
+    for i0 in range(0, T, chunk):
+        i1 = min(T, i0 + chunk)
+        qc = upcast(q[:, i0:i1]).to(wide.dtype).contiguous()
+        idx = selected = None
+        if topk is not None and topk.shape[-1] > 0:
+            idx = topk[:, i0:i1].contiguous()
+            selected = gather(idx).to(qc.dtype).contiguous()
+        logits = kernels.band_logits(qc, q_pos[:, i0:i1].contiguous(), wide, key_pos, prev, i0, window, selected, idx,
+                                     sink, scale)
+        out.append(kernels.band_output(torch.softmax(logits, dim=-1), wide, prev, i0, window, selected))
+    return torch.cat(out, 1).to(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------- GroupedLinear
@@ -287,6 +331,7 @@ def install_indexer(m: Indexer) -> bool:
     override(m, "topk_entries", _topk_entries)
     override(m, "candidate_blocks", _candidate_blocks)
     override(m, "pool_entries", _pool_entries)
+    override(m, "select_entries", _select_entries)
     w = _weights((m._modules["wq_b"], Linear), (m._modules["weights_proj"], Linear))
     heads, di = m.n_heads, m.head_dim
     if w is not None and w[0].dim() == 2 and w[1].dim() == 2 and w[0].shape[0] == heads * di and w[1].shape[0] == heads:
@@ -338,6 +383,25 @@ def _candidate_blocks(self: Indexer, scores: torch.Tensor, visible: torch.Tensor
         if mask is not None:
             return mask
     return candidate_blocks(scores, visible, block, keep)
+
+
+def _select_entries(self: Indexer, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                    k: int, pool: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:meth:`~deepseek_v41.model.indexer.Indexer.select_entries` in one :func:`kernels.index_select` call (the same
+    picks and pool, without the [B, c, N] scores) for fp32 queries and fp32 / bf16 keys (the keys are FP4 values,
+    exact in both) on the CPU in inference mode, while the scorer is a plain IndexScorer (no hook: its call is not
+    observed); else the reference."""
+    score = self._modules["score"]
+    if (q.dim() == 4 and q.dtype == w.dtype == torch.float32 and keys.dim() == 3 and visible.dtype == torch.int64
+            and w.shape == q.shape[:3] and visible.shape == q.shape[:2] and keys.shape[0] == q.shape[0]
+            and keys.shape[2] == q.shape[3] and keys.shape[1] > 0 and 0 <= k <= keys.shape[1]
+            and plain(score, IndexScorer) and not global_hooks()):
+        q, w, keys32, visible = q.contiguous(), w.contiguous(), upcast(keys).contiguous(), visible.contiguous()
+        if fused(q, w, keys32) and kernels.usable(visible):
+            picked = kernels.index_select(q, w, keys32, visible, k, pool)
+            if picked is not None:
+                return picked
+    return Indexer.select_entries(self, q, w, keys, visible, k, pool)
 
 
 def _pool_entries(self: Indexer, blocks: torch.Tensor, block: int, keep: int,
