@@ -132,13 +132,18 @@ class PagedKVCache:
         return slot
 
     # ------------------------------------------------------------------ residual ring (CED decoder inputs)
-    def write_residuals(self, slot: int, positions: range, streams: torch.Tensor, pre: torch.Tensor) -> None:
-        """Keep the encoder's final streams [T, hc, D] and ``pre`` [T, hc] of ``positions`` (last rows only)."""
+    def write_residual_rows(self, slots: list[int], starts: list[int], streams: torch.Tensor,
+                            pre: torch.Tensor) -> None:
+        """Keep the encoder's final streams [B, T, hc, D] and ``pre`` [B, T, hc] of rows b = slots ``slots[b]``,
+        positions ``starts[b] .. starts[b] + T - 1`` (each row's last ``window_rows`` positions only), in one
+        indexed write for all rows (a decode step's rows: one write, not one per sequence; issue 25)."""
         R = self.window_rows
-        keep = min(len(positions), R)
-        pos = torch.arange(positions.stop - keep, positions.stop, device=self.device)
-        self.residual_streams[slot, pos % R] = streams[-keep:].to(self.residual_streams.dtype)
-        self.residual_pre[slot, pos % R] = pre[-keep:].to(self.residual_pre.dtype)
+        T = streams.shape[1]
+        keep = min(T, R)
+        pos = torch.tensor(starts, device=self.device)[:, None] + (T - keep) + torch.arange(keep, device=self.device)
+        slot = torch.tensor(slots, device=self.device)[:, None]
+        self.residual_streams[slot, pos % R] = streams[:, T - keep:].to(self.residual_streams.dtype)
+        self.residual_pre[slot, pos % R] = pre[:, T - keep:].to(self.residual_pre.dtype)
         self.residual_pos[slot, pos % R] = pos.to(torch.int32)
 
     def read_residuals(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,14 @@
 """``AsyncLLMEngine``: the engine behind an asyncio server (vLLM's ``AsyncLLM``).
 
-One background task owns the engine: it applies queued adds and aborts, runs ``LLMEngine.step`` in a single
-worker thread (so the event loop stays responsive while the model computes) and hands each request's outputs to
-that request's ``asyncio.Queue``. Only the worker thread ever touches the ``LLMEngine``; the event loop only
-queues work, so no locks are needed. ``generate`` is an async iterator of :class:`StepOutput`; closing it early
-(a client that went away, a cancelled task) aborts the request, which frees its pages and slot at the next step.
+One background task owns the engine: it starts a single worker thread (so the event loop stays responsive while
+the model computes), which applies queued adds and aborts and runs ``LLMEngine.step`` after ``LLMEngine.step``
+for as long as there is work, handing each step's outputs to the event loop in one callback (vLLM's output
+handler: one hand-off per step, not per request), where they go to each request's ``asyncio.Queue``. The worker
+does not wait for the event loop between steps: the next step computes while the loop streams the last one's
+tokens (issue 25). Only the worker thread ever touches the ``LLMEngine``; the event loop only queues work (in
+deques, which both threads may use), so no locks are needed. ``generate`` is an async iterator of
+:class:`StepOutput`; closing it early (a client that went away, a cancelled task) aborts the request, which frees
+its pages and slot at the next step.
 
 Observers (``add_observer``) see every step's outputs and a stats snapshot; the server's metrics and the periodic
 throughput log are observers. Source: SPEC.md §4.6; vLLM ``vllm/v1/engine/async_llm.py``.
@@ -13,9 +17,11 @@ throughput log are observers. Source: SPEC.md §4.6; vLLM ``vllm/v1/engine/async
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -103,8 +109,11 @@ class AsyncLLMEngine:
         self.on_dead = on_dead
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-engine")
         self._streams: dict[str, _Stream] = {}
-        self._adds: list[EngineRequest] = []
-        self._aborts: list[str] = []
+        # Filled by the event loop, emptied by the worker thread (deque appends and pops are thread-safe).
+        self._adds: deque[EngineRequest] = deque()
+        self._aborts: deque[str] = deque()
+        self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()  # run between steps
+        self._stopping = False
         self._progress: dict[str, _Progress] = {}
         self._observers: list[Observer] = []
         self._wake: asyncio.Event | None = None
@@ -159,6 +168,7 @@ class AsyncLLMEngine:
             self.abort(request_id)
         while self._streams and self.is_running:
             await asyncio.sleep(0.01)
+        self._stopping = True  # the worker's loop returns after its current step
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -233,42 +243,71 @@ class AsyncLLMEngine:
             raise self.dead_error()
         if self._draining:
             raise EngineDrainingError("the server is shutting down")
-        # The single worker thread runs one job at a time: this waits for a step in progress and runs before the
-        # next (the loop awaits its own jobs on the same executor).
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache,
-                                                                 reset_running_requests)
+        # The worker thread runs it between two steps (or, idle, when the loop wakes it for it).
+        self.start()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.append((lambda: self.engine.reset_prefix_cache(reset_running_requests), done))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
 
     # ------------------------------------------------------------------ the loop
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not (self._adds or self._aborts or self.stats["num_running"] or self.stats["num_waiting"]):
+            if not (self._adds or self._aborts or self._calls or self.stats["num_running"]
+                    or self.stats["num_waiting"]):
                 self._wake.clear()
                 await self._wake.wait()
             if self._dead is not None:  # failed from outside the loop (a parallel engine's worker died)
                 return
-            adds, self._adds = self._adds, []
-            aborts, self._aborts = self._aborts, []
             try:
-                outputs, errors, stats = await loop.run_in_executor(self._executor, self._work, adds, aborts)
+                # The worker steps until no work is left; each step's outputs reach _publish on this loop.
+                await loop.run_in_executor(self._executor, self._run_steps, loop)
             except Exception as exc:  # the model or the engine failed: fail every request, loudly, once
                 if self._dead is None:
                     logger.exception("engine step failed; the engine is stopped")
                     self._fail_all(exc)
                 return
-            self.stats = stats
-            for request_id, exc in errors:
-                self._deliver(request_id, exc)
-            for out in outputs:
-                self._deliver(out.request_id, out)
-            if outputs:
-                for observer in self._observers:
+
+    def _run_steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Worker thread: calls queued between steps, then the queued adds and aborts and one step, over and over
+        while any work is left; each step's outputs, add errors and stats go to :meth:`_publish` on ``loop`` in
+        one callback. Returns when idle (the event loop starts it again when work arrives) or stopping; raises
+        what a step raised (after publishing the steps before it)."""
+        while not self._stopping and self._dead is None:
+            while self._calls:
+                call, done = self._calls.popleft()
+                if done.set_running_or_notify_cancel():
                     try:
-                        observer(outputs, stats)
-                    except Exception:  # metrics must never take the engine down
-                        logger.exception("stats observer %r failed", observer)
-            elif not adds and not aborts:
-                await asyncio.sleep(self.idle_sleep_s)
+                        done.set_result(call())
+                    except Exception as exc:  # the caller gets it; the engine goes on
+                        done.set_exception(exc)
+            adds = [self._adds.popleft() for _ in range(len(self._adds))]
+            aborts = [self._aborts.popleft() for _ in range(len(self._aborts))]
+            if not (adds or aborts or self.engine.has_unfinished_requests()):
+                return
+            outputs, errors, stats = self._work(adds, aborts)
+            try:
+                loop.call_soon_threadsafe(self._publish, outputs, errors, stats)
+            except RuntimeError:  # the event loop is closed: no one is listening any more
+                return
+            if not outputs and not adds and not aborts:
+                time.sleep(self.idle_sleep_s)
+
+    def _publish(self, outputs: list[StepOutput], errors: list[tuple[str, BaseException]],
+                 stats: dict[str, Any]) -> None:
+        """Event loop: one step's outputs to their streams, then the observers."""
+        self.stats = stats
+        for request_id, exc in errors:
+            self._deliver(request_id, exc)
+        for out in outputs:
+            self._deliver(out.request_id, out)
+        if outputs:
+            for observer in self._observers:
+                try:
+                    observer(outputs, stats)
+                except Exception:  # metrics must never take the engine down
+                    logger.exception("stats observer %r failed", observer)
 
     def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
         stream = self._streams.get(request_id)

@@ -50,6 +50,9 @@ class LLMEngine:
     speculative settings the checkpoint or the window slack cannot support, a bad ``structured_outputs_config``).
     """
 
+    # The most prefill chunks run as one batched forward (ModelRunner.prefill_batch); 1 runs each alone.
+    max_prefill_batch = 64
+
     def __init__(self, model, args: EngineArgs, tokenizer: Any | None = None, model_path: str | Path | None = None):
         cfg = model.config
         self.model, self.config, self.args, self.tokenizer = model, cfg, args, tokenizer
@@ -352,12 +355,8 @@ class LLMEngine:
         sampled: list[tuple[Sequence, torch.Tensor]] = []
         spec = self.speculator
         prefilled: list[Sequence] = []  # prefill-only sequences whose prompt is done
-        for seq, start, end in plan.prefills:
+        for seq, _, end, logits in self._prefill(plan.prefills):
             seq.first_scheduled_time = seq.first_scheduled_time or now
-            taps = spec.prefill_taps() if spec is not None else None
-            logits = self.runner.prefill(seq, start, end, taps)
-            if spec is not None:
-                spec.add_context(seq, taps, end)
             seq.num_computed = end
             kv.on_computed(seq, prompt_done=end >= len(seq.prompt_token_ids))
             if seq.prefill_only and end >= len(seq.prompt_token_ids):
@@ -405,6 +404,42 @@ class LLMEngine:
             self._append(seq, verdict.tokens, verdict.logprobs, speculative=True, matched=verdict.accepted)
         self.num_steps += 1
         return [self.request_output(rid) for rid in touched]
+
+    def _prefill(self, chunks: list[tuple[Sequence, int, int]]
+                 ) -> list[tuple[Sequence, int, int, torch.Tensor | None]]:
+        """Run a step's prefill chunks; ``(seq, start, end, logits)`` per chunk, in the plan's order.
+
+        Chunks that share a :meth:`ModelRunner.batch_key` (equal lengths, text only: e.g. many short prompts
+        arriving together) run as one batched forward of at most ``max_prefill_batch`` rows, the others alone
+        (issue 25). With a speculator each chunk's draft context rows are committed from its row of the taps."""
+        spec = self.speculator
+        groups: list[list[int]] = []
+        open_groups: dict[Any, list[int]] = {}  # per batch key, the group still taking rows
+        for i, chunk in enumerate(chunks):
+            key = self.runner.batch_key(*chunk) if self.max_prefill_batch > 1 else None
+            group = open_groups.get(key) if key is not None else None
+            if group is None or len(group) >= self.max_prefill_batch:
+                group = []
+                groups.append(group)
+                if key is not None:
+                    open_groups[key] = group
+            group.append(i)
+        results: list[torch.Tensor | None] = [None] * len(chunks)
+        for members in groups:
+            taps = spec.prefill_taps() if spec is not None else None
+            if len(members) == 1:
+                seq, start, end = chunks[members[0]]
+                results[members[0]] = self.runner.prefill(seq, start, end, taps)
+                if spec is not None:
+                    spec.add_context(seq, taps, end)
+                continue
+            batch = [chunks[i] for i in members]
+            for i, logits in zip(members, self.runner.prefill_batch(batch, taps), strict=True):
+                results[i] = logits
+            if spec is not None:
+                for row, (seq, _, end) in enumerate(batch):
+                    spec.add_context(seq, {j: t[row:row + 1] for j, t in taps.items()}, end)
+        return [(*chunk, logits) for chunk, logits in zip(chunks, results, strict=True)]
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None, speculative: bool = False,
                 matched: int = 0) -> None:

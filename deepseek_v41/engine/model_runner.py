@@ -43,6 +43,7 @@ from deepseek_v41.cache.paged_context import PagedContext
 from deepseek_v41.engine.encoder_cache import VisionEncoder
 from deepseek_v41.engine.sequence import Sequence
 from deepseek_v41.kernels import cpu_share, fast
+from deepseek_v41.kernels.fast.moe import rows_alone
 from deepseek_v41.kernels.host_memory import keep_freed_memory, release_freed_memory
 from deepseek_v41.model.image_processor import TokenType
 from deepseek_v41.model.vision import image_token_mask, place_image_embeddings
@@ -92,6 +93,10 @@ class _Handover:
 
 _ONEDNN = _Handover()  # oneDNN turned off for bf16
 _THREAD_DEPTH = threading.local()  # few-token forwards open in this thread, torch's count to restore
+# Prefill chunks of up to this many tokens batch with other sequences' chunks of their length (prefill_batch): short
+# prompts, where a forward's cost is mostly per layer, not per row (issue 25).
+BATCHED_PREFILL_TOKENS = 256
+BATCHED_PREFILL_MIN = 2 * kernels.FEW_ROWS  # (shorter chunks take other kernels batched than alone: batch_key)
 # Seconds the kernels' pool workers spin for the next job from a few-token forward on (a prefill chunk sets 0).
 POOL_SPIN = 0.002
 
@@ -203,6 +208,8 @@ class ModelRunner:
         self.layer_tokens = [0] * len(model.layers)
         self.entries_written: dict[int, int] = {}  # compressed entries written per kv-source layer
         self.max_decode_batch = 0
+        # The longest prefill chunk that batches with others (batch_key).
+        self.max_batched_chunk = min(BATCHED_PREFILL_TOKENS, model.config.sliding_window)
         # The vision encode stage (engine/encoder_cache.py) that gives prefill chunks their images' rows; the
         # engine sets it for a model with a vision tower.
         self.vision: VisionEncoder | None = None
@@ -301,6 +308,32 @@ class ModelRunner:
             self.layer_tokens[j] += tokens
 
     # ------------------------------------------------------------------ forwards
+    def batch_key(self, seq: Sequence, start: int, end: int) -> tuple[int, int] | None:
+        """What a prefill chunk [start, end) of ``seq`` must share with others to run in one forward with them
+        (:meth:`prefill_batch`): its length and, in CED mode, where its decoder starts relative to ``start`` (the
+        decoder's rows then line up too). None when it runs alone: it holds image positions, or its decoder
+        resumes from an SWA snapshot before ``start`` (its decoder inputs then come from the cache), or its length is
+        outside [``BATCHED_PREFILL_MIN``, min(``BATCHED_PREFILL_TOKENS``, sliding window)], or the model is bf16.
+
+        Why: a batched row must get the bits of its chunk alone (a sequence's greedy tokens must not depend on the
+        other sequences of its step). The CPU fast paths choose kernels by a forward's token count: up to
+        ``kernels.FEW_ROWS`` tokens the few-token kernels, and for bf16 the GEMV kernel up to ``kernels.GEMV_MACS``
+        multiply-adds, so such chunks would take other kernels batched; the MoE runs each row alone
+        (:func:`rows_alone`). Measured on the bundled checkpoint (fp32): rows of 24-64 tokens (its window) are
+        bit-identical to alone; rows of 17, and of 65-128, differ by ~1e-6 (not traced: for the longer ones from the
+        first CED decoder layer on), hence the bounds. Long chunks gain nothing from batching (a forward's fixed
+        cost is small beside theirs)."""
+        if (not BATCHED_PREFILL_MIN <= end - start <= self.max_batched_chunk or self.dtype == torch.bfloat16
+                or (seq.mm_inputs is not None and seq.token_types(start, end) is not None)):
+            return None
+        offset = 0
+        if self.prefill_mode is PrefillMode.CED and self.plan.ced:
+            offset = max(seq.decoder_start, seq.decoder_done) - start
+            if offset < 0:
+                return None
+            offset = min(offset, end - start)  # at or past the chunk's end: no decoder row in this chunk
+        return end - start, offset
+
     @torch.no_grad()
     def prefill(self, seq: Sequence, start: int, end: int, taps: dict | None = None) -> torch.Tensor | None:
         """Forward positions [start, end) of ``seq``; fp32 logits [V] of the last position when it is the last
@@ -311,12 +344,43 @@ class ModelRunner:
         positions that layer ran over, which end at ``end`` (CED decoder layers: from the decoder start).
         Raises ValueError for an empty chunk (``end <= start``) or one beyond the sequence: the scheduler never
         plans one."""
-        if not 0 <= start < end <= seq.num_tokens:
-            raise ValueError(f"a prefill chunk is positions [start, end) with 0 <= start < end <= "
-                             f"{seq.num_tokens} (the sequence's tokens), got [{start}, {end})")
+        return self.prefill_batch([(seq, start, end)], taps)[0]
+
+    @torch.no_grad()
+    def prefill_batch(self, chunks: list[tuple[Sequence, int, int]], taps: dict | None = None
+                      ) -> list[torch.Tensor | None]:
+        """Forward several prefill chunks ``(seq, start, end)`` of different sequences in one batched forward
+        (rows [B, T]); per chunk what :meth:`prefill` returns for it alone (fp32 logits [V] of a chunk that ends its
+        sequence, else None). ``taps`` receives each layer's input streams [B, n, hc, D] (row b: ``chunks[b]``).
+
+        Several chunks must share :meth:`batch_key` (equal lengths, decoders starting at the same offset, text
+        only): each row's positions, window rows, pending pairs, compressed entries and Engram history are then
+        exactly those of its chunk alone, with no padding position. A single chunk may be anything
+        :meth:`prefill` takes. One forward for many short prompts instead of one each (issue 25: 32 prompts of 64
+        tokens took ~21 ms each through the torch code, mostly per-layer overhead independent of the rows).
+        Raises ValueError for an empty chunk, one beyond its sequence, or chunks whose keys differ."""
+        for seq, start, end in chunks:
+            if not 0 <= start < end <= seq.num_tokens:
+                raise ValueError(f"a prefill chunk is positions [start, end) with 0 <= start < end <= "
+                                 f"{seq.num_tokens} (the sequence's tokens), got [{start}, {end})")
+        if len(chunks) > 1:
+            keys = {self.batch_key(*chunk) for chunk in chunks}
+            if len(keys) != 1 or None in keys:
+                raise ValueError(f"chunks batched in one prefill forward need one batch key (equal lengths, equal "
+                                 f"decoder offsets, text only), got {sorted(keys, key=str)}")
+        with rows_alone() if len(chunks) > 1 else contextlib.nullcontext():
+            return self._prefill_forward(chunks, taps)
+
+    def _prefill_forward(self, chunks: list[tuple[Sequence, int, int]], taps: dict | None
+                         ) -> list[torch.Tensor | None]:
+        """The forward of :meth:`prefill_batch` (its checks done)."""
         model, plan = self.model, self.plan
-        if seq.rebuild_engram_history:
-            self._rebuild_engram_history(seq, start)
+        seqs = [seq for seq, _, _ in chunks]
+        starts = [start for _, start, _ in chunks]
+        ends = [end for _, _, end in chunks]
+        for seq, start, _ in chunks:
+            if seq.rebuild_engram_history:
+                self._rebuild_engram_history(seq, start)
         # torch's own threads run this chunk's matmuls: the kernels' pool workers (left spinning by a decode step)
         # sleep after each job instead of spinning on the cores those threads need. The chunk's kernels (index
         # selection, mHC mixing, top-k) run on as many threads as torch's (issue 25: until a decode step had set
@@ -324,46 +388,59 @@ class ModelRunner:
         kernels.set_spin(0.0)
         if kernels.library() is not None and kernels.threads() != torch.get_num_threads():
             kernels.set_threads(torch.get_num_threads())
-        ids = torch.tensor([seq.token_at(start, end)], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, end, device=self.device)[None]
-        token_types, image_mask, key_limit = self._image_layout(seq, start, end, positions)
-        ctx = self._context([seq], positions, [end], key_limit)
-        rows, engram = self._engram([seq], ids, image_mask)
+        T = ends[0] - starts[0]
+        ids = torch.tensor([seq.token_at(start, end) for seq, start, end in chunks], dtype=torch.long,
+                           device=self.device)
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
+        token_types = image_mask = key_limit = None
+        if len(chunks) == 1:
+            token_types, image_mask, key_limit = self._image_layout(seqs[0], starts[0], ends[0], positions)
+        ctx = self._context(seqs, positions, ends, key_limit)
+        rows, engram = self._engram(seqs, ids, image_mask)
         streams, pre = model.embed_streams(ids)
         if token_types is not None:
-            streams = self._place_images(seq, start, end, streams, token_types)
-        want_logits = end == seq.num_tokens
+            streams = self._place_images(seqs[0], starts[0], ends[0], streams, token_types)
+        want = [end == seq.num_tokens for seq, _, end in chunks]
+        run_head = True
         if self.prefill_mode is PrefillMode.CED and plan.ced:
-            first = max(seq.decoder_start, seq.decoder_done)
-            if first < start:
-                # Resumed from an SWA snapshot: the decoder's inputs before this chunk are the snapshot's, read
-                # before this chunk writes its own rows (a chunk longer than the ring's slack overwrites them).
-                old_streams, old_pre = self.cache.read_residuals(seq.slot, first, start)  # copies
+            firsts = [max(seq.decoder_start, seq.decoder_done) for seq in seqs]
+            if firsts[0] < starts[0]:  # a single chunk (batch_key): its decoder resumes from an SWA snapshot
+                # The decoder's inputs before this chunk are the snapshot's, read before this chunk writes its
+                # own rows (a chunk longer than the ring's slack overwrites them).
+                old_streams, old_pre = self.cache.read_residuals(seqs[0].slot, firsts[0], starts[0])  # copies
             streams, pre = model.ced_encode(streams, pre, ctx, rows, taps, image_mask=image_mask)
-            self._count(plan.encoder_layers, end - start)
+            self._count(plan.encoder_layers, len(chunks) * T)
             if self.cache.residuals:
-                self.cache.write_residuals(seq.slot, range(start, end), streams[0], pre[0])
-            logits = None
-            if first < end:
-                if first < start:
+                self.cache.write_residual_rows([seq.slot for seq in seqs], starts, streams, pre)
+            run_head = firsts[0] < ends[0]
+            if run_head:
+                if firsts[0] < starts[0]:
                     streams = torch.cat((old_streams[None].to(streams.dtype), streams), 1)
                     pre = torch.cat((old_pre[None].to(pre.dtype), pre), 1)
                 else:
-                    streams, pre = streams[:, first - start:], pre[:, first - start:]
-                tail_positions = torch.arange(first, end, device=self.device)[None]
-                _, tail_mask, tail_limit = self._image_layout(seq, first, end, tail_positions)
-                tail = self._context([seq], tail_positions, [end], tail_limit)
+                    streams, pre = streams[:, firsts[0] - starts[0]:], pre[:, firsts[0] - starts[0]:]
+                n = ends[0] - firsts[0]
+                tail_positions = (torch.tensor(firsts, device=self.device)[:, None]
+                                  + torch.arange(n, device=self.device))
+                tail_mask = tail_limit = None
+                if len(chunks) == 1:
+                    _, tail_mask, tail_limit = self._image_layout(seqs[0], firsts[0], ends[0], tail_positions)
+                tail = self._context(seqs, tail_positions, ends, tail_limit)
                 streams, pre = model.ced_decode(streams, pre, tail, rows, taps, image_mask=tail_mask)
-                self._count(plan.decoder_layers, end - first)
-                seq.decoder_done = end
-                if want_logits:
-                    logits = model.logits(streams[:, -1:], pre[:, -1:])[0, -1]
+                self._count(plan.decoder_layers, len(chunks) * n)
+                for seq, end in zip(seqs, ends, strict=True):
+                    seq.decoder_done = end
         else:
             layers = range(len(model.layers))
             streams, pre = model.run_layers(layers, streams, pre, ctx, image_mask, rows, taps)
-            self._count(layers, end - start)
-            seq.decoder_done = end
-            logits = model.logits(streams[:, -1:], pre[:, -1:])[0, -1] if want_logits else None
+            self._count(layers, len(chunks) * T)
+            for seq, end in zip(seqs, ends, strict=True):
+                seq.decoder_done = end
+        logits: list[torch.Tensor | None] = [None] * len(chunks)
+        if run_head:
+            # The LM head one row at a time: a row's logits then round as they do when its chunk runs alone.
+            for row in (r for r in range(len(chunks)) if want[r]):
+                logits[row] = model.logits(streams[row:row + 1, -1:], pre[row:row + 1, -1:])[0, -1]
         self._commit_engram(engram)
         self._count_entries(ctx)
         return logits
@@ -388,9 +465,8 @@ class ModelRunner:
         plan = self.plan
         if self.cache.residuals and plan.ced:  # keep the decoder inputs for SWA snapshots
             streams, pre = self.model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows, taps)
-            for row, seq in enumerate(seqs):
-                self.cache.write_residuals(seq.slot, range(seq.num_computed, seq.num_computed + 1), streams[row],
-                                           pre[row])
+            self.cache.write_residual_rows([seq.slot for seq in seqs], [seq.num_computed for seq in seqs], streams,
+                                           pre)
             streams, pre = self.model.run_layers(plan.decoder_layers, streams, pre, ctx, None, rows, taps)
         else:
             streams, pre = self.model.run_layers(range(len(self.model.layers)), streams, pre, ctx, None, rows,
@@ -435,8 +511,7 @@ class ModelRunner:
             plan = self.plan
             if self.cache.residuals and plan.ced:
                 streams, pre = self.model.run_layers(plan.encoder_layers, streams, pre, ctx, None, rows, taps)
-                for row, seq in enumerate(seqs):
-                    self.cache.write_residuals(seq.slot, range(starts[row], starts[row] + T), streams[row], pre[row])
+                self.cache.write_residual_rows([seq.slot for seq in seqs], starts, streams, pre)
                 streams, pre = self.model.run_layers(plan.decoder_layers, streams, pre, ctx, None, rows, taps)
             else:
                 streams, pre = self.model.run_layers(range(len(self.model.layers)), streams, pre, ctx, None, rows,

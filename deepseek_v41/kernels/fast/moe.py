@@ -31,6 +31,8 @@ copies once made.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -305,7 +307,27 @@ def _pack_bf16(weights: list, stacked: tuple[torch.Tensor, torch.Tensor] | None,
     return ((w13, w2) if any(ok) else None), ok
 
 
+_ROWS_ALONE = threading.local()  # rows_alone() is on in this thread
+
+
+@contextlib.contextmanager
+def rows_alone():
+    """Within (in this thread): a fast MoE forward over x [B, T, D] with B > 1 runs each row b as the forward of x[b]
+    alone: the router and the expert path (fused kernel, grouped matmul) are chosen by the row's token count, and
+    ``torch._grouped_mm`` rounds a row by how many rows its expert gets, so this is what makes a batched prefill
+    (``ModelRunner.prefill_batch``, issue 25) give each sequence the bits of its chunk run alone."""
+    before = getattr(_ROWS_ALONE, "on", False)
+    _ROWS_ALONE.on = True
+    try:
+        yield
+    finally:
+        _ROWS_ALONE.on = before
+
+
 def _moe_forward(self: MoE, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    if x.dim() == 3 and x.shape[0] > 1 and getattr(_ROWS_ALONE, "on", False):
+        return torch.cat([_moe_forward(self, x[b:b + 1], None if image_mask is None else image_mask[b:b + 1])
+                          for b in range(x.shape[0])])
     flat = x.reshape(-1, x.shape[-1])
     indices, weights = self._modules["gate"](flat, None if image_mask is None else image_mask.reshape(-1))
     return _experts_forward(self, flat, indices, weights).reshape(x.shape)
