@@ -128,17 +128,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from deepseek_v41.engine import LLM
     from deepseek_v41.engine.async_engine import AsyncLLMEngine
+    try:
+        from deepseek_v41.engine.async_engine import engine_thread
+    except ImportError:  # a tree from before issue 25 (a paired run's baseline): the same one thread, set by hand
+        from concurrent.futures import ThreadPoolExecutor
+
+        def engine_thread():
+            return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-engine")
     from deepseek_v41.server.app import build_app
     from deepseek_v41.server.common import ServerConfig
     from deepseek_v41.server.launch import bound_port, make_server
 
     top = max(args.clients)
-    llm = LLM(args.model, dtype=getattr(torch, args.dtype), device=args.device, max_num_seqs=max(top, 1),
-              max_model_len=args.prompt_len + args.max_tokens + 1)
+    # As `dsv41 serve` does: the engine is built, stepped and (for the offline baseline) run on one thread.
+    thread = engine_thread()
+    llm = thread.submit(LLM, args.model, dtype=getattr(torch, args.dtype), device=args.device,
+                        max_num_seqs=max(top, 1), max_model_len=args.prompt_len + args.max_tokens + 1).result()
     vocab = llm.engine.config.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(2 * top * args.rounds)]
-    engine = AsyncLLMEngine(llm.engine)
+    try:
+        engine = AsyncLLMEngine(llm.engine, executor=thread)
+    except TypeError:  # (the baseline tree's engine makes its own executor: give it this one)
+        engine = AsyncLLMEngine(llm.engine)
+        engine._executor.shutdown()
+        engine._executor = thread
     server = make_server(build_app(engine, ServerConfig(["bench"], log_stats_interval_s=0)), "127.0.0.1", 0, 5,
                          log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
@@ -162,9 +176,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         server.should_exit = True
         thread.join(30)
+    offline = engine_thread()  # the server's executor is shut down with it; a new one runs the baseline
     for row in rows:
-        row["offline_tokens_per_s"] = offline_tokens_per_s(llm, prompts, row["clients"], args.rounds,
-                                                           args.max_tokens)
+        row["offline_tokens_per_s"] = offline.submit(offline_tokens_per_s, llm, prompts, row["clients"], args.rounds,
+                                                     args.max_tokens).result()
     print(f"model {args.model}  prompt {args.prompt_len} tokens  output {args.max_tokens} tokens  "
           f"rounds {args.rounds}  threads {torch.get_num_threads()}")
     header = ("clients", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "out tok/s",

@@ -10,6 +10,7 @@ FastAPI) happen inside the command so that ``dsv41 --help`` stays fast.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from deepseek_v41.dtypes import DTYPES
 from deepseek_v41.dtypes import resolve_dtype as resolve
 from deepseek_v41.engine import LLM
 from deepseek_v41.engine import options as engine_options
-from deepseek_v41.engine.async_engine import AsyncLLMEngine
+from deepseek_v41.engine.async_engine import AsyncLLMEngine, engine_thread
 from deepseek_v41.engine.data_parallel import DataParallelEngine
 from deepseek_v41.model.checkpoint import CheckpointError
 from deepseek_v41.server import options
@@ -415,17 +416,23 @@ def serve(
         replicas = parallel_config.data_parallel_size
         if replicas > 1 and vllm_options["gpu_memory_utilization"] is not None:  # the device's share, split
             vllm_options["gpu_memory_utilization"] /= replicas
+        # A one-process engine loads on the thread that will step it (engine_thread: one OpenMP team); a
+        # multi-rank engine loads here, on the thread its worker processes stay tied to (PR_SET_PDEATHSIG).
+        threads = [engine_thread() if parallel_config.world_size == 1 else None for _ in range(replicas)]
         try:
-            for _ in range(replicas):  # each replica its own engine and KV pool
-                llms.append(LLM(model, dtype=torch_dtype, device=str(torch_device), **vllm_options, **engine_args))
+            for thread in threads:  # each replica its own engine and KV pool
+                build = functools.partial(LLM, model, dtype=torch_dtype, device=str(torch_device), **vllm_options,
+                                          **engine_args)
+                llms.append(build() if thread is None else thread.submit(build).result())
         except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as exc:
             fail(str(exc))
         except RuntimeError as exc:  # a worker rank failed to start (named in the message)
             log.error("%s", exc)
             raise typer.Exit(1) from exc
         llm = llms[0]
-        engine = AsyncLLMEngine(llm.engine) if len(llms) == 1 else \
-            DataParallelEngine([AsyncLLMEngine(replica.engine) for replica in llms])
+        engine = AsyncLLMEngine(llm.engine, executor=threads[0]) if len(llms) == 1 else \
+            DataParallelEngine([AsyncLLMEngine(replica.engine, executor=thread)
+                                for replica, thread in zip(llms, threads, strict=True)])
         if len(llms) > 1:
             log.info("data parallel: %d engine replicas, each its own KV pool, sharing %s; requests routed by "
                      "prefix affinity, else to the least loaded replica", len(llms), cache_path)

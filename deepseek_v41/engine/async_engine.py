@@ -85,6 +85,19 @@ class _Progress:
 Observer = Callable[[list[StepOutput], dict[str, Any]], None]
 
 
+def engine_thread() -> ThreadPoolExecutor:
+    """A single-thread executor ("dsv41-engine") for an engine's torch work: build the engine with
+    ``engine_thread().submit(LLM, ...).result()`` and pass the same executor to :class:`AsyncLLMEngine`.
+
+    Why one thread (issue 25, measured): each Python thread that runs a large torch op gets its own OpenMP thread
+    team. With a model loaded on the main thread and stepped on a worker thread, two teams share the cores, and on
+    a 2-core machine every parallel op of either thread then ran ~2.5x slower, also a plain matmul loop (likely
+    libgomp's idle threads: with more of them than cores they sleep instead of spinning between ops). Loading and
+    stepping on one thread keeps one team.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-engine")
+
+
 class AsyncLLMEngine:
     """Runs an :class:`LLMEngine` in the background and streams each request's outputs.
 
@@ -95,19 +108,25 @@ class AsyncLLMEngine:
         on_dead: called once on the event loop with the exception after the loop failed and every open request got
             :class:`EngineDeadError` (the server exits non-zero from it, so that a supervisor restarts it, as vLLM
             does); settable later as the ``on_dead`` attribute.
+        executor: the single-thread executor whose thread runs the steps (None: a new one). Pass the
+            :func:`engine_thread` that built the engine, so that one thread does all of its torch work.
 
     ``stats`` is a snapshot of ``engine.stats`` taken after the latest step, plus ``num_running`` and
     ``num_waiting`` (safe to read from the event loop at any time).
     """
 
     def __init__(self, engine: LLMEngine, idle_sleep_s: float = 0.002,
-                 on_dead: Callable[[BaseException], None] | None = None):
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 executor: ThreadPoolExecutor | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.idle_sleep_s = idle_sleep_s
         self.on_dead = on_dead
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-engine")
+        if executor is not None and executor._max_workers != 1:
+            raise ValueError(f"the engine's executor runs its steps in order on one thread: max_workers must be 1, "
+                             f"got {executor._max_workers}")
+        self._executor = executor if executor is not None else engine_thread()
         self._streams: dict[str, _Stream] = {}
         # Filled by the event loop, emptied by the worker thread (deque appends and pops are thread-safe).
         self._adds: deque[EngineRequest] = deque()

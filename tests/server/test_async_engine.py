@@ -134,3 +134,37 @@ def test_a_request_crosses_to_the_engine_thread_as_one_typed_object(llm, monkeyp
     assert queued == [EngineRequest("typed", [5, 6, 7], queued[0].params, "abc", "tenant-a", 123.0)]
     assert added == [("typed", {"prompt_token_ids": [5, 6, 7], "params": queued[0].params, "prompt": "abc",
                                 "arrival_time": 123.0, "cache_salt": "tenant-a"})]
+
+
+def test_engine_built_on_its_engine_thread_steps_there(model_dir):
+    """`engine_thread`: the executor that built the engine runs its steps (one thread does all its torch work:
+    one OpenMP team, issue 25); an executor of more than one thread is refused."""
+    import threading
+
+    from deepseek_v41.engine.async_engine import engine_thread
+
+    thread = engine_thread()
+    built_on = thread.submit(threading.get_ident).result()
+    llm = thread.submit(LLM, model_dir, max_num_seqs=2, max_model_len=64).result()
+    stepped_on = set()
+    step = llm.engine.step
+
+    def watched_step():
+        stepped_on.add(threading.get_ident())
+        return step()
+
+    llm.engine.step = watched_step
+
+    async def run():
+        engine = AsyncLLMEngine(llm.engine, executor=thread)
+        outputs = await collect(engine, "r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        await engine.shutdown()
+        return outputs
+
+    outputs = asyncio.run(run())
+    assert len(outputs[-1].output.outputs[0].token_ids) == 4
+    assert stepped_on == {built_on}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with pytest.raises(ValueError, match="max_workers must be 1"):
+        AsyncLLMEngine(llm.engine, executor=ThreadPoolExecutor(max_workers=2))
