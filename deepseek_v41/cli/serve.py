@@ -423,7 +423,21 @@ def serve(
             for thread in threads:  # each replica its own engine and KV pool
                 build = functools.partial(LLM, model, dtype=torch_dtype, device=str(torch_device), **vllm_options,
                                           **engine_args)
-                llms.append(build() if thread is None else thread.submit(build).result())
+                if thread is None:
+                    llms.append(build())
+                    continue
+                loading = thread.submit(build)
+                try:
+                    llms.append(loading.result())
+                except KeyboardInterrupt:
+                    # Ctrl-C during the load: the engine thread cannot be interrupted and the interpreter would
+                    # wait for it at exit, i.e. for the whole load. Clean up and leave now, as a Ctrl-C exits.
+                    log.warning("interrupted while loading the model: exiting")
+                    for replica in llms:
+                        replica.shutdown()
+                    _remove_created(created)
+                    logging.shutdown()
+                    os._exit(130)
         except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as exc:
             fail(str(exc))
         except RuntimeError as exc:  # a worker rank failed to start (named in the message)
