@@ -78,7 +78,7 @@ class PagedContext:
         # rewrites them (SPEC.md §4.3).
         self.write_from = torch.tensor(write_from or [0] * len(slots), device=device)[:, None]
         self.entries_written: dict[int, int] = {}
-        self._decoded: dict[int, torch.Tensor] = {}  # every main entry of a layer, decoded (prefill chunks)
+        self._decoded: dict[int, torch.Tensor] = {}  # a layer's main entries decoded + a zero row (prefill)
 
     # ------------------------------------------------------------------ window rings
     def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
