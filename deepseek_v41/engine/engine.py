@@ -373,6 +373,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 seq.finished_time = time.time()
         verdicts = []
+        decoded = None  # the decode logits [B, V], when they are all the step samples (no copy into a stack then)
         if plan.decodes and spec is not None and spec.speculate(plan.decodes):
             verdicts = list(zip(plan.decodes, spec.step(plan.decodes), strict=True))
         elif plan.decodes:
@@ -383,6 +384,7 @@ class LLMEngine:
                 logits = self.runner.decode(plan.decodes, taps)
                 spec.record_plain(plan.decodes)
                 spec.defer_context(plan.decodes, taps)
+            decoded = logits if not sampled else None
             for row, seq in enumerate(plan.decodes):
                 seq.num_computed += 1
                 kv.on_computed(seq, prompt_done=True)
@@ -390,7 +392,7 @@ class LLMEngine:
         touched = ({seq.request_id for seq, _ in sampled} | {seq.request_id for seq, _ in verdicts}
                    | {seq.request_id for seq in prefilled})
         if sampled:
-            logits = torch.stack([l for _, l in sampled])
+            logits = decoded if decoded is not None else torch.stack([l for _, l in sampled])
             if any(seq.grammar is not None for seq, _ in sampled):
                 self._structured.mask_logits(logits, [seq.grammar for seq, _ in sampled])
             out = self.sampler.sample(logits, [s.sampling for s, _ in sampled])

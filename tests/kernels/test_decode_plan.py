@@ -231,9 +231,11 @@ def test_decode_plan_taps_equal_the_module_paths_layer_inputs(plan_runs, dtype):
 
 
 # ------------------------------------------------------------------------------------------------- the fallbacks
-def test_a_hook_on_a_watched_module_runs_the_module_path_until_removed(plan_runs):
-    """A forward hook on one block's attention (registered after the plan is built) makes every step take the
-    module path (the hook sees every step); removed, the plan runs again. Results equal the module path's."""
+@pytest.mark.parametrize("kind", ["forward", "forward_pre"])
+def test_a_hook_on_a_watched_module_runs_the_module_path_until_removed(plan_runs, kind):
+    """A forward (pre-)hook on one block's attention or router (registered after the plan is built, in the dicts
+    the plan checks each step) makes every step take the module path (the hook sees every step); removed, the plan
+    runs again. Results equal the module path's."""
     a, b = Run(tiny(torch.float32)), Run(tiny(torch.float32), plan=False)
     for run in (a, b):
         run.add(prompts((21, 14)), 12)
@@ -241,7 +243,10 @@ def test_a_hook_on_a_watched_module_runs_the_module_path_until_removed(plan_runs
     ran = plan_runs["ran"]
     assert ran > 0
     seen = []
-    handle = a.model.layers[3].attn.register_forward_hook(lambda m, i, o: seen.append(1))
+    if kind == "forward":
+        handle = a.model.layers[3].attn.register_forward_hook(lambda m, i, o: seen.append(1))
+    else:
+        handle = a.model.layers[1].ffn.gate.register_forward_pre_hook(lambda m, i: seen.append(1))
     lockstep(a, b, 4)
     assert plan_runs["ran"] == ran and len(seen) == 4
     handle.remove()
@@ -422,6 +427,34 @@ def test_the_ctypes_structs_have_the_c_structs_layout(tmp_path):
         for name, kind in struct._fields_:
             field = getattr(struct, name)
             assert want[struct.__name__, name] == (field.offset, ctypes.sizeof(kind)), (struct.__name__, name)
+
+
+def test_the_phase_tables_hold_rope_phases_bit_for_bit():
+    """The decode plan's RoPE phases by position (``decode._phases``: rows of a table ``rope.phases`` computed once)
+    equal ``rope.phases`` of the step's positions bit for bit, for any batch, position -1 (a ratio-2 pair's), a
+    table grown past its first size; past PHASE_TABLE_BYTES they are ``rope.phases`` itself."""
+    model = tiny(torch.float32)
+    from deepseek_v41.kernels import fast
+
+    fast.install(model)
+    plan = decode.decode_plan(model)
+    assert plan is not None and plan.ropes
+    gen = torch.Generator().manual_seed(0)
+    for i, rope in enumerate(plan.ropes):
+        for high in (5, 900, 3000, 8192):  # the table grows on the way
+            for batch in (1, 3, 8, 16):
+                pos = torch.randint(-1, high, (batch, 1), generator=gen)
+                pos[0, 0] = high - 1
+                for p in (pos, torch.cat((pos - 1, pos), 1).clamp_min(-1)):
+                    got, want = decode._phases(plan, i, rope, p, high, None), rope.phases(p)
+                    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (i, high, batch)
+        assert plan.phase_tables[i][0].shape[0] > 8192
+    rows = decode.PHASE_TABLE_BYTES // (plan.ropes[0].rope_dim * 8) + 10
+    pos = torch.tensor([[rows]])
+    plan.phase_tables.clear()
+    got = decode._phases(plan, 0, plan.ropes[0], pos, rows + 1, None)
+    assert 0 not in plan.phase_tables and all(torch.equal(g, w) for g, w in zip(got, plan.ropes[0].phases(pos),
+                                                                                  strict=True))
 
 
 def test_a_dropped_llms_kv_cache_is_freed_while_the_model_and_its_plan_live(plan_runs):

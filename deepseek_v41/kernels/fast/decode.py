@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepseek_v41 import kernels
-from deepseek_v41.kernels.fast.attention import _pair_phases, _weights
+from deepseek_v41.kernels.fast.attention import _weights
 from deepseek_v41.kernels.fast.block import _block_forward, lm_head
 from deepseek_v41.kernels.fast.moe import pack_copies
 from deepseek_v41.kernels.fast.registry import hooked, override, register
@@ -141,6 +141,14 @@ class DecodePlan:
     compressing: bool = False
     bound: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     ranges: dict = field(default_factory=dict)  # (start, stop) -> runs or None (see runs)
+    hook_dicts: list = field(default_factory=list)  # the watched modules' hook dicts (see step_ok)
+    phase_tables: dict = field(default_factory=dict)  # RoPE table index -> (cos, sin) by position (see _phases)
+
+    def __post_init__(self) -> None:
+        # torch keeps a module's hooks in these dicts and only assigns them in __init__ / __setstate__: holding the
+        # dicts makes each step's hook check one C-level any() over them, not four attribute reads per module.
+        self.hook_dicts = [d for m in self.watch for d in (m._forward_hooks, m._forward_pre_hooks,
+                                                            m._backward_hooks, m._backward_pre_hooks)]
 
     def closed(self, layers: range) -> bool:
         """Whether ``layers`` (consecutive) can run alone: no layer in it reads the picks or candidate pool of an
@@ -385,7 +393,7 @@ def step_ok(streams: torch.Tensor, ctx, plan: DecodePlan) -> _Bound | None:
     if not (ctx.dtype == torch.float32 and ctx.key_limit is None and ctx.indexer_losses is None
             and not ctx.dense_indexer and ctx.fake_quant and pos.dtype == torch.int64 and pos.shape == streams.shape[:2]
             and ctx.tables.dtype == torch.int64 and kernels.usable(streams, pos, ctx.slots, ctx.tables, ctx.write_from)
-            and not any(hooked(m) for m in plan.watch)):
+            and not any(plan.hook_dicts)):  # (hooked() of each of plan.watch)
         return None
     return _bind(plan, ctx.cache)
 
@@ -415,9 +423,11 @@ def run_decode(plan: DecodePlan, bound: _Bound, layers: range, streams: torch.Te
         S.skip_compress = work.no_skip.data_ptr()
     phases = []  # [B, 1 or 2, r] fp32 each (kept alive for the calls)
     odd = plan.ratio2 and any(end % 2 == 0 for end in ctx.ends)  # a row at an odd position completes a ratio-2 pair
-    for rope in plan.ropes:
-        phases.append(rope.phases(pos, ctx.shared))
-        phases.append(_pair_phases(rope, pos, ctx.shared) if odd else (None, None))
+    pairs = torch.cat((pos - 1, pos), 1) if odd else None  # the positions _pair_phases takes
+    high = max(ctx.ends)  # past every position of the step
+    for i, rope in enumerate(plan.ropes):
+        phases.append(_phases(plan, i, rope, pos, high, ctx.shared))
+        phases.append(_phases(plan, i, rope, pairs, high, None) if odd else (None, None))
     if any(t is not None and not (t.dtype == torch.float32 and t.is_contiguous()) for p in phases for t in p):
         return None
     streams, pre = streams.contiguous(), upcast(pre).contiguous()
@@ -481,6 +491,29 @@ def run_decode(plan: DecodePlan, bound: _Bound, layers: range, streams: torch.Te
         for j in layers:
             taps[j] = tapped[j]
     return buffers[out], pre_out
+
+
+PHASE_TABLE_BYTES = 8 << 20  # the most one RoPE table's phases by position (cos and sin) may take
+
+
+def _phases(plan: DecodePlan, i: int, rope: RotaryEmbedding, pos: torch.Tensor, high: int, cache: dict | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope.phases(pos, cache)``: (cos, sin) fp32 [B, T, r] at positions ``pos`` [B, T] (int64, in [-1, high)),
+    read from a table of every position's phases that ``rope.phases`` computed once (``plan.phase_tables[i]``,
+    grown by doubling while it takes at most PHASE_TABLE_BYTES; past that, ``rope.phases`` itself): two row gathers
+    instead of the ~10 small torch ops of a call, the most costly Python of a decode step (issue 25). The same
+    values bit for bit, as torch computes each element's cos / sin alone whatever the tensor's shape
+    (tests/kernels/test_decode_plan.py checks the table against ``rope.phases``)."""
+    table = plan.phase_tables.get(i)
+    if table is None or table[0].shape[0] <= high:
+        rows = max(2 * high, 1024) + 1  # positions -1 .. rows - 2
+        if rows * rope.rope_dim * 8 > PHASE_TABLE_BYTES:
+            return rope.phases(pos, cache)
+        cos, sin = rope.phases(torch.arange(-1, rows - 1, device=pos.device)[:, None])
+        table = plan.phase_tables[i] = (cos[:, 0].contiguous(), sin[:, 0].contiguous())
+    at = (pos + 1).flatten()
+    shape = (*pos.shape, table[0].shape[1])
+    return table[0].index_select(0, at).view(shape), table[1].index_select(0, at).view(shape)
 
 
 @dataclass
