@@ -152,6 +152,32 @@ def _block_forward(self: Block, streams: torch.Tensor, pre: torch.Tensor, ctx,
 
 
 # ------------------------------------------------------------------------------------------- Transformer
+_ONE_HOT: dict = {}  # (hc, dtype, device) -> the first block's ``pre`` of one token [hc]: 1, 0, ..., 0
+
+
+def embed_streams(self: Transformer, input_ids: torch.Tensor, token_types: torch.Tensor | None = None,
+                  images: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Transformer.embed_streams`` of text tokens through a plain ``nn.Embedding`` (no ``max_norm``): the same
+    values in three torch ops instead of five (rows by ``index_select``, one copy into the hc streams, ``pre`` a
+    copy of a kept one-hot row; a decode step's embedding cost ~0.1 ms, issue 25). Images, a hooked or other
+    embedding module, a global module hook, or gradients (``padding_idx`` shapes the embedding's) run the
+    reference."""
+    embed = self._modules["embed"]
+    if (images or torch.is_grad_enabled() or not plain(embed, torch.nn.Embedding) or embed.max_norm is not None
+            or global_hooks()):
+        return Transformer.embed_streams(self, input_ids, token_types, images)
+    weight = embed._parameters["weight"]
+    (B, T), D, hc = input_ids.shape, weight.shape[1], self.config.hc_mult
+    streams = weight.index_select(0, input_ids.reshape(-1)).view(B, T, 1, D).expand(B, T, hc, D).contiguous()
+    dtype = upcast(weight).dtype
+    key = (hc, dtype, weight.device)
+    one_hot = _ONE_HOT.get(key)
+    if one_hot is None:
+        one_hot = _ONE_HOT[key] = torch.zeros(hc, dtype=dtype, device=weight.device)
+        one_hot[0] = 1.0
+    return streams, one_hot.expand(B, T, hc).contiguous()
+
+
 def lm_head(self: Transformer, x: torch.Tensor) -> torch.Tensor:
     """``Transformer.lm_head``: the GEMV kernel for a few tokens of a plain head (see the module docstring)."""
     head = self._modules["head"]

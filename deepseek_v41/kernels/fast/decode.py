@@ -30,7 +30,7 @@ import torch
 
 from deepseek_v41 import kernels
 from deepseek_v41.kernels.fast.attention import _weights
-from deepseek_v41.kernels.fast.block import _block_forward, lm_head
+from deepseek_v41.kernels.fast.block import _block_forward, embed_streams, lm_head
 from deepseek_v41.kernels.fast.moe import pack_copies
 from deepseek_v41.kernels.fast.registry import hooked, override, register
 from deepseek_v41.kernels.fast.warm import warm
@@ -53,10 +53,11 @@ register_signatures({"dsv41_decode_layers": ([_P, _I, _I, _P], ctypes.c_int)})
 @register(Transformer)
 def install_transformer(m: Transformer) -> bool:
     """Replace ``run_layers`` (:func:`run_decode` for a decode step the plan takes, else the reference loop with
-    :func:`~deepseek_v41.kernels.fast.warm.warm` before each block of a few-token step) and ``lm_head``
-    (:func:`deepseek_v41.kernels.fast.block.lm_head`)."""
+    :func:`~deepseek_v41.kernels.fast.warm.warm` before each block of a few-token step), ``lm_head`` and
+    ``embed_streams`` (:func:`deepseek_v41.kernels.fast.block.lm_head`, :func:`~.block.embed_streams`)."""
     override(m, "run_layers", _run_layers)
     override(m, "lm_head", lm_head)
+    override(m, "embed_streams", embed_streams)
     return True
 
 
@@ -448,27 +449,27 @@ def run_decode(plan: DecodePlan, bound: _Bound, layers: range, streams: torch.Te
     counts, written = work.counts, None
     pending = cache.pending[ctx.slots] if work.rows < B and plan.ratio2 else None  # restored if a call declines
     lib, out = kernels.library(), 0
-    for start in range(0, B, work.rows):
+    for start in range(0, B, work.rows):  # (row addresses by arithmetic: no tensor is sliced for them)
         rows = slice(start, min(B, start + work.rows))
         S.B = rows.stop - start
-        S.positions, S.slots, S.tables, S.write_from = (t[rows].data_ptr() for t in (pos, ctx.slots, ctx.tables,
-                                                                                      ctx.write_from))
-        S.streams[0], S.streams[1], S.pre_out = buffers[0][rows].data_ptr(), buffers[1][rows].data_ptr(), \
-            pre_out[rows].data_ptr()
+        S.positions, S.slots, S.tables, S.write_from = (_row(t, start) for t in (pos, ctx.slots, ctx.tables,
+                                                                                  ctx.write_from))
+        S.streams[0], S.streams[1], S.pre_out = _row(buffers[0], start), _row(buffers[1], start), \
+            _row(pre_out, start)
         for i in range(len(plan.ropes)):
             (cos, sin), (pair_cos, pair_sin) = phases[2 * i], phases[2 * i + 1]
-            S.cos[i], S.sin[i] = cos[rows].data_ptr(), sin[rows].data_ptr()
+            S.cos[i], S.sin[i] = _row(cos, start), _row(sin, start)
             if pair_cos is not None:
-                S.pair_cos[i], S.pair_sin[i] = pair_cos[rows].data_ptr(), pair_sin[rows].data_ptr()
+                S.pair_cos[i], S.pair_sin[i] = _row(pair_cos, start), _row(pair_sin, start)
         if tapped is not None:
-            S.taps = tapped[0, rows].data_ptr()
-        counts.zero_()
-        x, p = streams[rows], pre[rows]
+            S.taps = tapped.data_ptr() + start * tapped.stride(1) * tapped.element_size()
+        ctypes.memset(counts.data_ptr(), 0, counts.numel() * counts.element_size())
+        x, p, at = streams, pre, start  # this call's rows: x from row `at` on, p from row `start` on
         for first, stop in runs:
             engram = plan.blocks[first].engram
             if engram is not None:
-                x = engram(x, engram_rows[first][rows], None).contiguous()
-            S.streams_in, S.pre_in = x.data_ptr(), p.data_ptr()
+                x, at = engram(x[at:at + S.B], engram_rows[first][rows], None).contiguous(), 0
+            S.streams_in, S.pre_in = _row(x, at), _row(p, start)
             status = lib.dsv41_decode_layers(bound.layers, first, stop, ctypes.byref(S))
             if status:
                 if pending is not None:
@@ -481,16 +482,22 @@ def run_decode(plan: DecodePlan, bound: _Bound, layers: range, streams: torch.Te
                     raise IndexError("an entry index lies past its block table")
                 raise IndexError(f"an expert index lies outside [0, {plan.layers[S.failed_layer].E})")
             out = 0 if S.streams_out == S.streams[0] else 1
-            x, p = buffers[out][rows], pre_out[rows]
-        written = counts[2].clone() if written is None else written + counts[2]
+            x, p, at = buffers[out], pre_out, start
+        counted = counts[2].tolist()
+        written = counted if written is None else [a + b for a, b in zip(written, counted, strict=True)]
     if plan.compressing:  # (as add_entries counts them; a decode step never fills the context's decoded entries)
-        for j, count in enumerate(written.tolist()):
+        for j, count in enumerate(written):
             if count:
                 ctx.entries_written[j] = ctx.entries_written.get(j, 0) + count
     if tapped is not None:
         for j in layers:
             taps[j] = tapped[j]
     return buffers[out], pre_out
+
+
+def _row(t: torch.Tensor, row: int) -> int:
+    """The address of ``t[row]`` (``t[row:].data_ptr()`` without making the view)."""
+    return t.data_ptr() + row * t.stride(0) * t.element_size()
 
 
 PHASE_TABLE_BYTES = 8 << 20  # the most one RoPE table's phases by position (cos and sin) may take
