@@ -446,13 +446,13 @@ def test_the_phase_tables_hold_rope_phases_bit_for_bit():
                 pos = torch.randint(-1, high, (batch, 1), generator=gen)
                 pos[0, 0] = high - 1
                 for p in (pos, torch.cat((pos - 1, pos), 1).clamp_min(-1)):
-                    got, want = decode._phases(plan, i, rope, p, high, None), rope.phases(p)
+                    got, want = decode._phases(plan, i, rope, p, high), rope.phases(p)
                     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (i, high, batch)
         assert plan.phase_tables[i][0].shape[0] > 8192
     rows = decode.PHASE_TABLE_BYTES // (plan.ropes[0].rope_dim * 8) + 10
     pos = torch.tensor([[rows]])
     plan.phase_tables.clear()
-    got = decode._phases(plan, 0, plan.ropes[0], pos, rows + 1, None)
+    got = decode._phases(plan, 0, plan.ropes[0], pos, rows + 1)
     assert 0 not in plan.phase_tables and all(torch.equal(g, w) for g, w in zip(got, plan.ropes[0].phases(pos),
                                                                                   strict=True))
 

@@ -424,11 +424,13 @@ def run_decode(plan: DecodePlan, bound: _Bound, layers: range, streams: torch.Te
         S.skip_compress = work.no_skip.data_ptr()
     phases = []  # [B, 1 or 2, r] fp32 each (kept alive for the calls)
     odd = plan.ratio2 and any(end % 2 == 0 for end in ctx.ends)  # a row at an odd position completes a ratio-2 pair
-    pairs = torch.cat((pos - 1, pos), 1) if odd else None  # the positions _pair_phases takes
     high = max(ctx.ends)  # past every position of the step
+    pairs = torch.cat((pos - 1, pos), 1) if odd else None  # the positions _pair_phases takes
+    rows_at = (pos + 1).flatten()  # their rows in the phase tables
+    pair_rows_at = (pairs + 1).flatten() if odd else None
     for i, rope in enumerate(plan.ropes):
-        phases.append(_phases(plan, i, rope, pos, high, ctx.shared))
-        phases.append(_phases(plan, i, rope, pairs, high, None) if odd else (None, None))
+        phases.append(_phases(plan, i, rope, pos, high, rows_at))
+        phases.append(_phases(plan, i, rope, pairs, high, pair_rows_at) if odd else (None, None))
     if any(t is not None and not (t.dtype == torch.float32 and t.is_contiguous()) for p in phases for t in p):
         return None
     streams, pre = streams.contiguous(), upcast(pre).contiguous()
@@ -503,22 +505,23 @@ def _row(t: torch.Tensor, row: int) -> int:
 PHASE_TABLE_BYTES = 8 << 20  # the most one RoPE table's phases by position (cos and sin) may take
 
 
-def _phases(plan: DecodePlan, i: int, rope: RotaryEmbedding, pos: torch.Tensor, high: int, cache: dict | None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope.phases(pos, cache)``: (cos, sin) fp32 [B, T, r] at positions ``pos`` [B, T] (int64, in [-1, high)),
+def _phases(plan: DecodePlan, i: int, rope: RotaryEmbedding, pos: torch.Tensor, high: int,
+            rows_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope.phases(pos)``: (cos, sin) fp32 [B, T, r] at positions ``pos`` [B, T] (int64, in [-1, high)),
     read from a table of every position's phases that ``rope.phases`` computed once (``plan.phase_tables[i]``,
     grown by doubling while it takes at most PHASE_TABLE_BYTES; past that, ``rope.phases`` itself): two row gathers
     instead of the ~10 small torch ops of a call, the most costly Python of a decode step (issue 25). The same
     values bit for bit, as torch computes each element's cos / sin alone whatever the tensor's shape
-    (tests/kernels/test_decode_plan.py checks the table against ``rope.phases``)."""
+    (tests/kernels/test_decode_plan.py checks the table against ``rope.phases``). ``rows_at``: ``(pos + 1).flatten()``
+    when the caller has it."""
     table = plan.phase_tables.get(i)
     if table is None or table[0].shape[0] <= high:
         rows = max(2 * high, 1024) + 1  # positions -1 .. rows - 2
         if rows * rope.rope_dim * 8 > PHASE_TABLE_BYTES:
-            return rope.phases(pos, cache)
+            return rope.phases(pos)
         cos, sin = rope.phases(torch.arange(-1, rows - 1, device=pos.device)[:, None])
         table = plan.phase_tables[i] = (cos[:, 0].contiguous(), sin[:, 0].contiguous())
-    at = (pos + 1).flatten()
+    at = (pos + 1).flatten() if rows_at is None else rows_at
     shape = (*pos.shape, table[0].shape[1])
     return table[0].index_select(0, at).view(shape), table[1].index_select(0, at).view(shape)
 
