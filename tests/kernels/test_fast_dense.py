@@ -22,7 +22,7 @@ from deepseek_v41.model.norm import RMSNorm
 from deepseek_v41.model.rope import RotaryEmbedding
 from deepseek_v41.model.transformer import Block, Transformer
 
-DENSE = ("forward", "rotate", "attention_input", "run_layers", "lm_head")
+DENSE = ("forward", "rotate", "attention_input", "run_layers", "lm_head", "embed_streams")
 
 
 def tiny(dtype: torch.dtype = torch.float32, seed: int = 0) -> Transformer:
@@ -46,7 +46,7 @@ def test_install_replaces_the_methods_of_every_dense_instance(library):
     assert want["Block"] == len(model.layers) and want["Linear"] > 0 and want["DSparkBlock"] > 0
     assert {k: done.modules.get(k) for k in want} == want and not done.reason
     assert fast.installed(model) is done
-    assert overridden(model) == {"run_layers", "lm_head"}
+    assert overridden(model) == {"run_layers", "lm_head", "embed_streams"}
     for m in model.modules():
         if type(m) in (Block, DSparkBlock):
             assert overridden(m) == {"forward", "attention_input"}
@@ -57,6 +57,40 @@ def test_install_replaces_the_methods_of_every_dense_instance(library):
     fast.uninstall(model)
     assert not any(overridden(m) for m in model.modules())
     assert fast.installed(model) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_the_installed_embed_streams_equals_the_reference(library, monkeypatch, dtype):
+    """``embed_streams`` of text tokens (the fast path: rows by index_select, streams and ``pre`` copied) gives the
+    reference's tensors exactly (values, dtypes, shapes, contiguity) without calling it; with gradients on, a
+    hooked embedding or a global module hook it calls the reference (the hook sees the call)."""
+    model = tiny(dtype)
+    ids = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(2))
+    want = Transformer.embed_streams(model, ids)
+    fast.install(model)
+    reference, calls = Transformer.embed_streams, []
+    monkeypatch.setattr(Transformer, "embed_streams", lambda *a, **k: calls.append(1) or reference(*a, **k))
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            got = model.embed_streams(ids)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w) and g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
+    assert calls == []
+    seen = []
+    handle = model.embed.register_forward_hook(lambda m, i, o: seen.append(1))
+    with torch.no_grad():
+        got = model.embed_streams(ids)
+    handle.remove()
+    assert seen == [1] and calls == [1] and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(2))
+    try:
+        with torch.no_grad():
+            model.embed_streams(ids)
+    finally:
+        handle.remove()
+    assert 2 in seen and calls == [1, 1]
+    model.embed_streams(ids)  # gradients on (nn.Embedding's backward: padding_idx)
+    assert calls == [1, 1, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
