@@ -114,8 +114,13 @@ def topk_set(scores: torch.Tensor, k: int) -> torch.Tensor:
 
     FP4-quantized queries and keys and the ReLU make exact ties common; ``torch.topk`` breaks them differently for
     different tensor sizes, which would make a sequence's picks depend on its batch, its chunking or the total
-    length. This selection depends only on the scores.
+    length. This selection depends only on the scores. ``k = 0`` gives [..., 0]; ValueError for k outside
+    [0, N].
     """
+    if not 0 <= k <= scores.shape[-1]:
+        raise ValueError(f"k must be in [0, {scores.shape[-1]}] (the number of scores), got {k}")
+    if k == 0:
+        return torch.empty((*scores.shape[:-1], 0), dtype=torch.long, device=scores.device)
     values, picked = torch.topk(scores, k, dim=-1)
     if scores.device.type == "meta" or scores.numel() < 1 << 16:  # small (decode): the plain rule is cheaper
         return _ties_to_lowest(scores, k, values[..., -1:])

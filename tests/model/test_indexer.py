@@ -1,9 +1,10 @@
 """Top-k selection (MODEL_REFERENCE.md §3.9): the k largest scores, ties at the cut to the lowest indices,
 whatever the tensor size (the engine's fast path for large inputs included)."""
 
+import pytest
 import torch
 
-from deepseek_v41.model.indexer import topk_set
+from deepseek_v41.model.indexer import topk_entries, topk_set
 
 
 def reference(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -19,6 +20,16 @@ def test_ties_at_the_cut_go_to_the_lowest_indices_small_and_large():
         scores[..., : shape[1] // 2, shape[-1] // 3:] = float("-inf")  # rows with few visible entries
         scores[0, 0, :] = torch.randn(shape[-1], generator=g)  # a row without ties
         assert torch.equal(topk_set(scores, k), reference(scores, k))
+
+
+def test_k_zero_gives_no_picks_and_k_outside_the_scores_is_refused():
+    scores = torch.randn(2, 3, 10)
+    for picks in (topk_set(scores, 0), topk_entries(scores, 0)):
+        assert picks.shape == (2, 3, 0) and picks.dtype == torch.long
+    assert torch.equal(topk_set(scores, 10), torch.arange(10).expand(2, 3, 10))
+    for k in (-1, 11):
+        with pytest.raises(ValueError, match=r"k must be in \[0, 10\]"):
+            topk_set(scores, k)
 
 
 def test_pool_entries_lists_each_chosen_blocks_entries_in_ascending_order():
