@@ -153,6 +153,25 @@ def test_the_installed_method_takes_the_kernel_in_inference_mode_only(monkeypatc
     assert seen == [1]
 
 
+def test_a_single_key_runs_the_torch_code_whose_gemv_overflows_otherwise(monkeypatch):
+    """One index key: ATen's product is a GEMV summing in another order than the kernel's chain, so with scores
+    near overflow the torch code reads -inf (then -1) where the chain stays finite; the installed method takes the
+    torch code there (a break-it pass found the kernel picking the entry)."""
+    m = Indexer(64, 32, 64, 1, 16, False, 1e-6)
+    fast.install(m)
+    seen = []
+    real = kernels.index_select
+    monkeypatch.setattr(kernels, "index_select", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        q, keys = torch.randn(1, 16, 1, 16, generator=g) * 1e19, torch.randn(1, 1, 16, generator=g) * 1e19
+        w, visible = torch.randn(1, 16, 1, generator=g), torch.ones(1, 16, dtype=torch.long)
+        with torch.inference_mode():
+            got = m.select_entries(q, w, keys, visible, 1, None)
+        assert torch.equal(got[0], reference(q, w, keys, visible, 1, None)[0])
+    assert not seen
+
+
 @pytest.mark.parametrize("scale", [2.0 ** -70, 2.0 ** 60, 1.0])
 def test_fp4_values_near_the_ends_of_the_range(scale):
     """FP4 queries and keys scaled so that the dots' products would be subnormal (2^-140) or near overflow: the

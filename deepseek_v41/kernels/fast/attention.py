@@ -390,11 +390,12 @@ def _select_entries(self: Indexer, q: torch.Tensor, w: torch.Tensor, keys: torch
     """:meth:`~deepseek_v41.model.indexer.Indexer.select_entries` in one :func:`kernels.index_select` call (the same
     picks and pool, without the [B, c, N] scores) for fp32 queries and fp32 / bf16 keys (the keys are FP4 values,
     exact in both) on the CPU in inference mode, while the scorer is a plain IndexScorer (no hook: its call is not
-    observed); else the reference."""
+    observed); else the reference. A single key runs the reference too: ATen's product is then a GEMV, which sums
+    in another order than the kernel's chain (with scores that overflow, -inf there where the chain stays finite)."""
     score = self._modules["score"]
     if (q.dim() == 4 and q.dtype == w.dtype == torch.float32 and keys.dim() == 3 and visible.dtype == torch.int64
             and w.shape == q.shape[:3] and visible.shape == q.shape[:2] and keys.shape[0] == q.shape[0]
-            and keys.shape[2] == q.shape[3] and keys.shape[1] > 0 and 0 <= k <= keys.shape[1]
+            and keys.shape[2] == q.shape[3] and keys.shape[1] > 1 and 0 <= k <= keys.shape[1]
             and plain(score, IndexScorer) and not global_hooks()):
         q, w, keys32, visible = q.contiguous(), w.contiguous(), upcast(keys).contiguous(), visible.contiguous()
         if fused(q, w, keys32) and kernels.usable(visible):
