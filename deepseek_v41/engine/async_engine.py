@@ -85,7 +85,15 @@ class _Progress:
 Observer = Callable[[list[StepOutput], dict[str, Any]], None]
 
 
-def engine_thread() -> ThreadPoolExecutor:
+class EngineThread(ThreadPoolExecutor):
+    """A ``ThreadPoolExecutor`` of exactly one thread ("dsv41-engine"): what :func:`engine_thread` returns and
+    :class:`AsyncLLMEngine` takes (its steps run in order on that one thread)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="dsv41-engine")
+
+
+def engine_thread() -> EngineThread:
     """A single-thread executor ("dsv41-engine") for an engine's torch work: build the engine with
     ``engine_thread().submit(LLM, ...).result()`` and pass the same executor to :class:`AsyncLLMEngine`.
 
@@ -95,7 +103,7 @@ def engine_thread() -> ThreadPoolExecutor:
     libgomp's idle threads: with more of them than cores they sleep instead of spinning between ops). Loading and
     stepping on one thread keeps one team.
     """
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-engine")
+    return EngineThread()
 
 
 class AsyncLLMEngine:
@@ -109,7 +117,8 @@ class AsyncLLMEngine:
             :class:`EngineDeadError` (the server exits non-zero from it, so that a supervisor restarts it, as vLLM
             does); settable later as the ``on_dead`` attribute.
         executor: the single-thread executor whose thread runs the steps (None: a new one). Pass the
-            :func:`engine_thread` that built the engine, so that one thread does all of its torch work.
+            :func:`engine_thread` that built the engine, so that one thread does all of its torch work; any other
+            executor is a ValueError.
 
     ``stats`` is a snapshot of ``engine.stats`` taken after the latest step, plus ``num_running`` and
     ``num_waiting`` (safe to read from the event loop at any time).
@@ -117,15 +126,15 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine, idle_sleep_s: float = 0.002,
                  on_dead: Callable[[BaseException], None] | None = None,
-                 executor: ThreadPoolExecutor | None = None):
+                 executor: EngineThread | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.idle_sleep_s = idle_sleep_s
         self.on_dead = on_dead
-        if executor is not None and executor._max_workers != 1:
-            raise ValueError(f"the engine's executor runs its steps in order on one thread: max_workers must be 1, "
-                             f"got {executor._max_workers}")
+        if executor is not None and not isinstance(executor, EngineThread):
+            raise ValueError(f"the engine's executor runs its steps in order on one thread: pass engine_thread() "
+                             f"(an EngineThread), got {type(executor).__name__}")
         self._executor = executor if executor is not None else engine_thread()
         self._streams: dict[str, _Stream] = {}
         # Filled by the event loop, emptied by the worker thread (deque appends and pops are thread-safe).

@@ -166,5 +166,7 @@ def test_engine_built_on_its_engine_thread_steps_there(model_dir):
     assert stepped_on == {built_on}
     from concurrent.futures import ThreadPoolExecutor
 
-    with pytest.raises(ValueError, match="max_workers must be 1"):
-        AsyncLLMEngine(llm.engine, executor=ThreadPoolExecutor(max_workers=2))
+    for executor in (ThreadPoolExecutor(max_workers=2), ThreadPoolExecutor(max_workers=1)):
+        with pytest.raises(ValueError, match=r"pass engine_thread\(\) \(an EngineThread\), got ThreadPoolExecutor"):
+            AsyncLLMEngine(llm.engine, executor=executor)
+        executor.shutdown()
