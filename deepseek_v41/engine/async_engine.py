@@ -390,7 +390,7 @@ class AsyncLLMEngine:
                 engine.abort_request(request_id)
                 outputs.append(self._step_output(request_id, aborted=True))
         if engine.has_unfinished_requests():
-            advanced = {out.request_id for out in engine.step()}
+            advanced = set(engine.step_request_ids())  # (_step_output builds each output once)
             outputs.extend(self._step_output(rid) for rid in advanced if rid in self._progress)
         return outputs, errors, self._snapshot()
 

@@ -416,11 +416,12 @@ class LLM:
         prompt_tokens = output_tokens = 0
         start = time.perf_counter()
         try:
+            mine = set(request_ids)
             while len(done) < len(request_ids):
-                for output in engine.step():
-                    if output.finished and output.request_id in request_ids and output.request_id not in done:
-                        done[output.request_id] = output
-                        engine.release(output.request_id)
+                for rid in engine.step_request_ids():  # (only the finished ones' outputs are built)
+                    if rid in mine and rid not in done and engine.request_finished(rid):
+                        output = done[rid] = engine.request_output(rid)
+                        engine.release(rid)
                         if progress is not None:
                             prompt_tokens += len(output.prompt_token_ids)
                             output_tokens += sum(len(c.token_ids) for c in output.outputs)

@@ -11,6 +11,7 @@ seed, stepped in lockstep with the plan's engine; the reference torch code (``ke
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import shutil
@@ -231,11 +232,12 @@ def test_decode_plan_taps_equal_the_module_paths_layer_inputs(plan_runs, dtype):
 
 
 # ------------------------------------------------------------------------------------------------- the fallbacks
-@pytest.mark.parametrize("kind", ["forward", "forward_pre"])
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "after_clearing"])
 def test_a_hook_on_a_watched_module_runs_the_module_path_until_removed(plan_runs, kind):
-    """A forward (pre-)hook on one block's attention or router (registered after the plan is built, in the dicts
-    the plan checks each step) makes every step take the module path (the hook sees every step); removed, the plan
-    runs again. Results equal the module path's."""
+    """A forward (pre-)hook on one block's attention or router (registered after the plan is built; also after
+    the hooks were cleared by assigning a new dict, which a break-it pass found the plan missing) makes every step
+    take the module path (the hook sees every step); removed, the plan runs again. Results equal the module
+    path's."""
     a, b = Run(tiny(torch.float32)), Run(tiny(torch.float32), plan=False)
     for run in (a, b):
         run.add(prompts((21, 14)), 12)
@@ -243,7 +245,9 @@ def test_a_hook_on_a_watched_module_runs_the_module_path_until_removed(plan_runs
     ran = plan_runs["ran"]
     assert ran > 0
     seen = []
-    if kind == "forward":
+    if kind == "after_clearing":
+        a.model.layers[3].attn._forward_hooks = collections.OrderedDict()
+    if kind in ("forward", "after_clearing"):
         handle = a.model.layers[3].attn.register_forward_hook(lambda m, i, o: seen.append(1))
     else:
         handle = a.model.layers[1].ffn.gate.register_forward_pre_hook(lambda m, i: seen.append(1))
