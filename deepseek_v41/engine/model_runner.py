@@ -185,12 +185,13 @@ def _onednn_restore(enabled: bool) -> None:
 
 
 def _few_tokens(method):
-    """Run a ModelRunner forward under :func:`few_token_kernels` (nothing to do inside one of this thread that
-    already set what it sets: an engine step runs its decodes under one)."""
+    """Run a ModelRunner forward under :func:`few_token_kernels`; inside one of this thread (an engine step runs its
+    decodes under one) a non-bf16 forward has nothing to add (a bf16 one takes its own oneDNN hold: the one held
+    may be another thread's)."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        if getattr(_THREAD_DEPTH, "depth", 0) and (self.dtype != torch.bfloat16 or _ONEDNN.holders):
+        if getattr(_THREAD_DEPTH, "depth", 0) and self.dtype != torch.bfloat16:
             return method(self, *args, **kwargs)
         with few_token_kernels(self.dtype, self.device):
             return method(self, *args, **kwargs)
