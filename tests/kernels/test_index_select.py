@@ -127,14 +127,20 @@ def test_index_select_refuses_bad_k_and_pool():
         kernels.index_select(q, w, keys, visible, 2, (0, 1))
 
 
-def test_the_installed_method_takes_the_kernel_in_inference_mode_only(monkeypatch):
-    """Installed on an Indexer: inference mode with fp32 queries takes one kernel call (bf16 keys widened, exact);
-    outside inference mode, float64 queries or a hooked scorer run the torch code. The same picks either way."""
-    m = Indexer(64, 32, 64, 4, 32, False, 1e-6)
+def installed_indexer(monkeypatch, heads: int, head_dim: int) -> tuple[Indexer, list]:
+    """An Indexer with the fast paths installed, and the list that gets a 1 per ``kernels.index_select`` call."""
+    m = Indexer(64, 32, 64, heads, head_dim, False, 1e-6)
     fast.install(m)
     seen = []
     real = kernels.index_select
     monkeypatch.setattr(kernels, "index_select", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    return m, seen
+
+
+def test_the_installed_method_takes_the_kernel_in_inference_mode_only(monkeypatch):
+    """Installed on an Indexer: inference mode with fp32 queries takes one kernel call (bf16 keys widened, exact);
+    outside inference mode, float64 queries or a hooked scorer run the torch code. The same picks either way."""
+    m, seen = installed_indexer(monkeypatch, 4, 32)
     g = torch.Generator().manual_seed(2)
     q, w, keys, visible = inputs(g, 1, 16, 4, 32, 90, True, duplicates=20, start=70)
     ref = reference(q, w, keys, visible, 32, (8, 4))
@@ -157,11 +163,7 @@ def test_a_single_key_runs_the_torch_code_whose_gemv_overflows_otherwise(monkeyp
     """One index key: ATen's product is a GEMV summing in another order than the kernel's chain, so with scores
     near overflow the torch code reads -inf (then -1) where the chain stays finite; the installed method takes the
     torch code there (a break-it pass found the kernel picking the entry)."""
-    m = Indexer(64, 32, 64, 1, 16, False, 1e-6)
-    fast.install(m)
-    seen = []
-    real = kernels.index_select
-    monkeypatch.setattr(kernels, "index_select", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    m, seen = installed_indexer(monkeypatch, 1, 16)
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         q, keys = torch.randn(1, 16, 1, 16, generator=g) * 1e19, torch.randn(1, 1, 16, generator=g) * 1e19
