@@ -225,8 +225,8 @@ def plot(results: dict[str, float | None], peers: dict[str, dict[str, float | No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the bench model's weights")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per measure (the median is printed)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads [default: torch's]")
     parser.add_argument("--only", default=",".join(FAMILIES), help="measurement families, comma-separated: "
                         + ",".join(FAMILIES))

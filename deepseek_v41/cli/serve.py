@@ -207,7 +207,8 @@ def serve(
     speculative_max_len: int | None = typer.Option(None, min=1, help="Drafts verified per step at most (default "
                                                    "and maximum: the checkpoint's dspark_block_size)."),
     max_body_mb: float = typer.Option(32.0, help="Largest request body, MiB (> 0)."),
-    drain_timeout: float = typer.Option(30.0, min=0, help="Seconds running requests get to finish on SIGTERM."),
+    drain_timeout: float = typer.Option(30.0, min=0, help="Seconds running requests get to finish on SIGTERM or "
+                                                           "SIGINT (Ctrl-C)."),
     timeout_keep_alive: float = typer.Option(5.0, help="Seconds an idle kept-alive connection stays open (> 0; "
                                              "uvicorn's default)."),
     timeout_header: float = typer.Option(10.0, help="Seconds a client has to send a whole request head (> 0); "

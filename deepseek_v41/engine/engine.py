@@ -147,7 +147,8 @@ class LLMEngine:
             prompt_token_ids = [operator.index(t) for t in prompt_token_ids]
         except TypeError:
             raise TypeError("LLMEngine.add_request takes the prompt as token ids (a list of ints); for text, use "
-                            "LLM.generate or encode it with the engine's tokenizer first") from None
+                            "LLM.generate or encode it with the engine's tokenizer first "
+                            "(engine.tokenizer.encode(text).ids)") from None
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.config.vocab_size
